@@ -1,0 +1,31 @@
+"""sparkjax: SparklingTree speculative decoding in JAX / Flax NNX.
+
+Public API: :func:`load_target`, :func:`load_drafter`, :func:`generate`, :func:`stream`, the
+configs and the error classes. Lower-level pieces live in ``sparkjax.nn``, ``sparkjax.cache``,
+``sparkjax.draft``, ``sparkjax.tree``, ``sparkjax.decode`` and ``sparkjax.sampling``.
+"""
+
+from .config import DrafterConfig, Qwen3Config
+from .convert import load_drafter, load_target, save_drafter, save_target
+from .decode import METHODS, GenerateOutput, generate, stream
+from .errors import ArgumentError, CheckpointError, ConfigError, IncompatiblePairError, SparkjaxError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "ArgumentError",
+    "CheckpointError",
+    "ConfigError",
+    "DrafterConfig",
+    "GenerateOutput",
+    "IncompatiblePairError",
+    "Qwen3Config",
+    "SparkjaxError",
+    "generate",
+    "load_drafter",
+    "load_target",
+    "save_drafter",
+    "save_target",
+    "stream",
+]

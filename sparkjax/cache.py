@@ -1,0 +1,154 @@
+"""Fixed-shape KV caches as registered-dataclass pytrees.
+
+A :class:`KVCache` holds the keys and values of every layer in two arrays of
+shape ``[L, B, S, K, H]`` plus the committed length of each sequence
+``lengths[B]``. Slots ``[0, lengths[b])`` hold sequence ``b``'s committed
+prefix; anything after that is scratch that masks never expose. New rows are
+written at traced per-sequence offsets, so one compiled program serves every
+length; the caller guarantees ``offset + rows <= S`` (``dynamic_update_slice``
+would otherwise clamp the write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _write_rows(buf: Array, rows: Array, offsets: Array) -> Array:
+    """``buf[b, offsets[b] : offsets[b] + T] = rows[b]`` for every b. buf ``[B, S, ...]``, rows ``[B, T, ...]``."""
+
+    def one(c, r, o):
+        return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), o, axis=0)
+
+    return jax.vmap(one)(buf, rows, offsets)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys/values ``[L, B, S, K, H]`` and committed lengths ``[B]`` (int32)."""
+
+    k: Array
+    v: Array
+    lengths: Array
+
+    @classmethod
+    def zeros(cls, layers: int, batch: int, size: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
+        shape = (layers, batch, size, kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+    def write_layer(self, layer: int, k: Array, v: Array) -> KVCache:
+        """Writes one layer's new rows ``[B, T, K, H]`` at ``lengths`` (lengths unchanged)."""
+        new_k = self.k.at[layer].set(_write_rows(self.k[layer], k, self.lengths))
+        new_v = self.v.at[layer].set(_write_rows(self.v[layer], v, self.lengths))
+        return dataclasses.replace(self, k=new_k, v=new_v)
+
+    def with_lengths(self, lengths: Array) -> KVCache:
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def compact(self, start: Array, indices: Array, count: Array) -> KVCache:
+        """Keeps a subset of a freshly written window.
+
+        After a window of new rows was written at ``start[b]``, rows
+        ``start[b] + indices[b, j]`` for ``j < count[b]`` move to ``start[b] + j``
+        and the committed length becomes ``start[b] + count[b]``. ``indices``
+        is ``[B, A]`` (padding past ``count`` is ignored; any in-window value is fine).
+        """
+        per_seq = jax.vmap(_compact_rows, in_axes=(0, 0, 0))  # over batch
+        per_layer = jax.vmap(per_seq, in_axes=(0, None, None))  # over layers
+        start = jnp.asarray(start, jnp.int32)
+        indices = jnp.asarray(indices, jnp.int32)
+        k = per_layer(self.k, start, indices)
+        v = per_layer(self.v, start, indices)
+        return KVCache(k, v, start + jnp.asarray(count, jnp.int32))
+
+
+def _compact_rows(buf: Array, start: Array, idx: Array) -> Array:
+    """``buf[start + j] = buf[start + idx[j]]`` for all j (gather first, then write)."""
+    rows = jnp.take(buf, start + idx, axis=0, mode="clip")
+    return jax.lax.dynamic_update_slice_in_dim(buf, rows, start, axis=0)
+
+
+def attention_mask(lengths: Array, block_mask: Array, size: int) -> Array:
+    """Mask ``[B, T, S]`` for T new tokens written at ``lengths[b]`` in a cache of ``size`` slots.
+
+    Query t sees every committed slot ``s < lengths[b]`` and the new slot
+    ``lengths[b] + u`` iff ``block_mask[b, t, u]`` (``block_mask`` is ``[T, T]``
+    or ``[B, T, T]``: causal for prefill/decode, ancestors for a tree).
+    """
+    t = block_mask.shape[-1]
+    block_mask = jnp.broadcast_to(block_mask, (lengths.shape[0], t, t))
+    s = jnp.arange(size, dtype=jnp.int32)
+    rel = s[None, :] - lengths[:, None]  # [B, S]
+    in_block = (rel >= 0) & (rel < t)
+    from_block = jnp.take_along_axis(
+        block_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (lengths.shape[0], t, size)), axis=2
+    )
+    prefix = (rel < 0)[:, None, :]
+    return prefix | (in_block[:, None, :] & from_block)
+
+
+def causal_block(t: int) -> Array:
+    return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
+# ----------------------------------------------------------------------------- drafter context
+
+def _scatter_rows(buf: Array, rows: Array, offsets: Array) -> Array:
+    """``buf[b, offsets[b] + j] = rows[b, j]`` for every b, j; rows that fall past the end are dropped."""
+
+    def one(c, r, o):
+        idx = o + jnp.arange(r.shape[0], dtype=jnp.int32)
+        return c.at[idx].set(r.astype(c.dtype), mode="drop")
+
+    return jax.vmap(one)(buf, rows, offsets)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ContextCache:
+    """A drafter's context keys/values ``[L, B, S, K, H]`` and context lengths ``[B]`` (int32).
+
+    Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed
+    positions whose target features the drafter has seen (so ``lengths[b]`` equals the
+    round's ``start``); anything after is scratch that no mask exposes. Block K/V never
+    enter this cache. Grow it with :meth:`append` (``sparkjax.draft.append_context``).
+    """
+
+    k: Array
+    v: Array
+    lengths: Array
+
+    @classmethod
+    def zeros(cls, layers: int, batch: int, size: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> ContextCache:
+        shape = (layers, batch, size, kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+    def append(self, k: Array, v: Array, count: Array) -> ContextCache:
+        """Writes rows ``[L, B, A, K, H]`` at slots ``lengths[b] .. lengths[b] + A`` and advances
+        ``lengths`` by ``count[b]`` (``<= A``). Rows past ``count`` are scratch beyond the new length;
+        rows past the end of the cache are dropped (size the cache for ``max length + A``)."""
+        per_layer = jax.vmap(_scatter_rows, in_axes=(0, 0, None))
+        new_k = per_layer(self.k, k, self.lengths)
+        new_v = per_layer(self.v, v, self.lengths)
+        lengths = self.lengths + jnp.broadcast_to(jnp.asarray(count, jnp.int32), self.lengths.shape)
+        return ContextCache(new_k, new_v, lengths)
+
+    def visible(self, queries: int) -> Array:
+        """Mask ``[B, queries, S]``: slot ``s`` is visible iff ``s < lengths[b]``."""
+        s = jnp.arange(self.size, dtype=jnp.int32)
+        vis = s[None, :] < self.lengths[:, None]
+        return jnp.broadcast_to(vis[:, None, :], (self.lengths.shape[0], queries, self.size))

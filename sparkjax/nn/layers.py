@@ -1,0 +1,156 @@
+"""Building blocks shared by the Qwen3 target and the drafters.
+
+Weights live in Flax NNX ``Param``s whose ``axes`` metadata names their logical
+axes (see :mod:`sparkjax.sharding`). Projections are stored in JAX layout
+(``[in, ...out]``), with the head axes kept separate so that tensor parallelism
+over heads is a plain partition of one axis.
+
+Axis letters: B batch, T tokens, S key slots, D model dim, N query heads,
+K kv heads, H head dim, F ffn dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Qwen3 RMSNorm: normalise in float32, cast back, then scale (the transformers order)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=(None,))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """A dense layer ``x @ kernel (+ bias)`` whose kernel is ``[in, *out_shape]``."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_shape: tuple[int, ...],
+        axes: tuple[str | None, ...],
+        *,
+        use_bias: bool = False,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+    ):
+        self.kernel = nnx.Param(_normal(rngs, (in_dim, *out_shape), dtype), axes=axes)
+        self.bias = nnx.Param(jnp.zeros(out_shape, dtype), axes=axes[1:]) if use_bias else None
+
+    def __call__(self, x: Array) -> Array:
+        kernel = self.kernel[...]
+        y = jnp.tensordot(x, kernel, axes=((x.ndim - 1,), (0,)))
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class OutProj(nnx.Module):
+    """Attention output projection from ``[..., N, H]`` back to ``[..., D]``; kernel ``[N, H, D]``."""
+
+    def __init__(self, heads: int, head_dim: int, out_dim: int, *, use_bias: bool, rngs: nnx.Rngs, dtype):
+        self.kernel = nnx.Param(_normal(rngs, (heads, head_dim, out_dim), dtype), axes=("heads", None, "embed"))
+        self.bias = nnx.Param(jnp.zeros((out_dim,), dtype), axes=("embed",)) if use_bias else None
+
+    def __call__(self, x: Array) -> Array:
+        y = jnp.einsum("...nh,nhd->...d", x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class Embed(nnx.Module):
+    """A token embedding table ``[V, D]``; ``attend`` reuses it as a tied output head."""
+
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.embedding = nnx.Param(_normal(rngs, (vocab, dim), dtype), axes=("vocab", "embed"))
+
+    def __call__(self, ids: Array) -> Array:
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+    def attend(self, x: Array) -> Array:
+        return jnp.einsum("...d,vd->...v", x, self.embedding[...])
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, ffn: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = Linear(dim, (ffn,), ("embed", "ffn"), rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(dim, (ffn,), ("embed", "ffn"), rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(ffn, (dim,), ("ffn", "embed"), rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """Default rotary tables for integer ``positions`` ``[...]``: cos, sin of shape ``[..., head_dim]``.
+
+    Computed in float32 with the halves duplicated, as transformers' Qwen3 rotary embedding does.
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate-half rotary embedding. ``x``: ``[B, T, heads, H]``; ``cos``/``sin``: ``[B, T, H]``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Grouped-query attention core.
+
+    q ``[B, T, N, H]``, k/v ``[B, S, K, H]``, mask ``[B, T, S]`` (True = visible).
+    Scores and softmax in float32, scale ``H ** -0.5``. A fully masked row returns zeros.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (h**-0.5)
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(m, probs, 0.0).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+class AttentionProjections(nnx.Module):
+    """The q/k/v/o projections and q/k norms of a Qwen3 attention layer (no attention pattern)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(d, (n, h), ("embed", "heads", None), use_bias=bias, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(d, (k, h), ("embed", "kv_heads", None), use_bias=bias, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(d, (k, h), ("embed", "kv_heads", None), use_bias=bias, rngs=rngs, dtype=dtype)
+        self.o_proj = OutProj(n, h, d, use_bias=bias, rngs=rngs, dtype=dtype)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+
+    def queries(self, x: Array, cos: Array, sin: Array) -> Array:
+        return apply_rope(self.q_norm(self.q_proj(x)), cos, sin)
+
+    def keys_values(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+        return apply_rope(self.k_norm(self.k_proj(x)), cos, sin), self.v_proj(x)

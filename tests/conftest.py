@@ -1,0 +1,78 @@
+"""Shared test fixtures: the bundled reference fixture and tiny random Hugging Face Qwen3 models."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "tiny_dspark_b16"
+
+
+@pytest.fixture(scope="session")
+def fixture_dir() -> pathlib.Path:
+    return FIXTURE
+
+
+@pytest.fixture(scope="session")
+def ref() -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(FIXTURE / "reference.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def fixture_target():
+    from sparkjax.convert import load_target
+
+    return load_target(FIXTURE / "target")
+
+
+def make_hf_qwen3(folder, *, tied=True, layers=3, heads=4, kv_heads=2, vocab=160, hidden=64, ffn=128,
+                  head_dim=16, attention_bias=False, seed=0, max_positions=512, dtype="float32", **save_kwargs):
+    """Saves a tiny random transformers Qwen3ForCausalLM with sharp logits to ``folder``; returns the torch model."""
+    import torch
+    from transformers import Qwen3Config as HFConfig
+    from transformers import Qwen3ForCausalLM
+
+    cfg = HFConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        tie_word_embeddings=tied, attention_bias=attention_bias, max_position_embeddings=max_positions,
+        rope_theta=10000.0, rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 0.4 + 0.8)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.05 if "o_proj" in name else 0.2))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(folder), safe_serialization=True, **save_kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_factory(tmp_path_factory):
+    """Builds (and caches) tiny HF Qwen3 folders by keyword configuration."""
+    cache: dict = {}
+
+    def build(**kwargs):
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp("hf_qwen3")
+            cache[key] = (folder, make_hf_qwen3(folder, **kwargs))
+        return cache[key]
+
+    return build
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,390 @@
+"""The Qwen3 target: parity with transformers and with the upstream fixture, cache, greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import sparkjax
+from sparkjax.convert import load_target, save_target
+from sparkjax.decode import _ar_program, generate
+
+
+def _hf_outputs(model, ids):
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
+
+
+def _run(target, ids_rows):
+    """Our forward over right-padded rows; returns per-row logits and all hidden states (ids -1..L-1)."""
+    n_layers = target.config.num_hidden_layers
+    width = max(len(r) for r in ids_rows)
+    tokens = np.zeros((len(ids_rows), width), np.int32)
+    for b, r in enumerate(ids_rows):
+        tokens[b, : len(r)] = r
+    pos = np.broadcast_to(np.arange(width), tokens.shape)
+    out = target(jnp.asarray(tokens), jnp.asarray(pos), hidden_layers=tuple(range(-1, n_layers)))
+    return np.asarray(out.logits), [np.asarray(h) for h in out.hidden]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tied=True, heads=4, kv_heads=2),
+        dict(tied=False, heads=4, kv_heads=4),
+        dict(tied=False, heads=8, kv_heads=2, attention_bias=True),
+    ],
+    ids=["tied-gqa2", "untied-gqa1", "untied-gqa4-bias"],
+)
+def test_parity_with_transformers(hf_factory, kwargs):
+    folder, hf = hf_factory(**kwargs)
+    target = load_target(folder)
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 160, n).tolist() for n in (11, 5, 8)]  # a batch of different lengths
+    logits, hidden = _run(target, rows)
+    for b, r in enumerate(rows):
+        ref_logits, ref_hidden = _hf_outputs(hf, r)
+        np.testing.assert_allclose(logits[b, : len(r)], ref_logits, atol=1e-4, rtol=1e-4)
+        assert len(ref_hidden) == len(hidden)
+        for ours, theirs in zip(hidden, ref_hidden, strict=True):
+            np.testing.assert_allclose(ours[b, : len(r)], theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    from tests.conftest import make_hf_qwen3
+
+    hf = make_hf_qwen3(tmp_path, tied=False, max_shard_size="50KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    target = load_target(tmp_path)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    logits, _ = _run(target, [ids])
+    np.testing.assert_allclose(logits[0], _hf_outputs(hf, ids)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_fixture_target_matches_upstream(fixture_target, ref):
+    ids = ref["a.prompt_ids"][0].tolist()
+    logits, hidden = _run(fixture_target, [ids])
+    np.testing.assert_allclose(logits[0], ref["a.target_logits"][0], atol=1e-4, rtol=1e-4)
+    for i, h in enumerate(hidden):
+        np.testing.assert_allclose(h[0], ref["a.target_hidden_states"][i, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_fixture_greedy_output(fixture_target, ref):
+    prompt = ref["a.prompt_ids"]
+    expected = ref["c.ar_output_ids"][0, prompt.shape[1]:].tolist()
+    out = generate(fixture_target, None, prompt, method="ar", max_new_tokens=len(expected))
+    assert out.tokens == [expected]
+    assert out.acceptance_lengths == [[1] * len(expected)]
+
+
+def test_prefill_then_cached_steps_equal_full_forward(fixture_target):
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, 300, 20), rng.integers(0, 300, 20)]
+    tokens = jnp.asarray(np.stack(rows), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
+    full = fixture_target(tokens, pos, hidden_layers=(1, 3))
+    # prefill 12 tokens for row 0 and 9 for row 1, then feed the rest one at a time
+    lengths = np.array([12, 9])
+    cache = fixture_target.init_cache(2, 32)
+    out = fixture_target(tokens[:, :12], pos[:, :12], cache=cache)
+    cache = out.cache.with_lengths(lengths)
+    got = {b: [] for b in range(2)}
+    for _ in range(8):
+        cur = jnp.take_along_axis(tokens, cache.lengths[:, None], axis=1)
+        step = fixture_target(cur, cache.lengths[:, None], cache=cache, hidden_layers=(1, 3))
+        for b in range(2):
+            got[b].append((int(cache.lengths[b]), np.asarray(step.logits[b, 0]), np.asarray(step.hidden[1][b, 0])))
+        cache = step.cache.with_lengths(cache.lengths + 1)
+    for b in range(2):
+        for p, logit, h3 in got[b]:
+            np.testing.assert_allclose(logit, np.asarray(full.logits[b, p]), atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(h3, np.asarray(full.hidden[1][b, p]), atol=1e-4, rtol=1e-4)
+
+
+def test_tree_mask_block_equals_per_path_causal(fixture_target):
+    """An arbitrary node-to-node mask on a cached block: each node sees the prefix and its ancestors."""
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, 300, 10)
+    # a small tree: 0 <- 1 <- 2, 0 <- 3, 1 <- 4
+    parents = [-1, 0, 1, 0, 1]
+    depth = [0, 1, 2, 1, 2]
+    node_tok = rng.integers(0, 300, 5)
+    vis = np.zeros((5, 5), bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    cache = fixture_target.init_cache(1, 32)
+    pre = fixture_target(jnp.asarray(prefix[None], jnp.int32), jnp.arange(10)[None], cache=cache)
+    cache = pre.cache.with_lengths(jnp.array([10]))
+    out = fixture_target(jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(10 + np.array(depth))[None],
+                         cache=cache, mask=jnp.asarray(vis))
+    for i in range(5):
+        path = [j for j in range(5) if vis[i, j]]  # ancestors in order of depth (indices increase with depth here)
+        seq = np.concatenate([prefix, node_tok[path]])
+        ref = fixture_target(jnp.asarray(seq[None], jnp.int32), jnp.arange(len(seq))[None])
+        np.testing.assert_allclose(np.asarray(out.logits[0, i]), np.asarray(ref.logits[0, -1]), atol=1e-4, rtol=1e-4)
+
+
+def test_compact_moves_selected_rows(fixture_target):
+    cache = fixture_target.init_cache(2, 16)
+    k = jnp.arange(2 * 6 * 2 * 16, dtype=jnp.float32).reshape(2, 6, 2, 16)
+    cache = cache.with_lengths(jnp.array([3, 5]))
+    for layer in range(cache.k.shape[0]):
+        cache = cache.write_layer(layer, k, -k)
+    out = cache.compact(jnp.array([3, 5]), jnp.array([[0, 2, 5], [1, 0, 0]]), jnp.array([3, 1]))
+    np.testing.assert_array_equal(out.lengths, [6, 6])
+    np.testing.assert_array_equal(out.k[0, 0, 3:6], k[0, jnp.array([0, 2, 5])])
+    np.testing.assert_array_equal(out.v[2, 1, 5], -k[1, 1])
+    np.testing.assert_array_equal(out.k[1, 0, :3], cache.k[1, 0, :3])  # the committed prefix is untouched
+
+
+def test_greedy_equals_transformers_generate_with_eos(hf_factory):
+    folder, hf = hf_factory(tied=True, heads=4, kv_heads=2)
+    target = load_target(folder)
+    prompts = [[5, 17, 42, 8, 99, 23, 7], [11, 2, 150, 64]]
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            g = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        refs.append(g[0, len(p):].tolist())
+    ours = generate(target, None, prompts, max_new_tokens=24)
+    assert ours.tokens == refs
+    # EOS: stop each sequence at the first occurrence of a token from its greedy output
+    eos = refs[0][9]
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False, eos_token_id=eos,
+                        pad_token_id=0)
+    expected = g[0, len(prompts[0]):].tolist()
+    assert expected[-1] == eos and len(expected) <= 10
+    out = generate(target, None, prompts, max_new_tokens=24, eos_token_ids=[eos])
+    assert out.tokens[0] == expected
+    cut = refs[1][: refs[1].index(eos) + 1] if eos in refs[1] else refs[1]
+    assert out.tokens[1] == cut
+
+
+def test_prompt_buckets_share_one_compilation(fixture_target):
+    generate(fixture_target, None, [[1, 2, 3, 4, 5]], max_new_tokens=8)
+    before = _ar_program._cache_size()
+    generate(fixture_target, None, [[9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=7)
+    assert _ar_program._cache_size() == before
+
+
+def test_qwen3_4b_parameter_count_matches_transformers(fixture_dir):
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from sparkjax.nn.qwen3 import Qwen3
+
+    path = fixture_dir / "configs" / "qwen3_4b_target_config.json"
+    cfg = sparkjax.Qwen3Config.from_hf_config(path)
+    abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    with open(path) as f:
+        raw = json.load(f)
+    from transformers import Qwen3Config as HFConfig
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(HFConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+    theirs = sum(p.numel() for p in hf.parameters())
+    assert ours == theirs
+    assert ours > 4_000_000_000
+
+
+def test_bf16_safetensors_round_trip(tmp_path, fixture_target):
+    save_target(fixture_target, tmp_path / "bf16", dtype="bfloat16")
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    back = load_target(tmp_path / "bf16")
+    assert back.dtype == jnp.bfloat16
+    want = np.asarray(fixture_target.layers[2].mlp.up_proj.kernel[...]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(back.layers[2].mlp.up_proj.kernel[...]), want)
+    # transformers reads what we wrote, and a float32 load of it matches the bf16 weights exactly
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype=torch.float32)
+    w = hf.model.layers[2].mlp.up_proj.weight.detach().numpy()
+    np.testing.assert_array_equal(w.T, want.astype(np.float32))
+    again = load_target(tmp_path / "bf16", dtype="float32")
+    assert again.dtype == jnp.float32
+
+
+def test_orbax_checkpoint_round_trip(tmp_path, fixture_target):
+    from sparkjax.checkpoint import restore_model, save_model
+
+    save_model(fixture_target, tmp_path / "ck")
+    back = restore_model(tmp_path / "ck")
+    ids = jnp.arange(12)[None]
+    np.testing.assert_array_equal(np.asarray(back(ids, ids).logits), np.asarray(fixture_target(ids, ids).logits))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _copy_target(fixture_dir, dst):
+    shutil.copytree(fixture_dir / "target", dst)
+    return dst
+
+
+def _edit_config(folder, fn):
+    with open(folder / "config.json") as f:
+        cfg = json.load(f)
+    fn(cfg)
+    with open(folder / "config.json", "w") as f:
+        json.dump(cfg, f)
+
+
+def test_missing_config_field(tmp_path, fixture_dir):
+    folder = _copy_target(fixture_dir, tmp_path / "t")
+    _edit_config(folder, lambda c: c.pop("hidden_size"))
+    with pytest.raises(sparkjax.ConfigError, match=r"config\.json.*hidden_size"):
+        load_target(folder)
+
+
+@pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling"])
+def test_unsupported_rope_type(tmp_path, fixture_dir, where):
+    folder = _copy_target(fixture_dir, tmp_path / "t")
+    _edit_config(folder, lambda c: c.update({where: {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}))
+    with pytest.raises(sparkjax.ConfigError, match="yarn"):
+        load_target(folder)
+
+
+def test_sliding_window_and_other_architectures_rejected():
+    base = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures/tiny_dspark_b16/target/config.json")))
+    with pytest.raises(sparkjax.ConfigError, match="sliding"):
+        sparkjax.Qwen3Config.from_hf_config({**base, "use_sliding_window": True})
+    with pytest.raises(sparkjax.ConfigError, match="layer_types"):
+        sparkjax.Qwen3Config.from_hf_config({**base, "layer_types": ["sliding_attention"] * 6})
+    with pytest.raises(sparkjax.ConfigError, match="model_type"):
+        sparkjax.Qwen3Config.from_hf_config({**base, "model_type": "llama"})
+    # older transformers: top-level rope_theta
+    old = {k: v for k, v in base.items() if k != "rope_parameters"} | {"rope_theta": 5e5}
+    assert sparkjax.Qwen3Config.from_hf_config(old).rope_theta == 5e5
+
+
+def _rewrite_weights(folder, fn):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_wrong_shaped_tensor(tmp_path, fixture_dir):
+    folder = _copy_target(fixture_dir, tmp_path / "t")
+    key = "model.layers.2.mlp.up_proj.weight"
+    _rewrite_weights(folder, lambda t: t.__setitem__(key, t[key][:-1]))
+    with pytest.raises(sparkjax.CheckpointError, match=r"model\.safetensors.*up_proj.*\[127, 64\].*\[128, 64\]"):
+        load_target(folder)
+
+
+def test_missing_tensor(tmp_path, fixture_dir):
+    folder = _copy_target(fixture_dir, tmp_path / "t")
+    _rewrite_weights(folder, lambda t: t.pop("model.layers.4.self_attn.k_norm.weight"))
+    with pytest.raises(sparkjax.CheckpointError, match=r"missing tensor 'model\.layers\.4\.self_attn\.k_norm"):
+        load_target(folder)
+
+
+def test_unexpected_tensor(tmp_path, fixture_dir):
+    folder = _copy_target(fixture_dir, tmp_path / "t")
+    _rewrite_weights(folder, lambda t: t.__setitem__("model.layers.9.extra.weight", np.zeros(3, np.float32)))
+    with pytest.raises(sparkjax.CheckpointError, match=r"model\.safetensors.*unexpected tensor 'model\.layers\.9"):
+        load_target(folder)
+
+
+def test_truncated_safetensors(tmp_path, fixture_dir):
+    folder = _copy_target(fixture_dir, tmp_path / "t")
+    path = folder / "model.safetensors"
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(sparkjax.CheckpointError, match=r"model\.safetensors.*truncated"):
+        load_target(folder)
+
+
+def test_failed_conversion_leaves_no_output(tmp_path, fixture_dir, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    from convert.hf_to_orbax import main as convert_main
+
+    def boom(self, *a, **k):
+        raise RuntimeError("disk full (simulated)")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "wait_until_finished", boom)
+    out = tmp_path / "out" / "model"
+    with pytest.raises(RuntimeError, match="simulated"):
+        convert_main([str(fixture_dir / "target"), str(out)])
+    assert not out.exists()
+    assert os.listdir(tmp_path / "out") == []
+    monkeypatch.undo()
+    assert convert_main([str(fixture_dir / "target"), str(out)]) == 0
+    assert (out / "sparkjax.json").exists()
+
+
+def test_generate_bad_arguments(fixture_target):
+    with pytest.raises(sparkjax.ArgumentError, match="empty prompt"):
+        generate(fixture_target, None, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(sparkjax.ArgumentError, match="max_position_embeddings"):
+        generate(fixture_target, None, [[1] * 1000], max_new_tokens=100)
+    with pytest.raises(sparkjax.ArgumentError, match="cache_size"):
+        generate(fixture_target, None, [[1] * 40], max_new_tokens=4, cache_size=32)
+    with pytest.raises(sparkjax.ArgumentError, match="temperature"):
+        generate(fixture_target, None, [[1, 2]], max_new_tokens=4, temperature=-1)
+    with pytest.raises(sparkjax.ArgumentError, match="vocab"):
+        generate(fixture_target, None, [[1, 400]], max_new_tokens=4)
+    with pytest.raises(sparkjax.ArgumentError, match="method"):
+        generate(fixture_target, None, [[1, 2]], method="beam-search")
+
+
+def test_sharded_forward_on_8_cpu_devices():
+    """Tensor + data parallel over a (2, 4) mesh of virtual CPU devices equals the single-device forward."""
+    import subprocess
+    import sys
+
+    code = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from sparkjax.config import Qwen3Config
+from sparkjax.nn.qwen3 import Qwen3
+from sparkjax import sharding as S
+assert len(jax.devices()) == 8
+cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+m = Qwen3(cfg, rngs=nnx.Rngs(0))
+ids = jax.random.randint(jax.random.key(1), (2, 8), 0, 128)
+pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+def fwd(g, s, ids, pos):
+    model = nnx.merge(g, s)
+    out = model(ids, pos, cache=model.init_cache(2, 16), hidden_layers=(0,))
+    return out.logits, out.hidden[0], out.cache.k
+g, s = nnx.split(m)
+ref = jax.jit(fwd, static_argnums=0)(g, s, ids, pos)
+mesh = S.make_mesh(2, 4)
+S.shard_model(m, mesh)
+g, s = nnx.split(m)
+specs = {str(x.sharding.spec) for x in jax.tree.leaves(s)}
+assert "PartitionSpec(None, 'model')" in specs or "P(None, 'model')" in specs, specs
+bs = S.batch_sharding(mesh, 2)
+out = jax.jit(fwd, static_argnums=0)(g, s, jax.device_put(ids, bs), jax.device_put(pos, bs))
+assert len(out[0].sharding.device_set) == 8
+for a, b in zip(ref, out):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+print("SHARDED-OK")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "SHARDED-OK" in res.stdout
