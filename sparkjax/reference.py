@@ -1,0 +1,294 @@
+"""Slow, obvious NumPy references for the tree code in :mod:`sparkjax.tree` (tests and benchmarks only).
+
+They favour clarity over speed: a Python heap per tree, a Python walk per node. All of them return the
+same padded layout as :class:`sparkjax.tree.Tree` (node ``i + 1`` at entry ``i``, root = node 0, padding
+token -1, parent 0, depth 1, score ``-inf``, candidate index -1, ``valid`` False), so a test can compare
+arrays directly.
+
+Scores are accumulated in float32 in the same order as the device code (``parent + table entry``), so
+that, fed the same tables, the heap reproduces :func:`sparkjax.tree.best_first` bit for bit, ties
+included. Tie-break everywhere: path score descending, then the path of *keys* ascending as a Python
+tuple (a prefix before its extensions). The key of a child is its candidate index (its rank in the
+depth's top-C list) for table-based trees and DDTree, and its token id for the unrestricted naive
+SparklingTree. Children with log-prob ``-inf`` are never added.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "RefTree",
+    "accept_walk",
+    "ancestor_mask",
+    "beam_tree",
+    "ddtree_heap",
+    "log_softmax",
+    "markov_tables",
+    "naive_sparkling_tree",
+    "table_heap",
+    "top_k",
+]
+
+
+class RefTree(NamedTuple):
+    """A reference tree in the padded layout of :class:`sparkjax.tree.Tree` (NumPy arrays)."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    scores: np.ndarray
+    cands: np.ndarray
+    valid: np.ndarray
+
+
+# A child list: (log-prob, key, token, candidate index) sorted by (log-prob descending, key ascending).
+Child = tuple[np.float32, int, int, int]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``logits - logsumexp(logits)`` along the last axis, in float32."""
+    x = np.asarray(logits, np.float32)
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True)) + m
+    return (x - lse).astype(np.float32)
+
+
+def top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest entries of a 1-D array, largest first, lower index first among ties.
+
+    Same result as ``np.argsort(-values, kind="stable")[:k]``; only the entries tied with or above the
+    k-th largest are sorted, which keeps full-vocabulary calls cheap.
+    """
+    neg = -np.asarray(values)
+    if k < len(neg):
+        kth = np.partition(neg, k - 1)[k - 1]
+        idx = np.nonzero(neg <= kth)[0]
+        return idx[np.argsort(neg[idx], kind="stable")][:k]
+    return np.argsort(neg, kind="stable")[:k]
+
+
+def _sorted_children(
+    logp: np.ndarray, keys: np.ndarray, tokens: np.ndarray, cands: np.ndarray
+) -> list[Child]:
+    order = sorted(range(len(logp)), key=lambda n: (-float(logp[n]), int(keys[n])))
+    return [
+        (np.float32(logp[n]), int(keys[n]), int(tokens[n]), int(cands[n])) for n in order if logp[n] > -np.inf
+    ]
+
+
+def _heap_tree(
+    children_of: Callable[[int, int, int], list[Child]], depth: int, budget: int, root: int
+) -> RefTree:
+    """Best-first search as in DDTree: pop the best prefix, give it the next index, push its next sibling
+    and its first child. ``children_of(level, token, cand)`` lists the children of a node at ``level``
+    (0 = root) whose token / candidate index are given."""
+    tokens, parents, depths, scores, cands = [], [], [], [], []
+    node_score = [np.float32(0.0)]
+    node_path: list[tuple[int, ...]] = [()]
+    children: dict[int, list[Child]] = {0: children_of(0, root, -1)}
+    heap: list[tuple[float, tuple[int, ...], int, int]] = []
+
+    def push(parent: int, rank: int) -> None:
+        lp, key, _, _ = children[parent][rank]
+        score = np.float32(node_score[parent] + lp)
+        heapq.heappush(heap, (-float(score), (*node_path[parent], key), parent, rank))
+
+    if children[0]:
+        push(0, 0)
+    while heap and len(tokens) < budget:
+        neg_score, path, parent, rank = heapq.heappop(heap)
+        _, _, token, cand = children[parent][rank]
+        index = len(tokens) + 1
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(len(path))
+        scores.append(np.float32(-neg_score))
+        cands.append(cand)
+        node_score.append(np.float32(-neg_score))
+        node_path.append(path)
+        if rank + 1 < len(children[parent]):
+            push(parent, rank + 1)
+        if len(path) < depth:
+            children[index] = children_of(len(path), token, cand)
+            if children[index]:
+                push(index, 0)
+    return _pad(tokens, parents, depths, scores, cands, budget)
+
+
+def _pad(tokens: list, parents: list, depths: list, scores: list, cands: list, m: int) -> RefTree:
+    n = len(tokens)
+    pad = m - n
+    return RefTree(
+        tokens=np.array(tokens + [-1] * pad, np.int32),
+        parents=np.array(parents + [0] * pad, np.int32),
+        depths=np.array(depths + [1] * pad, np.int32),
+        scores=np.array(scores + [-np.inf] * pad, np.float32),
+        cands=np.array(cands + [-1] * pad, np.int32),
+        valid=np.arange(m) < n,
+    )
+
+
+def table_heap(tables: np.ndarray, cand_tokens: np.ndarray, budget: int) -> RefTree:
+    """The DDTree heap over given ``[D, C, C]`` tables (entries clipped to <= 0, as on device).
+
+    The children of a depth-``d`` node with candidate index ``i`` are the candidates of depth ``d + 1``
+    with log-probs ``tables[d, i, :]`` (row 0 for the root), keyed by candidate index.
+    """
+    t = np.minimum(np.asarray(tables, np.float32), np.float32(0))
+    cand_tokens = np.asarray(cand_tokens)
+    d, c, _ = t.shape
+    idx = np.arange(c)
+
+    def children_of(level: int, _token: int, cand: int) -> list[Child]:
+        return _sorted_children(t[level, max(cand, 0)], idx, cand_tokens[level], idx)
+
+    return _heap_tree(children_of, d, budget, root=-1)
+
+
+def ddtree_heap(logits: np.ndarray, budget: int) -> RefTree:
+    """Upstream DDTree (``build_ddtree_tree``): per depth the top-``min(budget, V)`` tokens of
+    ``log_softmax(logits)`` in float32, independent of the parent, best-first by a heap with ties broken
+    by the tuple of ranks along the path."""
+    logp = log_softmax(logits)
+    d, v = logp.shape
+    k = min(budget, v)
+    ranked = [top_k(logp[level], k) for level in range(d)]
+
+    def children_of(level: int, _token: int, _cand: int) -> list[Child]:
+        tok = ranked[level]
+        return _sorted_children(logp[level, tok], np.arange(k), tok, np.arange(k))
+
+    return _heap_tree(children_of, d, budget, root=-1)
+
+
+def naive_sparkling_tree(
+    base_logits: np.ndarray,
+    x_start: int,
+    parent_feat: Callable[[int, int], np.ndarray],
+    w2: np.ndarray,
+    budget: int,
+    top_c: int | None = None,
+) -> RefTree:
+    """Naive SparklingTree: a best-first heap that runs the full-vocabulary Markov head for every popped
+    node to get the exact distribution of its children.
+
+    The children of a node with token ``p`` at level ``d`` (0 = the root ``x_start``) have log-probs
+    ``log_softmax(base_logits[d] + w2 @ parent_feat(d, p))`` (float32, normalised over the whole vocabulary).
+
+    Args:
+      base_logits: [D, V] drafter base logits (row ``d`` predicts depth ``d + 1``).
+      x_start: the root token.
+      parent_feat: ``(d, p) -> f[R]``, the head's parent features (vanilla: ``lambda d, p: w1[p]``).
+      w2: [V, R] ``markov_w2`` weight.
+      budget: number of nodes.
+      top_c: ``None`` = unrestricted: children are the top-``min(budget, V)`` tokens of the node's own
+        corrected distribution, keyed by token id. An int = restricted to the per-depth base top-C
+        candidate set (:func:`top_k` of ``log_softmax(base_logits[d])``, keyed by candidate index),
+        which is what :func:`sparkjax.tree.best_first` over exact :func:`sparkjax.tree.markov_tables`
+        computes.
+    """
+    base = np.asarray(base_logits, np.float32)
+    w2 = np.asarray(w2, np.float32)
+    d, v = base.shape
+    base_cands = None if top_c is None else [top_k(log_softmax(base[level]), top_c) for level in range(d)]
+
+    def children_of(level: int, token: int, _cand: int) -> list[Child]:
+        logp = log_softmax(base[level] + w2 @ np.asarray(parent_feat(level, token), np.float32))
+        if base_cands is None:
+            tok = top_k(logp, min(budget, v))
+            return _sorted_children(logp[tok], tok, tok, np.full(len(tok), -1))
+        tok = base_cands[level]
+        idx = np.arange(len(tok))
+        return _sorted_children(logp[tok], idx, tok, idx)
+
+    return _heap_tree(children_of, d, budget, root=int(x_start))
+
+
+def beam_tree(tables: np.ndarray, cand_tokens: np.ndarray, widths: Sequence[int]) -> RefTree:
+    """Beam reference: at depth ``d + 1`` list every extension of every kept depth-``d`` prefix, sort by
+    (score descending, candidate-index path ascending) and keep the first ``widths[d]``; finally list all
+    kept prefixes in that order."""
+    t = np.minimum(np.asarray(tables, np.float32), np.float32(0))
+    cand_tokens = np.asarray(cand_tokens)
+    d, c, _ = t.shape
+    kept: list[tuple[np.float32, tuple[int, ...]]] = []
+    frontier: list[tuple[np.float32, tuple[int, ...]]] = [(np.float32(0), ())]
+    for level in range(d):
+        ext = []
+        for score, path in frontier:
+            row = t[level, path[-1] if path else 0]
+            ext += [(np.float32(score + row[j]), (*path, j)) for j in range(c) if row[j] > -np.inf]
+        ext.sort(key=lambda e: (-float(e[0]), e[1]))
+        frontier = ext[: widths[level]]
+        kept += frontier
+    kept.sort(key=lambda e: (-float(e[0]), e[1]))
+    index = {path: n + 1 for n, (_, path) in enumerate(kept)}
+    return _pad(
+        [int(cand_tokens[len(p) - 1, p[-1]]) for _, p in kept],
+        [index.get(p[:-1], 0) for _, p in kept],
+        [len(p) for _, p in kept],
+        [s for s, _ in kept],
+        [p[-1] for _, p in kept],
+        int(sum(widths)),
+    )
+
+
+def markov_tables(
+    base_logits: np.ndarray,
+    cand_tokens: np.ndarray,
+    parent_feats: np.ndarray,
+    w2: np.ndarray,
+    normalization: str = "exact",
+) -> np.ndarray:
+    """Entry-by-entry reference of :func:`sparkjax.tree.markov_tables` (float64 internally)."""
+    u = np.asarray(base_logits, np.float64)
+    f = np.asarray(parent_feats, np.float64)
+    w2 = np.asarray(w2, np.float64)
+    d, v = u.shape
+    c = cand_tokens.shape[1]
+    out = np.empty((d, c, c), np.float64)
+    for level in range(d):
+        outside = np.setdiff1d(np.arange(v), cand_tokens[level])
+        for i in range(c):
+            z = u[level] + w2 @ f[level, 0 if level == 0 else i]
+            cz = z[cand_tokens[level]]
+            if normalization == "exact" or level == 0:
+                norm = np.log(np.sum(np.exp(z - z.max()))) + z.max()
+            else:
+                norm = np.log(np.sum(np.exp(cz)) + np.sum(np.exp(u[level, outside])))
+            out[level, i] = cz - norm
+    return out
+
+
+def ancestor_mask(parents: np.ndarray) -> np.ndarray:
+    """Brute force: ``mask[q, a]`` iff ``a`` is found walking parent pointers from ``q`` to the root."""
+    m = len(parents)
+    full = np.concatenate([[0], np.asarray(parents)])
+    mask = np.zeros((m + 1, m + 1), bool)
+    for q in range(m + 1):
+        node = q
+        mask[q, node] = True
+        while node != 0:
+            node = int(full[node])
+            mask[q, node] = True
+    return mask
+
+
+def accept_walk(parents: np.ndarray, tokens: np.ndarray, posterior: np.ndarray) -> tuple[list[int], int]:
+    """Step by step ``follow_verified_tree``: returns (accepted indices with the root first, bonus token)."""
+    child_map: dict[int, dict[int, int]] = {}
+    for n, (p, tok) in enumerate(zip(parents, tokens, strict=True)):
+        child_map.setdefault(int(p), {}).setdefault(int(tok), n + 1)
+    path = [0]
+    while True:
+        nxt = child_map.get(path[-1], {}).get(int(posterior[path[-1]]))
+        if nxt is None:
+            return path, int(posterior[path[-1]])
+        path.append(nxt)

@@ -1,0 +1,575 @@
+"""On-device draft trees for DDTree and SparklingTree speculative decoding.
+
+Everything here is a pure function of arrays for **one** sequence, with static output shapes, so that it
+runs inside ``jax.jit`` with no host round trip and batches with ``jax.vmap``. Scores are float32.
+
+Pipeline of one round (``D`` depths, vocabulary ``V``, ``C`` candidates per depth, ``M`` nodes)::
+
+    cand_tokens, cand_logp = candidates(base_logits, top_c)               # [D, C] int32, [D, C] f32
+    tables = ddtree_tables(cand_logp)                                      # DDTree: no Markov head
+    tables = markov_tables(base_logits, cand_tokens, feats, w2, "fast")    # SparklingTree: [D, C, C]
+    tree = best_first(tables, cand_tokens, budget)                         # or beam(..., widths)
+    mask = visibility(tree.parents, max_depth=D)                           # [M + 1, M + 1] bool
+    pos = tree_positions(tree.depths, start)                               # [M + 1] int32
+    ... verify [x_start] + tree.tokens with the target ...
+    acc = accept(tree.parents, tree.tokens, posterior, max_depth=D)
+
+Conventions
+-----------
+* **Depths.** Row ``d`` (0-based) of every per-depth array describes depth ``d + 1``; the root (``x_start``,
+  the last committed token) is depth 0. For a DSpark drafter, depth ``d + 1`` uses block slot ``d``.
+* **Node indices.** The root is node 0 and the drafted nodes are 1..M. Per-node arrays of a :class:`Tree`
+  have length ``M``: entry ``i`` describes node ``i + 1``. ``parents[i]`` is in ``0..M`` (0 = root).
+  ``visibility`` and ``tree_positions`` include the root as row / element 0, so they line up with the
+  verify input ``[x_start] + tokens``.
+* **Order.** Nodes come in the total order "path score descending, then the tuple of candidate indices
+  along the path ascending (lexicographic; a prefix before its extensions)". The candidate index of a
+  token is its rank in the per-depth top-C list (``jax.lax.top_k`` order: larger log-prob first, the
+  lower token id first among equal ones), so for DDTree tables this is upstream DDTree's tie-break by
+  the tuple of ranks along the path. A child never precedes its parent, so parents come before children
+  and scores are non-increasing.
+* **Padding.** When fewer than ``M`` prefixes are available (tiny vocabularies or depths, entries of
+  ``-inf`` in the tables), the last nodes are padding: ``valid`` False, token -1, parent 0 (the root),
+  depth 1, score ``-inf``, candidate index -1. Padding nodes are leaves that only see the root and
+  themselves, no valid node sees them, and :func:`accept` never walks into them (token -1 matches no
+  posterior token); an engine must only clamp their token (e.g. ``jnp.maximum(tokens, 0)``) before an
+  embedding lookup.
+* **Impossible children.** A table entry of ``-inf`` means "this child does not exist": it is never put
+  into the tree. Setting ``tables[d:] = -inf`` therefore limits the tree to depth ``d`` without a
+  recompile. Positive table entries are clipped to 0 so that a child can never outscore its parent.
+  Likewise a token whose logit is ``-inf`` (e.g. a padded vocabulary row) never enters a tree. NaNs are
+  not supported.
+* **Candidates.** :func:`candidates` ranks the base logits of every depth. Depth 1 has a known parent,
+  so an engine may rank row 0 by the Markov-corrected logits instead (pass the corrected row to
+  :func:`candidates` only; :func:`markov_tables` takes the candidate tokens as given and the base logits).
+* **Cost.** ``markov_tables(..., "fast")`` is ``O(D C^2 R + D V)``; ``"exact"`` is ``O(D C V R)``, which
+  dominates everything else at a real vocabulary (see ``eval/bench_tree.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparkjax.errors import ArgumentError
+
+__all__ = [
+    "Accepted",
+    "Tree",
+    "accept",
+    "beam",
+    "best_first",
+    "build_ddtree",
+    "build_sparkling_tree",
+    "candidates",
+    "ddtree_tables",
+    "even_widths",
+    "markov_tables",
+    "tree_positions",
+    "vanilla_parent_feats",
+    "visibility",
+]
+
+Normalization = Literal["exact", "fast"]
+
+
+class Tree(NamedTuple):
+    """A draft tree of ``M`` nodes (the root excluded); entry ``i`` describes node ``i + 1``.
+
+    Attributes:
+      tokens: int32[M] token id of each node (-1 for padding).
+      parents: int32[M] parent node index in ``0..M``; 0 is the root (padding: 0).
+      depths: int32[M] depth in ``1..D`` (padding: 1).
+      scores: float32[M] path log-probability, the sum of the table entries along the path (padding: -inf).
+      cands: int32[M] candidate index of the node's token in its depth's top-C list (padding: -1).
+      valid: bool[M] False for padding nodes.
+    """
+
+    tokens: jax.Array
+    parents: jax.Array
+    depths: jax.Array
+    scores: jax.Array
+    cands: jax.Array
+    valid: jax.Array
+
+
+class Accepted(NamedTuple):
+    """The outcome of walking a verified tree.
+
+    Attributes:
+      indices: int32[max_depth + 1] accepted node indices, the root 0 first, padded with -1.
+      length: int32 scalar, number of accepted indices including the root (1..max_depth + 1).
+      bonus: int32 scalar, the posterior token at the last accepted node (the next committed token).
+    """
+
+    indices: jax.Array
+    length: jax.Array
+    bonus: jax.Array
+
+
+# ----------------------------------------------------------------------------------------------------------
+# argument checks (all run at trace time on static shapes / Python ints)
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ArgumentError(f"{name} must be a static Python int, got {type(value).__name__} {value!r}")
+    if int(value) < minimum:
+        raise ArgumentError(f"{name} must be >= {minimum}, got {int(value)}")
+    return int(value)
+
+
+def _check_ndim(name: str, x: jax.Array, ndim: int, axes: str) -> None:
+    if jnp.ndim(x) != ndim:
+        raise ArgumentError(f"{name} must have shape [{axes}], got shape {tuple(jnp.shape(x))}")
+
+
+def _logsumexp(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Stable logsumexp in the input dtype; an all ``-inf`` slice gives ``-inf`` (never NaN)."""
+    m = jnp.max(x, axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+    out = jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+    return out if keepdims else jnp.squeeze(out, axis=axis)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# candidates and tables
+
+
+def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
+    """Top-C candidate tokens per depth and their full-vocabulary log-probabilities.
+
+    Args:
+      logits: [D, V] drafter logits; row ``d`` predicts depth ``d + 1``.
+      top_c: number of candidates per depth (static). ``C = min(top_c, V)``, so a vocabulary smaller
+        than ``top_c`` works.
+
+    Returns:
+      ``(cand_tokens int32[D, C], cand_logp float32[D, C])``: per row the C tokens with the largest
+      ``log_softmax`` (computed as ``logits - logsumexp(logits)`` in float32), largest first; among equal
+      log-probs the lower token id comes first (``jax.lax.top_k``). The position of a token in its row is
+      its *candidate index*, used as the tie-break key of the tree builders.
+    """
+    top_c = _check_int("top_c", top_c, 1)
+    _check_ndim("logits", logits, 2, "D, V")
+    x = jnp.asarray(logits, jnp.float32)
+    logp = x - _logsumexp(x, axis=-1, keepdims=True)
+    c = min(top_c, x.shape[-1])
+    cand_logp, cand_tokens = jax.lax.top_k(logp, c)
+    # The barrier keeps XLA from folding later slices of the result into the top-k, which turns it into a
+    # full sort of the vocabulary on CPU (100x slower at V = 152k).
+    cand_tokens, cand_logp = jax.lax.optimization_barrier((cand_tokens.astype(jnp.int32), cand_logp))
+    return cand_tokens, cand_logp
+
+
+def ddtree_tables(cand_logp: jax.Array) -> jax.Array:
+    """DDTree tables: independent per-depth marginals broadcast over parents (no Markov head).
+
+    Args:
+      cand_logp: float32[D, C] candidate log-probs from :func:`candidates`.
+
+    Returns:
+      float32[D, C, C] with ``T[d, i, j] = cand_logp[d, j]`` for every parent ``i``.
+    """
+    _check_ndim("cand_logp", cand_logp, 2, "D, C")
+    lp = jnp.asarray(cand_logp, jnp.float32)
+    d, c = lp.shape
+    return jnp.broadcast_to(lp[:, None, :], (d, c, c))
+
+
+def vanilla_parent_feats(w1: jax.Array, x_start: jax.Array | int, cand_tokens: jax.Array) -> jax.Array:
+    """Parent features of the vanilla Markov head, ``f(p) = W1[p]``, laid out for :func:`markov_tables`.
+
+    Args:
+      w1: [V, R] ``markov_w1`` embedding.
+      x_start: int scalar, the root token (may be traced).
+      cand_tokens: int[D, C] candidates from :func:`candidates`.
+
+    Returns:
+      float32[D, C, R]: row 0 repeats ``W1[x_start]`` for every ``i``; row ``d >= 1`` holds
+      ``W1[cand_tokens[d - 1, i]]`` (the parents of depth ``d + 1``).
+    """
+    _check_ndim("w1", w1, 2, "V, R")
+    _check_ndim("cand_tokens", cand_tokens, 2, "D, C")
+    w1 = jnp.asarray(w1, jnp.float32)
+    d, c = cand_tokens.shape
+    root = jnp.broadcast_to(w1[jnp.asarray(x_start, jnp.int32)], (1, c, w1.shape[1]))
+    return jnp.concatenate([root, w1[cand_tokens[: d - 1]]], axis=0)
+
+
+def markov_tables(
+    base_logits: jax.Array,
+    cand_tokens: jax.Array,
+    parent_feats: jax.Array,
+    w2: jax.Array,
+    normalization: Normalization = "exact",
+) -> jax.Array:
+    """Top-C Markov tables ``T[d, i, j] = log p(cand j of depth d+1 | parent = cand i of depth d)``.
+
+    The Markov head corrects the base logits ``U_d`` (row ``d`` of ``base_logits``) of a child of parent
+    ``p`` to ``U_d + W2 f(p)``, where ``f(p)`` is a rank-R feature vector of the parent: ``W1[p]`` for the
+    vanilla head (:func:`vanilla_parent_feats`), ``W1[p] * gate(h_d, W1[p])`` for the gated head. The
+    features are an input, so this function does not depend on the head type.
+
+    Depth 1 (``d = 0``) has the single parent ``x_start``; its row is normalised exactly over the full
+    vocabulary in both modes, every row ``i`` of ``T[0]`` is the same, and only ``parent_feats[0, 0]``
+    is read. For ``d >= 1`` the parent of row ``i`` is ``cand_tokens[d - 1, i]`` with features
+    ``parent_feats[d, i]``. Normalisations of ``Z_ij = U_d[c_j] + w2[c_j] . f_i`` (``c = cand_tokens[d]``):
+
+    * ``"exact"``: ``T = Z - logsumexp_v(U_d[v] + w2[v] . f_i)`` over the full vocabulary, i.e. the true
+      log-softmax of the corrected logits (costs ``C x V x R`` multiply-adds per depth).
+    * ``"fast"``: ``T = Z - log(sum_j exp(Z_ij) + sum_{v not in top-C} exp(U_d[v]))``: the C corrected
+      candidates plus the *uncorrected* base mass outside the candidates, i.e. it assumes the bias is
+      small off the candidates (costs ``C x C x R`` per depth). It is exact when ``C = V``.
+
+    Args:
+      base_logits: [D, V] drafter base logits.
+      cand_tokens: int[D, C] candidates from :func:`candidates`.
+      parent_feats: [D, C, R] parent features as described above.
+      w2: [V, R] ``markov_w2`` weight in the torch Linear layout, ``bias(p) = w2 @ f(p)``.
+      normalization: ``"exact"`` or ``"fast"``.
+
+    Returns:
+      float32[D, C, C].
+    """
+    if normalization not in ("exact", "fast"):
+        raise ArgumentError(f"normalization must be 'exact' or 'fast', got {normalization!r}")
+    _check_ndim("base_logits", base_logits, 2, "D, V")
+    _check_ndim("cand_tokens", cand_tokens, 2, "D, C")
+    _check_ndim("parent_feats", parent_feats, 3, "D, C, R")
+    _check_ndim("w2", w2, 2, "V, R")
+    d, v = base_logits.shape
+    c = cand_tokens.shape[1]
+    r = w2.shape[1]
+    if cand_tokens.shape[0] != d:
+        raise ArgumentError(f"cand_tokens has {cand_tokens.shape[0]} depths but base_logits has {d}")
+    if tuple(parent_feats.shape) != (d, c, r):
+        raise ArgumentError(
+            f"parent_feats must have shape {(d, c, r)} [D, C, R], got {tuple(parent_feats.shape)}"
+        )
+    if w2.shape[0] != v:
+        raise ArgumentError(f"w2 must have shape [V={v}, R], got {tuple(w2.shape)}")
+
+    u = jnp.asarray(base_logits, jnp.float32)
+    w2 = jnp.asarray(w2, jnp.float32)
+    feats = jnp.asarray(parent_feats, jnp.float32)
+    cand_tokens = jnp.asarray(cand_tokens, jnp.int32)
+
+    # depth 1: one parent (x_start), exact over the vocabulary
+    z0 = u[0] + w2 @ feats[0, 0]
+    row0 = (z0 - _logsumexp(z0))[cand_tokens[0]]
+    t0 = jnp.broadcast_to(row0[None, None, :], (1, c, c))
+    if d == 1:
+        return t0
+
+    u_rest, cand_rest, f_rest = u[1:], cand_tokens[1:], feats[1:]
+    if normalization == "exact":
+
+        def one_depth(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+            ud, cd, fd = args
+            z = ud[None, :] + fd @ w2.T  # [C, V] corrected logits of every child of every parent
+            return jnp.take(z, cd, axis=1) - _logsumexp(z, axis=-1, keepdims=True)
+
+        rest = jax.lax.map(one_depth, (u_rest, cand_rest, f_rest))
+    else:
+        uc = jnp.take_along_axis(u_rest, cand_rest, axis=1)  # [D-1, C]
+        z = uc[:, None, :] + jnp.einsum("dir,djr->dij", f_rest, w2[cand_rest])
+        rows = jnp.arange(d - 1)[:, None]
+        log_tail = _logsumexp(u_rest.at[rows, cand_rest].set(-jnp.inf), axis=-1)  # [D-1]
+        lse = jnp.logaddexp(_logsumexp(z, axis=-1), log_tail[:, None])
+        rest = z - lse[..., None]
+    return jnp.concatenate([t0, rest], axis=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tree builders
+
+
+def _check_tables(tables: jax.Array, cand_tokens: jax.Array) -> tuple[int, int]:
+    _check_ndim("tables", tables, 3, "D, C, C")
+    _check_ndim("cand_tokens", cand_tokens, 2, "D, C")
+    d, c, c2 = tables.shape
+    if c != c2:
+        raise ArgumentError(f"tables must have shape [D, C, C], got {tuple(tables.shape)}")
+    if tuple(cand_tokens.shape) != (d, c):
+        raise ArgumentError(
+            f"cand_tokens must have shape {(d, c)} to match tables {tuple(tables.shape)}, "
+            f"got {tuple(cand_tokens.shape)}"
+        )
+    return d, c
+
+
+def _expand(tables: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-depth beams: at depth ``d`` keep the best ``widths[d]`` extensions of the previous beam.
+
+    "Best" is the tree order (score descending, candidate-index path ascending). Each beam is stored in
+    lexicographic path order, kept entries first, so the flat index ``b * C + j`` of a child in the
+    ``[K, C]`` matrix of extensions is increasing in its path; ``jax.lax.top_k`` prefers lower indices
+    among equal values, so it breaks ties exactly by the path. Returns per depth (stacked,
+    ``K = max(widths)``): scores [D, K] (``-inf`` = empty slot), parent slot [D, K], candidate index [D, K].
+    """
+    d, c, _ = tables.shape
+    k = max(widths)
+    t = jnp.minimum(jnp.asarray(tables, jnp.float32), 0.0)
+    slots = jnp.arange(k, dtype=jnp.int32)
+    init = (jnp.full((k,), -jnp.inf, jnp.float32).at[0].set(0.0), jnp.zeros((k,), jnp.int32))  # slot 0 = root
+
+    def step(carry, xs):
+        scores, cand = carry
+        table, limit = xs
+        child = (scores[:, None] + table[cand]).reshape(-1)  # [K * C], row-major = lexicographic
+        top, idx = jax.lax.top_k(child, k)
+        keep = (slots < limit) & (top > -jnp.inf)
+        key = jnp.sort(jnp.where(keep, idx, k * c + slots))  # back to lexicographic order, empties last
+        keep = key < k * c
+        idx = jnp.where(keep, key, 0)
+        new_scores = jnp.where(keep, child[idx], -jnp.inf)
+        parent, j = idx // c, idx % c
+        return (new_scores, j), (new_scores, parent, j)
+
+    _, out = jax.lax.scan(step, init, (t, jnp.asarray(widths, jnp.int32)))
+    return out
+
+
+def _preorder(valid: jax.Array, parent_slot: jax.Array) -> jax.Array:
+    """Depth-first preorder rank (root = 0) of every beam entry in the trie of all kept entries.
+
+    Comparing preorder ranks is comparing candidate-index paths lexicographically (a prefix first), so
+    the global merge needs one integer key instead of D. Each level is in lexicographic order with its
+    valid entries first, so the children of a slot are contiguous and ordered like their parents:
+    ``pre(x) = pre(parent) + 1 + (subtree sizes of the earlier siblings)``. Subtree sizes are summed
+    bottom-up, ranks assigned top-down: 2 D vectorised steps.
+    """
+    k = valid.shape[1]
+    ones = valid.astype(jnp.int32)
+
+    def up(below, xs):  # below[s] = total size of the subtrees of the children of slot s
+        v, parent = xs
+        size = v + below
+        return jnp.zeros((k,), jnp.int32).at[parent].add(jnp.where(v > 0, size, 0)), size
+
+    _, sizes = jax.lax.scan(up, jnp.zeros((k,), jnp.int32), (ones, parent_slot), reverse=True)
+
+    def down(carry, xs):
+        pre_parent, first_child_offset = carry
+        size, v, parent = xs
+        earlier = jnp.cumsum(size) - size  # sizes of the earlier entries of this level
+        pre = pre_parent[parent] + 1 + earlier - first_child_offset[parent]
+        children = size - v  # total size of the subtrees below each entry
+        return (pre, jnp.cumsum(children) - children), pre
+
+    zeros = jnp.zeros((k,), jnp.int32)
+    _, pre = jax.lax.scan(down, (zeros, zeros), (sizes, ones, parent_slot))
+    return pre
+
+
+def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array, m: int) -> Tree:
+    """Global top-``m`` of all beam entries in the tree order, as a :class:`Tree`."""
+    scores, parent_slot, cand = beams
+    d, k = scores.shape
+    n = d * k
+    s = scores.reshape(n)
+    pre = _preorder(scores > -jnp.inf, parent_slot).reshape(n)
+    *_, order = jax.lax.sort((-s, pre, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
+    sel = order[:m]
+    valid = s[sel] > -jnp.inf
+    level = sel // k
+    node_of = jnp.zeros((n,), jnp.int32).at[sel].set(jnp.arange(1, m + 1, dtype=jnp.int32))
+    parent_flat = jnp.maximum(level - 1, 0) * k + parent_slot.reshape(n)[sel]
+    parents = jnp.where(level == 0, 0, node_of[parent_flat])
+    cands = cand.reshape(n)[sel]
+    tokens = cand_tokens[level, cands]
+    return Tree(
+        tokens=jnp.where(valid, tokens, -1).astype(jnp.int32),
+        parents=jnp.where(valid, parents, 0).astype(jnp.int32),
+        depths=jnp.where(valid, level + 1, 1).astype(jnp.int32),
+        scores=jnp.where(valid, s[sel], -jnp.inf),
+        cands=jnp.where(valid, cands, -1).astype(jnp.int32),
+        valid=valid,
+    )
+
+
+def best_first(tables: jax.Array, cand_tokens: jax.Array, budget: int) -> Tree:
+    """The ``budget`` most probable prefixes of depth ``1..D`` (DDTree's best-first heap, on device).
+
+    A prefix's score is the sum of ``tables[d, parent_cand, cand]`` along its path (``T[0]`` row 0 for
+    depth 1). The result is a per-depth beam of width ``budget`` followed by a global top-``budget``
+    merge; this is exact because a child never outscores its parent, so a selected prefix's ancestors
+    are selected and no depth holds more than ``budget`` selected prefixes. The first ``b`` nodes of the
+    result are the best ``b`` prefixes for every ``b <= budget``.
+
+    With :func:`ddtree_tables` of ``candidates(logits, top_c)`` and ``top_c >= min(budget, V)`` this is
+    upstream DDTree's tree (same nodes, order and tie-break). With ``top_c`` smaller, children are
+    restricted to the per-depth top-C candidates (the SparklingTree approximation).
+
+    Args:
+      tables: float32[D, C, C] log-prob tables (:func:`ddtree_tables` or :func:`markov_tables`).
+      cand_tokens: int[D, C] the candidates the tables refer to.
+      budget: number of nodes ``M`` (static), >= 1.
+
+    Returns:
+      A :class:`Tree` of ``M = budget`` nodes in the module's order (see the module docstring).
+    """
+    budget = _check_int("budget", budget, 1)
+    d, _ = _check_tables(tables, cand_tokens)
+    return _merge(_expand(tables, (budget,) * d), jnp.asarray(cand_tokens, jnp.int32), budget)
+
+
+def even_widths(budget: int, depth: int) -> tuple[int, ...]:
+    """An even beam profile: ``budget`` nodes over ``depth`` depths, the remainder to the shallowest.
+
+    If ``budget < depth``, the first ``budget`` depths get one node each and the rest get 0.
+    """
+    budget = _check_int("budget", budget, 1)
+    depth = _check_int("depth", depth, 1)
+    q, r = divmod(budget, depth)
+    return tuple(q + 1 if i < r else q for i in range(depth))
+
+
+def beam(tables: jax.Array, cand_tokens: jax.Array, widths: tuple[int, ...]) -> Tree:
+    """Static-budget beam: at depth ``d + 1`` keep the best ``widths[d]`` extensions of the kept depth-``d``
+    prefixes (in the tree order: score descending, candidate-index path ascending).
+
+    Args:
+      tables: float32[D, C, C] log-prob tables.
+      cand_tokens: int[D, C] the candidates the tables refer to.
+      widths: static tuple of ``D`` non-negative ints with a positive sum; zeros may only appear at the
+        end (nothing can hang below an empty depth). :func:`even_widths` gives a default profile.
+
+    Returns:
+      A :class:`Tree` of ``M = sum(widths)`` nodes, in the same format and order as :func:`best_first`
+      (a depth with fewer than ``widths[d]`` available extensions leaves padding at the end).
+    """
+    d, _ = _check_tables(tables, cand_tokens)
+    if not isinstance(widths, tuple | list) or len(widths) != d:
+        raise ArgumentError(f"widths must be a tuple of {d} ints (one per depth of tables), got {widths!r}")
+    widths = tuple(_check_int(f"widths[{i}]", w, 0) for i, w in enumerate(widths))
+    if sum(widths) < 1:
+        raise ArgumentError(f"widths must have a positive sum, got {widths!r}")
+    first_zero = widths.index(0) if 0 in widths else d
+    if any(widths[first_zero:]):
+        raise ArgumentError(f"widths may only have zeros at the end (deepest depths), got {widths!r}")
+    return _merge(_expand(tables, widths), jnp.asarray(cand_tokens, jnp.int32), sum(widths))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# mask, positions, acceptance
+
+
+def visibility(parents: jax.Array, max_depth: int | None = None) -> jax.Array:
+    """Ancestor mask of a tree, root included: ``mask[q, a]`` is True iff node ``a`` is ``q`` or one of
+    its ancestors (row = query node, column = key node; the root is row / column 0).
+
+    Computed by pointer doubling: ``ceil(log2(max_depth + 1))`` steps of ``mask |= mask[jump]``,
+    ``jump = jump[jump]`` over the whole ``[M + 1, M + 1]`` matrix; no loop over nodes.
+
+    Args:
+      parents: int[M] parent index (``0..M``) of node ``i + 1``, as in :attr:`Tree.parents`.
+      max_depth: static bound on the tree depth (``D``); defaults to ``M``, which is always enough.
+
+    Returns:
+      bool[M + 1, M + 1].
+    """
+    _check_ndim("parents", parents, 1, "M")
+    m = parents.shape[0]
+    bound = m if max_depth is None else _check_int("max_depth", max_depth, 1)
+    jump = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.asarray(parents, jnp.int32)])
+    mask = jnp.eye(m + 1, dtype=bool)
+    for _ in range(bound.bit_length()):  # after s steps: every ancestor at distance < 2**s
+        mask = mask | mask[jump]
+        jump = jump[jump]
+    return mask
+
+
+def tree_positions(depths: jax.Array, start: jax.Array | int) -> jax.Array:
+    """Absolute positions of ``[root] + nodes``: ``start`` for the root, ``start + depth`` for node i+1.
+
+    Returns int32[M + 1].
+    """
+    _check_ndim("depths", depths, 1, "M")
+    d = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.asarray(depths, jnp.int32)])
+    return jnp.asarray(start, jnp.int32) + d
+
+
+def accept(
+    parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max_depth: int | None = None
+) -> Accepted:
+    """Walk a verified tree (upstream ``follow_verified_tree``).
+
+    Starting at the root, while ``posterior[current]`` equals the token of one of ``current``'s children,
+    move to that child (children have distinct tokens; if not, the lowest-index child wins). A chain is
+    the tree ``parents = [0, 1, ..., M-1]``.
+
+    Args:
+      parents: int[M] parent of node ``i + 1`` (:attr:`Tree.parents`).
+      tokens: int[M] token of node ``i + 1`` (padding -1 never matches).
+      posterior: int[M + 1] target token at each of ``[root] + nodes`` (argmax, or a sample).
+      max_depth: static number of walk steps (the tree's depth ``D``); defaults to ``M``.
+
+    Returns:
+      :class:`Accepted` with indices padded to ``max_depth + 1``.
+    """
+    _check_ndim("parents", parents, 1, "M")
+    _check_ndim("tokens", tokens, 1, "M")
+    _check_ndim("posterior", posterior, 1, "M + 1")
+    m = parents.shape[0]
+    if tokens.shape[0] != m or posterior.shape[0] != m + 1:
+        raise ArgumentError(
+            f"parents [M], tokens [M] and posterior [M + 1] disagree: shapes {tuple(parents.shape)}, "
+            f"{tuple(tokens.shape)}, {tuple(posterior.shape)}"
+        )
+    steps = m if max_depth is None else _check_int("max_depth", max_depth, 1)
+    parents = jnp.asarray(parents, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    posterior = jnp.asarray(posterior, jnp.int32)
+
+    def body(k, carry):
+        cur, length, path, done = carry
+        match = (parents == cur) & (tokens == posterior[cur])
+        found = jnp.any(match) & ~done
+        child = (jnp.argmax(match) + 1).astype(jnp.int32)
+        cur = jnp.where(found, child, cur)
+        path = path.at[k + 1].set(jnp.where(found, child, -1))
+        return cur, length + found.astype(jnp.int32), path, done | ~found
+
+    init = (jnp.int32(0), jnp.int32(1), jnp.full((steps + 1,), -1, jnp.int32).at[0].set(0), jnp.bool_(False))
+    cur, length, path, _ = jax.lax.fori_loop(0, steps, body, init)
+    return Accepted(indices=path, length=length, bonus=posterior[cur])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# convenience pipelines
+
+
+def build_ddtree(logits: jax.Array, budget: int) -> Tree:
+    """Upstream DDTree on device: top-``min(budget, V)`` per depth, independent marginals, best-first."""
+    budget = _check_int("budget", budget, 1)
+    cand_tokens, cand_logp = candidates(logits, budget)
+    return best_first(ddtree_tables(cand_logp), cand_tokens, budget)
+
+
+def build_sparkling_tree(
+    base_logits: jax.Array,
+    x_start: jax.Array | int,
+    w1: jax.Array,
+    w2: jax.Array,
+    *,
+    budget: int,
+    top_c: int,
+    normalization: Normalization = "fast",
+    widths: tuple[int, ...] | None = None,
+) -> Tree:
+    """SparklingTree with a vanilla Markov head: candidates, Markov tables, then best-first
+    (``widths=None``) or :func:`beam` with the given width profile (which must sum to ``budget``)."""
+    budget = _check_int("budget", budget, 1)
+    if widths is not None and sum(widths) != budget:
+        raise ArgumentError(f"widths must sum to budget={budget}, got {widths!r} (sum {sum(widths)})")
+    cand_tokens, _ = candidates(base_logits, top_c)
+    feats = vanilla_parent_feats(w1, x_start, cand_tokens)
+    tables = markov_tables(base_logits, cand_tokens, feats, w2, normalization)
+    if widths is None:
+        return best_first(tables, cand_tokens, budget)
+    return beam(tables, cand_tokens, widths)
