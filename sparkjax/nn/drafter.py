@@ -1,0 +1,289 @@
+"""DSpark and DFlash block drafters as Flax NNX modules.
+
+A drafter reads *context features* (the concatenated target hidden states
+``hidden_states[l + 1]`` for ``l`` in ``target_layer_ids``, ``F = len(ids) * D``)
+and a block of tokens ``[x_start, MASK, ..., MASK]``. Per layer:
+
+* the context is projected once, ``c = hidden_norm(fc(features))``, and passes
+  through the layer's ``k_proj`` / ``v_proj`` / ``k_norm`` and RoPE at its own
+  absolute positions (no ``input_layernorm``); these K/V rows are what the
+  :class:`~sparkjax.cache.ContextCache` keeps between rounds;
+* the block goes through ``input_layernorm``; queries come from the block only,
+  block keys/values are appended after the context's;
+* a block query sees the context rows its mask allows and (at inference) every
+  slot of its own block: no causal mask inside a block.
+
+Then ``o_proj`` + residual, the SwiGLU MLP + residual, a final ``norm`` gives the
+block hidden states, and the LM head gives the *base logits*. A DSpark drafter
+owns ``embed_tokens`` / ``lm_head`` (copies of the target's); a DFlash drafter
+uses the target's (pass ``target=``).
+
+Heads (DSpark only): the Markov head adds ``W2 . f(prev)`` to the base logits,
+where ``f(prev) = W1[prev]`` (vanilla) or ``W1[prev] * sigmoid(gate_proj([h ;
+W1[prev]]))`` (gated; ``gate_proj`` has a bias, DeepSpec's
+``markov_head.gate_proj``). The confidence head is ``Linear([h ; W1[prev]] -> 1)``
+(or ``[h]`` alone without the Markov input), read through a sigmoid.
+
+Parameter paths mirror the DeepSpec checkpoint keys (see
+:data:`sparkjax.convert.DRAFTER_KEYS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..cache import ContextCache
+from ..config import DrafterConfig
+from ..errors import ArgumentError
+from .layers import Embed, Linear, RMSNorm, rope_cos_sin
+from .qwen3 import DecoderLayer, LMHead
+
+Array = jax.Array
+
+
+def attend_parts(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+    """Grouped-query attention over several key/value sets sharing one softmax.
+
+    ``q`` ``[B, T, N, H]``; each part is ``(k [B, S_i, K, H], v [B, S_i, K, H], mask [B, T, S_i])``
+    (True = visible). Equivalent to :func:`~sparkjax.nn.layers.attend` on the concatenated keys,
+    without copying the (possibly large) context keys/values. Scores and softmax in float32,
+    scale ``H ** -0.5``; a fully masked row returns zeros.
+    """
+    b, t, n, h = q.shape
+    kh = parts[0][0].shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    scores = jnp.concatenate(
+        [jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts],
+        axis=-1,
+    ) * (h**-0.5)
+    mask = jnp.concatenate([jnp.broadcast_to(m, (b, t, k.shape[1])) for k, _, m in parts], axis=-1)
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
+    probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
+    out = None
+    offset = 0
+    for k, v, _ in parts:
+        s = k.shape[1]
+        term = jnp.einsum("bkgts,bskh->btkgh", probs[..., offset : offset + s].astype(v.dtype), v)
+        out = term if out is None else out + term
+        offset += s
+    return out.reshape(b, t, n, h)
+
+
+class Table(nnx.Module):
+    """A ``[V, R]`` table stored like a torch ``nn.Embedding`` / bias-free ``nn.Linear(R -> V)`` weight."""
+
+    def __init__(self, rows: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32, std: float = 0.02):
+        self.weight = nnx.Param(
+            (std * jax.random.normal(rngs.params(), (rows, dim), jnp.float32)).astype(dtype), axes=("vocab", None)
+        )
+
+    def lookup(self, ids: Array) -> Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+    def project(self, x: Array) -> Array:
+        """``x [..., R] -> [..., V]``: ``x @ weight.T`` accumulated in float32."""
+        return jnp.einsum("...r,vr->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+
+
+class MarkovHead(nnx.Module):
+    """Low-rank first-order Markov correction ``bias(prev) = W2 . f(prev)``.
+
+    ``markov_w1`` ``[V, R]`` (an embedding), ``markov_w2`` ``[V, R]`` (torch ``Linear(R -> V)``
+    weight), and for the gated head ``gate_proj`` ``Linear(D + R -> R)`` with bias.
+    """
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        r = cfg.markov_rank
+        self.gated = cfg.markov_head_type == "gated"
+        self.markov_w1 = Table(cfg.vocab_size, r, rngs=rngs, dtype=dtype)
+        self.markov_w2 = Table(cfg.vocab_size, r, rngs=rngs, dtype=dtype)
+        self.gate_proj = (
+            Linear(cfg.hidden_size + r, (r,), ("embed", None), use_bias=True, rngs=rngs, dtype=dtype)
+            if self.gated
+            else None
+        )
+
+    def prev_embeddings(self, prev: Array) -> Array:
+        """``W1[prev]``: ``[...] -> [..., R]``."""
+        return self.markov_w1.lookup(prev)
+
+    def features(self, hidden: Array, prev: Array) -> Array:
+        """Parent features ``f(prev)`` ``[..., C, R]`` for hidden ``[..., D]`` and prev ids ``[..., C]``.
+
+        Vanilla: ``W1[prev]``. Gated: ``W1[prev] * sigmoid(gate_proj([h ; W1[prev]]))``, with the
+        gate's kernel split into its ``h`` and ``W1[prev]`` rows so ``h`` is projected once per slot.
+        """
+        e = self.prev_embeddings(prev)
+        if not self.gated:
+            return e
+        d = hidden.shape[-1]
+        kernel = self.gate_proj.kernel[...]
+        from_h = jnp.tensordot(hidden, kernel[:d], axes=((hidden.ndim - 1,), (0,)))  # [..., R]
+        from_e = jnp.tensordot(e, kernel[d:], axes=((e.ndim - 1,), (0,)))  # [..., C, R]
+        gate = jax.nn.sigmoid(from_h[..., None, :] + from_e + self.gate_proj.bias[...])
+        return gate.astype(e.dtype) * e
+
+    def bias(self, feats: Array) -> Array:
+        """``W2 . f`` in float32: ``[..., R] -> [..., V]``."""
+        return self.markov_w2.project(feats)
+
+
+class ConfidenceHead(nnx.Module):
+    """``proj``: ``Linear(D (+ R) -> 1)`` with bias, as DeepSpec's ``confidence_head.proj``."""
+
+    def __init__(self, in_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.proj = Linear(in_dim, (1,), ("embed", None), use_bias=True, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: Array) -> Array:
+        return self.proj(x)[..., 0].astype(jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockOutput:
+    """``hidden`` ``[B, Q, D]`` after the final norm; ``layers`` per-layer outputs ``[L, B, Q, D]`` or None."""
+
+    hidden: Array
+    layers: Array | None = None
+
+
+class DrafterLayer(DecoderLayer):
+    """A Qwen3 decoder layer (same weights and names) whose keys/values are ``[context ; block]``."""
+
+    def context_kv(self, ctx: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+        """Keys/values of projected context rows ``[B, S, D]`` (no input_layernorm), RoPE'd at their positions."""
+        return self.self_attn.keys_values(ctx, cos, sin)
+
+    def block(
+        self, x: Array, cos: Array, sin: Array, ctx_k: Array, ctx_v: Array, ctx_mask: Array, block_mask: Array
+    ) -> Array:
+        h = self.input_layernorm(x)
+        q = self.self_attn.queries(h, cos, sin)
+        k, v = self.self_attn.keys_values(h, cos, sin)
+        attn = attend_parts(q, [(ctx_k, ctx_v, ctx_mask), (k, v, block_mask)])
+        x = x + self.self_attn.o_proj(attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nnx.Module):
+    """A DSpark (``config.kind == "dspark"``) or DFlash (``"dflash"``) block drafter.
+
+    Submodule names mirror the checkpoint keys: ``embed_tokens``, ``layers.{i}``, ``norm``, ``fc``,
+    ``hidden_norm``, ``lm_head``, ``markov_head``, ``confidence_head``. A DFlash drafter has no
+    ``embed_tokens`` / ``lm_head`` / heads (they are None).
+    """
+
+    def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        c = config
+        own_io = c.kind == "dspark"
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, rngs=rngs, dtype=dtype) if own_io else None
+        self.layers = nnx.List([DrafterLayer(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.fc = Linear(c.feature_size, (c.hidden_size,), (None, "embed"), rngs=rngs, dtype=dtype)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.lm_head = LMHead(c.vocab_size, c.hidden_size, rngs=rngs, dtype=dtype) if own_io else None
+        self.markov_head = MarkovHead(c, rngs=rngs, dtype=dtype) if c.has_markov else None
+        conf_in = c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0)
+        self.confidence_head = ConfidenceHead(conf_in, rngs=rngs, dtype=dtype) if c.has_confidence else None
+
+    @property
+    def dtype(self):
+        return self.norm.weight.get_value().dtype
+
+    # ------------------------------------------------------------------ pieces
+    def _check_target(self, target, what: str):
+        if self.config.kind == "dflash" and target is None:
+            raise ArgumentError(f"{what}: a DFlash drafter uses the target's embedding and LM head; pass target=")
+
+    def embed(self, tokens: Array, target=None) -> Array:
+        """Block input embeddings ``[B, Q, D]`` (the target's table, scaled, for DFlash)."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(tokens)
+        self._check_target(target, "embed")
+        x = target.embed_tokens(tokens).astype(self.dtype)
+        scale = self.config.input_embedding_scale
+        return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
+
+    def logits(self, hidden: Array, target=None) -> Array:
+        """Base logits ``[..., V]`` in float32 from block hidden states."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden).astype(jnp.float32)
+        self._check_target(target, "logits")
+        out = target.logits(hidden.astype(target.dtype)).astype(jnp.float32)
+        c = self.config
+        if c.output_multiplier != 1.0:
+            out = out * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            out = jnp.tanh(out / c.final_logit_softcapping) * c.final_logit_softcapping
+        return out
+
+    def project_context(self, features: Array) -> Array:
+        """``hidden_norm(fc(features))``: ``[B, S, F] -> [B, S, D]``."""
+        return self.hidden_norm(self.fc(features.astype(self.dtype)))
+
+    def context_kv(self, features: Array, positions: Array) -> tuple[Array, Array]:
+        """Per-layer context keys/values ``[L, B, S, K, H]`` of features ``[B, S, F]`` at ``positions [B, S]``."""
+        ctx = self.project_context(features)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+        return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+    def init_context(self, batch: int, size: int) -> ContextCache:
+        """An empty context cache of ``size`` slots (slot s holds absolute position s)."""
+        c = self.config
+        return ContextCache.zeros(c.num_hidden_layers, batch, size, c.num_key_value_heads, c.head_dim, self.dtype)
+
+    def run_block(
+        self,
+        x: Array,
+        positions: Array,
+        ctx_k: Array,
+        ctx_v: Array,
+        ctx_mask: Array,
+        block_mask: Array,
+        *,
+        return_layers: bool = False,
+    ) -> BlockOutput:
+        """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``.
+
+        ``ctx_k``/``ctx_v`` ``[L, B, S, K, H]`` are the context rows, ``ctx_mask`` ``[B, Q, S]`` and
+        ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say which context rows / block slots each
+        query sees.
+        """
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        outs = []
+        for i, layer in enumerate(self.layers):
+            x = layer.block(x, cos, sin, ctx_k[i], ctx_v[i], ctx_mask, block_mask)
+            outs.append(x)
+        return BlockOutput(self.norm(x), jnp.stack(outs) if return_layers else None)
+
+    def __call__(
+        self,
+        features: Array,
+        feature_positions: Array,
+        tokens: Array,
+        positions: Array,
+        mask: Array,
+        *,
+        target=None,
+        return_layers: bool = False,
+    ) -> BlockOutput:
+        """Cache-free forward (training): context ``features [B, S, F]`` at ``feature_positions [B, S]``,
+        block ``tokens [B, Q]`` at ``positions [B, Q]``, boolean ``mask [B, Q, S + Q]`` (columns:
+        context rows, then block slots; True = visible). Many anchor blocks can sit side by side
+        in Q with a block-diagonal mask. Returns the final-normed block hidden states ``[B, Q, D]``.
+        """
+        s = features.shape[1]
+        if mask.shape[-1] != s + tokens.shape[1]:
+            raise ArgumentError(
+                f"mask: last axis has {mask.shape[-1]} columns, expected S + Q = {s} + {tokens.shape[1]}"
+            )
+        k, v = self.context_kv(features, feature_positions)
+        x = self.embed(tokens, target)
+        return self.run_block(x, positions, k, v, mask[..., :s], mask[..., s:], return_layers=return_layers)

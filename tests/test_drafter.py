@@ -1,0 +1,511 @@
+"""DSpark / DFlash drafters against the upstream reference fixture (float32).
+
+Group b: one DSpark round from the prompt's features. Group c: every round of a full greedy
+speculative generation, with the context built incrementally through the context cache.
+Group e: the cache-free training forward. Plus a z-lab DFlash checkpoint built from the same
+weights, export / reload, the Qwen3-4B-shaped parameter counts, and bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from sparkjax import draft
+from sparkjax.config import DrafterConfig
+from sparkjax.convert import (
+    DRAFTER_KEYS,
+    SafetensorsFile,
+    _checkpoint_shape,
+    load_drafter,
+    param_keys,
+    save_drafter,
+)
+from sparkjax.errors import (
+    ArgumentError,
+    CheckpointError,
+    ConfigError,
+    IncompatiblePairError,
+    SparkjaxError,
+)
+from sparkjax.nn.drafter import Drafter
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")
+DRAFTER_DIR = os.path.join(FIX, "drafter")
+TARGET_DIR = os.path.join(FIX, "target")
+
+LOGIT_TOL = dict(rtol=1e-4, atol=1e-4)
+PRENORM_TOL = dict(rtol=1e-5, atol=2e-4)
+
+
+def close(actual, expected, tol=LOGIT_TOL, what=""):
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32), err_msg=what, **tol)
+
+
+def jit_with(fn, *modules):
+    """``fn(*modules, *args)`` jitted over the modules' split state (one compile per arg shapes)."""
+    split = [nnx.split(m) for m in modules]
+    graphdefs = [g for g, _ in split]
+    states = [s for _, s in split]
+
+    @jax.jit
+    def run(states, *args):
+        return fn(*(nnx.merge(g, s) for g, s in zip(graphdefs, states, strict=True)), *args)
+
+    return lambda *args: run(states, *args)
+
+
+# ``ref`` (the reference tensors) and ``fixture_target`` come from conftest.py (session-scoped).
+
+
+@pytest.fixture(scope="module")
+def target(fixture_target):
+    return fixture_target
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return load_drafter(DRAFTER_DIR, target=target)
+
+
+@pytest.fixture(scope="module")
+def fns(drafter):
+    """The jitted drafting pieces of the DSpark fixture drafter."""
+
+    def round_fn(d, ctx, x0, start, prev):
+        blk = draft.draft_block(d, ctx, x0, start, return_layers=True)
+        chain = draft.markov_chain(d, blk.logits, blk.hidden, x0)
+        forced = blk.logits + draft.markov_bias(d, blk.hidden, prev)
+        return blk, chain, forced, draft.confidence(d, blk.hidden, prev), draft.confidence(
+            d, blk.hidden, draft.chain_prev(x0, chain.tokens)
+        )
+
+    return dict(
+        append=jit_with(draft.append_context, drafter),
+        round=jit_with(round_fn, drafter),
+    )
+
+
+# ----------------------------------------------------------------------------- group b
+
+
+def test_round0_matches_reference(ref, drafter, fns):
+    cfg = drafter.config
+    feats = jnp.asarray(ref["b.context_features"])
+    p = feats.shape[1]
+    ctx = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([p]))
+    assert int(ctx.lengths[0]) == p
+
+    close(drafter.project_context(feats), ref["b.context_projected"], what="hidden_norm(fc(features))")
+    # cache rows [L, B, S, K, H] vs DynamicCache [L, B, K, S, H] after crop(start): context only
+    close(jnp.swapaxes(ctx.k, 2, 3)[:, :, :, :p], ref["b.drafter_cache_keys"], what="context keys")
+    close(jnp.swapaxes(ctx.v, 2, 3)[:, :, :, :p], ref["b.drafter_cache_values"], what="context values")
+
+    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+    np.testing.assert_array_equal(draft.block_tokens(drafter, x0), ref["b.draft_input_ids"])
+    positions = ref["b.draft_position_ids"][0]
+    np.testing.assert_array_equal(positions[p:], p + np.arange(cfg.block_size))
+
+    prev = jnp.asarray(ref["b.markov_prev_ids"], jnp.int32)
+    blk, chain, forced, conf_forced, conf_chain = fns["round"](ctx, x0, jnp.array([p]), prev)
+    close(blk.layers, ref["b.drafter_layer_outputs"], PRENORM_TOL, "per-layer outputs")
+    close(blk.hidden, ref["b.block_hidden"], what="block hidden")
+    assert blk.logits.dtype == jnp.float32 and blk.logits.shape == (1, cfg.block_size, cfg.vocab_size)
+    close(blk.logits, ref["b.base_logits"], what="base logits")
+    close(forced - blk.logits, ref["b.markov_bias"], what="markov bias")
+    close(chain.logits, ref["b.corrected_logits"], what="corrected logits")
+    np.testing.assert_array_equal(chain.tokens, ref["b.draft_tokens"])
+    np.testing.assert_array_equal(draft.chain_prev(x0, chain.tokens), ref["b.markov_prev_ids"])
+    close(conf_chain, ref["b.confidence_logits"], what="confidence logits")
+    close(conf_forced, ref["b.confidence_logits"], what="confidence logits (given prev ids)")
+    verify = np.concatenate([np.asarray(x0)[:, None], np.asarray(chain.tokens)], axis=1)
+    np.testing.assert_array_equal(verify, ref["b.verify_input_ids"])
+
+
+# ----------------------------------------------------------------------------- group c
+
+
+def test_all_rounds_with_incremental_context(ref, target, drafter, fns):
+    cfg = drafter.config
+    g = cfg.block_size
+    out_ids = ref["c.spec_output_ids"]
+    n_tok = out_ids.shape[1]
+    # the target's features of every committed position, computed causally in one pass
+    tout = target(jnp.asarray(out_ids, jnp.int32), jnp.arange(n_tok, dtype=jnp.int32)[None],
+                  hidden_layers=cfg.target_layer_ids, compute_logits=False)
+    feats = draft.features_from_hidden(tout.hidden)
+    p = ref["b.context_features"].shape[1]
+    close(feats[:, :p], ref["b.context_features"], what="target features of the prompt")
+    feats = jnp.pad(feats, ((0, 0), (0, g + 1), (0, 0)))  # room for the last round's A = G + 1 rows
+
+    starts, accs = ref["c.round_start"], ref["c.acceptance_lengths"]
+    ctx = fns["append"](draft.init_context(drafter, 1, 128), feats[:, :p], jnp.array([p]))
+    chain_matches = 0
+    for r in range(len(starts)):
+        start = int(starts[r])
+        assert int(ctx.lengths[0]) == start == int(ref["c.round_drafter_cache_len_after"][r])
+        x0 = jnp.asarray(out_ids[:, start], jnp.int32)
+        np.testing.assert_array_equal(draft.block_tokens(drafter, x0), ref["c.round_draft_input_ids"][r:r + 1])
+        verify = ref["c.round_verify_input_ids"][r]
+        blk, chain, forced, conf, _ = fns["round"](ctx, x0, jnp.array([start]), jnp.asarray(verify[None, :g]))
+        close(blk.logits[0], ref["c.round_base_logits"][r], what=f"round {r} base logits")
+        # the upstream chain's corrected logits, conditioned on its own prev ids
+        close(forced[0], ref["c.round_corrected_logits"][r], what=f"round {r} corrected logits")
+        close(conf[0], ref["c.round_confidence_logits"][r], what=f"round {r} confidence logits")
+        # our greedy chain equals upstream's at every decisive slot (accepted drafts + the first rejected)
+        n = int(accs[r]) - 1
+        decisive = min(n + 1, g)
+        np.testing.assert_array_equal(np.asarray(chain.tokens[0, :decisive]), verify[1:decisive + 1])
+        agree = int(np.cumprod(np.asarray(chain.tokens[0]) == verify[1:]).sum())
+        close(chain.logits[0, : min(agree + 1, g)], ref["c.round_corrected_logits"][r][: min(agree + 1, g)])
+        chain_matches += agree == g
+        # commit: the target features of positions start .. start + n join the context
+        assert int(ref["c.round_context_len"][r]) == (p if r == 0 else int(accs[r - 1]))
+        ctx = fns["append"](ctx, jax.lax.dynamic_slice_in_dim(feats, start, g + 1, axis=1), jnp.array([n + 1]))
+    assert chain_matches >= len(starts) - 2  # non-decisive flips are allowed, but should be rare
+    assert int(ctx.lengths[0]) == int(starts[-1]) + int(accs[-1])
+
+
+def test_context_cache_batching_and_scratch(ref, drafter, fns):
+    """Ragged prompts in one batch equal separate runs; scratch rows and overflow stay invisible."""
+    feats = jnp.asarray(ref["b.context_features"])
+    p = feats.shape[1]
+    short = p - 5
+    batch_feats = jnp.concatenate([feats, feats.at[:, short:].set(37.0)], axis=0)  # row 1: garbage past length
+    ctx2 = fns["append"](draft.init_context(drafter, 2, 64), batch_feats, jnp.array([p, short]))
+    assert ctx2.lengths.tolist() == [p, short]
+    x0 = jnp.asarray([int(ref["b.first_token"][0]), 17], jnp.int32)
+    prev = jnp.zeros((2, drafter.config.block_size), jnp.int32)
+    blk2, chain2, *_ = fns["round"](ctx2, x0, ctx2.lengths, prev)
+
+    ctx_a = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([p]))
+    ctx_b = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([short]))  # same rows, shorter count
+    blk_a, chain_a, *_ = fns["round"](ctx_a, x0[:1], jnp.array([p]), prev[:1])
+    blk_b, chain_b, *_ = fns["round"](ctx_b, x0[1:], jnp.array([short]), prev[:1])
+    close(blk2.logits[0], blk_a.logits[0], dict(rtol=1e-5, atol=1e-5))
+    close(blk2.logits[1], blk_b.logits[0], dict(rtol=1e-5, atol=1e-5))
+    np.testing.assert_array_equal(chain2.tokens, np.concatenate([chain_a.tokens, chain_b.tokens]))
+    assert not np.allclose(blk2.logits[0], blk2.logits[1], atol=1e-2)
+
+    # appending past the end drops the overflow rows without touching committed slots
+    small = fns["append"](draft.init_context(drafter, 1, 30), feats, jnp.array([p]))
+    grown = draft.append_context(drafter, small, feats[:, :17], jnp.array([3]))
+    assert int(grown.lengths[0]) == p + 3
+    np.testing.assert_array_equal(grown.k[:, :, :p], small.k[:, :, :p])
+    k_ref, _ = drafter.context_kv(feats[:, :3], jnp.arange(p, p + 3)[None])
+    close(grown.k[:, :, p:p + 3], k_ref, dict(rtol=1e-6, atol=1e-6))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_markov_chain_sampling_draws_from_returned_logits(ref, drafter, fns):
+    feats = jnp.asarray(ref["b.context_features"])
+    p = feats.shape[1]
+    ctx = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([p]))
+    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+    blk, greedy, *_ = fns["round"](ctx, x0, jnp.array([p]), jnp.zeros((1, 16), jnp.int32))
+    temp = 1.5
+    n = 4000
+
+    @jax.jit
+    def sample(keys, t):
+        def one(k):
+            c = draft.markov_chain(drafter, blk.logits, blk.hidden, x0, t, k)
+            forced = blk.logits + draft.markov_bias(drafter, blk.hidden, draft.chain_prev(x0, c.tokens))
+            return c.tokens[0], c.logits[0], forced[0]
+
+        return jax.vmap(one)(keys)
+
+    tokens, logits, forced = sample(jax.random.split(jax.random.key(0), n), jnp.float32(temp))
+    # every position's logits are the Markov correction for the token actually drawn before it
+    close(logits, forced, dict(rtol=1e-5, atol=1e-5))
+    # the first slot's draws follow q = softmax(logits / T)
+    q = np.asarray(jax.nn.softmax(logits[0, 0] / temp))
+    freq = np.bincount(np.asarray(tokens[:, 0]), minlength=q.shape[0]) / n
+    assert np.all(np.abs(freq - q) <= 5 * np.sqrt(q * (1 - q) / n) + 2e-3)
+    assert len(np.unique(np.asarray(tokens[:, 0]))) > 1
+    # a traced T = 0 is greedy
+    t0, l0, _ = sample(jax.random.split(jax.random.key(1), 2), jnp.float32(0.0))
+    np.testing.assert_array_equal(t0[0], greedy.tokens[0])
+    close(l0[1], greedy.logits[0], dict(rtol=1e-6, atol=1e-6))
+    with pytest.raises(ArgumentError, match="key"):
+        draft.markov_chain(drafter, blk.logits, blk.hidden, x0, 0.7)
+
+
+def test_markov_features_and_w2_build_the_bias(ref, drafter, fns):
+    feats = jnp.asarray(ref["b.context_features"])
+    ctx = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([feats.shape[1]]))
+    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+    blk, *_ = fns["round"](ctx, x0, ctx.lengths, jnp.zeros((1, 16), jnp.int32))
+    cands = jnp.asarray(np.random.default_rng(0).integers(0, 320, (1, 16, 5)), jnp.int32)
+    f = draft.markov_features(drafter, blk.hidden, cands)
+    w2 = draft.markov_w2(drafter)
+    assert f.shape == (1, 16, 5, drafter.config.markov_rank) and w2.shape == (320, drafter.config.markov_rank)
+    table = jnp.einsum("bgcr,vr->bgcv", f, w2)
+    for c in range(5):
+        close(table[:, :, c], draft.markov_bias(drafter, blk.hidden, cands[..., c]), dict(rtol=1e-5, atol=1e-5))
+    close(f, drafter.markov_head.markov_w1.weight[...][cands], dict(rtol=0, atol=0))  # vanilla: W1[prev]
+
+
+def test_gated_markov_head(ref, drafter):
+    """Gated head: f = W1[prev] * sigmoid(gate_proj([h ; W1[prev]])) with DeepSpec's gate_proj."""
+    cfg = DrafterConfig.from_hf_config({**json.loads(drafter.config.hf_json), "markov_head_type": "gated"})
+    gated = Drafter(cfg, rngs=nnx.Rngs(3))
+    h = jax.random.normal(jax.random.key(0), (2, 16, cfg.hidden_size))
+    prev = jax.random.randint(jax.random.key(1), (2, 16, 3), 0, cfg.vocab_size)
+    f = draft.markov_features(gated, h, prev)
+    e = gated.markov_head.markov_w1.weight[...][prev]
+    gate_in = jnp.concatenate([jnp.broadcast_to(h[:, :, None], (2, 16, 3, cfg.hidden_size)), e], axis=-1)
+    want = e * jax.nn.sigmoid(gate_in @ gated.markov_head.gate_proj.kernel[...] + gated.markov_head.gate_proj.bias[...])
+    close(f, want, dict(rtol=1e-5, atol=1e-6))
+    keys = {k for _, k, _ in param_keys(nnx.state(gated, nnx.Param), DRAFTER_KEYS)}
+    assert {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"} <= keys
+
+
+def test_drafter_without_heads(ref, drafter):
+    """markov_rank 0 and no confidence head: the chain is the per-slot choice on the base logits."""
+    base_cfg = json.loads(drafter.config.hf_json)
+    cfg = DrafterConfig.from_hf_config({**base_cfg, "markov_rank": 0, "enable_confidence_head": False})
+    assert not cfg.has_markov and not cfg.has_confidence
+    plain = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0)))
+    assert plain.markov_head is None and plain.confidence_head is None
+    base = jnp.asarray(ref["b.base_logits"])
+    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+    chain = draft.markov_chain(plain, base, jnp.asarray(ref["b.block_hidden"]), x0)
+    np.testing.assert_array_equal(chain.tokens, np.argmax(ref["b.base_logits"], axis=-1))
+    np.testing.assert_array_equal(chain.logits, ref["b.base_logits"])
+    with pytest.raises(ArgumentError, match="confidence head"):
+        draft.confidence(plain, base, chain.tokens)
+    with pytest.raises(ArgumentError, match="Markov head"):
+        draft.markov_w2(plain)
+
+
+# ----------------------------------------------------------------------------- group e (training forward)
+
+
+def test_training_forward_matches_reference(ref, drafter):
+    hs = jnp.asarray(ref["e.target_hidden_states"])
+    s = hs.shape[1]
+    pos = jnp.asarray(ref["e.full_position_ids"], jnp.int32)
+    fwd = jit_with(lambda d, *a: d(*a), drafter)
+    out = fwd(hs, pos[:, :s], jnp.asarray(ref["e.noise_input_ids"], jnp.int32), pos[:, s:],
+              jnp.asarray(ref["e.attention_mask_dense"]))
+    close(out.hidden, ref["e.output_hidden"], what="training backbone output")
+    b, a, g = ref["e.target_ids"].shape
+    hidden = out.hidden.reshape(b, a, g, -1)
+    base = drafter.logits(hidden)
+    close(base, ref["e.base_draft_logits"], what="training base logits")
+    anchor_tok = np.take_along_axis(ref["e.input_ids"], ref["e.anchor_positions"], axis=1)
+    prev = jnp.asarray(np.concatenate([anchor_tok[..., None], ref["e.target_ids"][..., :-1]], axis=-1), jnp.int32)
+    flat = lambda x: x.reshape(b * a, g, *x.shape[3:])  # noqa: E731
+    corrected = flat(base) + draft.markov_bias(drafter, flat(hidden), flat(prev))
+    close(corrected, flat(ref["e.draft_logits"]), what="training corrected logits")
+    close(draft.confidence(drafter, flat(hidden), flat(prev)), flat(ref["e.confidence_pred"]), what="confidence")
+    with pytest.raises(ArgumentError, match="mask"):
+        drafter(hs, pos[:, :s], jnp.asarray(ref["e.noise_input_ids"]), pos[:, s:], jnp.ones((2, 128, 100), bool))
+
+
+# ----------------------------------------------------------------------------- DFlash
+
+
+def write_dflash(folder, *, drop_dflash_config=False):
+    """A z-lab-format DFlash checkpoint made of the fixture drafter's backbone."""
+    os.makedirs(folder)
+    src = json.load(open(os.path.join(DRAFTER_DIR, "config.json")))
+    cfg = {k: v for k, v in src.items() if k not in (
+        "block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
+        "enable_confidence_head", "confidence_head_with_markov", "num_anchors")}
+    cfg.update(architectures=["DFlashDraftModel"], block_size=src["block_size"])
+    if not drop_dflash_config:
+        cfg["dflash_config"] = {"target_layer_ids": src["target_layer_ids"], "mask_token_id": src["mask_token_id"]}
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    tensors = load_file(os.path.join(DRAFTER_DIR, "model.safetensors"))
+    keep = {k: v for k, v in tensors.items()
+            if not k.startswith(("embed_tokens", "lm_head", "markov_head", "confidence_head"))}
+    save_file(keep, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_dflash_checkpoint_drafts_with_dflash_alignment(ref, tmp_path, target, drafter, fns):
+    folder = write_dflash(str(tmp_path / "dflash"))
+    dfl = load_drafter(folder, target=target)
+    cfg = dfl.config
+    assert cfg.kind == "dflash" and dfl.embed_tokens is None and dfl.lm_head is None
+    assert cfg.num_drafts == cfg.block_size - 1 and drafter.config.num_drafts == cfg.block_size
+    # the DSpark fixture's own embedding / head are the target's (frozen copies), so both paths agree
+    np.testing.assert_array_equal(drafter.embed_tokens.embedding[...], target.embed_tokens.embedding[...])
+    np.testing.assert_array_equal(drafter.lm_head.weight[...], target.embed_tokens.embedding[...])
+
+    feats = jnp.asarray(ref["b.context_features"])
+    p = feats.shape[1]
+    ctx = draft.append_context(dfl, draft.init_context(dfl, 1, 64), feats, jnp.array([p]))
+    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+
+    def run(d, t, ctx, x0, start):
+        blk = draft.draft_block(d, ctx, x0, start, t)
+        return blk, draft.argmax_chain(d, blk.logits)
+
+    blk, chain = jit_with(run, dfl, target)(ctx, x0, jnp.array([p]))
+    close(blk.logits, ref["b.base_logits"], what="DFlash logits (target embed/head) vs DSpark path")
+    assert chain.tokens.shape == (1, cfg.block_size - 1)
+    np.testing.assert_array_equal(chain.tokens, np.argmax(ref["b.base_logits"][:, 1:], axis=-1))
+    close(draft.aligned_logits(dfl, blk.logits), ref["b.base_logits"][:, 1:])
+    ds_chain = draft.argmax_chain(drafter, jnp.asarray(ref["b.base_logits"]))
+    np.testing.assert_array_equal(ds_chain.tokens, np.argmax(ref["b.base_logits"], axis=-1))
+    sampled = draft.sample_chain(dfl, blk.logits, 1.0, jax.random.key(0))
+    assert sampled.tokens.shape == (1, cfg.block_size - 1)
+
+    with pytest.raises(ArgumentError, match="target"):
+        draft.draft_block(dfl, ctx, x0, jnp.array([p]))
+    with pytest.raises(ArgumentError, match="argmax_chain"):
+        draft.markov_chain(dfl, blk.logits, blk.hidden, x0)
+    # export keeps the z-lab format and reloads to the same drafter
+    out = save_drafter(dfl, str(tmp_path / "dflash_out"))
+    again = load_drafter(out, target=target)
+    assert again.config == cfg and json.load(open(os.path.join(out, "config.json")))["dflash_config"] == {
+        "target_layer_ids": [1, 3], "mask_token_id": 300}
+    assert set(SafetensorsFile(os.path.join(out, "model.safetensors")).keys()) == set(
+        SafetensorsFile(os.path.join(folder, "model.safetensors")).keys())
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_export_roundtrip(tmp_path, target, drafter, ref, fns):
+    out = save_drafter(drafter, str(tmp_path / "exported"))
+    orig = SafetensorsFile(os.path.join(DRAFTER_DIR, "model.safetensors"))
+    new = SafetensorsFile(os.path.join(out, "model.safetensors"))
+    assert new.keys() == orig.keys()  # same names, same (sorted) order
+    for k in orig.keys():
+        assert new.entries[k][:2] == orig.entries[k][:2], k  # dtype, shape
+        np.testing.assert_array_equal(new.get(k), orig.get(k), err_msg=k)
+    assert new.metadata == orig.metadata
+    original_config = json.load(open(os.path.join(DRAFTER_DIR, "config.json")))
+    assert json.load(open(os.path.join(out, "config.json"))) == original_config
+
+    again = load_drafter(out, target=target)
+    assert again.config == drafter.config
+    feats = jnp.asarray(ref["b.context_features"])
+    ctx = draft.append_context(again, draft.init_context(again, 1, 64), feats, jnp.array([feats.shape[1]]))
+    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+    blk = draft.draft_block(again, ctx, x0, ctx.lengths)
+    blk_ref = draft.draft_block(drafter, ctx, x0, ctx.lengths)
+    np.testing.assert_array_equal(blk.logits, blk_ref.logits)
+    close(blk.logits, ref["b.base_logits"])
+
+    with pytest.raises(ArgumentError, match="exists"):
+        save_drafter(drafter, out)
+    # bfloat16 export: every tensor converted, config dtype updated, loads back as bf16
+    out16 = save_drafter(drafter, str(tmp_path / "bf16"), dtype="bfloat16")
+    f16 = SafetensorsFile(os.path.join(out16, "model.safetensors"))
+    assert {f16.entries[k][0] for k in f16.keys()} == {ml_dtypes.bfloat16}
+    assert json.load(open(os.path.join(out16, "config.json")))["dtype"] == "bfloat16"
+    d16 = load_drafter(out16, target=target)
+    assert d16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(d16.fc.kernel[...]).astype(np.float32),
+        np.asarray(drafter.fc.kernel[...]).astype(ml_dtypes.bfloat16).astype(np.float32),
+    )
+
+
+# ----------------------------------------------------------------------------- real size
+
+
+def test_qwen3_4b_b16_parameter_counts():
+    cfg = DrafterConfig.from_hf_config(os.path.join(FIX, "configs", "dspark_qwen3_4b_b16_config.json"))
+    expect = json.load(open(os.path.join(FIX, "configs", "dspark_qwen3_4b_b16_param_counts.json")))
+    abstract = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    state = nnx.state(abstract, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    groups: dict[str, int] = defaultdict(int)
+    shapes = {}
+    for path, key, layout in param_keys(state, DRAFTER_KEYS):
+        shape = tuple(flat[path].get_value().shape)
+        shapes[key] = list(_checkpoint_shape(layout, shape))
+        groups[re.sub(r"^layers\.\d+\.", "layers.*.", key)] += int(np.prod(shape))
+    assert dict(groups) == expect["groups"]
+    assert shapes == {k: v[0] for k, v in expect["per_tensor"].items()}
+    assert sum(groups.values()) == expect["total"]
+    # a config built without its original file writes a config.json that parses back to itself
+    fresh = dataclasses.replace(cfg, hf_json="")
+    assert DrafterConfig.from_hf_config(fresh.to_hf_dict()) == cfg
+    dflash = dataclasses.replace(fresh, kind="dflash", markov_rank=0, markov_head_type=None, num_anchors=None,
+                                 enable_confidence_head=False, confidence_head_with_markov=False)
+    assert DrafterConfig.from_hf_config(dflash.to_hf_dict()) == dflash
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def drafter_copy(tmp_path, edit_config=None, edit_tensors=None):
+    folder = str(tmp_path / "bad")
+    shutil.copytree(DRAFTER_DIR, folder)
+    if edit_config:
+        path = os.path.join(folder, "config.json")
+        cfg = json.load(open(path))
+        edit_config(cfg)
+        json.dump(cfg, open(path, "w"))
+    if edit_tensors:
+        path = os.path.join(folder, "model.safetensors")
+        tensors = load_file(path)
+        edit_tensors(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize(
+    "edit_config, edit_tensors, error, pattern",
+    [
+        (lambda c: c.update(hidden_size=48), None, IncompatiblePairError, "hidden_size"),
+        (lambda c: c.update(vocab_size=330), None, IncompatiblePairError, "vocab_size"),
+        (lambda c: c.update(target_layer_ids=[1, 5]), None, IncompatiblePairError, "target_layer_ids.*final"),
+        (lambda c: c.update(target_layer_ids=[1, 7]), None, IncompatiblePairError, "target_layer_ids.*outside"),
+        (lambda c: c.update(target_layer_ids=[-2, 1]), None, ConfigError, "target_layer_ids"),
+        (lambda c: c.update(num_target_layers=8), None, IncompatiblePairError, "num_target_layers"),
+        (lambda c: c.update(mask_token_id=320), None, ConfigError, "mask_token_id"),
+        (lambda c: c.update(markov_head_type="rnn"), None, ConfigError, "markov_head_type.*rnn"),
+        (lambda c: c.pop("markov_rank"), None, ConfigError, "markov_rank"),
+        (None, lambda t: t.pop("markov_head.markov_w2.weight"), CheckpointError, "markov_head.markov_w2.weight"),
+        (None, lambda t: t.update({"embed_tokens.weight": np.zeros((321, 64), np.float32)}),
+         IncompatiblePairError, "embed_tokens.weight"),
+        (None, lambda t: t.update({"fc.weight": np.zeros((64, 96), np.float32)}), CheckpointError, "fc.weight"),
+    ],
+)
+def test_bad_drafter_raises(tmp_path, target, edit_config, edit_tensors, error, pattern):
+    folder = drafter_copy(tmp_path, edit_config, edit_tensors)
+    with pytest.raises(error, match=pattern) as info:
+        load_drafter(folder, target=target)
+    assert isinstance(info.value, SparkjaxError)
+    msg = str(info.value)
+    assert folder in msg  # names the drafter's file
+    if error is IncompatiblePairError:
+        assert TARGET_DIR in msg  # and the target's
+
+
+def test_bad_dflash_and_unknown_format(tmp_path, target):
+    folder = write_dflash(str(tmp_path / "nocfg"), drop_dflash_config=True)
+    with pytest.raises(ConfigError, match="dflash_config") as info:
+        load_drafter(folder, target=target)
+    assert folder in str(info.value)
+    with pytest.raises(ConfigError, match="DFlash 2"):
+        DrafterConfig.from_hf_config({"architectures": ["DFlash2DraftModel"], "dflash_config": {}})
+    base = json.load(open(os.path.join(DRAFTER_DIR, "config.json")))
+    plain = {k: v for k, v in base.items() if k not in ("markov_rank", "enable_confidence_head")}
+    plain["architectures"] = ["Qwen3ForCausalLM"]
+    with pytest.raises(ConfigError, match="cannot tell the drafter format"):
+        DrafterConfig.from_hf_config(plain, source="plain.json")
+    with pytest.raises(ConfigError, match="confidence_head_with_markov"):
+        DrafterConfig.from_hf_config({**base, "markov_rank": 0})
