@@ -1,0 +1,269 @@
+"""The speculative decoding engine: exactness, upstream parity, lossless sampling, no host sync, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sparkjax
+from sparkjax.config import DrafterConfig, Qwen3Config
+from sparkjax.convert import load_drafter
+from sparkjax.decode import generate, launch, stream
+from sparkjax.nn.drafter import Drafter
+from sparkjax.nn.qwen3 import Qwen3
+
+TREES = ("ddtree", "sparklingtree", "sparklingtree-beam")
+
+
+@pytest.fixture(scope="module")
+def pair(fixture_target, fixture_dir):
+    return fixture_target, load_drafter(fixture_dir / "drafter", target=fixture_target)
+
+
+@pytest.fixture(scope="module")
+def prompts3(ref):
+    p = ref["a.prompt_ids"][0].tolist()
+    rng = np.random.default_rng(7)
+    return [p, rng.integers(0, 300, 13).tolist(), p[:19]]
+
+
+@pytest.fixture(scope="module")
+def ar3(pair, prompts3):
+    return generate(pair[0], None, prompts3, max_new_tokens=40).tokens
+
+
+CASES = [("dflash", None), ("dspark", None)] + [
+    (m, b) for m in TREES for b in (1, 8, 64) if not (m == "sparklingtree-beam" and b == 1)
+]
+
+
+@pytest.mark.parametrize("method,budget", CASES, ids=[f"{m}-{b}" for m, b in CASES])
+def test_greedy_equals_ar_on_fixture_pair(pair, prompts3, ar3, method, budget):
+    target, drafter = pair
+    kw = {} if budget is None else {"budget": budget}
+    out = generate(target, drafter, prompts3, method=method, max_new_tokens=40, **kw)
+    assert out.tokens == ar3
+    for lens, toks in zip(out.acceptance_lengths, out.tokens, strict=True):
+        assert 1 <= min(lens) and max(lens) <= drafter.config.num_drafts + 1
+        assert sum(lens) >= len(toks) - 1  # the prefill token plus what the rounds committed (last may overshoot)
+    if method in ("dspark", "sparklingtree") and budget != 1:
+        assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
+
+
+def test_dspark_reproduces_upstream_rounds(pair, ref):
+    """DeepSpec's loop runs a round while fewer than max_new tokens precede x_start, so its 64-token run
+    equals our 65-token run round for round (ours stops as soon as 64 tokens are out)."""
+    target, drafter = pair
+    prompt = ref["a.prompt_ids"]
+    out = generate(target, drafter, prompt, method="dspark", max_new_tokens=65)
+    assert out.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()
+    assert out.tokens[0][:64] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
+    out64 = generate(target, drafter, prompt, method="dspark", max_new_tokens=64)
+    assert out64.tokens[0] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
+    assert out64.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()[:-1]
+    hits = np.zeros(drafter.config.num_drafts, int)
+    for a in out64.acceptance_lengths[0]:
+        hits[: a - 1] += 1
+    assert out64.accepted_per_depth[0] == hits.tolist()
+
+
+def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
+    """EOS committed in the middle of a multi-token round stops that sequence right there.
+
+    Same batch and lengths as the exactness runs above, so the compiled programs are reused."""
+    target, drafter = pair
+    base = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=40)
+    toks, lens = base.tokens[0], base.acceptance_lengths[0]
+    # a token committed strictly inside a multi-token round, at its first occurrence in sequence 0
+    starts = np.cumsum([1] + lens[:-1])  # index in `toks` of each round's first committed token
+    inside = [j for s, a in zip(starts, lens, strict=True) for j in range(s, min(s + a - 1, len(toks)))]
+    choice = next(j for j in inside if toks.index(toks[j]) == j)
+    eos = toks[choice]
+    ar = generate(target, None, prompts3, max_new_tokens=40, eos_token_ids=eos).tokens
+    assert ar[0] == toks[: choice + 1]
+    assert ar == [t[: t.index(eos) + 1] if eos in t else t for t in ar3]
+    for method, kw in (("sparklingtree", {"budget": 8}), ("dspark", {})):
+        out = generate(target, drafter, prompts3, method=method, max_new_tokens=40, eos_token_ids=[eos], **kw)
+        assert out.tokens == ar, method
+
+
+def test_batch_one_equals_batch_three(pair, prompts3, ar3):
+    target, drafter = pair
+    out = generate(target, drafter, [prompts3[0]], method="sparklingtree", budget=8, max_new_tokens=40)
+    assert out.tokens == [ar3[0]]
+
+
+def test_stream_and_instrumented_match_generate(pair, prompts3, ar3):
+    target, drafter = pair
+    chunks = list(stream(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=40))
+    joined = [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)]
+    assert joined == ar3
+    assert len(chunks) > 2
+    inst = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=40, instrument=True)
+    assert inst.tokens == ar3
+    assert set(inst.stage_seconds) == {"draft", "tree", "verify", "commit"}
+    assert all(v > 0 for v in inst.stage_seconds.values())
+
+
+def test_no_device_to_host_transfer_during_generation(pair, prompts3):
+    target, drafter = pair
+    kw = dict(method="sparklingtree", budget=8, max_new_tokens=40)
+    jax.block_until_ready(launch(target, drafter, prompts3, **kw))  # warm-up: compile
+    with jax.transfer_guard_device_to_host("disallow"):
+        res = launch(target, drafter, prompts3, **kw)
+        jax.block_until_ready(res)
+    assert int(np.asarray(res[1]).min()) == 40
+
+
+# ----------------------------------------------------------------------------- random pairs, sampling
+
+
+def _random_pair(vocab=16, seed=0, markov=True, block=4):
+    tcfg = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                       tie_word_embeddings=True)
+    target = Qwen3(tcfg, rngs=nnx.Rngs(seed))
+    # sharpen the random target so its distributions are far from uniform
+    nnx.update(target, jax.tree.map(lambda x: x * 8.0, nnx.state(target.embed_tokens, nnx.Param)))
+    fields = {f.name: getattr(tcfg, f.name) for f in dataclasses.fields(Qwen3Config)}
+    dcfg = DrafterConfig(**{**fields, "num_hidden_layers": 1, "tie_word_embeddings": False}, kind="dspark",
+                         block_size=block, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_target_layers=3,
+                         markov_rank=4 if markov else 0, markov_head_type="vanilla" if markov else None)
+    drafter = Drafter(dcfg, rngs=nnx.Rngs(seed + 100))
+    if markov:
+        head = drafter.markov_head
+        nnx.update(head, jax.tree.map(lambda x: x * 30.0, nnx.state(head, nnx.Param)))
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def random_pair():
+    return _random_pair()
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam"])
+def test_greedy_equals_ar_on_random_pair(random_pair, method):
+    target, drafter = random_pair
+    prompts = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
+    ar = generate(target, None, prompts, max_new_tokens=30).tokens
+    kw = {"budget": 8} if method in TREES else {}
+    out = generate(target, drafter, prompts, method=method, max_new_tokens=30, **kw)
+    assert out.tokens == ar
+
+
+def _exact_joint(target, prompt, vocab, temperature):
+    """The target's exact distribution of the first three generated tokens [V, V, V]."""
+    p = np.asarray(prompt, np.int32)
+    grid = np.array(list(itertools.product(range(vocab), repeat=2)), np.int32)  # [V^2, 2]
+    seqs = np.concatenate([np.broadcast_to(p, (len(grid), len(p))), grid], axis=1)
+    pos = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
+    logits = np.asarray(target(jnp.asarray(seqs), jnp.asarray(pos)).logits, np.float64) / temperature
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    n = len(p)
+    p1 = probs[0, n - 1]  # [V]
+    p2 = probs[:: vocab, n].reshape(vocab, vocab)  # rows: x1 (x2 arbitrary in grid) -> p(x2 | x1)
+    p3 = probs[:, n + 1].reshape(vocab, vocab, vocab)  # p(x3 | x1, x2)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _chi2_pvalue(counts, probs):
+    from scipy import stats
+
+    counts, probs = counts.ravel(), probs.ravel()
+    n = counts.sum()
+    big = probs * n >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(probs[big] * n, probs[~big].sum() * n)
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+@pytest.mark.parametrize(
+    "method,temperature", [("sparklingtree", 1.0), ("ddtree", 1.0), ("dspark", 1.0), ("dflash", 1.0),
+                           ("sparklingtree-beam", 1.0), ("dspark", 0.6)]
+)
+def test_sampling_is_lossless(random_pair, method, temperature):
+    target, drafter = random_pair
+    vocab = target.config.vocab_size
+    prompt = [3, 1, 4, 1, 5]
+    n = 6000
+    kw = {"budget": 6} if method in TREES else {}
+    out = generate(target, drafter, [prompt] * n, method=method, max_new_tokens=3, temperature=temperature,
+                   seed=11, **kw)
+    samples = np.array(out.tokens)
+    assert samples.shape == (n, 3)
+    exact = _exact_joint(target, prompt, vocab, temperature)
+    accepted = sum(a - 1 for lens in out.acceptance_lengths for a in lens)
+    assert accepted > n // 10, "the drafter should be accepted sometimes, or the test checks nothing"
+    counts12 = np.zeros((vocab, vocab))
+    np.add.at(counts12, (samples[:, 0], samples[:, 1]), 1)
+    counts23 = np.zeros((vocab, vocab))
+    np.add.at(counts23, (samples[:, 1], samples[:, 2]), 1)
+    # false failure rate: two tests at 2e-4 each
+    assert _chi2_pvalue(counts12, exact.sum(2)) > 2e-4
+    assert _chi2_pvalue(counts23, exact.sum(0)) > 2e-4
+
+
+def test_sampling_is_seeded(random_pair):
+    target, drafter = random_pair
+    a = generate(target, drafter, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
+                 temperature=1.0, seed=5)
+    b = generate(target, drafter, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
+                 temperature=1.0, seed=5)
+    c = generate(target, drafter, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
+                 temperature=1.0, seed=6)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_arguments(pair):
+    target, drafter = pair
+    p = [[1, 2, 3]]
+    with pytest.raises(sparkjax.ArgumentError, match="cache_size"):
+        generate(target, drafter, [[1] * 50], method="dspark", max_new_tokens=8, cache_size=32)
+    with pytest.raises(sparkjax.ArgumentError, match="max_new_tokens"):
+        generate(target, drafter, p, method="dspark", max_new_tokens=2000)
+    with pytest.raises(sparkjax.ArgumentError, match="cache_size.*max_new_tokens"):
+        generate(target, drafter, p, method="ddtree", budget=64, max_new_tokens=40, cache_size=64)
+    with pytest.raises(sparkjax.ArgumentError, match="budget"):
+        generate(target, drafter, p, method="ddtree", budget=0)
+    with pytest.raises(sparkjax.ArgumentError, match="budget.*reachable"):
+        generate(target, drafter, p, method="sparklingtree", budget=10**9, top_c=2)
+    with pytest.raises(sparkjax.ArgumentError, match="budget"):
+        generate(target, drafter, p, method="dspark", budget=8)
+    with pytest.raises(sparkjax.ArgumentError, match="temperature"):
+        generate(target, drafter, p, method="dspark", temperature=-0.5)
+    with pytest.raises(sparkjax.ArgumentError, match="empty"):
+        generate(target, drafter, [[]], method="sparklingtree")
+    with pytest.raises(sparkjax.ArgumentError, match="drafter"):
+        generate(target, None, p, method="ddtree")
+    with pytest.raises(sparkjax.ArgumentError, match="widths"):
+        generate(target, drafter, p, method="sparklingtree-beam", budget=8, widths=(4, 4))
+
+
+def test_markov_methods_refuse_a_drafter_without_markov_head(pair):
+    target, drafter = pair
+    cfg = dataclasses.replace(drafter.config, markov_rank=0, markov_head_type=None, enable_confidence_head=False,
+                              confidence_head_with_markov=False)
+    plain = Drafter(cfg, rngs=nnx.Rngs(0))
+    for method in ("dspark", "sparklingtree", "sparklingtree-beam"):
+        with pytest.raises(sparkjax.ArgumentError, match="Markov head"):
+            generate(target, plain, [[1, 2, 3]], method=method)
+    # the non-Markov methods still work with it, and stay exact
+    ar = generate(target, None, [[1, 2, 3]], max_new_tokens=12).tokens
+    assert generate(target, plain, [[1, 2, 3]], method="ddtree", budget=4, max_new_tokens=12).tokens == ar
+
+
+def test_mismatched_pair_is_refused(pair, random_pair):
+    with pytest.raises(sparkjax.IncompatiblePairError, match="vocab"):
+        generate(pair[0], random_pair[1], [[1, 2, 3]], method="dflash")
