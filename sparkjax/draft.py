@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from .cache import ContextCache
 from .errors import ArgumentError
 from .nn.drafter import Drafter
+from .sampling import pick
 
 Array = jax.Array
 
@@ -150,16 +151,6 @@ def aligned_logits(drafter: Drafter, base_logits: Array) -> Array:
     return base_logits[:, drafter.config.first_draft_slot :]
 
 
-def _pick(logits: Array, temperature, key) -> Array:
-    """First-max argmax at T = 0, else a draw from ``softmax(logits / T)``."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if key is None:
-        return greedy
-    t = jnp.asarray(temperature, jnp.float32)
-    sampled = jax.random.categorical(key, logits / jnp.where(t > 0, t, 1.0), axis=-1).astype(jnp.int32)
-    return jnp.where(t > 0, sampled, greedy)
-
-
 def _static_greedy(temperature, key, what: str) -> bool:
     if isinstance(temperature, int | float):
         if temperature < 0:
@@ -186,7 +177,7 @@ def sample_chain(drafter: Drafter, base_logits: Array, temperature, key: Array |
         return argmax_chain(drafter, base_logits)
     logits = aligned_logits(drafter, base_logits).astype(jnp.float32)
     keys = jax.random.split(key, logits.shape[1])
-    tokens = jax.vmap(lambda lg, k: _pick(lg, temperature, k), in_axes=(1, 0), out_axes=1)(logits, keys)
+    tokens = jax.vmap(lambda lg, k: pick(lg, temperature, k), in_axes=(1, 0), out_axes=1)(logits, keys)
     return Chain(tokens, logits)
 
 
@@ -248,7 +239,7 @@ def markov_chain(
         logits, h, k = inp
         if head is not None:
             logits = logits + head.bias(head.features(h, prev[:, None])[:, 0])
-        tok = _pick(logits, temperature, None if greedy else k)
+        tok = pick(logits, temperature, None if greedy else k)
         return tok, (tok, logits)
 
     x0 = jnp.asarray(x_start, jnp.int32)
