@@ -139,7 +139,8 @@ def prefill(model, tokens: Array, lengths: Array, cache_size: int, hidden_layers
     b, p = tokens.shape
     cache = model.init_cache(b, cache_size)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = model(tokens, positions, cache=cache, hidden_layers=hidden_layers, logits_at=(lengths - 1)[:, None])
+    out = model(tokens, positions, cache=cache, hidden_layers=hidden_layers, logits_at=(lengths - 1)[:, None],
+                fresh_cache=True)
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 

@@ -96,6 +96,9 @@ def test_prefill_then_cached_steps_equal_full_forward(fixture_target):
     lengths = np.array([12, 9])
     cache = fixture_target.init_cache(2, 32)
     out = fixture_target(tokens[:, :12], pos[:, :12], cache=cache)
+    fresh = fixture_target(tokens[:, :12], pos[:, :12], cache=cache, fresh_cache=True)
+    np.testing.assert_allclose(np.asarray(fresh.logits), np.asarray(out.logits), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(fresh.cache.k), np.asarray(out.cache.k))
     cache = out.cache.with_lengths(lengths)
     got = {b: [] for b in range(2)}
     for _ in range(8):

@@ -46,14 +46,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
 
     def __call__(
-        self, x: Array, cos: Array, sin: Array, mask: Array, cache: KVCache | None, index: int
+        self, x: Array, cos: Array, sin: Array, mask: Array, cache: KVCache | None, index: int,
+        fresh: bool = False,
     ) -> tuple[Array, KVCache | None]:
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
         if cache is not None:
             cache = cache.write_layer(index, k, v)
-            k, v = cache.k[index], cache.v[index]
+            if not fresh:  # a fresh cache holds nothing before the block: attend to the block alone
+                k, v = cache.k[index], cache.v[index]
         x = x + self.self_attn.o_proj(attend(q, k, v, mask))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -104,6 +106,7 @@ class Qwen3(nnx.Module):
         hidden_layers: tuple[int, ...] = (),
         logits_at: Array | None = None,
         compute_logits: bool = True,
+        fresh_cache: bool = False,
     ) -> Qwen3Output:
         """Runs the decoder over new tokens ``[B, T]`` at ``positions`` ``[B, T]``.
 
@@ -112,7 +115,9 @@ class Qwen3(nnx.Module):
         for the caller to advance (or to :meth:`KVCache.compact`). ``mask`` is
         the ``[T, T]`` or ``[B, T, T]`` visibility among the new tokens (True =
         visible, row = query), causal when omitted. ``logits_at`` ``[B, K]``
-        restricts logits to K token indices per sequence.
+        restricts logits to K token indices per sequence. ``fresh_cache=True`` promises that the
+        cache is empty (prefill): attention then runs over the new tokens only, ``O(T^2)`` rather
+        than ``O(T * S)``, and the keys/values are still written to the cache.
         """
         n_layers = self.config.num_hidden_layers
         for lid in hidden_layers:
@@ -120,7 +125,7 @@ class Qwen3(nnx.Module):
                 raise ArgumentError(f"hidden_layers: layer id {lid} is outside [-1, {n_layers - 1}]")
         b, t = tokens.shape
         block = causal_block(t) if mask is None else mask
-        if cache is None:
+        if cache is None or fresh_cache:
             full_mask = jnp.broadcast_to(block, (b, t, t))
         else:
             full_mask = attention_mask(cache.lengths, block, cache.size)
@@ -128,7 +133,7 @@ class Qwen3(nnx.Module):
         x = self.embed_tokens(tokens)
         states = {-1: x}
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, full_mask, cache, i)
+            x, cache = layer(x, cos, sin, full_mask, cache, i, fresh_cache)
             states[i] = x
         h = self.norm(x)
         states[n_layers - 1] = h

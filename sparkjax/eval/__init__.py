@@ -1,0 +1,56 @@
+"""``sparkjax.eval``: the benchmark harness (``python -m sparkjax.eval``) and its Python API.
+
+One command gives the table and the plots speculative decoders are judged by: per prompt set
+and method, the acceptance length tau, tokens/s and the speedup over ``ar``; the per-depth
+acceptance rates; and the time per round of each stage::
+
+    python -m sparkjax.eval                                   # bundled tiny pair, bundled prompt sets
+    python -m sparkjax.eval --target T --drafter D --methods ar,dspark,sparklingtree --budgets 16,64 \\
+        --datasets gsm8k,mt-bench --max-samples 80 --max-new-tokens 256 --out runs/x
+    python -m sparkjax.eval --compare runs/x/results.json runs/y/results.json
+
+From Python (a notebook)::
+
+    import sparkjax.eval
+    res = sparkjax.eval.run(methods=("ar", "dspark", "sparklingtree"), budgets=(16,), max_samples=2)
+    print(res.table()); res.summary; res.records; res.to_dataframe()  # the last needs pandas
+
+``run`` takes the CLI flags as keywords (see :class:`EvalConfig`) and folders or loaded objects
+for ``target`` / ``drafter`` / ``tokenizer``; it returns :class:`EvalResults`.
+
+**Metrics** (:mod:`sparkjax.eval.metrics`). Acceptance length = tokens a round commits =
+accepted drafts + 1. ``tau_pooled`` = sum of acceptance lengths / rounds (DeepSpec);
+``tau_per_response`` = mean of per-response means (DDTree). ``accept_rate@k`` = fraction of rounds
+whose accepted path reached draft depth k (from the engine's per-depth counts / rounds).
+
+**Timing protocol** (:mod:`sparkjax.eval.harness`). Every method is compiled and run once before
+anything is timed. Then, per batch (batch size 1 by default), each method runs the full generation
+(the engine's single jitted on-device loop, no host sync) and a prefill-only run of the very same
+compiled program with ``max_new_tokens = 1`` (prefill, first token, drafter context of the prompt;
+no round), each timed from dispatch to ``block_until_ready``. Decode time = full - prefill-only
+(medians over ``--repeats``): prefill and the prompt part of the first draft pass are excluded,
+round 1's drafter block pass is included. TPOT = decode time / output tokens, averaged over batches
+(those whose first token ended them have no decode step and are left out); tok/s = 1 / TPOT;
+speedup = TPOT(ar) / TPOT(method), ar timed in the same run on the same prompts, interleaved with
+the other methods, with the same cache size. Per-stage times (draft, tree, verify, commit) come from
+a separate pass of the engine's instrumented mode, which syncs after each stage, so they include
+per-call overhead the fused loop does not pay; the table shows both.
+
+**Output** in ``--out``: ``results.json`` (config, package versions, setup, summary rows and every
+raw number: per-round acceptance lengths, per-depth counts, output ids, timings),
+``results.csv`` (the summary rows, flat), ``acceptance_per_depth.png``, ``tau_speedup.png`` and
+``stage_time.png``.
+
+The bundled default pair is a tiny synthetic pair: its acceptance numbers demonstrate the
+machinery, not language quality, and CPU timings say nothing about real models on accelerators.
+Importing this package loads no model and changes no global setting.
+"""
+
+from __future__ import annotations
+
+from .cli import main
+from .engine import MethodConfig
+from .errors import DatasetError, EvalError, TokenizerError
+from .harness import EvalConfig, EvalResults, run
+
+__all__ = ["DatasetError", "EvalConfig", "EvalError", "EvalResults", "MethodConfig", "TokenizerError", "main", "run"]

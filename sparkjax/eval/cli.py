@@ -1,0 +1,169 @@
+"""``python -m sparkjax.eval``: the benchmark harness (see ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .. import decode
+from . import datasets as ds
+from .errors import EvalError
+
+DESCRIPTION = """\
+Benchmark speculative decoding on a target/drafter pair: per prompt set and method, the
+acceptance length tau (pooled and per-response mean), tokens/s and speedup over ar (measured
+in the same run), per-depth acceptance rates and per-stage time per round. Prints a table and
+writes results.json, results.csv and PNG plots to --out.
+
+With no argument it runs the bundled default pair (a tiny synthetic Qwen3 + DSpark pair with a
+synthetic byte-level tokenizer: its numbers demonstrate the machinery, not language quality) on
+the bundled prompt sets, in a few minutes on a laptop CPU."""
+
+EPILOG = """\
+timing protocol: every method is compiled and run once before anything is timed. Each batch is
+then run --repeats times with max_new_tokens new tokens and as often prefill-only (same compiled
+program, max_new_tokens=1: prefill, first token, drafter context of the prompt, no round); decode
+time = median(full) - median(prefill-only). TPOT = decode time / output tokens (mean over batches),
+tok/s = 1/TPOT, speedup = TPOT(ar) / TPOT(method). Per-stage times come from a separate,
+synced pass of the engine's instrumented mode.
+
+examples:
+  python -m sparkjax.eval
+  python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16,64 --datasets gsm8k,my.jsonl
+  python -m sparkjax.eval --target Qwen3-4B --drafter dspark-4b --dtype bfloat16 --max-new-tokens 256 --out runs/q4b
+  python -m sparkjax.eval --compare runs/a/results.json runs/b/results.json
+
+exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (partial results written)."""
+
+
+def _csv(kind):
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        if kind is int:
+            try:
+                return tuple(int(x) for x in items)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        return tuple(items)
+
+    return parse
+
+
+def _count_or_all(text: str):
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2, like every other bad input
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m sparkjax.eval", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("pair")
+    g.add_argument("--target", metavar="DIR",
+                   help="Hugging Face Qwen3 folder (default: the bundled tiny pair's target)")
+    g.add_argument("--drafter", metavar="DIR",
+                   help="DeepSpec DSpark or z-lab DFlash folder (default: the bundled tiny drafter, with the default "
+                        "target only)")
+    g.add_argument("--tokenizer", metavar="DIR",
+                   help="tokenizer folder for AutoTokenizer (default: the --target folder; for the bundled pair, "
+                        "eval/default_pair/tokenizer)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="parameter dtype (default: the checkpoint's own)")
+    g = p.add_argument_group("runs")
+    g.add_argument("--methods", type=_csv(str), default=decode.METHODS, metavar="LIST",
+                   help=f"comma-separated methods out of {','.join(decode.METHODS)} (default: all); ar is always run, "
+                        "as the speedup reference")
+    g.add_argument("--budgets", type=_csv(int), metavar="LIST",
+                   help="tree sizes (nodes per round) for ddtree / sparklingtree / sparklingtree-beam; each tree "
+                        "method runs once per budget (default: 16,64); an error with chain-only methods")
+    g.add_argument("--top-c", type=int, metavar="C",
+                   help="candidates per depth for tree methods (default: the engine's, max(budget, 32))")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 = lossless sampling at that temperature")
+    g.add_argument("--datasets", type=_csv(str), default=ds.BUNDLED, metavar="LIST",
+                   help=f"comma-separated bundled sets ({','.join(ds.BUNDLED)}; default: all) and/or paths of JSONL "
+                        "files with a 'turns' list of strings per line (the first turn is the prompt)")
+    g.add_argument("--max-samples", type=int, default=3, metavar="N",
+                   help="prompts per set, the first N in file order that fit the target (default: 3; 0 = all)")
+    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default: 32)")
+    g.add_argument("--batch-size", type=int, default=1, metavar="B", help="prompts decoded together (default: 1)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed of the first batch; batch i uses seed + i")
+    g.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="timed repetitions per batch and method, medians used (default: 1, as upstream times each "
+                        "response once after warm-up)")
+    g.add_argument("--stage-samples", type=_count_or_all, default=1, metavar="N",
+                   help="prompts per set (the first N with at least one round) that also get the separate, "
+                        "instrumented per-stage pass (default: 1; 0: none; 'all')")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at EOS (default: stop at the target's generation_config / tokenizer EOS ids)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", metavar="DIR",
+                   help="folder for results.json, results.csv and the PNG plots (default: eval/out/<date-time>)")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                   help="print the differences between two results.json files and exit (nothing is run)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace):
+    from .harness import EvalConfig
+
+    out = args.out or os.path.join("eval", "out", time.strftime("%Y%m%d-%H%M%S"))
+    return EvalConfig(
+        target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, dtype=args.dtype,
+        methods=tuple(args.methods), budgets=args.budgets, top_c=args.top_c, temperature=args.temperature,
+        datasets=tuple(args.datasets), max_samples=None if args.max_samples == 0 else args.max_samples,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, repeats=args.repeats,
+        stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out, plots=not args.no_plots,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
+    from ..errors import SparkjaxError
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a malformed flag (2, already reported in one line)
+        return int(e.code or 0)
+    try:
+        if args.compare:
+            from .harness import EvalResults
+            from .report import compare
+
+            a, b = (EvalResults.load(p) for p in args.compare)
+            print(compare(a, b, *args.compare))
+            return 0
+        from .harness import run
+
+        if args.max_samples is not None and args.max_samples < 0:
+            raise EvalError(f"--max-samples: expected a positive integer or 0 (all), got {args.max_samples}")
+        cfg = config_from_args(args)
+        t0 = time.perf_counter()
+        results = run(cfg, progress=not args.no_progress)
+        print(results.table())
+        files = results.setup.get("files", [])
+        state = "partial results (interrupted) written to" if results.interrupted else "wrote"
+        print(f"\n{state} {cfg.out}: " + ", ".join(os.path.basename(f) for f in files))
+        print(f"total time {time.perf_counter() - t0:.1f} s")
+        return 130 if results.interrupted else 0
+    except SparkjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # outside the benchmark loop (e.g. while loading): nothing to write
+        print("interrupted before any result", file=sys.stderr)
+        return 130

@@ -1,0 +1,92 @@
+"""Metric definitions, as pure functions over plain Python numbers (no JAX).
+
+Acceptance length (tau): the tokens a round commits, i.e. accepted drafts + 1 (the
+target's bonus / correction token). Two averages are in use upstream, and the harness
+reports both, labelled:
+
+* ``tau_pooled``: the sum of all rounds' acceptance lengths over the number of rounds,
+  pooled across responses (DeepSpec's convention).
+* ``tau_per_response``: the mean over responses of each response's mean acceptance
+  length (DDTree's convention). Responses with no round (the first token already ended
+  them) are left out.
+
+``accept_rate@k``: the fraction of rounds whose accepted path reached draft depth k, i.e.
+accepted at least k drafts (acceptance length >= k + 1), pooled over all rounds.
+
+TPOT (time per output token) = decode seconds / output tokens; speedup = TPOT(ar) / TPOT(method).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+
+def _flat(acceptance_lengths: Iterable[Sequence[int]]) -> list[int]:
+    return [int(a) for row in acceptance_lengths for a in row]
+
+
+def tau_pooled(acceptance_lengths: Iterable[Sequence[int]]) -> float:
+    """Sum of all acceptance lengths / number of rounds (NaN when there is no round)."""
+    flat = _flat(acceptance_lengths)
+    return sum(flat) / len(flat) if flat else math.nan
+
+
+def tau_per_response(acceptance_lengths: Iterable[Sequence[int]]) -> float:
+    """Mean over responses (with at least one round) of the response's mean acceptance length."""
+    means = [sum(row) / len(row) for row in acceptance_lengths if len(row)]
+    return sum(means) / len(means) if means else math.nan
+
+
+def accept_rates(accepted_per_depth: Iterable[Sequence[int]], rounds: Iterable[int], depth: int) -> list[float]:
+    """``accept_rate@k`` for k = 1..depth from per-response counts of rounds that accepted depth k."""
+    hits = [0] * depth
+    total = 0
+    for row, r in zip(accepted_per_depth, rounds, strict=True):
+        total += int(r)
+        for d in range(min(depth, len(row))):
+            hits[d] += int(row[d])
+    return [h / total if total else math.nan for h in hits]
+
+
+def accept_rates_from_lengths(acceptance_lengths: Iterable[Sequence[int]], depth: int) -> list[float]:
+    """The same rates recounted from per-round acceptance lengths: P(length >= k + 1)."""
+    flat = _flat(acceptance_lengths)
+    if not flat:
+        return [math.nan] * depth
+    return [sum(a >= k + 1 for a in flat) / len(flat) for k in range(1, depth + 1)]
+
+
+def tpot(decode_seconds: float, output_tokens: int) -> float:
+    """Seconds per output token (NaN without tokens)."""
+    return decode_seconds / output_tokens if output_tokens > 0 else math.nan
+
+
+def mean_tpot(decode_seconds: Sequence[float], output_tokens: Sequence[int]) -> float:
+    """The mean over timed units (responses, or batches when batching) of their TPOT, as upstream averages it."""
+    values = [tpot(s, n) for s, n in zip(decode_seconds, output_tokens, strict=True) if n > 0]
+    return sum(values) / len(values) if values else math.nan
+
+
+def speedup(tpot_ar: float, tpot_method: float) -> float:
+    """TPOT(ar) / TPOT(method): how many times faster than the target alone."""
+    if not (tpot_method > 0) or not (tpot_ar > 0):
+        return math.nan
+    return tpot_ar / tpot_method
+
+
+def decode_seconds(run_seconds: Sequence[float], prefill_seconds: Sequence[float]) -> float:
+    """Decode time of one timed unit: median full run - median prefill-only run (floored at 0)."""
+    return max(statistics.median(run_seconds) - statistics.median(prefill_seconds), 0.0)
+
+
+def stage_ms_per_round(stage_seconds: Sequence[dict[str, float]], iterations: Sequence[int]) -> dict[str, float]:
+    """Per-stage milliseconds per round: summed stage seconds / summed rounds (loop iterations)."""
+    n = sum(int(i) for i in iterations)
+    names: list[str] = []
+    for s in stage_seconds:
+        names += [k for k in s if k not in names]
+    if not n:
+        return {k: math.nan for k in names}
+    return {k: 1000.0 * sum(s.get(k, 0.0) for s in stage_seconds) / n for k in names}

@@ -1,0 +1,140 @@
+"""PNG plots (matplotlib's Agg canvas; pyplot and its global state are not used)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import numpy as np
+
+STAGES = ("draft", "tree", "verify", "commit")
+STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _subtitle(results) -> str:
+    c, s = results.config, results.setup
+    temp = "greedy" if not c["temperature"] else f"T={c['temperature']}"
+    pair = "tiny synthetic default pair (demonstrates the machinery, not language quality)" if s.get(
+        "default_pair") else f"{pathlib.Path(str(s['target'])).name} + {pathlib.Path(str(s['drafter'])).name}"
+    part = " [INTERRUPTED: partial results]" if results.interrupted else ""
+    return f"{pair}\n{temp}, {c['max_new_tokens']} new tokens, batch {c['batch_size']}{part}"
+
+
+def _val(x) -> float:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else float("nan")
+
+
+def acceptance_plot(results, path) -> pathlib.Path:
+    """accept_rate@k against depth k, one line per method, one panel per dataset (+ all)."""
+    sets = list(dict.fromkeys(r["dataset"] for r in results.summary if r["accept_rate"]))
+    n = max(len(sets), 1)
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig = _figure(4.6 * cols, 3.4 * rows + 0.6)
+    labels = [lab for lab in results.setup["labels"] if lab != "ar"]
+    cmap = _colormap(fig)
+    for i, name in enumerate(sets):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for j, label in enumerate(labels):
+            row = next((r for r in results.rows(name) if r["label"] == label), None)
+            if not row or not row["accept_rate"]:
+                continue
+            k = np.arange(1, len(row["accept_rate"]) + 1)
+            ax.plot(k, [_val(x) for x in row["accept_rate"]], marker="o", ms=3, label=label, color=cmap(j % 10))
+        ax.set_title(f"{name}")
+        ax.set_xlabel("draft depth k")
+        ax.set_ylabel("accept_rate@k (fraction of rounds)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=7)
+    fig.suptitle("Per-depth acceptance: fraction of rounds whose accepted path reached depth k\n" + _subtitle(results),
+                 fontsize=9)
+    fig.savefig(path)
+    return pathlib.Path(path)
+
+
+def _colormap(fig):
+    import matplotlib
+
+    return matplotlib.colormaps["tab10"]
+
+
+def tau_speedup_plot(results, path) -> pathlib.Path:
+    """Grouped bars per dataset: tau (pooled) on top, speedup over ar below."""
+    sets = list(dict.fromkeys(r["dataset"] for r in results.summary))
+    labels = list(results.setup["labels"])
+    fig = _figure(min(14.0, max(7.5, 0.3 * len(sets) * max(1, len(labels)) + 2)), 7.0)
+    cmap = _colormap(fig)
+    x = np.arange(len(sets))
+    width = 0.8 / max(len(labels), 1)
+    for p, (field, title) in enumerate((("tau_pooled", "acceptance length tau (pooled: sum / rounds)"),
+                                        ("speedup", "speedup over ar = TPOT(ar) / TPOT(method)"))):
+        ax = fig.add_subplot(2, 1, p + 1)
+        for j, label in enumerate(labels):
+            vals = []
+            for name in sets:
+                row = next((r for r in results.rows(name) if r["label"] == label), None)
+                vals.append(_val(row[field]) if row else float("nan"))
+            ax.bar(x + (j - (len(labels) - 1) / 2) * width, vals, width, label=label, color=cmap(j % 10))
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(x, sets)
+        ax.set_ylabel(field.replace("_", " "))
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        if p == 0:
+            ax.legend(fontsize=7, ncols=min(len(labels), 5))
+    fig.suptitle("tau and speedup per dataset\n" + _subtitle(results), fontsize=9)
+    fig.savefig(path)
+    return pathlib.Path(path)
+
+
+def stage_plot(results, path) -> pathlib.Path:
+    """Stacked bars: ms per round per stage for each method (pooled over datasets), with ar's TPOT."""
+    scope = "all" if any(r["dataset"] == "all" for r in results.summary) else results.summary[0]["dataset"]
+    rows = [r for r in results.rows(scope) if r.get("stage_ms_per_round")]
+    fig = _figure(max(7.5, 0.9 * len(rows) + 4.5), 4.8)
+    ax = fig.add_subplot(1, 1, 1)
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for stage in STAGES:
+        vals = np.array([_val((r["stage_ms_per_round"] or {}).get(stage)) for r in rows])
+        ax.bar(x, np.nan_to_num(vals), 0.6, bottom=bottom, label=stage, color=STAGE_COLORS[stage])
+        bottom += np.nan_to_num(vals)
+    fused = [_val(r.get("round_ms")) for r in rows]
+    if rows and any(v == v for v in fused):
+        ax.plot(x, fused, "kD", ms=5, label="same round in the fused loop (timed pass)")
+    ar = next((r for r in results.rows(scope) if r["label"] == "ar"), None)
+    if ar and _val(ar.get("round_ms")) == _val(ar.get("round_ms")):
+        ax.axhline(ar["round_ms"], color="k", ls="--", lw=1,
+                   label=f"ar: ms per token, fused loop ({ar['round_ms']:.2f})")
+    for xi, r, top in zip(x, rows, bottom, strict=True):
+        ax.text(xi, top, f"tau {_val(r['tau_pooled']):.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [r["label"] for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("ms per round")
+    ax.set_title("bars: instrumented pass (each stage its own synced call); markers: fused on-device loop", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    if not rows:
+        ax.text(0.5, 0.5, "no instrumented pass in this run", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"Time per round by stage ({scope})\n" + _subtitle(results), fontsize=9)
+    fig.savefig(path)
+    return pathlib.Path(path)
+
+
+def make_plots(results, folder) -> list[pathlib.Path]:
+    folder = pathlib.Path(folder)
+    return [
+        acceptance_plot(results, folder / "acceptance_per_depth.png"),
+        tau_speedup_plot(results, folder / "tau_speedup.png"),
+        stage_plot(results, folder / "stage_time.png"),
+    ]

@@ -1,0 +1,184 @@
+"""Text table, CSV and JSON writers, and the comparison of two runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+def _num(x, fmt: str, none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return format(x, fmt)
+
+
+def _ok(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _clean(x):
+    """JSON-safe copy: NaN / inf -> None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(results, path: str | os.PathLike) -> pathlib.Path:
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_clean(results.to_dict()), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def flat_row(row: dict[str, Any], setup: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A summary row as flat columns: accept_rate@k and stage_<name>_ms spread out."""
+    out = {k: v for k, v in row.items() if k not in ("accept_rate", "stage_ms_per_round")}
+    stage = row.get("stage_ms_per_round") or {}
+    for name in (*STAGES, "total"):
+        out[f"stage_{name}_ms_per_round"] = stage.get(name)
+    depth = max((len(r) for r in [row.get("accept_rate") or []]), default=0)
+    if setup:
+        depth = max([depth, *setup.get("depths", {}).values()])
+    rates = row.get("accept_rate") or []
+    for k in range(1, depth + 1):
+        out[f"accept_rate@{k}"] = rates[k - 1] if k <= len(rates) else None
+    return out
+
+
+def write_csv(results, path: str | os.PathLike) -> pathlib.Path:
+    path = pathlib.Path(path)
+    rows = [flat_row(r, results.setup) for r in results.summary]
+    fields: list[str] = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields or ["dataset"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in r.items()})
+    os.replace(tmp, path)
+    return path
+
+
+def _header(results) -> list[str]:
+    c, s, e = results.config, results.setup, results.environment
+    temp = "greedy" if not c["temperature"] else f"temperature {c['temperature']}"
+    runs = "1 timed run" if c["repeats"] == 1 else f"median of {c['repeats']} timed runs"
+    lines = [
+        f"sparkjax.eval: target {s['target']}  drafter {s['drafter']}  ({s['dtype']})",
+        f"  {temp}; {c['max_new_tokens']} new tokens; batch {c['batch_size']}; up to {c['max_samples'] or 'all'} "
+        f"prompts per set; {runs} per "
+        f"prompt and method; {e['backend']} ({e.get('device_kind')}), "
+        f"{e['cpu_count']} CPU cores",
+    ]
+    return lines
+
+
+def format_table(results) -> str:
+    """The summary as text: the main table, per-depth acceptance, definitions and notes."""
+    lines = _header(results)
+    if results.interrupted:
+        lines.append("  INTERRUPTED: partial results (the samples every method had finished)")
+    if not results.summary:
+        lines.append("\n(no finished sample)")
+        lines += [f"note: {n}" for n in results.notes]
+        return "\n".join(lines)
+    dw = max(7, *(len(r["dataset"]) for r in results.summary))
+    mw = max(6, *(len(r["label"]) for r in results.summary))
+    head = (f"{'dataset':<{dw}}  {'method':<{mw}}  {'n':>3}  {'tau':>6}  {'tau':>6}  {'tok/s':>8}  {'speedup':>7}  "
+            f"{'TPOT':>7}  {'round':>6}  | {'stage ms per round (instrumented pass)':<38}")
+    sub = (f"{'':<{dw}}  {'':<{mw}}  {'':>3}  {'pooled':>6}  {'resp':>6}  {'':>8}  {'vs ar':>7}  "
+           f"{'ms':>7}  {'ms':>6}  | " + " ".join(f"{k:>6}" for k in (*STAGES, "total")))
+    lines += ["", head, sub, "-" * len(sub)]
+    prev = None
+    for r in results.summary:
+        if prev is not None and r["dataset"] != prev:
+            lines.append("")
+        prev = r["dataset"]
+        st = r.get("stage_ms_per_round") or {}
+        stages = " ".join(f"{_num(st.get(k), '6.2f'):>6}" for k in (*STAGES, "total"))
+        lines.append(
+            f"{r['dataset']:<{dw}}  {r['label']:<{mw}}  {r['n_samples']:>3}  {_num(r['tau_pooled'], '6.2f'):>6}  "
+            f"{_num(r['tau_per_response'], '6.2f'):>6}  {_num(r['tokens_per_s'], '8.1f'):>8}  "
+            f"{_num(r['speedup'], '.2f', none='-') + ('x' if _ok(r['speedup']) else ''):>7}  "
+            f"{_num(r['tpot_ms'], '7.3f'):>7}  {_num(r.get('round_ms'), '6.2f'):>6}  | {stages}"
+        )
+    scope = "all" if any(r["dataset"] == "all" for r in results.summary) else results.summary[0]["dataset"]
+    rows = [r for r in results.rows(scope) if r["accept_rate"]]
+    if rows:
+        depth = max(len(r["accept_rate"]) for r in rows)
+        # show the depths up to one past the deepest accepted draft (at least 4); the rest are all zero
+        reached = max((k + 1 for r in rows for k, x in enumerate(r["accept_rate"]) if _ok(x) and x > 0), default=0)
+        shown = min(depth, max(4, reached + 1))
+        lines += ["", f"accept_rate@k ({scope}): fraction of rounds whose accepted path reached draft depth k"]
+        lines.append(f"{'method':<{mw}}  " + " ".join(f"{'@' + str(k):>5}" for k in range(1, shown + 1)))
+        for r in rows:
+            lines.append(f"{r['label']:<{mw}}  " + " ".join(f"{_num(x, '5.2f'):>5}" for x in r["accept_rate"][:shown]))
+        if shown < depth:
+            lines.append(f"(@{shown + 1} to @{depth}: 0.00 for every method)")
+    lines += [
+        "",
+        "tau pooled = sum of acceptance lengths / rounds (DeepSpec); tau resp = mean of per-response means (DDTree);",
+        "acceptance length = accepted drafts + 1. TPOT = decode time / output tokens, decode time = full run - "
+        "prefill-only run",
+        "(median each); tok/s = 1 / TPOT; speedup = TPOT(ar) / TPOT(method), same run. round ms = decode time / rounds",
+        "(ar: per token) in the fused loop; stage times come from a separate, synced pass, so they add overhead.",
+    ]
+    lines += [f"note: {n}" for n in results.notes]
+    return "\n".join(lines)
+
+
+COMPARED = (("tau_pooled", "tau pooled", ".2f"), ("tau_per_response", "tau resp", ".2f"),
+            ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speedup", ".2f"))
+
+
+def compare(a, b, name_a: str = "A", name_b: str = "B") -> str:
+    """Per (dataset, method): each metric in run A, in run B, and B - A (with the relative change)."""
+    ia = {(r["dataset"], r["label"]): r for r in a.summary}
+    ib = {(r["dataset"], r["label"]): r for r in b.summary}
+    keys = [k for k in ia if k in ib]
+    lines = [f"A = {name_a}", f"B = {name_b}", ""]
+    dw = max([7, *(len(k[0]) for k in keys)])
+    mw = max([6, *(len(k[1]) for k in keys)])
+    head = f"{'dataset':<{dw}}  {'method':<{mw}}  " + "  ".join(f"{title + ' A -> B (delta)':>32}" for _, title, _ in
+                                                                   COMPARED)
+    lines += [head, "-" * len(head)]
+    for k in keys:
+        cells = []
+        for field, _, fmt in COMPARED:
+            x, y = ia[k].get(field), ib[k].get(field)
+            if x is None or y is None or (isinstance(x, float) and math.isnan(x)) or (
+                    isinstance(y, float) and math.isnan(y)):
+                cells.append(f"{_num(x, fmt)} -> {_num(y, fmt)}")
+                continue
+            d = y - x
+            rel = f" {100 * d / x:+.0f}%" if x else ""
+            cells.append(f"{x:{fmt}} -> {y:{fmt}} ({d:+{fmt}}{rel})")
+        lines.append(f"{k[0]:<{dw}}  {k[1]:<{mw}}  " + "  ".join(f"{c:>32}" for c in cells))
+    only_a = [k for k in ia if k not in ib]
+    only_b = [k for k in ib if k not in ia]
+    if not keys:
+        lines.append("(no (dataset, method) pair in common)")
+    if only_a:
+        lines.append("only in A: " + ", ".join(f"{d}/{m}" for d, m in only_a))
+    if only_b:
+        lines.append("only in B: " + ", ".join(f"{d}/{m}" for d, m in only_b))
+    diff = {k: (a.config.get(k), b.config.get(k)) for k in sorted(set(a.config) | set(b.config))
+            if a.config.get(k) != b.config.get(k) and k != "out"}
+    if diff:
+        lines.append("settings that differ: " + "; ".join(f"{k}: {x!r} -> {y!r}" for k, (x, y) in diff.items()))
+    return "\n".join(lines)
