@@ -63,10 +63,10 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] =
     return model
 
 
-def cache_sharding(mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
-    """Shardings for a :class:`KVCache`: batch over data, kv heads over model."""
-    kv = NamedSharding(mesh, PartitionSpec(None, rules.get("batch"), None, rules.get("kv_heads"), None))
-    return KVCache(kv, kv, NamedSharding(mesh, PartitionSpec(rules.get("batch"))))
+def cache_sharding(mesh: Mesh, layers: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
+    """Shardings for a :class:`KVCache` of ``layers`` layers: batch over data, kv heads over model."""
+    kv = NamedSharding(mesh, PartitionSpec(rules.get("batch"), None, rules.get("kv_heads"), None))
+    return KVCache((kv,) * layers, (kv,) * layers, NamedSharding(mesh, PartitionSpec(rules.get("batch"))))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> NamedSharding:

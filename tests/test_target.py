@@ -143,13 +143,13 @@ def test_compact_moves_selected_rows(fixture_target):
     cache = fixture_target.init_cache(2, 16)
     k = jnp.arange(2 * 6 * 2 * 16, dtype=jnp.float32).reshape(2, 6, 2, 16)
     cache = cache.with_lengths(jnp.array([3, 5]))
-    for layer in range(cache.k.shape[0]):
+    for layer in range(len(cache.k)):
         cache = cache.write_layer(layer, k, -k)
     out = cache.compact(jnp.array([3, 5]), jnp.array([[0, 2, 5], [1, 0, 0]]), jnp.array([3, 1]))
     np.testing.assert_array_equal(out.lengths, [6, 6])
-    np.testing.assert_array_equal(out.k[0, 0, 3:6], k[0, jnp.array([0, 2, 5])])
-    np.testing.assert_array_equal(out.v[2, 1, 5], -k[1, 1])
-    np.testing.assert_array_equal(out.k[1, 0, :3], cache.k[1, 0, :3])  # the committed prefix is untouched
+    np.testing.assert_array_equal(out.k[0][0, 3:6], k[0, jnp.array([0, 2, 5])])
+    np.testing.assert_array_equal(out.v[2][1, 5], -k[1, 1])
+    np.testing.assert_array_equal(out.k[1][0, :3], cache.k[1][0, :3])  # the committed prefix is untouched
 
 
 def test_greedy_equals_transformers_generate_with_eos(hf_factory):
