@@ -72,3 +72,267 @@ def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
         params = nnx.state(model, nnx.Param)
         nnx.update(model, jax.tree.map(lambda x: x.astype(dt), params))
     return model
+
+
+# ----------------------------------------------------------------------------- training checkpoints
+
+
+def _leaf_name(path) -> str:
+    """Dotted name of a pytree path, as orbax names array leaves (dict keys, indices, attributes)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(str(k.name))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _named_leaves(tree) -> dict[str, Any]:
+    return {_leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@jax.jit
+def _device_checksums(leaves):
+    out = []
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x32 = x.astype(jnp.float32)
+            out.append(jnp.stack([jnp.sum(x32), jnp.sum(jnp.abs(x32))]))
+        else:  # integer leaves (step counters, RNG key data): exact
+            xi = x.astype(jnp.uint32).view(jnp.int32) if x.dtype == jnp.uint32 else x.astype(jnp.int32)
+            out.append(jnp.stack([jnp.sum(xi % 65521), jnp.sum((xi // 65521) % 65521)]).astype(jnp.float32))
+    return out
+
+
+def state_checksums(state) -> dict[str, list[float]]:
+    """Per-leaf ``[sum, sum |x|]`` of a state pytree (computed on device), to detect silent corruption."""
+    named = _named_leaves(state)
+    sums = jax.device_get(_device_checksums(list(named.values())))
+    return {name: [float(v) for v in s] for name, s in zip(named, sums, strict=True)}
+
+
+class TrainCheckpointer:
+    """Resumable training checkpoints with orbax's ``CheckpointManager``.
+
+    Each step folder ``DIR/<step>`` holds ``state`` (the train-state pytree: params, optimizer
+    state, step, RNG) and ``meta`` (JSON: config, data position, metrics, per-leaf checksums).
+    orbax writes a step into a temporary folder and renames it when complete, so a killed save
+    leaves no step behind. Kept: the last ``keep_last`` steps plus the ``keep_best`` best by
+    ``metrics[best_metric]`` (higher is better when ``best_mode == "max"``).
+
+    :meth:`restore` verifies a step (orbax restore succeeds, every tensor has the expected shape,
+    checksums match); a damaged or partial step is moved aside to ``DIR/corrupt-<step>-<n>`` with
+    a message and the previous step is tried. Tensors whose shapes do not fit the model raise
+    :class:`~sparkjax.errors.CheckpointError` (not a fallback: older steps would not fit either).
+    """
+
+    def __init__(
+        self,
+        directory: PathLike,
+        *,
+        keep_last: int = 3,
+        keep_best: int = 1,
+        best_metric: str = "eval_tau",
+        best_mode: str = "max",
+        async_save: bool = False,
+        log=None,
+    ):
+        if keep_last < 1:
+            raise CheckpointError(f"{directory}: keep_last must be >= 1, got {keep_last}")
+        if best_mode not in ("max", "min"):
+            raise CheckpointError(f"{directory}: best_mode must be 'max' or 'min', got {best_mode!r}")
+        self.directory = os.path.abspath(str(directory))
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self._log = log or _stderr
+        cm = ocp.checkpoint_managers
+        policies = [cm.LatestN(n=keep_last)]
+        if keep_best > 0:
+            sign = 1.0 if best_mode == "max" else -1.0
+            policies.append(cm.BestN(get_metric_fn=lambda m: sign * float(m[best_metric]), n=keep_best,
+                                     keep_checkpoints_without_metrics=False))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            preservation_policy=cm.AnyPreservationPolicy(policies),
+            create=True,
+        )
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # ------------------------------------------------------------------ queries
+    def steps(self) -> list[int]:
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged folders
+            msg = f"unreadable checkpoint metadata ({type(e).__name__}: {e})"
+            raise CheckpointError(f"{self.step_dir(step)}: {msg}") from None
+        meta = out["meta"]
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{self.step_dir(step)}/meta: expected a JSON object")
+        return meta
+
+    def best_step(self) -> int | None:
+        """The kept step with the best ``metrics[best_metric]`` recorded in its meta (None if none has one)."""
+        best, best_val = None, None
+        for step in self.steps():
+            try:
+                value = (self.read_meta(step).get("metrics") or {}).get(self.best_metric)
+            except CheckpointError:
+                continue
+            if value is None:
+                continue
+            better = best_val is None or (value > best_val if self.best_mode == "max" else value < best_val)
+            if better:
+                best, best_val = step, value
+        return best
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> str:
+        """Saves ``state`` and ``meta`` (+ per-leaf checksums) as step ``step``; returns its folder."""
+        meta = dict(meta)
+        meta["step"] = int(step)
+        meta["checksums"] = state_checksums(state)
+        if metrics:
+            meta["metrics"] = {k: float(v) for k, v in metrics.items()}
+        keep_metrics = meta.get("metrics") if meta.get("metrics", {}).get(self.best_metric) is not None else None
+        try:
+            self._mngr.save(
+                int(step),
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                metrics=keep_metrics,
+                force=True,
+            )
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self.step_dir(step)}: cannot save checkpoint ({type(e).__name__}: {e})") from e
+        return self.step_dir(step)
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+    # ------------------------------------------------------------------ restore
+    def _check_shapes(self, step: int, abstract) -> None:
+        """Shape check from orbax's metadata; unreadable metadata is left to the restore to judge."""
+        try:
+            saved = self._mngr.item_metadata(step)["state"]
+        except Exception:  # noqa: BLE001
+            return
+        if saved is None:
+            return
+        have = {}
+        for _, m in jax.tree_util.tree_flatten_with_path(saved)[0]:
+            name = getattr(m, "name", None)
+            if name is not None:
+                have[name] = m
+        want = _named_leaves(abstract)
+        for name, x in sorted(want.items(), key=lambda kv: (not kv[0].startswith("params"), kv[0])):
+            m = have.get(name)
+            shown = name.removesuffix(".value")
+            if m is None:
+                raise CheckpointError(
+                    f"{self.step_dir(step)}/state: tensor '{shown}' is missing; the checkpoint was written for "
+                    "a different model or optimizer (its tensors do not fit this config)"
+                )
+            if tuple(m.shape) != tuple(x.shape):
+                raise CheckpointError(
+                    f"{self.step_dir(step)}/state: tensor '{shown}' has shape {list(m.shape)}, this config expects "
+                    f"{list(x.shape)} (the checkpoint's tensors do not fit this config)"
+                )
+        extra = [name.removesuffix(".value") for name in sorted(set(have) - set(want))]
+        if extra:
+            raise CheckpointError(
+                f"{self.step_dir(step)}/state: unexpected tensor '{extra[0]}'; the checkpoint was written for a "
+                "different model or optimizer (its tensors do not fit this config)"
+            )
+
+    def _restore_one(self, step: int, abstract):
+        import numpy as np
+
+        self._check_shapes(step, abstract)
+        try:
+            out = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+            )
+        except Exception as e:  # noqa: BLE001
+            raise _Damaged(f"orbax cannot restore it ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+        state, meta = out["state"], out["meta"]
+        if not isinstance(meta, dict):
+            raise _Damaged("meta is not a JSON object")
+        want = meta.get("checksums")
+        if not isinstance(want, dict):
+            raise _Damaged("meta has no checksums")
+        got = state_checksums(state)
+        for name, ref in want.items():
+            val = got.get(name)
+            if val is None or not np.allclose(val, ref, rtol=1e-4, atol=1e-3):
+                raise _Damaged(f"tensor '{name}' fails its checksum (saved {ref}, read {val})")
+        return state, meta
+
+    def _move_aside(self, step: int) -> str:
+        src = self.step_dir(step)
+        n = 0
+        while os.path.exists(dst := os.path.join(self.directory, f"corrupt-{step}-{n}")):
+            n += 1
+        if os.path.exists(src):
+            os.rename(src, dst)
+        self._mngr.reload()
+        return dst
+
+    def restore(self, abstract_state, step: int | None = None):
+        """Restores the newest usable step (or ``step``) into ``abstract_state``'s shapes / shardings.
+
+        Returns ``(step, state, meta)``. Damaged steps are moved aside with a message and the
+        previous step is tried; raises CheckpointError when no step is usable.
+        """
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"{self.directory}: no checkpoint for step {step} (have {steps})")
+            steps = [s for s in steps if s <= step]
+        if not steps:
+            raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
+        tried = []
+        for s in reversed(steps):
+            try:
+                state, meta = self._restore_one(s, abstract_state)
+            except _Damaged as e:
+                moved = self._move_aside(s)
+                tried.append(f"step {s}: {e}")
+                older = [x for x in steps if x < s]
+                nxt = f"falling back to step {older[-1]}" if older else "no older checkpoint left"
+                self._log(f"warning: checkpoint {self.step_dir(s)} is corrupted or incomplete ({e}); "
+                          f"moved it to {moved}; {nxt}")
+                continue
+            return s, state, meta
+        raise CheckpointError(f"{self.directory}: no usable checkpoint ({'; '.join(tried)})")
+
+
+def _stderr(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _Damaged(Exception):
+    """A step that cannot be read back as written (internal: triggers the fallback)."""

@@ -1,0 +1,104 @@
+"""Command line of the trainer (``python train/train.py`` or ``python -m sparkjax.training``).
+
+    python train/train.py --recipe train/recipes/tiny.json --output runs/tiny
+    python train/train.py --recipe train/recipes/extend_block.json --output runs/b16 \\
+        --set target=/models/Qwen3-4B --set init_drafter=/models/dspark_qwen3_4b_block7 \\
+        --set data=/data/train.jsonl
+    python train/train.py --recipe ... --output runs/b16 --resume          # continue where it stopped
+    python train/train.py --recipe ... --output runs/b16 --export best     # write a checkpoint as DeepSpec
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..errors import SparkjaxError
+
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "train", "recipes")
+
+
+def _parse_set(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--set: expected KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        if "." in key:  # drafter.block_size=16
+            head, sub = key.split(".", 1)
+            out.setdefault(head, {})[sub] = parsed
+        else:
+            out[key] = parsed
+    return out
+
+
+def _recipe_path(name: str) -> str:
+    if os.path.exists(name):
+        return name
+    candidate = os.path.join(RECIPES_DIR, name if name.endswith(".json") else name + ".json")
+    return candidate if os.path.exists(candidate) else name
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="train.py",
+        description="Joint (re)training of a DSpark drafter (Markov + confidence heads) against a Qwen3 target.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Recipes: " + ", ".join(sorted(f[:-5] for f in os.listdir(RECIPES_DIR) if f.endswith(".json")))
+        if os.path.isdir(RECIPES_DIR) else None,
+    )
+    ap.add_argument("--recipe", required=True,
+                    help="a JSON recipe file, or the name of one in train/recipes (tiny, extend_block, from_scratch)")
+    ap.add_argument("--output", required=True, help="run folder (checkpoints, metrics.jsonl, exported drafters)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe key (JSON value, else a string); drafter.KEY=VALUE for drafter settings")
+    ap.add_argument("--steps", type=int, help="shorthand for --set steps=N")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --output")
+    ap.add_argument("--force-resume", action="store_true",
+                    help="resume even if the config or the data differ from the checkpoint's")
+    ap.add_argument("--stop-at", type=int, metavar="STEP",
+                    help="stop after this step (and its checkpoint), as an interruption would; resume later")
+    ap.add_argument("--export", metavar="WHICH",
+                    help="do not train: export checkpoint 'latest', 'best' or a step number to DeepSpec format")
+    ap.add_argument("--export-to", metavar="DIR", help="folder for --export (default: OUTPUT/export_stepN)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .config import TrainConfig
+
+    overrides = _parse_set(args.set)
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    try:
+        cfg = TrainConfig.from_file(_recipe_path(args.recipe), overrides)
+        if args.print_config:
+            print(json.dumps(cfg.to_dict(), indent=2))
+            return 0
+        from .loop import export_run, train
+
+        if args.export:
+            export_run(cfg, args.output, args.export, args.export_to)
+            return 0
+        result = train(cfg, args.output, resume=args.resume or args.force_resume, force_resume=args.force_resume,
+                       progress=not args.no_progress, stop_at=args.stop_at)
+    except SparkjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = {"output": result.output_dir, "step": result.step, "resumed_from": result.resumed_from,
+               "drafter": result.drafter_dir, "best_drafter": result.best_dir}
+    if result.last_eval is not None:
+        summary["eval_tau"] = result.last_eval["tau_probabilistic"]
+    print(json.dumps(summary))
+    return 0

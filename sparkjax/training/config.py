@@ -1,0 +1,222 @@
+"""The training run config (:class:`TrainConfig`): a frozen dataclass read from a JSON recipe.
+
+Every key is validated up front and errors name the recipe file and the key. Keys that only
+change how a run is observed (``OPERATIONAL``) may differ when resuming; any other difference
+refuses to resume unless forced (see :func:`config_diff`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from .errors import TrainingError
+from .loss import Objective
+from .optim import OptimConfig
+
+PATH_KEYS = ("target", "init_drafter", "tokenizer", "data", "eval_data")
+OPERATIONAL = frozenset({
+    "name", "description", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_last", "keep_best",
+    "async_checkpoint", "export_dtype", "data_parallel", "tensorboard",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. See ``train/README.md`` for every key; the defaults are upstream's."""
+
+    name: str = "run"
+    description: str = ""
+    # models
+    target: str | None = None  # Hugging Face Qwen3 folder
+    init_drafter: str | None = None  # DeepSpec DSpark folder to continue from (None: a new drafter)
+    drafter: dict = dataclasses.field(default_factory=dict)  # config overrides / new-drafter settings
+    dtype: str | None = None  # weights of target and drafter (default: the checkpoints')
+    compute_dtype: str | None = None  # default: the drafter's dtype; master weights are float32
+    freeze: tuple[str, ...] = ("embed_tokens", "lm_head")
+    # data
+    data: str | None = None  # JSONL: chat conversations and/or token ids
+    eval_data: str | None = None
+    eval_size: int = 0  # held-out rows taken from `data` (or generated) when eval_data is None
+    synthetic: dict | None = None  # {"num_sequences", "prompt_len", "seed", "vocab_high"}: target-greedy data
+    tokenizer: str | None = None  # default: the target folder (for chat data)
+    assistant_header: str | None = None
+    end_of_turn: str | None = None
+    seq_len: int = 768
+    packing: str = "pad"
+    precompute_features: bool = False
+    # objective
+    num_anchors: int = 32
+    loss_decay_gamma: float | None = 4.0
+    ce_loss_alpha: float = 0.1
+    l1_loss_alpha: float = 0.9
+    confidence_alpha: float = 1.0
+    # optimisation
+    batch_size: int = 4
+    steps: int = 600
+    lr: float = 6e-4
+    warmup_steps: int | None = None
+    warmup_ratio: float = 0.04
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    data_seed: int = 0
+    # loop
+    data_parallel: int | None = None  # devices on the data axis (default: all)
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int | None = None
+    checkpoint_every: int = 100
+    keep_last: int = 3
+    keep_best: int = 1
+    async_checkpoint: bool = False
+    export_dtype: str | None = None
+    tensorboard: bool = True
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def objective(self) -> Objective:
+        return Objective(self.loss_decay_gamma, self.ce_loss_alpha, self.l1_loss_alpha, self.confidence_alpha)
+
+    @property
+    def optim(self) -> OptimConfig:
+        warm = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * self.steps)
+        return OptimConfig(
+            lr=self.lr, steps=self.steps, warmup_steps=warm, schedule=self.schedule, min_lr_ratio=self.min_lr_ratio,
+            weight_decay=self.weight_decay, b1=self.b1, b2=self.b2, eps=self.eps, grad_clip=self.grad_clip,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["freeze"] = list(self.freeze)
+        return d
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "<config>", base_dir: str | None = None) -> TrainConfig:
+        """Builds and validates a config; relative paths resolve against ``base_dir`` (if given)."""
+        if not isinstance(data, dict):
+            raise TrainingError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise TrainingError(f"{source}: unknown key '{unknown[0]}' (known keys: {', '.join(sorted(names))})")
+        values = dict(data)
+        if base_dir is not None:
+            for key in PATH_KEYS:
+                v = values.get(key)
+                if isinstance(v, str) and v and not os.path.isabs(v):
+                    values[key] = os.path.normpath(os.path.join(base_dir, v))
+        if isinstance(values.get("freeze"), list):
+            values["freeze"] = tuple(values["freeze"])
+        cfg = cls(**values)
+        cfg.validate(source)
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """Reads a JSON recipe (paths relative to the recipe's folder) and applies ``overrides``
+        (``--set`` values; their relative paths resolve against the working directory)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise TrainingError(f"{path}: recipe not found") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise TrainingError(f"{path}: cannot read the recipe ({e})") from None
+        if not isinstance(data, dict):
+            raise TrainingError(f"{path}: expected a JSON object")
+        base = os.path.dirname(os.path.abspath(path))
+        for key in PATH_KEYS:
+            v = data.get(key)
+            if isinstance(v, str) and v and not os.path.isabs(v):
+                data[key] = os.path.normpath(os.path.join(base, v))
+        for key, v in (overrides or {}).items():
+            if key in PATH_KEYS and isinstance(v, str) and v and not os.path.isabs(v):
+                v = os.path.abspath(v)
+            if key == "drafter" and isinstance(v, dict):
+                v = {**(data.get("drafter") or {}), **v}
+            data[key] = v
+        return cls.from_dict(data, source=path)
+
+    def validate(self, source: str = "<config>") -> None:
+        def fail(key, why):
+            raise TrainingError(f"{source}: key '{key}' {why}, got {getattr(self, key)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        for key in ("seq_len", "num_anchors", "batch_size", "steps", "log_every", "eval_every", "checkpoint_every",
+                    "keep_last"):
+            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
+                fail(key, "must be a positive integer")
+        for key in ("eval_size", "keep_best", "seed", "data_seed"):
+            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
+                fail(key, "must be an integer >= 0")
+        for key in ("eval_batches", "data_parallel", "warmup_steps"):
+            v = getattr(self, key)
+            if v is not None and (not is_int(v) or v < (0 if key == "warmup_steps" else 1)):
+                fail(key, "must be a positive integer or null")
+        for key in ("ce_loss_alpha", "l1_loss_alpha", "confidence_alpha"):
+            if not is_num(getattr(self, key)) or getattr(self, key) < 0:
+                fail(key, "must be a finite number >= 0")
+        if self.loss_decay_gamma is not None and not is_num(self.loss_decay_gamma):
+            fail("loss_decay_gamma", "must be a number or null")
+        if not is_num(self.warmup_ratio) or not 0 <= self.warmup_ratio < 1:
+            fail("warmup_ratio", "must be in [0, 1)")
+        for key in ("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps"):
+            if not is_num(getattr(self, key)):
+                fail(key, "must be a finite number")
+        if not 0 < self.lr <= 1:
+            fail("lr", "must be a learning rate in (0, 1]")
+        if self.warmup_steps is not None and self.warmup_steps and self.warmup_steps >= self.steps:
+            fail("warmup_steps", f"must be smaller than steps ({self.steps})")
+        if self.grad_clip is not None and not is_num(self.grad_clip):
+            fail("grad_clip", "must be a finite number or null")
+        if self.packing not in ("pad", "pack"):
+            fail("packing", "must be 'pad' or 'pack'")
+        if not isinstance(self.drafter, dict):
+            fail("drafter", "must be an object of drafter config keys")
+        if self.synthetic is not None and not isinstance(self.synthetic, dict):
+            fail("synthetic", "must be an object (num_sequences, prompt_len, seed, vocab_high) or null")
+        if not self.target:
+            fail("target", "is required (a Hugging Face Qwen3 folder; pass --set target=PATH)")
+        if self.data is None and self.synthetic is None:
+            fail("data", "is required (a JSONL file) unless 'synthetic' data is configured")
+        if self.num_anchors > self.seq_len - 1:
+            fail("num_anchors", f"does not fit sequences of seq_len={self.seq_len} (at most seq_len - 1)")
+        for key in ("dtype", "compute_dtype", "export_dtype"):
+            v = getattr(self, key)
+            if v is not None and v not in ("float32", "bfloat16", "float16"):
+                fail(key, "must be 'float32', 'bfloat16', 'float16' or null")
+        try:
+            self.optim  # noqa: B018 - validates lr, steps, warmup, schedule, betas, clipping
+        except TrainingError as e:
+            raise TrainingError(f"{source}: {e}") from None
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Keys (other than ``OPERATIONAL`` ones) whose values differ, as ``"key: old -> new"``."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if key in OPERATIONAL:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, tuple):
+            a = list(a)
+        if isinstance(b, tuple):
+            b = list(b)
+        if a != b:
+            out.append(f"{key}: {a!r} -> {b!r}")
+    return out

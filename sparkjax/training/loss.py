@@ -1,0 +1,153 @@
+"""The DSpark objective, exactly as upstream DeepSpec's ``compute_dspark_loss`` (world size 1).
+
+Per slot ``k`` of every block (``[B, A, G]``):
+
+* weights ``w = eval_mask * exp(-k / gamma)`` (no decay when ``gamma`` is None or <= 0);
+* ``ce``   cross-entropy of the Markov-corrected draft logits vs the labels;
+* ``l1``   ``sum_v |softmax(draft) - softmax(target)|`` against the target's logits at the aligned
+  position (``anchor + k``);
+* ``conf`` BCE-with-logits of the confidence logits vs the *detached* per-slot accept rate
+  ``clamp(1 - l1 / 2, 0, 1)``;
+
+each reduced as ``sum(term * w) / (sum(w) + 1e-6)``, and
+``total = ce_alpha * ce + l1_alpha * l1 + conf_alpha * conf``. Softmaxes are float32.
+
+Metrics (sums, so that several batches or devices add up before dividing):
+``accept_rate@k`` = sum of accept rates over supervised slots k / their count;
+``tau_probabilistic`` = over kept blocks with at least one supervised slot, the mean of
+``1 + sum_k cumprod_k(accept_rate * eval_mask)`` (expected accepted drafts + 1);
+``confidence_abs_error`` / ``confidence_bias`` / ``confidence_cumprod_bias`` as upstream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """Loss weights (upstream names: ``loss_decay_gamma``, ``ce_loss_alpha``, ``l1_loss_alpha``,
+    ``confidence_head_alpha``)."""
+
+    gamma: float | None = 4.0
+    ce_alpha: float = 0.1
+    l1_alpha: float = 0.9
+    conf_alpha: float = 1.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossSums:
+    """Numerators / denominators of every loss term and metric of one batch (float32 scalars or ``[G]``)."""
+
+    ce_num: Array
+    l1_num: Array
+    conf_num: Array
+    weight_sum: Array  # = ce_den = l1_den = conf_den
+    accept_sum: Array  # [G]
+    accept_count: Array  # [G]
+    tau_sum: Array
+    block_count: Array
+    conf_abs_error_num: Array
+    conf_bias_num: Array
+    conf_cumprod_bias_num: Array
+
+    def __add__(self, other: LossSums) -> LossSums:
+        return jax.tree.map(jnp.add, self, other)
+
+    def losses(self, objective: Objective, has_confidence: bool = True) -> dict[str, Array]:
+        den = self.weight_sum + EPS
+        ce = self.ce_num / den
+        l1 = self.l1_num / den
+        conf = self.conf_num / den if has_confidence else jnp.zeros_like(ce)
+        total = objective.ce_alpha * ce + objective.l1_alpha * l1 + objective.conf_alpha * conf
+        return {"loss": total, "ce_loss": ce, "l1_loss": l1, "confidence_loss": conf}
+
+    def metrics(self, objective: Objective, has_confidence: bool = True) -> dict[str, Array]:
+        """Every logged value as ``num / den`` (a zero denominator gives 0)."""
+
+        def ratio(num, den):
+            return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+        out = dict(self.losses(objective, has_confidence))
+        out["tau_probabilistic"] = ratio(self.tau_sum, self.block_count)
+        out["accept_rate"] = ratio(self.accept_sum, self.accept_count)
+        out["supervised_slots"] = jnp.sum(self.accept_count)
+        if has_confidence:
+            out["confidence_abs_error"] = ratio(self.conf_abs_error_num, self.weight_sum)
+            out["confidence_bias"] = ratio(self.conf_bias_num, self.weight_sum)
+            out["confidence_cumprod_bias"] = ratio(self.conf_cumprod_bias_num, self.weight_sum)
+        return out
+
+
+def loss_weights(eval_mask: Array, gamma: float | None) -> Array:
+    """``eval_mask * exp(-k / gamma)`` ``[B, A, G]`` in float32."""
+    w = eval_mask.astype(jnp.float32)
+    if gamma is not None and gamma > 0:
+        k = jnp.arange(w.shape[-1], dtype=jnp.float32)
+        w = w * jnp.exp(-k / float(gamma))
+    return w
+
+
+def bce_with_logits(x: Array, y: Array) -> Array:
+    """``-(y log sigmoid(x) + (1 - y) log(1 - sigmoid(x)))``, stable (torch's formula)."""
+    return jnp.maximum(x, 0.0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def dspark_loss_sums(
+    draft_logits: Array,
+    target_logits: Array,
+    target_ids: Array,
+    eval_mask: Array,
+    keep: Array,
+    confidence_logits: Array | None,
+    objective: Objective,
+) -> LossSums:
+    """The sums behind every term: ``draft_logits``/``target_logits`` ``[B, A, G, V]``, ``target_ids``,
+    ``eval_mask`` ``[B, A, G]``, ``keep`` ``[B, A]``, ``confidence_logits`` ``[B, A, G]`` or None."""
+    w = loss_weights(eval_mask, objective.gamma)
+    valid = eval_mask.astype(jnp.float32)
+    draft = draft_logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(draft, axis=-1)
+    picked = jnp.take_along_axis(draft, target_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    ce = logz - picked
+    p_draft = jnp.exp(draft - logz[..., None])
+    p_target = jax.nn.softmax(jax.lax.stop_gradient(target_logits).astype(jnp.float32), axis=-1)
+    l1 = jnp.sum(jnp.abs(p_draft - p_target), axis=-1)
+    accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+
+    zero = jnp.zeros((), jnp.float32)
+    valid_accept = accept * valid
+    tau_block = jnp.sum(jnp.cumprod(valid_accept, axis=-1), axis=-1) + 1.0
+    blocks = (keep & jnp.any(eval_mask, axis=-1)).astype(jnp.float32)
+
+    conf_num = conf_abs = conf_bias = conf_cum = zero
+    if confidence_logits is not None:
+        x = confidence_logits.astype(jnp.float32)
+        conf_num = jnp.sum(bce_with_logits(x, accept) * w)
+        prob = jax.lax.stop_gradient(jax.nn.sigmoid(x))
+        err = prob - accept
+        conf_abs = jnp.sum(jnp.abs(err) * w)
+        conf_bias = jnp.sum(err * w)
+        conf_cum = jnp.sum((jnp.cumprod(prob * valid, axis=-1) - jnp.cumprod(valid_accept, axis=-1)) * w)
+
+    return LossSums(
+        ce_num=jnp.sum(ce * w),
+        l1_num=jnp.sum(l1 * w),
+        conf_num=conf_num,
+        weight_sum=jnp.sum(w),
+        accept_sum=jnp.sum(valid_accept, axis=(0, 1)),
+        accept_count=jnp.sum(valid, axis=(0, 1)),
+        tau_sum=jnp.sum(tau_block * blocks),
+        block_count=jnp.sum(blocks),
+        conf_abs_error_num=conf_abs,
+        conf_bias_num=conf_bias,
+        conf_cumprod_bias_num=conf_cum,
+    )

@@ -1,0 +1,123 @@
+"""Drafters to train: continue a DeepSpec checkpoint (possibly at another block size) or start anew.
+
+* :func:`load_drafter_for_training` reads a DeepSpec DSpark folder with config overrides. In
+  DSpark the block size changes no parameter shape, so ``{"block_size": 16}`` turns a block-7
+  drafter into a block-16 one (upstream's ``extend_block`` recipe); an override that does change
+  shapes (``markov_rank``, ``num_hidden_layers``, ...) fails with a
+  :class:`~sparkjax.errors.CheckpointError` naming the file and the tensor.
+* :func:`new_drafter_config` / :func:`init_drafter` build a new DSpark drafter for any Qwen3
+  target: the target's backbone sizes, ``num_draft_layers`` layers, evenly spread
+  ``target_layer_ids`` (``[1, 9, 17, 25, 33]`` for 36 layers, upstream's choice), random weights,
+  and ``embed_tokens`` / ``lm_head`` copied from the target (then frozen by the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..config import DrafterConfig, Qwen3Config, validate_pair
+from ..convert import DRAFTER_KEYS, WeightFiles, load_into, resolve_dtype, source_of
+from ..errors import CheckpointError, ConfigError
+
+NEW_DRAFTER_DEFAULTS: dict[str, Any] = {
+    "block_size": 16,
+    "num_draft_layers": 5,
+    "markov_rank": 256,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` target layers spread evenly over ``[1, L - 3]`` (``[1, 9, 17, 25, 33]`` for 36 / 5)."""
+    hi = max(1, num_target_layers - 3)
+    return sorted({int(round(x)) for x in np.linspace(1, hi, count)})
+
+
+def _target_source(target) -> str:
+    src = source_of(target)
+    return f"{src}/config.json" if src else "<target model>"
+
+
+def new_drafter_config(
+    target_config: Qwen3Config, settings: dict[str, Any], *, source: str = "drafter"
+) -> DrafterConfig:
+    """A DSpark config for ``target_config`` from DeepSpec-style ``settings`` (``block_size``,
+    ``num_draft_layers``, ``target_layer_ids``, ``mask_token_id`` (required), ``markov_rank``,
+    ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``,
+    ``num_anchors``, and any Qwen3 backbone key to override, e.g. ``intermediate_size``)."""
+    s = {**NEW_DRAFTER_DEFAULTS, **settings}
+    if s.get("mask_token_id") is None:
+        raise ConfigError(f"{source}: key 'mask_token_id' is required for a new drafter (an id the tokenizer "
+                          "never produces, e.g. 151669 for Qwen3)")
+    d = target_config.to_hf_dict()
+    n_layers = s.pop("num_draft_layers")
+    count = s.pop("num_target_feature_layers", 5 if target_config.num_hidden_layers >= 8 else 2)
+    ids = s.pop("target_layer_ids", None) or spread_layer_ids(target_config.num_hidden_layers, count)
+    d.update(
+        architectures=["Qwen3DSparkModel"], num_hidden_layers=n_layers, target_layer_ids=list(ids),
+        num_target_layers=target_config.num_hidden_layers, tie_word_embeddings=False,
+        layer_types=["full_attention"] * int(n_layers) if isinstance(n_layers, int) else None,
+    )
+    d.update(s)
+    return DrafterConfig.from_hf_config(d, source=source)
+
+
+def init_drafter(target, config: DrafterConfig, *, seed: int = 0, dtype: Any = None):
+    """A new drafter with random weights and the target's embedding / LM head (copied)."""
+    from ..nn.drafter import Drafter
+
+    validate_pair(config, target.config, drafter_source="drafter settings", target_source=_target_source(target))
+    dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
+    drafter = Drafter(config, rngs=nnx.Rngs(seed), dtype=dt)
+    embed = target.embed_tokens.embedding[...]
+    head = embed if target.lm_head is None else target.lm_head.weight[...]
+    drafter.embed_tokens.embedding.set_value(jnp.asarray(embed, dt))
+    drafter.lm_head.weight.set_value(jnp.asarray(head, dt))
+    return drafter
+
+
+def load_drafter_for_training(path: str, target, overrides: dict[str, Any] | None = None, dtype: Any = None):
+    """Loads a DeepSpec DSpark folder with ``config.json`` keys replaced by ``overrides``.
+
+    Checks the pair against ``target``; tensors that do not fit the (overridden) config raise
+    CheckpointError naming the file and the key.
+    """
+    from ..nn.drafter import Drafter
+
+    folder = str(path)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: not a folder")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: file not found") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_path}: cannot read JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+    overrides = dict(overrides or {})
+    if "num_draft_layers" in overrides:
+        overrides["num_hidden_layers"] = overrides.pop("num_draft_layers")
+    source = config_path + (f" (with overrides {sorted(overrides)})" if overrides else "")
+    cfg = DrafterConfig.from_hf_config({**raw, **overrides}, source=source)
+    if cfg.kind != "dspark":
+        raise ConfigError(f"{config_path}: training continues DSpark drafters, this is a {cfg.kind} checkpoint")
+    validate_pair(cfg, target.config, drafter_source=config_path, target_source=_target_source(target))
+    files = WeightFiles(folder)
+    dt = resolve_dtype(dtype, files.dtype())
+    try:
+        return load_into(lambda: Drafter(cfg, rngs=nnx.Rngs(0), dtype=dt), files, DRAFTER_KEYS, dtype=dt)
+    except CheckpointError as e:
+        if overrides:
+            raise CheckpointError(f"{e} (the overrides {overrides} change parameter shapes)") from None
+        raise

@@ -1,0 +1,747 @@
+"""Joint retraining of the DSpark drafter (sparkjax.training).
+
+* parity with upstream DeepSpec's training forward and loss on the fixture (group e.*);
+* learning works on the tiny pair; kill -9 + resume reproduces an uninterrupted run; damaged
+  checkpoints fall back; config changes refuse to resume unless forced;
+* data parallel on 8 CPU devices (subprocess) equals one device;
+* export round trip, the block-7 -> block-16 reload, recipes, data pipeline and bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparkjax.checkpoint import TrainCheckpointer
+from sparkjax.config import DrafterConfig, Qwen3Config
+from sparkjax.convert import load_drafter, save_drafter
+from sparkjax.errors import ArgumentError, CheckpointError, IncompatiblePairError, SparkjaxError
+from sparkjax.nn.drafter import Drafter
+from sparkjax.nn.qwen3 import Qwen3
+from sparkjax.training import (
+    DataError,
+    Objective,
+    OptimConfig,
+    TrainConfig,
+    Trainer,
+    TrainingError,
+    anchor_candidates,
+    anchors_from_uniforms,
+    batch_loss,
+    build_blocks,
+    init_drafter,
+    load_drafter_for_training,
+    load_jsonl,
+    make_schedule,
+    new_drafter_config,
+    sample_anchors,
+    synthetic_data,
+    train,
+)
+from sparkjax.training.data import BatchStream, TokenData, as_batch, fixed_batches, precompute_features
+from sparkjax.training.loop import build_models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIX = os.path.join(ROOT, "tests", "fixtures", "tiny_dspark_b16")
+RECIPES = os.path.join(ROOT, "train", "recipes")
+TIGHT = dict(rtol=1e-4, atol=1e-4)
+
+
+def close(actual, expected, tol=TIGHT, what=""):
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32), err_msg=what, **tol)
+
+
+@pytest.fixture(scope="module")
+def target(fixture_target):
+    return fixture_target
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return load_drafter(os.path.join(FIX, "drafter"), target=target)
+
+
+@pytest.fixture(scope="module")
+def summary():
+    with open(os.path.join(FIX, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A persistent XLA cache for this module: the subprocesses reuse what this process compiled."""
+    folder = str(tmp_path_factory.mktemp("jax_cache"))
+    old = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", folder)
+    yield folder
+    jax.config.update("jax_compilation_cache_dir", old)
+    try:
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):  # only the speed of later compiles is at stake
+        pass
+
+
+def split_pair(drafter, target=None):
+    (gd, sd), (gt, st) = nnx.split(drafter), ((None, None) if target is None else nnx.split(target))
+    return (gd, gt), (sd, st)
+
+
+@functools.partial(jax.jit, static_argnames=("gdefs",))
+def loss_outputs(states, ids, lm, anchors, keep, feats, last, gdefs):
+    """``batch_loss`` of a (drafter, target-or-None) pair split into graphdefs / states."""
+    d = nnx.merge(gdefs[0], states[0])
+    t = None if gdefs[1] is None else nnx.merge(gdefs[1], states[1])
+    return batch_loss(d, t, ids, lm, anchors, keep, Objective(), features=feats, last_hidden=last)
+
+
+def run_loss(drafter, target, *args):
+    gdefs, states = split_pair(drafter, target)
+    return loss_outputs(states, *args, gdefs=gdefs)
+
+
+def reference_batch(ref, precomputed=True):
+    lm = jnp.asarray(ref["e.loss_mask"])
+    anchors, keep = anchors_from_uniforms(lm, jnp.asarray(ref["e.anchor_sampler_uniforms"]), 8)
+    feats = jnp.asarray(ref["e.target_hidden_states"]) if precomputed else None
+    last = jnp.asarray(ref["e.target_last_hidden_states"]) if precomputed else None
+    return jnp.asarray(ref["e.input_ids"]), lm, anchors, keep, feats, last
+
+
+# ----------------------------------------------------------------------------- parity (group e)
+
+
+def test_anchors_and_blocks_match_reference(ref, summary):
+    lm = jnp.asarray(ref["e.loss_mask"])
+    a = ref["e.anchor_positions"].shape[1]
+    uniforms = jnp.asarray(ref["e.anchor_sampler_uniforms"])
+    anchors, keep = jax.jit(anchors_from_uniforms, static_argnums=2)(lm, uniforms, a)
+    np.testing.assert_array_equal(anchors, ref["e.anchor_positions"])
+    np.testing.assert_array_equal(keep, ref["e.block_keep_mask"])
+    blocks = jax.jit(build_blocks, static_argnames=("block_size", "mask_token_id"))(
+        jnp.asarray(ref["e.input_ids"]), lm, anchors, keep, block_size=16, mask_token_id=300)
+    np.testing.assert_array_equal(blocks.tokens, ref["e.noise_input_ids"])
+    np.testing.assert_array_equal(blocks.full_positions, ref["e.full_position_ids"])
+    np.testing.assert_array_equal(blocks.mask, ref["e.attention_mask_dense"])
+    np.testing.assert_array_equal(blocks.target_ids, ref["e.target_ids"])
+    np.testing.assert_array_equal(blocks.eval_mask, ref["e.eval_mask"])
+    assert int(blocks.eval_mask.sum()) == summary["e"]["eval_mask_count"]
+    assert np.asarray(anchors).tolist() == summary["e"]["anchors"]
+
+
+def test_sampled_anchors_follow_the_rule():
+    """Anchors drawn from a key: valid, distinct, sorted, dummies (position 0, keep False) last."""
+    rng = np.random.default_rng(0)
+    lm = (rng.random((6, 40)) < 0.6).astype(np.float32)
+    lm[0] = 0.0
+    lm[0, 30:34] = 1.0  # 3 valid candidates for 8 anchors
+    anchors, keep = jax.jit(sample_anchors, static_argnums=2)(jax.random.key(4), jnp.asarray(lm), 8)
+    anchors, keep = np.asarray(anchors), np.asarray(keep)
+    valid = np.asarray(anchor_candidates(jnp.asarray(lm)))
+    for b in range(6):
+        n = min(8, int(valid[b].sum()))
+        assert keep[b].tolist() == [True] * n + [False] * (8 - n)
+        kept = anchors[b, :n]
+        assert np.all(np.diff(kept) > 0) and np.all(valid[b, kept])
+        assert np.all(anchors[b, n:] == 0)
+    assert anchors[0, :3].tolist() == [30, 31, 32]
+    # explicit uniforms: the smallest u among valid candidates win
+    u = rng.random((6, 39)).astype(np.float32)
+    a2, k2 = anchors_from_uniforms(jnp.asarray(lm), jnp.asarray(u), 4)
+    for b in range(1, 6):
+        want = np.sort(np.argsort(np.where(valid[b], u[b], 2.0), kind="stable")[:4])
+        np.testing.assert_array_equal(np.asarray(a2[b]), want)
+
+
+def test_loss_matches_reference(ref, target, drafter, summary):
+    args = reference_batch(ref)
+    total, sums, blocks, outs = run_loss(drafter, target, *args)
+    close(outs.hidden, ref["e.output_hidden"], what="backbone")
+    close(outs.base_logits, ref["e.base_draft_logits"], what="base logits")
+    close(outs.draft_logits, ref["e.draft_logits"], what="Markov-corrected draft logits")
+    close(outs.confidence, ref["e.confidence_pred"], what="confidence logits")
+    close(outs.target_logits, ref["e.aligned_target_logits"], what="aligned target logits")
+    loss_tol = dict(rtol=1e-5, atol=0)
+    close(sums.ce_num, ref["e.ce_loss_num"][0], loss_tol, "ce num")
+    close(sums.l1_num, ref["e.l1_loss_num"][0], loss_tol, "l1 num")
+    close(sums.conf_num, ref["e.confidence_loss_num"][0], loss_tol, "confidence num")
+    for den in ("ce_loss_den", "l1_loss_den", "confidence_loss_den"):
+        close(sums.weight_sum, ref[f"e.{den}"][0], loss_tol, den)
+    losses = sums.losses(Objective())
+    for mine, theirs in (("loss", "total_loss"), ("ce_loss", "ce_loss"), ("l1_loss", "l1_loss"),
+                         ("confidence_loss", "confidence_loss")):
+        close(losses[mine], ref[f"e.{theirs}"][0], loss_tol, mine)
+    close(total, ref["e.total_loss"][0], loss_tol, "total")
+    # DeepSpec's logged metrics: per-position accept rates, probabilistic tau, confidence calibration
+    logged = summary["e"]["metrics"]
+    metrics = sums.metrics(Objective())
+    for k in range(16):
+        close(sums.accept_sum[k], logged[f"train/accept_rate@{k}"]["num"], dict(rtol=1e-5, atol=1e-5))
+        close(sums.accept_count[k], logged[f"train/accept_rate@{k}"]["den"], dict(rtol=0, atol=0))
+        close(metrics["accept_rate"][k], logged[f"train/accept_rate@{k}"]["value"], dict(rtol=1e-5, atol=1e-6))
+    close(sums.tau_sum, logged["train/tau_probabilistic"]["num"], dict(rtol=1e-5, atol=0))
+    close(sums.block_count, logged["train/tau_probabilistic"]["den"], dict(rtol=0, atol=0))
+    close(metrics["tau_probabilistic"], logged["train/tau_probabilistic"]["value"], dict(rtol=1e-5, atol=0))
+    for name in ("confidence_abs_error", "confidence_bias", "confidence_cumprod_bias"):
+        close(metrics[name], logged[f"train/{name}"]["value"], dict(rtol=1e-4, atol=1e-6), name)
+
+    # the drafter's own (frozen) LM head gives the same aligned logits as the target's
+    _, sums_head, _, outs_head = run_loss(drafter, None, *args)
+    close(outs_head.target_logits, ref["e.aligned_target_logits"], what="aligned logits via the drafter's head")
+    close(sums_head.losses(Objective())["loss"], ref["e.total_loss"][0], loss_tol)
+
+
+def test_on_the_fly_target_features_match_reference(ref, target, drafter):
+    total, sums, _, outs = run_loss(drafter, target, *reference_batch(ref, precomputed=False))
+    close(outs.draft_logits, ref["e.draft_logits"], what="draft logits, features on the fly")
+    close(total, ref["e.total_loss"][0], dict(rtol=1e-4, atol=0), "total, features on the fly")
+    # precomputed features (small runs): the same tensors, and a target-free trainer gives the same metrics
+    data = precompute_features(target, TokenData(ref["e.input_ids"], ref["e.loss_mask"]), (1, 3), batch=2)
+    close(data.features, ref["e.target_hidden_states"], what="features")
+    close(data.last_hidden, ref["e.target_last_hidden_states"], what="final-normed last hidden")
+    optim = OptimConfig(lr=1e-3, steps=10)
+    data_only = {"input_ids": data.input_ids, "loss_mask": data.loss_mask}
+    live = Trainer(drafter, target, optim=optim, num_anchors=8).evaluate([data_only])
+    cached = Trainer(drafter, None, optim=optim, num_anchors=8).evaluate([as_batch(data)])
+    assert live["supervised_slots"] == cached["supervised_slots"] > 0
+    for k in ("loss", "ce_loss", "l1_loss", "confidence_loss", "tau_probabilistic"):
+        assert cached[k] == pytest.approx(live[k], rel=1e-4), k
+
+
+def test_trainer_step_matches_a_plain_optax_step(target, drafter, tiny_data):
+    """The jitted step = value_and_grad of the loss + clip + AdamW, on the trainable params only."""
+    import optax
+
+    cfg = run_config()
+    batch = BatchStream(tiny_data, cfg.batch_size, seed=0).batch(0)
+    tr = Trainer(drafter, target, optim=cfg.optim, num_anchors=cfg.num_anchors, seed=0)
+    params0 = jax.tree.map(np.asarray, jax.device_get(tr.state["params"]))
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(tr.state["params"])}
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.kernel"} <= names
+    key = jax.random.split(jax.random.key(0))[1]  # the first step's anchor key (seed 0)
+    loss, sums, grads = tr.loss_and_grads(batch, key)
+    lr0 = float(make_schedule(cfg.optim)(0))
+    assert lr0 == pytest.approx(cfg.lr / cfg.warmup_steps)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(lr0, weight_decay=0.0))
+    updates, _ = tx.update(grads, tx.init(tr.state["params"]), tr.state["params"])
+    want = optax.apply_updates(tr.state["params"], updates)
+    step_sums, info = tr.step(batch)
+    close(step_sums.losses(Objective())["loss"], loss, dict(rtol=1e-6, atol=0))
+    close(info["grad_norm"], optax.tree.norm(grads), dict(rtol=1e-6, atol=0))
+    close(info["lr"], lr0, dict(rtol=1e-6, atol=0))
+    jax.tree.map(lambda a, b: close(a, b, dict(rtol=1e-6, atol=1e-7)), tr.state["params"], want)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), tr.state["params"], params0)
+    assert min(jax.tree.leaves(moved)) > 0  # every trainable tensor (heads included) was updated
+    assert tr.step_count == 1
+    d1 = tr.drafter()
+    np.testing.assert_array_equal(d1.embed_tokens.embedding[...], drafter.embed_tokens.embedding[...])
+    np.testing.assert_array_equal(d1.lm_head.weight[...], drafter.lm_head.weight[...])
+    close(drafter.fc.kernel[...], params0["fc"]["kernel"], dict(rtol=0, atol=0))  # the input module is intact
+
+
+def test_schedule_and_optimizer_settings():
+    sched = make_schedule(OptimConfig(lr=1e-3, steps=110, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1))
+    assert float(sched(0)) == pytest.approx(1e-4)  # upstream: (step + 1) / warmup * lr
+    assert float(sched(9)) == pytest.approx(1e-3)
+    assert float(sched(10)) == pytest.approx(1e-3)
+    assert float(sched(60)) == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-5)
+    assert float(sched(110)) == pytest.approx(1e-4, rel=1e-5)
+    lin = make_schedule(OptimConfig(lr=1e-3, steps=100, schedule="linear"))
+    assert float(lin(50)) == pytest.approx(5e-4, rel=1e-5)
+    cfg = TrainConfig.from_file(os.path.join(RECIPES, "extend_block.json"),
+                                {"target": FIX + "/target", "init_drafter": "x", "data": "y"})
+    assert cfg.optim.warmup_steps == 24 and cfg.optim.grad_clip == 1.0  # 4% of 600
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def tiny_settings(**kw):
+    return {"block_size": 16, "num_draft_layers": 2, "target_layer_ids": [1, 3], "mask_token_id": 300,
+            "markov_rank": 16, **kw}
+
+
+@pytest.fixture(scope="module")
+def tiny_data(target):
+    return synthetic_data(target, num_sequences=72, seq_len=48, prompt_len=16, seed=3, vocab_high=300)
+
+
+def test_learning_reduces_loss_and_raises_heldout_tau(target, tiny_data):
+    cfg = run_config(steps=40, warmup_steps=5)
+    data = tiny_data
+    # the continuation is the target's greedy output (loss mask on it only)
+    gt, st = nnx.split(target)
+    logits = jax.jit(lambda s, x: nnx.merge(gt, s)(x, jnp.broadcast_to(jnp.arange(48), x.shape)).logits)(
+        st, jnp.asarray(data.input_ids))
+    np.testing.assert_array_equal(np.argmax(logits[:, 15:-1], -1), data.input_ids[:, 16:])
+    assert data.loss_mask[:, :16].sum() == 0 and data.loss_mask[:, 16:].min() == 1
+
+    train_rows, held = data.take(np.arange(56)), data.take(np.arange(56, 72))
+    _, drafter = build_models(cfg, log=lambda m: None)  # a new drafter: random, the target's embedding / head
+    np.testing.assert_array_equal(drafter.embed_tokens.embedding[...], target.embed_tokens.embedding[...])
+    np.testing.assert_array_equal(drafter.lm_head.weight[...], target.embed_tokens.embedding[...])
+    tr = Trainer(drafter, target, optim=cfg.optim, num_anchors=cfg.num_anchors, seed=0)
+    evals = fixed_batches(held, cfg.batch_size)
+    before = tr.evaluate(evals)
+    stream = BatchStream(train_rows, cfg.batch_size, seed=0)
+    losses = []
+    for i in range(cfg.steps):
+        sums, _ = tr.step(stream.batch(i))
+        losses.append(float(sums.losses(Objective())["loss"]))
+    after = tr.evaluate(evals)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.2, losses
+    assert after["loss"] < before["loss"] - 0.2
+    assert after["tau_probabilistic"] > before["tau_probabilistic"] + 0.05, (before, after)
+    assert after["accept_rate"].mean() > before["accept_rate"].mean() + 0.03
+
+
+# ----------------------------------------------------------------------------- runs, resume, checkpoints
+
+N = 4  # checkpoint interval; the straight run takes 2N steps
+
+
+def run_config(**kw) -> TrainConfig:
+    over = dict(steps=2 * N, checkpoint_every=N, log_every=1, eval_size=0, seq_len=48, batch_size=8,
+                warmup_steps=2, keep_last=3, synthetic={"num_sequences": 32, "prompt_len": 16, "seed": 1,
+                                                        "vocab_high": 300})
+    over.update(kw)
+    return TrainConfig.from_file(os.path.join(RECIPES, "tiny.json"), over)
+
+
+def train_losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in recs if r["split"] == "train"}
+
+
+def tensors(folder):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("straight"))
+    result = train(run_config(), out, progress=False, log=lambda m: None)
+    assert result.step == 2 * N and sorted(train_losses(out)) == list(range(1, 2 * N + 1))
+    return out
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from sparkjax.training import TrainConfig, train
+    cfg = TrainConfig.from_dict(json.loads(sys.argv[1]))
+    n = int(sys.argv[3])
+    def hook(step, saved):
+        if step == n and saved:
+            print(f"CHECKPOINT {step}", flush=True)
+            time.sleep(600)  # the parent kills us here (SIGKILL)
+    train(cfg, sys.argv[2], progress=False, on_step=hook)
+""")
+
+
+def test_resume_after_sigkill_reproduces_the_straight_run(tmp_path, straight_run, compile_cache):
+    out = str(tmp_path / "killed")
+    shutil.copytree(os.path.join(straight_run, "data"), os.path.join(out, "data"))  # same seed, same data
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, json.dumps(run_config().to_dict()), out, str(N)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+                            env={**os.environ, "JAX_COMPILATION_CACHE_DIR": compile_cache})
+    try:
+        deadline = time.time() + 240
+        line = ""
+        while time.time() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 5)
+            if ready:
+                line = proc.stdout.readline()
+                if line.startswith("CHECKPOINT") or not line:
+                    break
+            if proc.poll() is not None:
+                break
+        assert line.strip() == f"CHECKPOINT {N}", f"subprocess did not reach its checkpoint (rc={proc.poll()})"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(train_losses(out)) == list(range(1, N + 1))
+    assert not os.path.exists(os.path.join(out, "drafter"))
+
+    messages = []
+    result = train(run_config(), out, resume=True, progress=False, log=messages.append)
+    assert result.resumed_from == N and result.step == 2 * N
+    assert any(f"resume: step {N}" in m for m in messages)
+    want, got = train_losses(straight_run), train_losses(out)
+    assert sorted(got) == list(range(1, 2 * N + 1))
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-6, atol=0)
+    a, b = tensors(os.path.join(straight_run, "drafter")), tensors(os.path.join(out, "drafter"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+# orbax's reader of the damaged chunks leaves an asyncio callback behind when it fails
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupted_checkpoint_falls_back_and_resume_still_matches(tmp_path, straight_run):
+    out = str(tmp_path / "copy")
+    shutil.copytree(straight_run, out)
+    ckdir = os.path.join(out, "checkpoints")
+    assert sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) == [N, 2 * N]
+    # damage the newest checkpoint's array data (keep its metadata readable)
+    damaged = 0
+    for root, _, files in os.walk(os.path.join(ckdir, str(2 * N), "state")):
+        if os.path.basename(root) == "d":  # orbax's array data chunks
+            for name in files:
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.write(b"\xff" * 64)
+                damaged += 1
+    assert damaged > 0
+    messages = []
+    result = train(run_config(), out, resume=True, progress=False, log=messages.append)
+    warn = [m for m in messages if "corrupted or incomplete" in m]
+    assert len(warn) == 1 and f"falling back to step {N}" in warn[0] and f"checkpoints/{2 * N}" in warn[0]
+    assert os.path.isdir(os.path.join(ckdir, f"corrupt-{2 * N}-0"))
+    assert result.resumed_from == N
+    a, b = tensors(os.path.join(straight_run, "drafter")), tensors(os.path.join(out, "drafter"))
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_checkpointer_partial_steps_and_shape_mismatch(tmp_path):
+    """A step without its state, a step with garbage data: both skipped with a message; wrong shapes raise."""
+    messages = []
+    ck = TrainCheckpointer(str(tmp_path / "ck"), keep_last=5, log=messages.append)
+    state = {"w": jnp.arange(12.0).reshape(3, 4), "step": jnp.int32(0)}
+    for s in (1, 2, 3):
+        ck.save(s, {"w": state["w"] * s, "step": jnp.int32(s)}, {"data_cursor": s})
+    ck.wait()
+    shutil.rmtree(os.path.join(ck.step_dir(3), "state"))  # partial: the state never landed
+    meta_file = os.path.join(ck.step_dir(2), "meta", "metadata")
+    assert os.path.exists(meta_file)
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta["checksums"]["w"] = [1e9, 1e9]  # content that no longer matches what was written
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    step, restored, meta = ck.restore(abstract)
+    assert step == 1 and meta["data_cursor"] == 1
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert len(messages) == 2 and "step 3" not in messages[0] and "falling back to step 2" in messages[0]
+    assert "checksum" in messages[1] and "falling back to step 1" in messages[1]
+    assert ck.steps() == [1]
+    bad = {"w": jax.ShapeDtypeStruct((3, 5), jnp.float32), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    with pytest.raises(CheckpointError, match=r"tensor 'w' has shape \[3, 4\].*expects \[3, 5\]"):
+        ck.restore(bad)
+    ck.close()
+    with pytest.raises(CheckpointError, match="no checkpoint to resume"):
+        TrainCheckpointer(str(tmp_path / "empty")).restore(abstract)
+
+
+def test_resume_with_a_different_config_refuses_unless_forced(tmp_path, straight_run):
+    out = str(tmp_path / "cfg")
+    shutil.copytree(straight_run, out)
+    with pytest.raises(TrainingError, match=r"lr: 0\.01 -> 0\.02.*--force-resume") as info:
+        train(run_config(lr=2e-2), out, resume=True, progress=False, log=lambda m: None)
+    assert os.path.join(out, "checkpoints") in str(info.value)
+    with pytest.raises(TrainingError, match="--resume"):
+        train(run_config(), out, progress=False, log=lambda m: None)  # not asked to resume
+    # forced, but the drafter's parameter shapes changed: the checkpoint's tensors do not fit
+    shapes = r"tensor 'params\.(markov_head|confidence_head)\.[\w.]+' has shape \[\d+, \d+\], this config expects"
+    with pytest.raises(CheckpointError, match=shapes):
+        train(run_config(drafter=tiny_settings(markov_rank=8)), out, resume=True, force_resume=True,
+              progress=False, log=lambda m: None)
+    messages = []
+    result = train(run_config(lr=2e-2), out, resume=True, force_resume=True, progress=False, log=messages.append)
+    assert result.resumed_from == 2 * N and any("--force-resume" in m for m in messages)
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+DP_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    from safetensors.numpy import load_file
+    from sparkjax.convert import load_drafter, load_target
+    from sparkjax.sharding import make_mesh
+    import optax
+    from sparkjax.training import OptimConfig, Trainer, make_optimizer
+    fix = sys.argv[1]
+    target = load_target(fix + "/target")
+    drafter = load_drafter(fix + "/drafter", target=target)
+    ref = load_file(fix + "/reference.safetensors")
+    ids = np.concatenate([np.roll(ref["e.input_ids"], 7 * i, axis=1) for i in range(4)])
+    lm = np.concatenate([np.roll(ref["e.loss_mask"], 7 * i, axis=1) for i in range(4)])
+    batch = {"input_ids": ids, "loss_mask": lm}
+    optim = OptimConfig(lr=1e-3, steps=10, warmup_steps=0, schedule="constant")
+    one = Trainer(drafter, target, optim=optim, num_anchors=8, seed=0)
+    eight = Trainer(drafter, target, optim=optim, num_anchors=8, seed=0, mesh=make_mesh(data=8))
+    key = jax.random.split(jax.random.key(0))[1]  # the anchor key of the first step (seed 0)
+    l1, s1, g1 = one.loss_and_grads(batch, key)
+    l8, s8, g8 = eight.loss_and_grads(batch, key)
+    placed = eight.put_batch(batch)["input_ids"]
+    diff = lambda a, b: max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in
+                            zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    scale = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g1))
+    # one sharded train step = the one-device gradients through clip + AdamW
+    params0 = one.state["params"]
+    tx = make_optimizer(optim)
+    want = jax.jit(lambda g, p: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))(g1, params0)
+    sums8, _ = eight.step(batch)
+    print(json.dumps(dict(
+        devices=len(jax.devices()), batch_devices=len(placed.sharding.device_set),
+        shard_rows=[s.data.shape[0] for s in placed.addressable_shards],
+        grad_devices=len(jax.tree.leaves(g8)[0].sharding.device_set),
+        param_devices=len(jax.tree.leaves(eight.state["params"])[0].sharding.device_set),
+        loss1=float(l1), loss8=float(l8), step_loss8=float(sums8.losses(eight.spec.objective)["loss"]),
+        tau1=float(s1.tau_sum), tau8=float(s8.tau_sum),
+        grad_diff=diff(g1, g8), grad_scale=scale, param_diff=diff(want, eight.state["params"]),
+        param_moved=diff(params0, eight.state["params"]))))
+""")
+
+
+def test_data_parallel_on_8_cpu_devices_matches_one_device(compile_cache):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_COMPILATION_CACHE_DIR": compile_cache}
+    proc = subprocess.run([sys.executable, "-c", DP_SCRIPT, FIX], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["devices"] == 8 and res["batch_devices"] == 8 and res["shard_rows"] == [1] * 8
+    assert res["grad_devices"] == 8 and res["param_devices"] == 8  # replicated
+    assert res["loss1"] == pytest.approx(res["loss8"], rel=1e-5)
+    assert res["step_loss8"] == pytest.approx(res["loss1"], rel=1e-5)
+    assert res["tau1"] == pytest.approx(res["tau8"], rel=1e-5)
+    assert res["grad_scale"] > 0 and res["grad_diff"] <= 1e-5 * res["grad_scale"] + 1e-7, res
+    # AdamW's first step is lr * g / (|g| + eps): near-zero gradients amplify float noise, hence 2% of lr
+    assert res["param_moved"] > 1e-4 and res["param_diff"] <= 2e-5, res
+
+
+# ----------------------------------------------------------------------------- export and reload
+
+
+def test_export_round_trip_and_block7_to_block16(tmp_path, ref, target, drafter, tiny_data):
+    cfg = run_config()
+    tr = Trainer(drafter, target, optim=cfg.optim, num_anchors=cfg.num_anchors, seed=0)
+    tr.step(BatchStream(tiny_data, cfg.batch_size, seed=0).batch(0))
+    trained = tr.drafter()
+    out = save_drafter(trained, str(tmp_path / "exported"))
+    again = load_drafter(out, target=target)
+    assert again.config == trained.config
+    args = reference_batch(ref)
+    l_a, _, _, out_a = run_loss(trained, None, *args)
+    l_b, _, _, out_b = run_loss(again, None, *args)
+    np.testing.assert_array_equal(out_a.draft_logits, out_b.draft_logits)
+    np.testing.assert_array_equal(out_a.confidence, out_b.confidence)
+    assert float(l_a) == float(l_b) and abs(float(l_a) - float(ref["e.total_loss"][0])) > 1e-6  # it trained
+
+    # a block-7 DeepSpec drafter continues at block 16: same tensors, new block size
+    b7_cfg = DrafterConfig.from_hf_config({**json.loads(drafter.config.hf_json), "block_size": 7})
+    b7 = nnx.merge(nnx.split(Drafter(b7_cfg, rngs=nnx.Rngs(0)))[0], nnx.state(drafter))
+    b7_dir = save_drafter(b7, str(tmp_path / "block7"))
+    assert json.load(open(os.path.join(b7_dir, "config.json")))["block_size"] == 7
+    b16 = load_drafter_for_training(b7_dir, target, {"block_size": 16, "num_anchors": 32})
+    assert b16.config.block_size == 16 and b16.config.num_anchors == 32
+    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(b16, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(drafter, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(p))
+    bad_shape = r"block7/model\.safetensors: tensor '(confidence|markov)_head\.[\w.]+' has shape"
+    with pytest.raises(CheckpointError, match=bad_shape):
+        load_drafter_for_training(b7_dir, target, {"block_size": 16, "markov_rank": 32})
+
+
+# ----------------------------------------------------------------------------- recipes and new drafters
+
+
+def test_recipes_and_new_drafter_for_a_qwen3_4b_target():
+    t4b = Qwen3Config.from_hf_config(os.path.join(FIX, "configs", "qwen3_4b_target_config.json"))
+    up = DrafterConfig.from_hf_config(os.path.join(FIX, "configs", "dspark_qwen3_4b_b16_config.json"))
+    scratch = TrainConfig.from_file(os.path.join(RECIPES, "from_scratch.json"),
+                                    {"target": FIX + "/target", "data": "train.jsonl"})
+    mine = new_drafter_config(t4b, {**scratch.drafter, "mask_token_id": 151669, "num_anchors": 512})
+    fields = [f.name for f in dataclasses.fields(DrafterConfig) if f.name not in ("hf_json", "max_position_embeddings")]
+    assert {f: getattr(mine, f) for f in fields} == {f: getattr(up, f) for f in fields}
+    assert list(mine.target_layer_ids) == [1, 9, 17, 25, 33]
+    counts = json.load(open(os.path.join(FIX, "configs", "dspark_qwen3_4b_b16_param_counts.json")))
+    abstract = nnx.eval_shape(lambda: Drafter(mine, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    total = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
+    assert total == counts["total"]
+
+    ext = TrainConfig.from_file(os.path.join(RECIPES, "extend_block.json"),
+                                {"target": "/m/Qwen3-4B", "init_drafter": "/m/b7", "data": "/d/train.jsonl"})
+    assert (ext.seq_len, ext.num_anchors, ext.steps, ext.drafter["block_size"]) == (768, 32, 600, 16)
+    assert ext.freeze == ("embed_tokens", "lm_head") and ext.init_drafter == "/m/b7"
+    tiny = TrainConfig.from_file(os.path.join(RECIPES, "tiny.json"))
+    assert os.path.isdir(tiny.target) and tiny.synthetic is not None
+    with pytest.raises(TrainingError, match="key 'target' is required"):
+        TrainConfig.from_file(os.path.join(RECIPES, "extend_block.json"))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+CHAT = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                  {"role": "assistant", "content": "Hello! How can I help?"},
+                  {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4, of course."}]},
+    {"turns": ["What is JAX?", "A library for array programs."]},
+    {"turns": ["a user turn only"]},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from sparkjax.eval.tokenizer import write_default_tokenizer  # byte-level BPE, built locally
+
+    return str(write_default_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def test_jsonl_chat_tokenisation_masks_assistant_turns(tmp_path, tokenizer_dir):
+    from sparkjax.eval.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    path = str(tmp_path / "chat.jsonl")
+    with open(path, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in CHAT) + "\n\n")
+    data = load_jsonl(path, 96, block_size=16, vocab_size=320, tokenizer=tok)
+    assert len(data) == 2 and data.info["skipped"] == 1 and data.input_ids.shape == (2, 96)
+    supervised = [tok.decode(data.input_ids[i][data.loss_mask[i] > 0]) for i in range(2)]
+    assert supervised[1] == "A library for array programs.<|im_end|>"
+    full = tok.decode(data.input_ids[1][: int(np.nonzero(data.input_ids[1] != tok.pad_token_id)[0][-1]) + 1])
+    assert full.startswith("<|im_start|>user\nWhat is JAX?<|im_end|>")
+    long = load_jsonl(path, 256, block_size=16, vocab_size=320, tokenizer=tok)
+    assert tok.decode(long.input_ids[0][long.loss_mask[0] > 0]) == (
+        "Hello! How can I help?<|im_end|>4, of course.<|im_end|>")
+    assert long.loss_mask[0, long.input_ids[0] == tok.pad_token_id].sum() == 0
+    packed = load_jsonl(path, 32, block_size=16, vocab_size=320, tokenizer=tok, packing="pack")
+    convs = [CHAT[0]["messages"], [{"role": "user", "content": "What is JAX?"},
+                                   {"role": "assistant", "content": "A library for array programs."}],
+             [{"role": "user", "content": "a user turn only"}]]
+    lengths = [len(tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"])
+               for c in convs]
+    assert packed.input_ids.shape == (-(-sum(lengths) // 32), 32)
+    assert packed.supervised_tokens() == long.supervised_tokens()  # the user-only line adds no supervision
+
+
+def test_jsonl_chat_run_end_to_end(tmp_path, tokenizer_dir):
+    path = str(tmp_path / "chat.jsonl")
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps"]
+    with open(path, "w") as f:
+        for i in range(16):
+            answer = " ".join(rng.choice(words, 6))
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    cfg = run_config(synthetic=None, data=path, tokenizer=tokenizer_dir, eval_size=8, steps=2, eval_every=2,
+                     checkpoint_every=2, warmup_steps=0)
+    result = train(cfg, str(tmp_path / "run"), progress=False, log=lambda m: None)
+    assert result.step == 2 and result.last_eval is not None
+    assert result.last_eval["supervised_slots"] > 0 and np.isfinite(result.last_eval["loss"])
+    again = load_drafter(result.drafter_dir)
+    assert again.config.block_size == 16 and os.path.isdir(result.best_dir)
+
+
+def test_synthetic_data_batches_resume_exactly():
+    data = TokenData(np.arange(40 * 20, dtype=np.int32).reshape(40, 20), np.ones((40, 20), np.float32))
+    a = BatchStream(data, 8, seed=3)
+    b = BatchStream(data, 8, seed=3)
+    seen = [a.batch(c)["input_ids"][:, 0] // 20 for c in range(10)]
+    assert sorted(np.concatenate(seen[:5]).tolist()) == list(range(40))  # one epoch covers every row once
+    assert not np.array_equal(np.concatenate(seen[:5]), np.concatenate(seen[5:]))  # a new order per epoch
+    np.testing.assert_array_equal(b.batch(7)["input_ids"], a.batch(7)["input_ids"])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_jsonl_and_short_sequences(tmp_path):
+    path = str(tmp_path / "bad.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps({"input_ids": list(range(40))}) + "\n" + json.dumps({"text": "hello"}) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: no 'messages', 'turns' or 'input_ids'") as info:
+        load_jsonl(path, 48, block_size=16, vocab_size=320)
+    assert isinstance(info.value, SparkjaxError) and path in str(info.value)
+    with open(path, "w") as f:
+        f.write("{not json}\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: not valid JSON"):
+        load_jsonl(path, 48, block_size=16, vocab_size=320)
+    with open(path, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: message 0"):
+        load_jsonl(path, 48, block_size=16, vocab_size=320)
+    with open(path, "w") as f:
+        f.write(json.dumps({"input_ids": list(range(40))}) + "\n" + json.dumps({"input_ids": [1, 2, 3, 4]}) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: sequence of 4 tokens is shorter than a block"):
+        load_jsonl(path, 48, block_size=16, vocab_size=320)
+    with open(path, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match="needs a tokenizer"):
+        load_jsonl(path, 48, block_size=16, vocab_size=320)
+    with pytest.raises(DataError, match="file not found"):
+        load_jsonl(str(tmp_path / "missing.jsonl"), 48, block_size=16, vocab_size=320)
+    ids = jnp.zeros((1, 12), jnp.int32)
+    with pytest.raises(ArgumentError, match=r"S=12 is shorter than a block"):
+        build_blocks(ids, jnp.ones((1, 12)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool),
+                     block_size=16, mask_token_id=300)
+    with pytest.raises(TrainingError, match=r"seq_len: 12 is shorter than a block"):
+        train(run_config(seq_len=12, num_anchors=4), str(tmp_path / "short"), progress=False, log=lambda m: None)
+
+
+@pytest.mark.parametrize("key, value, pattern", [
+    ("lr", -1e-3, "key 'lr'"),
+    ("lr", float("nan"), "key 'lr'"),
+    ("lr", 5.0, "key 'lr'"),
+    ("steps", 0, "key 'steps'"),
+    ("steps", 2.5, "key 'steps'"),
+    ("warmup_steps", 300, "key 'warmup_steps' must be smaller than steps"),
+    ("batch_size", 0, "key 'batch_size'"),
+    ("grad_clip", -1.0, "grad_clip"),
+    ("schedule", "exponential", "schedule"),
+    ("num_anchors", 100, "key 'num_anchors'"),
+    ("bogus_key", 1, "unknown key 'bogus_key'"),
+])
+def test_bad_settings_raise(key, value, pattern):
+    with pytest.raises(TrainingError, match=pattern) as info:
+        TrainConfig.from_file(os.path.join(RECIPES, "tiny.json"), {key: value})
+    assert "tiny.json" in str(info.value)
+
+
+def test_mismatched_pair_and_bad_optim(target, drafter):
+    other_cfg = dataclasses.replace(target.config, hidden_size=32, head_dim=8)
+    other = nnx.eval_shape(lambda: Qwen3(other_cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(IncompatiblePairError, match="hidden_size 64 vs 32"):
+        Trainer(drafter, other, optim=OptimConfig(), num_anchors=8)
+    few = dataclasses.replace(target.config, num_hidden_layers=3)
+    with pytest.raises(IncompatiblePairError, match=r"target_layer_ids \[1, 3\].*outside"):
+        Trainer(drafter, nnx.eval_shape(lambda: Qwen3(few, rngs=nnx.Rngs(0))), optim=OptimConfig(), num_anchors=8)
+    with pytest.raises(IncompatiblePairError, match="does not fit target"):
+        init_drafter(target, new_drafter_config(few, tiny_settings(target_layer_ids=[1, 3])))
+    with pytest.raises(TrainingError, match="lr"):
+        OptimConfig(lr=0.0)
+    with pytest.raises(TrainingError, match="steps"):
+        OptimConfig(steps=-3)
+    with pytest.raises(ArgumentError, match="num_anchors"):
+        Trainer(drafter, target, optim=OptimConfig(), num_anchors=0)
+    with pytest.raises(ArgumentError, match="leaves no trainable parameter"):
+        Trainer(drafter, target, optim=OptimConfig(), num_anchors=8,
+                freeze=("layers", "norm", "fc", "hidden_norm", "markov_head", "confidence_head", "embed_tokens",
+                        "lm_head"))
+    with pytest.raises(SparkjaxError, match="mask_token_id"):
+        new_drafter_config(target.config, {"block_size": 16})
