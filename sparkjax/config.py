@@ -20,17 +20,17 @@ from .errors import ConfigError
 PathLike = str | os.PathLike
 
 
-def read_json(path: PathLike) -> dict[str, Any]:
-    """Reads a JSON object from ``path``, raising ConfigError naming the file on any failure."""
+def read_json(path: PathLike, error: type[Exception] = ConfigError, what: str = "file") -> dict[str, Any]:
+    """Reads a JSON object from ``path``; any failure raises ``error`` naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
+        raise error(f"{path}: {what} not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read JSON ({e})") from None
+        raise error(f"{path}: cannot read JSON ({e})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 

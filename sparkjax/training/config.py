@@ -8,11 +8,11 @@ refuses to resume unless forced (see :func:`config_diff`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
 
+from ..config import read_json
 from .errors import TrainingError
 from .loss import Objective
 from .optim import OptimConfig
@@ -125,15 +125,7 @@ class TrainConfig:
     def from_file(cls, path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         """Reads a JSON recipe (paths relative to the recipe's folder) and applies ``overrides``
         (``--set`` values; their relative paths resolve against the working directory)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise TrainingError(f"{path}: recipe not found") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise TrainingError(f"{path}: cannot read the recipe ({e})") from None
-        if not isinstance(data, dict):
-            raise TrainingError(f"{path}: expected a JSON object")
+        data = read_json(path, TrainingError, "recipe")
         base = os.path.dirname(os.path.abspath(path))
         for key in PATH_KEYS:
             v = data.get(key)

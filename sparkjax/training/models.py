@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..config import DrafterConfig, Qwen3Config, validate_pair
+from ..config import DrafterConfig, Qwen3Config, read_json, validate_pair
 from ..convert import DRAFTER_KEYS, WeightFiles, load_into, resolve_dtype, source_of
 from ..errors import CheckpointError, ConfigError
 
@@ -96,15 +95,7 @@ def load_drafter_for_training(path: str, target, overrides: dict[str, Any] | Non
     config_path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}: not a folder")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_path}: file not found") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_path}: cannot read JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_path}: expected a JSON object")
+    raw = read_json(config_path, CheckpointError)
     overrides = dict(overrides or {})
     if "num_draft_layers" in overrides:
         overrides["num_hidden_layers"] = overrides.pop("num_draft_layers")
