@@ -50,8 +50,9 @@ class Prompts:
         return self.tokens.shape[0]
 
 
-def prepare_prompts(prompt_ids: Any, vocab_size: int) -> Prompts:
-    """Validates prompts (an int array ``[B, P]``, one list of ids, or a list of lists) and pads them."""
+def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) -> Prompts:
+    """Validates prompts (an int array ``[B, P]``, one list of ids, or a list of lists) and pads them
+    to a power of two, or to ``width`` when given (so that runs of different prompts share a program)."""
     if isinstance(prompt_ids, np.ndarray | jax.Array):
         arr = np.asarray(prompt_ids)
         if arr.ndim == 1:
@@ -76,7 +77,9 @@ def prepare_prompts(prompt_ids: Any, vocab_size: int) -> Prompts:
             raise ArgumentError(f"prompt_ids[{b}]: token id outside [0, {vocab_size}) (vocab of the target)")
         seqs.append(r.astype(np.int32))
     lengths = np.array([len(s) for s in seqs], np.int32)
-    tokens = np.zeros((len(seqs), bucket(lengths.max())), np.int32)
+    if width is not None and (not isinstance(width, int | np.integer) or width < lengths.max()):
+        raise ArgumentError(f"prompt_width: {width!r} is shorter than the longest prompt ({lengths.max()} tokens)")
+    tokens = np.zeros((len(seqs), bucket(lengths.max()) if width is None else int(width)), np.int32)
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = s
     return Prompts(tokens, lengths)
@@ -490,13 +493,13 @@ def make_plan(target, drafter, method: str, budget: int | None, top_c: int | Non
 
 
 def _prepare(target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
-             budget, top_c, widths, normalization):
+             budget, top_c, widths, normalization, prompt_width=None):
     if method not in METHODS:
         raise ArgumentError(f"method: unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if prompt_ids is None:
         raise ArgumentError("prompt_ids: required")
     cfg = target.config
-    prompts = prepare_prompts(prompt_ids, cfg.vocab_size)
+    prompts = prepare_prompts(prompt_ids, cfg.vocab_size, prompt_width)
     eos = eos_array(eos_token_ids, cfg.vocab_size)
     temperature = check_temperature(temperature)
     plan = None
@@ -537,6 +540,8 @@ def generate(
     temperature: float = 0.0,
     seed: int = 0,
     cache_size: int | None = None,
+    prompt_width: int | None = None,
+    capacity: int | None = None,
     instrument: bool = False,
 ) -> GenerateOutput:
     """Generates continuations of ``prompt_ids`` (``[B, P]`` ints or a list of lists).
@@ -549,19 +554,25 @@ def generate(
     Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else
     lossless sampling seeded by ``seed``. The whole generation is one jitted program with no host
     sync; ``instrument=True`` instead runs each stage as its own jitted call and times it.
+
+    Shapes (what decides recompilation): prompts are padded to a power of two, or to
+    ``prompt_width``; the cache has ``cache_size`` slots (default: a power of two that fits); the
+    output buffer holds ``capacity`` tokens (default ``max_new_tokens``, which is otherwise a traced
+    value: runs that differ only in ``max_new_tokens <= capacity`` share one compiled program).
     """
+    shape = dict(cache_size=cache_size, prompt_width=prompt_width, capacity=capacity)
     if instrument:
         prompts, eos, temperature, plan, size = _prepare(
             target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
-            budget, top_c, widths, normalization,
+            budget, top_c, widths, normalization, prompt_width,
         )
         if plan is None:
             raise ArgumentError("instrument: the instrumented mode times speculative rounds; method 'ar' has none")
         args = _device_args(prompts, max_new_tokens, eos, temperature, seed)
-        return _instrumented(target, drafter, args, plan, size, bucket(max_new_tokens + plan.depth + 1, 1))
+        return _instrumented(target, drafter, args, plan, size, _buf_len(max_new_tokens, capacity, plan))
     res = launch(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
                  normalization=normalization, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                 temperature=temperature, seed=seed, cache_size=cache_size)
+                 temperature=temperature, seed=seed, **shape)
     return _outputs(*res)
 
 
@@ -570,25 +581,36 @@ def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, tempera
             jnp.asarray(eos), jnp.float32(temperature), jax.random.key(seed))
 
 
+def _buf_len(max_new_tokens: int, capacity: int | None, plan: Plan | None) -> int:
+    """Output-buffer length: room for ``capacity`` tokens plus a round's overshoot, as a power of two."""
+    if capacity is not None and (not isinstance(capacity, int | np.integer) or capacity < max_new_tokens):
+        raise ArgumentError(f"capacity: {capacity!r} is smaller than max_new_tokens ({max_new_tokens})")
+    n = max_new_tokens if capacity is None else int(capacity)
+    return bucket(n + (plan.depth + 1 if plan is not None else 0), 1)
+
+
 def launch(target, drafter=None, prompt_ids: Any = None, *, method: str = "ar", budget=None, top_c=None,
            widths=None, normalization="fast", max_new_tokens: int = 128, eos_token_ids=None,
-           temperature: float = 0.0, seed: int = 0, cache_size: int | None = None) -> tuple[Array, ...]:
+           temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
+           capacity: int | None = None) -> tuple[Array, ...]:
     """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
 
     Returns device arrays: ``(out [B, buf], n [B])`` for ``ar``, plus ``(accept_lens [B, R],
     rounds [B], depth_hits [B, D])`` for speculative methods. Nothing is copied to the host.
+    ``max_new_tokens=1`` stops after the prefill and its first token (no round), in the same
+    compiled program as a longer run of the same shapes: that is how to time prefill alone.
     """
     prompts, eos, temperature, plan, size = _prepare(
         target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
-        budget, top_c, widths, normalization,
+        budget, top_c, widths, normalization, prompt_width,
     )
     args = _device_args(prompts, max_new_tokens, eos, temperature, seed)
+    buf_len = _buf_len(max_new_tokens, capacity, plan)
     if plan is None:
         gdef, state = nnx.split(target)
-        return _ar_program(gdef, state, *args, buf_len=bucket(max_new_tokens, 1), cache_size=size)
+        return _ar_program(gdef, state, *args, buf_len=buf_len, cache_size=size)
     graphdefs, states = _split_pair(target, drafter)
-    return _spec_program(graphdefs, states, *args, plan=plan, cache_size=size,
-                         buf_len=bucket(max_new_tokens + plan.depth + 1, 1))
+    return _spec_program(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf_len)
 
 
 def _split_pair(target, drafter):
@@ -623,7 +645,7 @@ def stream(
         target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
         budget, top_c, widths, normalization,
     )
-    buf_len = bucket(max_new_tokens + plan.depth + 1, 1)
+    buf_len = _buf_len(max_new_tokens, None, plan)
     graphdefs, states = _split_pair(target, drafter)
     args = _device_args(prompts, max_new_tokens, eos, temperature, seed)
     state = _spec_start(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf_len)

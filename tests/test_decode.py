@@ -267,3 +267,22 @@ def test_markov_methods_refuse_a_drafter_without_markov_head(pair):
 def test_mismatched_pair_is_refused(pair, random_pair):
     with pytest.raises(sparkjax.IncompatiblePairError, match="vocab"):
         generate(pair[0], random_pair[1], [[1, 2, 3]], method="dflash")
+
+
+def test_fixed_shapes_share_one_program(pair, prompts3, ar3):
+    """prompt_width / capacity pin the shapes: a prefill-only run and a full run of other prompts reuse
+    the compiled program, and the full run is still exact."""
+    from sparkjax.decode import _spec_program
+
+    target, drafter = pair
+    kw = dict(method="dspark", cache_size=256, prompt_width=64, capacity=40)
+    launch(target, drafter, prompts3, max_new_tokens=40, **kw)
+    before = _spec_program._cache_size()
+    first = generate(target, drafter, [p[:5] for p in prompts3], max_new_tokens=1, **kw)
+    assert [len(t) for t in first.tokens] == [1, 1, 1] and first.rounds == [0, 0, 0]
+    assert generate(target, drafter, prompts3, max_new_tokens=40, **kw).tokens == ar3
+    assert _spec_program._cache_size() == before
+    with pytest.raises(sparkjax.ArgumentError, match="prompt_width"):
+        generate(target, drafter, prompts3, max_new_tokens=8, **{**kw, "prompt_width": 8})
+    with pytest.raises(sparkjax.ArgumentError, match="capacity"):
+        generate(target, drafter, prompts3, max_new_tokens=80, **kw)
