@@ -27,7 +27,6 @@ Timing protocol (per batch of prompts, per method; see :mod:`sparkjax.eval` for 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -39,6 +38,7 @@ from typing import Any
 import jax
 
 from .. import decode
+from ..config import read_json
 from . import datasets as ds
 from . import metrics
 from .engine import BatchOutput, Engine, MethodConfig
@@ -183,14 +183,8 @@ class EvalResults:
     @classmethod
     def load(cls, path: str | os.PathLike) -> EvalResults:
         """Reads a ``results.json`` (EvalError naming the file when it is not one)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise EvalError(f"{path}: results file not found") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise EvalError(f"{path}: cannot read results JSON ({e})") from None
-        if not isinstance(d, dict) or not isinstance(d.get("summary"), list) or "config" not in d:
+        d = read_json(path, EvalError, "results file")
+        if not isinstance(d.get("summary"), list) or "config" not in d:
             raise EvalError(f"{path}: not a sparkjax.eval results.json (no 'summary' / 'config')")
         return cls.from_dict(d)
 
