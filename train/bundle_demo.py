@@ -1,0 +1,90 @@
+"""Copies the trained demo pair into the package (``sparkjax/assets/demo``), in bfloat16, and checks it.
+
+    python train/bundle_demo.py --target runs/demo/target --dspark runs/demo/dspark/best_drafter \
+        --dflash runs/demo/dflash/best_drafter --corpus runs/demo/corpus
+
+Writes ``target/`` (the HF folder, tokenizer files included), ``dspark_b16/`` and ``dflash_b16/``
+(DeepSpec format, re-saved in bfloat16 through ``sparkjax.save_drafter``) and ``training.json``
+(corpus manifest, tokenizer hash, run configs and final metrics, read from the run folders). Each
+part is written to a temporary folder and renamed, so an interrupted bundle leaves the old one.
+Refuses when the bundle would exceed ``--max-mb`` (default 25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def last_metrics(run_dir: str, split: str) -> dict | None:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = [r for r in rows if r.get("split") == split]
+    return rows[-1] if rows else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="HF folder written by train/train_target.py --export")
+    p.add_argument("--target-run", default="runs/demo/target_run")
+    p.add_argument("--dspark", required=True)
+    p.add_argument("--dflash", required=True)
+    p.add_argument("--dspark-run", default="runs/demo/dspark")
+    p.add_argument("--dflash-run", default="runs/demo/dflash")
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "sparkjax", "assets", "demo"))
+    p.add_argument("--max-mb", type=float, default=25.0)
+    a = p.parse_args(argv)
+
+    import sparkjax
+    from sparkjax.convert import atomic_dir
+
+    target = sparkjax.load_target(a.target)
+    parts = {}
+    with atomic_dir(os.path.join(a.out, "target"), overwrite=True) as tmp:
+        for name in sorted(os.listdir(a.target)):
+            shutil.copy2(os.path.join(a.target, name), os.path.join(tmp, name))
+    parts["target"] = os.path.join(a.out, "target")
+    for name, src in (("dspark_b16", a.dspark), ("dflash_b16", a.dflash)):
+        drafter = sparkjax.load_drafter(src, target=target)
+        parts[name] = sparkjax.save_drafter(drafter, os.path.join(a.out, name), overwrite=True, dtype="bfloat16")
+    total = sum(folder_bytes(x) for x in parts.values())
+    info = {
+        "corpus": json.load(open(os.path.join(a.corpus, "manifest.json"))),
+        "tokenizer_sha256": sha256_file(os.path.join(a.target, "tokenizer.json")),
+        "target_run": {"config": json.load(open(os.path.join(a.target_run, "config.json"))),
+                       "last_train": last_metrics(a.target_run, "train")},
+        "bytes": {k: folder_bytes(v) for k, v in parts.items()},
+    }
+    for name, run in (("dspark_run", a.dspark_run), ("dflash_run", a.dflash_run)):
+        cfg_path = os.path.join(run, "config.json")
+        info[name] = {"config": json.load(open(cfg_path)) if os.path.isfile(cfg_path) else None,
+                      "last_train": last_metrics(run, "train"), "last_eval": last_metrics(run, "eval")}
+    tmp = os.path.join(a.out, ".training.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2)
+    os.replace(tmp, os.path.join(a.out, "training.json"))
+    print(json.dumps({"bytes": info["bytes"], "total_mb": round(total / 2**20, 2)}))
+    if total > a.max_mb * 2**20:
+        print(f"error: the bundle is {total / 2**20:.1f} MiB, over --max-mb {a.max_mb}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
