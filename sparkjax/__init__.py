@@ -1,10 +1,12 @@
 """sparkjax: SparklingTree speculative decoding in JAX / Flax NNX.
 
 Public API: :func:`load_target`, :func:`load_drafter`, :func:`generate`, :func:`stream`, the
-configs and the error classes. Lower-level pieces live in ``sparkjax.nn``, ``sparkjax.cache``,
+configs, the error classes and :mod:`sparkjax.demo` (the bundled trained demo pair). Lower-level
+pieces live in ``sparkjax.nn``, ``sparkjax.cache``,
 ``sparkjax.draft``, ``sparkjax.tree``, ``sparkjax.decode`` and ``sparkjax.sampling``.
 """
 
+from . import demo
 from .config import DrafterConfig, Qwen3Config
 from .convert import load_drafter, load_target, save_drafter, save_target
 from .decode import METHODS, GenerateOutput, generate, stream
@@ -22,6 +24,7 @@ __all__ = [
     "IncompatiblePairError",
     "Qwen3Config",
     "SparkjaxError",
+    "demo",
     "generate",
     "load_drafter",
     "load_target",

@@ -4,8 +4,8 @@ One command gives the table and the plots speculative decoders are judged by: pe
 and method, the acceptance length tau, tokens/s and the speedup over ``ar``; the per-depth
 acceptance rates; and the time per round of each stage::
 
-    python -m sparkjax.eval                                   # bundled tiny pair, bundled prompt sets
-    python -m sparkjax.eval --target T --drafter D --methods ar,dspark,sparklingtree --budgets 16,64 \\
+    python -m sparkjax.eval                                   # bundled demo pair, its three prompt sets
+    python -m sparkjax.eval --target T --drafter D --baseline-drafter B --budgets 16,64 \\
         --datasets gsm8k,mt-bench --max-samples 80 --max-new-tokens 256 --out runs/x
     python -m sparkjax.eval --compare runs/x/results.json runs/y/results.json
 
@@ -16,7 +16,18 @@ From Python (a notebook)::
     print(res.table()); res.summary; res.records; res.to_dataframe()  # the last needs pandas
 
 ``run`` takes the CLI flags as keywords (see :class:`EvalConfig`) and folders or loaded objects
-for ``target`` / ``drafter`` / ``tokenizer``; it returns :class:`EvalResults`.
+for ``target`` / ``drafter`` / ``baseline_drafter`` / ``tokenizer``; it returns :class:`EvalResults`.
+
+**Pair** (:mod:`sparkjax.eval.demo`). The default is the demo pair bundled in the package
+(``sparkjax/assets/demo``): a small Qwen3 target with its tokenizer, ``dspark_b16`` (with a
+Markov head) for dspark / sparklingtree / sparklingtree-beam and ``dflash_b16`` (the same drafter
+trained without one) for dflash / ddtree; see its ``MODEL_CARD.md``. With another target,
+``--baseline-drafter`` gives dflash and ddtree their own drafter (default: ``--drafter``); every
+row of ``results.json`` records the drafter folder it ran with.
+
+**Prompts** (:mod:`sparkjax.eval.datasets`). JSONL, one object per line: ``{"turns": [...]}`` (the
+first user turn, through the tokenizer's chat template) or ``{"text": "..."}`` (a raw completion
+prompt, encoded as is, e.g. the demo's ``stdlib_code``).
 
 **Metrics** (:mod:`sparkjax.eval.metrics`). Acceptance length = tokens a round commits =
 accepted drafts + 1. ``tau_pooled`` = sum of acceptance lengths / rounds (DeepSpec);
@@ -41,9 +52,8 @@ raw number: per-round acceptance lengths, per-depth counts, output ids, timings)
 ``results.csv`` (the summary rows, flat), ``acceptance_per_depth.png``, ``tau_speedup.png`` and
 ``stage_time.png``.
 
-The bundled default pair is a tiny synthetic pair: its acceptance numbers demonstrate the
-machinery, not language quality, and CPU timings say nothing about real models on accelerators.
-Importing this package loads no model and changes no global setting.
+The bundled demo pair is small and trained on a CPU: its CPU timings say nothing about real
+models on accelerators. Importing this package loads no model and changes no global setting.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import time
 from .. import decode
 from . import datasets as ds
 from .errors import EvalError
+from .harness import BASELINE_METHODS, DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES
 
 DESCRIPTION = """\
 Benchmark speculative decoding on a target/drafter pair: per prompt set and method, the
@@ -17,9 +18,11 @@ acceptance length tau (pooled and per-response mean), tokens/s and speedup over 
 in the same run), per-depth acceptance rates and per-stage time per round. Prints a table and
 writes results.json, results.csv and PNG plots to --out.
 
-With no argument it runs the bundled default pair (a tiny synthetic Qwen3 + DSpark pair with a
-synthetic byte-level tokenizer: its numbers demonstrate the machinery, not language quality) on
-the bundled prompt sets, in a few minutes on a laptop CPU."""
+With no argument it runs the demo pair bundled in the package (sparkjax/assets/demo: a small
+Qwen3 trained from scratch on Python's stdlib sources, Python docs and synthetic math, with
+block-16 drafters trained against it with the Markov head (dspark_b16: dspark, sparklingtree,
+sparklingtree-beam) and without it (dflash_b16: dflash, ddtree)) on its three prompt sets
+(python_docs, stdlib_code, synthetic_math), in a few minutes on a laptop CPU."""
 
 EPILOG = """\
 timing protocol: every method is compiled and run once before anything is timed. Each batch is
@@ -31,8 +34,11 @@ synced pass of the engine's instrumented mode.
 
 examples:
   python -m sparkjax.eval
-  python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16,64 --datasets gsm8k,my.jsonl
-  python -m sparkjax.eval --target Qwen3-4B --drafter dspark-4b --dtype bfloat16 --max-new-tokens 256 --out runs/q4b
+  python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16,64 --datasets stdlib_code,my.jsonl
+  python -m sparkjax.eval --target Qwen3-4B --drafter dspark-4b --baseline-drafter dflash-4b --dtype bfloat16 \
+      --datasets gsm8k,mt-bench --max-new-tokens 256 --out runs/q4b
+  python -m sparkjax.eval --target tests/fixtures/tiny_dspark_b16/target \
+      --drafter tests/fixtures/tiny_dspark_b16/drafter --tokenizer eval/default_pair/tokenizer
   python -m sparkjax.eval --compare runs/a/results.json runs/b/results.json
 
 exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (partial results written)."""
@@ -73,13 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("pair")
     g.add_argument("--target", metavar="DIR",
-                   help="Hugging Face Qwen3 folder (default: the bundled tiny pair's target)")
+                   help="Hugging Face Qwen3 folder (default: the bundled demo target, sparkjax/assets/demo/target)")
     g.add_argument("--drafter", metavar="DIR",
-                   help="DeepSpec DSpark or z-lab DFlash folder (default: the bundled tiny drafter, with the default "
-                        "target only)")
+                   help="DeepSpec DSpark or z-lab DFlash folder, used by every speculative method unless "
+                        "--baseline-drafter is given (default: the demo's dspark_b16, with the demo target only; "
+                        "needs --target)")
+    g.add_argument("--baseline-drafter", metavar="DIR",
+                   help=f"drafter for the methods without a Markov head ({', '.join(BASELINE_METHODS)}): the "
+                        "DFlash / DDTree baseline; the other methods keep --drafter (default: --drafter; with the "
+                        "demo target and no --drafter, the demo's dflash_b16; needs --target)")
     g.add_argument("--tokenizer", metavar="DIR",
-                   help="tokenizer folder for AutoTokenizer (default: the --target folder; for the bundled pair, "
-                        "eval/default_pair/tokenizer)")
+                   help="tokenizer folder for AutoTokenizer (default: the --target folder)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default: the checkpoint's own)")
     g = p.add_argument_group("runs")
@@ -88,17 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "as the speedup reference")
     g.add_argument("--budgets", type=_csv(int), metavar="LIST",
                    help="tree sizes (nodes per round) for ddtree / sparklingtree / sparklingtree-beam; each tree "
-                        "method runs once per budget (default: 16,64); an error with chain-only methods")
+                        f"method runs once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}); an error "
+                        "with chain-only methods")
     g.add_argument("--top-c", type=int, metavar="C",
                    help="candidates per depth for tree methods (default: the engine's, max(budget, 32))")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 = lossless sampling at that temperature")
-    g.add_argument("--datasets", type=_csv(str), default=ds.BUNDLED, metavar="LIST",
-                   help=f"comma-separated bundled sets ({','.join(ds.BUNDLED)}; default: all) and/or paths of JSONL "
-                        "files with a 'turns' list of strings per line (the first turn is the prompt)")
-    g.add_argument("--max-samples", type=int, default=3, metavar="N",
-                   help="prompts per set, the first N in file order that fit the target (default: 3; 0 = all)")
-    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default: 32)")
+    g.add_argument("--datasets", type=_csv(str), default=ds.DEFAULT, metavar="LIST",
+                   help=f"comma-separated bundled sets (the demo's {','.join(ds.DEMO_SETS)}, the default; and, in a "
+                        f"source checkout, {','.join(ds.EVAL_SETS)} from eval/datasets) and/or paths of JSONL files, "
+                        "one object per line: {\"turns\": [...]} (chat: the first turn, through the chat template) "
+                        "or {\"text\": \"...\"} (a raw completion prompt, encoded as is)")
+    g.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES, metavar="N",
+                   help=f"prompts per set, the first N in file order that fit the target (default: "
+                        f"{DEFAULT_MAX_SAMPLES}; 0 = all)")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
     g.add_argument("--batch-size", type=int, default=1, metavar="B", help="prompts decoded together (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of the first batch; batch i uses seed + i")
     g.add_argument("--repeats", type=int, default=1, metavar="N",
@@ -124,7 +139,8 @@ def config_from_args(args: argparse.Namespace):
 
     out = args.out or os.path.join("eval", "out", time.strftime("%Y%m%d-%H%M%S"))
     return EvalConfig(
-        target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, dtype=args.dtype,
+        target=args.target, drafter=args.drafter, baseline_drafter=args.baseline_drafter, tokenizer=args.tokenizer,
+        dtype=args.dtype,
         methods=tuple(args.methods), budgets=args.budgets, top_c=args.top_c, temperature=args.temperature,
         datasets=tuple(args.datasets), max_samples=None if args.max_samples == 0 else args.max_samples,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, repeats=args.repeats,

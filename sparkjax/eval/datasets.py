@@ -1,9 +1,18 @@
-"""Prompt sets: the bundled JSONL files in ``eval/datasets/`` and user JSONL files.
+"""Prompt sets: the demo sets bundled in the package, the sets in the checkout's ``eval/datasets/``,
+and user JSONL files.
 
-A prompt set is a JSONL file with one JSON object per line and a ``turns`` field: a
-non-empty list of strings (the user turns of a conversation). The harness uses the
-first turn of each line. Blank lines are skipped; anything else that is not such an
-object is an error naming the file and the line number.
+A prompt set is a JSONL file with one JSON object per line, of one of two shapes:
+
+* ``{"turns": [...]}``: a non-empty list of strings (the user turns of a conversation); the
+  prompt is the first turn, rendered through the tokenizer's chat template (kind ``"chat"``);
+* ``{"text": "..."}``: a raw completion prompt (e.g. the start of a source file), encoded as is:
+  no chat template, no special token added (kind ``"text"``).
+
+Other keys (``id``, ...) are ignored. Blank lines are skipped; anything else (no field, both
+fields, a wrong type, an empty prompt) is an error naming the file and the line number.
+
+Bundled names: :data:`DEMO_SETS` (``sparkjax/assets/demo/prompts``, the default) and
+:data:`EVAL_SETS` (``eval/datasets/`` in a source checkout).
 """
 
 from __future__ import annotations
@@ -13,24 +22,42 @@ import json
 import os
 import pathlib
 
+from . import demo
 from .errors import DatasetError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUNDLED_DIR = ROOT / "eval" / "datasets"
-BUNDLED = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")
+DEMO_SETS = demo.SETS  # in the package: sparkjax/assets/demo/prompts
+EVAL_SETS = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")  # in the source checkout: eval/datasets
+BUNDLED = DEMO_SETS + EVAL_SETS
+DEFAULT = DEMO_SETS
+KINDS = ("chat", "text")
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptSet:
-    """A prompt set: its display ``name``, its file, and its prompts (first turns) with their line numbers."""
+    """A prompt set: its display ``name``, its file, and its prompts with their line numbers and kinds.
+
+    ``prompts[i]`` is the first turn (``kinds[i] == "chat"``) or the raw text (``kinds[i] == "text"``)."""
 
     name: str
     path: str
     prompts: tuple[str, ...]
     lines: tuple[int, ...]
+    kinds: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.kinds:  # built by hand with chat prompts only
+            object.__setattr__(self, "kinds", ("chat",) * len(self.prompts))
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @property
+    def kind(self) -> str:
+        """``"chat"``, ``"text"`` or ``"mixed"``."""
+        kinds = set(self.kinds)
+        return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def is_path(spec: str) -> bool:
@@ -42,11 +69,19 @@ def resolve(spec: str) -> tuple[str, str]:
     spec = spec.strip()
     if not spec:
         raise DatasetError("--datasets: empty entry")
-    if spec in BUNDLED and not os.path.exists(spec):
+    if spec in DEMO_SETS and not os.path.exists(spec):
+        path = demo.prompts_file(spec)
+        if not path.is_file():
+            raise DatasetError(
+                f"--datasets: bundled demo set {spec!r} not found at {path} (it ships inside the package, in "
+                "sparkjax/assets/demo/prompts/; pass the path of a JSONL file instead)"
+            )
+        return spec, str(path)
+    if spec in EVAL_SETS and not os.path.exists(spec):
         path = BUNDLED_DIR / f"{spec}.jsonl"
         if not path.is_file():
             raise DatasetError(
-                f"--datasets: bundled set {spec!r} not found at {path} (the bundled sets live in the source "
+                f"--datasets: bundled set {spec!r} not found at {path} (these sets live in the source "
                 "checkout's eval/datasets/; pass the path of a JSONL file instead)"
             )
         return spec, str(path)
@@ -73,6 +108,7 @@ def load(spec: str) -> PromptSet:
         raise DatasetError(f"{path}: cannot read ({e.strerror or e})") from None
     prompts: list[str] = []
     lines: list[int] = []
+    kinds: list[str] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -80,18 +116,37 @@ def load(spec: str) -> PromptSet:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict) or "turns" not in row:
-            raise DatasetError(f"{path}:{number}: expected a JSON object with a 'turns' field (a list of strings)")
-        turns = row["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise DatasetError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
-        if not turns[0].strip():
-            raise DatasetError(f"{path}:{number}: the first turn is empty")
-        prompts.append(turns[0])
+        prompt, kind = parse_row(row, f"{path}:{number}")
+        prompts.append(prompt)
         lines.append(number)
+        kinds.append(kind)
     if not prompts:
         raise DatasetError(f"{path}: no prompts (the file is empty)")
-    return PromptSet(name, str(path), tuple(prompts), tuple(lines))
+    return PromptSet(name, str(path), tuple(prompts), tuple(lines), tuple(kinds))
+
+
+def parse_row(row, where: str) -> tuple[str, str]:
+    """One decoded JSONL row -> (prompt, kind); DatasetError naming ``where`` (file:line) otherwise."""
+    shape = "expected a JSON object with a 'turns' list of strings (chat) or a 'text' string (raw completion)"
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: {shape}, got {type(row).__name__}")
+    if "turns" in row and "text" in row:
+        raise DatasetError(f"{where}: both 'turns' and 'text' given; {shape}, not both")
+    if "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise DatasetError(f"{where}: 'turns' must be a non-empty list of strings")
+        if not turns[0].strip():
+            raise DatasetError(f"{where}: the first turn is empty")
+        return turns[0], "chat"
+    if "text" in row:
+        text = row["text"]
+        if not isinstance(text, str):
+            raise DatasetError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise DatasetError(f"{where}: 'text' is empty")
+        return text, "text"
+    raise DatasetError(f"{where}: {shape}; found keys {sorted(row)}")
 
 
 def load_all(specs: list[str] | tuple[str, ...]) -> list[PromptSet]:

@@ -40,44 +40,45 @@ import jax
 from .. import decode
 from ..config import read_json
 from . import datasets as ds
-from . import metrics
+from . import demo, metrics
 from .engine import BatchOutput, Engine, MethodConfig
 from .errors import EvalError, TokenizerError
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_PAIR = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"
-DEFAULT_BUDGETS = (16, 64)
+DEFAULT_BUDGETS = (16, 32, 64)
+DEFAULT_MAX_SAMPLES = 4
+DEFAULT_MAX_NEW_TOKENS = 64
 STAGES = ("draft", "tree", "verify", "commit")
-DEFAULT_PAIR_NOTE = (
-    "The default pair is a tiny synthetic pair (a 6-layer, vocab-320 Qwen3 with a block-16 DSpark drafter, "
-    "fitted to it on random tokens, and a synthetic byte-level tokenizer): its acceptance numbers demonstrate "
-    "the machinery, not language quality, and its CPU timings say nothing about real models on accelerators."
-)
+DEFAULT_PAIR_NOTE = demo.NOTE
+# The methods that use no Markov head: with a baseline drafter they run with it (the DFlash / DDTree baseline).
+BASELINE_METHODS = tuple(m for m in decode.METHODS if m != "ar" and m not in decode.MARKOV_METHODS)
 
 
 @dataclasses.dataclass
 class EvalConfig:
     """Every setting of a run (the CLI flags, one to one).
 
-    ``target`` / ``drafter`` / ``tokenizer``: folders (None: the bundled default pair and its tokenizer;
-    with another target, the tokenizer defaults to the target folder). ``budgets``: tree sizes for the
-    tree methods (None: 16 and 64 when a tree method is asked for). ``max_samples``: prompts per set
-    (None: all). ``stage_samples``: prompts per set (the first ones) that also get the instrumented
-    stage pass (None: all of them, 0: none). ``out``: where to write results.json, results.csv and
-    the plots (None: nowhere).
+    ``target`` / ``drafter`` / ``tokenizer``: folders (None: the bundled demo pair,
+    ``sparkjax/assets/demo``; the tokenizer defaults to the target folder). ``baseline_drafter``: the
+    drafter of the methods without a Markov head (dflash, ddtree); None: the ``drafter`` (with the
+    demo target and no ``drafter`` given: the demo's ``dflash_b16``). ``budgets``: tree sizes for the
+    tree methods (None: 16, 32 and 64 when a tree method is asked for). ``max_samples``: prompts per
+    set (None: all). ``stage_samples``: prompts per set (the first ones) that also get the
+    instrumented stage pass (None: all of them, 0: none). ``out``: where to write results.json,
+    results.csv and the plots (None: nowhere).
     """
 
     target: str | None = None
     drafter: str | None = None
+    baseline_drafter: str | None = None
     tokenizer: str | None = None
     dtype: str | None = None
     methods: tuple[str, ...] = decode.METHODS
     budgets: tuple[int, ...] | None = None
     top_c: int | None = None
     temperature: float = 0.0
-    datasets: tuple[str, ...] = ds.BUNDLED
-    max_samples: int | None = 3
-    max_new_tokens: int = 32
+    datasets: tuple[str, ...] = ds.DEFAULT
+    max_samples: int | None = DEFAULT_MAX_SAMPLES
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 1
     seed: int = 0
     repeats: int = 1
@@ -136,8 +137,9 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
     return out, notes
 
 
-def validate(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
-    """Checks every setting that needs no model; returns the benchmark columns and notes."""
+def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[list[MethodConfig], list[str]]:
+    """Checks every setting that needs no model; returns the benchmark columns and notes.
+    ``target_given``: a target was passed to :func:`run` directly (not through ``cfg.target``)."""
     mcs, notes = method_configs(cfg)
     try:
         decode.check_temperature(cfg.temperature)
@@ -150,8 +152,11 @@ def validate(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
     _positive("--stage-samples", cfg.stage_samples, allow_none=True, allow_zero=True)
     if not cfg.datasets:
         raise EvalError("--datasets: no prompt set given")
-    if cfg.drafter is not None and cfg.target is None:
-        raise EvalError("--drafter: given without --target (the bundled default drafter only fits the default target)")
+    if cfg.target is None and not target_given:
+        for flag, value in (("--drafter", cfg.drafter), ("--baseline-drafter", cfg.baseline_drafter)):
+            if value is not None:
+                raise EvalError(f"{flag}: given without --target (the default target is the bundled demo target, "
+                                "which runs with its own drafters)")
     return mcs, notes
 
 
@@ -276,6 +281,8 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
                 "label": label,
                 "method": r0["method"],
                 "budget": r0["budget"],
+                "drafter": r0.get("drafter"),
+                "drafter_role": r0.get("drafter_role"),
                 "n_samples": len(samples),
                 "n_batches": len(rr),
                 "output_tokens": sum(s["output_tokens"] for s in samples),
@@ -338,53 +345,117 @@ def _environment() -> dict[str, Any]:
     }
 
 
-def _is_default_target(target) -> bool:
+def uses_baseline(mc: MethodConfig) -> bool:
+    """Whether ``mc`` runs with the baseline drafter when there is one (dflash, ddtree: no Markov head)."""
+    return mc.method in BASELINE_METHODS
+
+
+@dataclasses.dataclass
+class Pair:
+    """The loaded models of a run and where they came from. ``baseline`` is the drafter of
+    :data:`BASELINE_METHODS` (None: they use ``drafter``); ``default``: the target is the demo's."""
+
+    target: Any
+    drafter: Any
+    baseline: Any
+    target_dir: str | None
+    drafter_dir: str | None
+    baseline_dir: str | None
+    default: bool
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _is_path(x) -> bool:
+    return isinstance(x, str | os.PathLike)
+
+
+def _source(model) -> str | None:
+    from ..convert import source_of
+
+    return source_of(model) or getattr(model, "source", None)
+
+
+def _same_folder(a, b) -> bool:
     try:
-        return pathlib.Path(target).resolve() == (DEFAULT_PAIR / "target").resolve()
+        return pathlib.Path(a).resolve() == pathlib.Path(b).resolve()
     except TypeError:
         return False
 
 
-def load_pair(cfg: EvalConfig, target=None, drafter=None, need_drafter: bool = True):
-    """Loads (or takes) the target and drafter; returns (target, drafter, target_dir, drafter_dir)."""
+def resolve_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
+                 mcs: list[MethodConfig] | None = None) -> dict[str, Any]:
+    """Where the target / drafter / baseline drafter come from, and which of them the methods ``mcs`` need
+    (nothing is loaded). Raises one EvalError naming every missing demo folder that would be used.
+
+    Defaults: the bundled demo target; with it and no drafter given, the demo's ``dspark_b16`` and (unless
+    a baseline drafter is given) ``dflash_b16`` as the baseline. Without a baseline drafter, every method
+    uses the drafter."""
+    mcs = list(mcs) if mcs is not None else [MethodConfig(m) for m in decode.METHODS]
+    t_src = target if target is not None else cfg.target
+    t_dir = str(t_src) if _is_path(t_src) else (_source(t_src) if t_src is not None else str(demo.target_dir()))
+    default = t_dir is not None and demo.is_target(t_dir)
+    d_src = drafter if drafter is not None else cfg.drafter
+    b_src = baseline_drafter if baseline_drafter is not None else cfg.baseline_drafter
+    b_given = b_src is not None
+    demo_parts = ["target"] if default and (t_src is None or _is_path(t_src)) else []
+    if default and d_src is None:
+        d_src = str(demo.drafter_dir())
+        demo_parts.append("dspark_b16")
+        if b_src is None:
+            b_src = str(demo.baseline_dir())
+            demo_parts.append("dflash_b16")
+    need_baseline = b_src is not None and any(uses_baseline(mc) for mc in mcs)
+    need_drafter = any(mc.speculative and not (need_baseline and uses_baseline(mc)) for mc in mcs)
+    notes: list[str] = []
+    if b_given and not need_baseline:
+        notes.append(f"--baseline-drafter is not used: none of the methods run uses it ({', '.join(BASELINE_METHODS)})")
+    needed = {"target": True, "dspark_b16": need_drafter, "dflash_b16": need_baseline}
+    demo.require(*(p for p in demo_parts if needed[p]))
+    return {"t_src": t_src, "t_dir": t_dir, "default": default, "d_src": d_src, "b_src": b_src,
+            "need_drafter": need_drafter, "need_baseline": need_baseline, "notes": notes}
+
+
+def load_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
+              mcs: list[MethodConfig] | None = None) -> Pair:
+    """Loads (or takes) the target, the drafter and the baseline drafter the methods ``mcs`` need
+    (see :func:`resolve_pair` for the defaults); each drafter is checked against the target."""
     from ..convert import load_drafter, load_target
 
-    t_src = target if target is not None else (cfg.target or str(DEFAULT_PAIR / "target"))
-    if isinstance(t_src, str | os.PathLike):
-        t_dir = str(t_src)
-        target = load_target(t_dir, dtype=cfg.dtype)
-    else:
-        target, t_dir = t_src, getattr(t_src, "source", None)
-    d_src = drafter if drafter is not None else cfg.drafter
-    if d_src is None and t_dir is not None and _is_default_target(t_dir):
-        d_src = str(DEFAULT_PAIR / "drafter")
-    if not need_drafter:
-        return target, None, t_dir, None
-    if d_src is None:
+    r = resolve_pair(cfg, target, drafter, baseline_drafter, mcs)
+    t_src, t_dir, d_src, b_src = r["t_src"], r["t_dir"], r["d_src"], r["b_src"]
+    need_drafter, need_baseline = r["need_drafter"], r["need_baseline"]
+    if need_drafter and d_src is None:
         raise EvalError("--drafter: the speculative methods need a drafter for this target (or use --methods ar)")
-    if isinstance(d_src, str | os.PathLike):
-        d_dir = str(d_src)
-        drafter = load_drafter(d_dir, target=target, dtype=cfg.dtype)
-    else:
+    target = load_target(t_dir, dtype=cfg.dtype) if t_src is None or _is_path(t_src) else t_src
+
+    def take(src, flag: str):
+        if _is_path(src):
+            return load_drafter(str(src), target=target, dtype=cfg.dtype), str(src)
         from ..config import validate_pair
 
-        drafter, d_dir = d_src, getattr(d_src, "source", None)
-        validate_pair(drafter.config, target.config, drafter_source=str(d_dir or "<drafter>"),
+        d_dir = _source(src)
+        validate_pair(src.config, target.config, drafter_source=str(d_dir or f"<{flag} object>"),
                       target_source=str(t_dir or "<target>"))
-    return target, drafter, t_dir, d_dir
+        return src, d_dir
+
+    drafter_m, d_dir = take(d_src, "drafter") if need_drafter else (None, None)
+    base, b_dir = None, None
+    if need_baseline:
+        if need_drafter and (b_src is d_src or (_is_path(b_src) and _is_path(d_src) and _same_folder(b_src, d_src))):
+            base, b_dir = drafter_m, d_dir
+        else:
+            base, b_dir = take(b_src, "baseline drafter")
+    return Pair(target, drafter_m, base, t_dir, d_dir, b_dir, r["default"], r["notes"])
 
 
 def load_tok(cfg: EvalConfig, tokenizer, t_dir):
-    from .tokenizer import default_tokenizer_dir, load_tokenizer
+    from .tokenizer import load_tokenizer
 
-    if tokenizer is not None and not isinstance(tokenizer, str | os.PathLike):
+    if tokenizer is not None and not _is_path(tokenizer):
         return tokenizer, getattr(tokenizer, "name_or_path", "<tokenizer object>")
     src = tokenizer or cfg.tokenizer
     if src is not None:
         return load_tokenizer(src), str(src)
-    if t_dir is not None and _is_default_target(t_dir):
-        folder = default_tokenizer_dir()
-        return load_tokenizer(folder, what="default pair tokenizer"), str(folder)
     if t_dir is None:
         raise TokenizerError("--tokenizer: required when the target is given as a loaded model")
     try:
@@ -451,12 +522,14 @@ def warm_up(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: i
     return False
 
 
-def run(config: EvalConfig | None = None, *, target=None, drafter=None, tokenizer=None, progress: bool = True,
-        **overrides) -> EvalResults:
+def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline_drafter=None, tokenizer=None,
+        progress: bool = True, **overrides) -> EvalResults:
     """Runs the benchmark and returns :class:`EvalResults` (also saved to ``config.out`` when set).
 
-    ``target`` / ``drafter`` / ``tokenizer`` may be folders or already loaded objects (a loaded
-    target / drafter / transformers tokenizer), which override the config's paths. Keyword
+    ``target`` / ``drafter`` / ``baseline_drafter`` / ``tokenizer`` may be folders or already loaded
+    objects (a loaded target / drafter / transformers tokenizer), which override the config's paths.
+    The baseline drafter runs dflash and ddtree; dspark, sparklingtree and sparklingtree-beam run
+    with the drafter (see :class:`EvalConfig` for the defaults). Keyword
     ``overrides`` set :class:`EvalConfig` fields, e.g. ``run(methods=("ar", "dspark"), max_samples=2)``.
     A KeyboardInterrupt stops the run and returns (and saves) the batches finished so far, with
     ``interrupted=True``.
@@ -476,14 +549,16 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, tokenize
             cfg.budgets = tuple(int(b) if isinstance(b, str) else b for b in cfg.budgets)
         except ValueError:
             raise EvalError(f"--budgets: expected integers, got {cfg.budgets!r}") from None
-    mcs, notes = validate(cfg)
+    mcs, notes = validate(cfg, target_given=target is not None)
+    resolve_pair(cfg, target, drafter, baseline_drafter, mcs)  # a missing demo folder: said before anything is read
     sets = ds.load_all(cfg.datasets)
-    need_drafter = any(mc.speculative for mc in mcs)
-    target, drafter, t_dir, d_dir = load_pair(cfg, target, drafter, need_drafter)
+    pair = load_pair(cfg, target, drafter, baseline_drafter, mcs)
+    target, t_dir = pair.target, pair.target_dir
+    notes += pair.notes
     tok, tok_src = load_tok(cfg, tokenizer, t_dir)
     from .tokenizer import encode_prompt, eos_ids
 
-    default_pair = t_dir is not None and _is_default_target(t_dir)
+    default_pair = pair.default
     if default_pair:
         notes.insert(0, DEFAULT_PAIR_NOTE)
     eos = [] if cfg.ignore_eos else eos_ids(tok, t_dir)
@@ -495,10 +570,10 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, tokenize
     skipped: list[dict[str, Any]] = []
     for s in sets:
         chosen: list[tuple[int, int, list[int]]] = []
-        for i, (text, line) in enumerate(zip(s.prompts, s.lines, strict=True)):
+        for i, (text, line, kind) in enumerate(zip(s.prompts, s.lines, s.kinds, strict=True)):
             if cfg.max_samples is not None and len(chosen) >= cfg.max_samples:
                 break
-            ids = encode_prompt(tok, text)
+            ids = encode_prompt(tok, text, kind)
             if not ids:
                 raise TokenizerError(f"{s.path}:{line}: the prompt encodes to no token")
             if max(ids) >= vocab:
@@ -525,22 +600,36 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, tokenize
     # ---- shapes: one prompt width and one cache size for the whole run
     longest = max(len(ids) for rows in selected.values() for _, _, ids in rows)
     width = decode.bucket(longest)
-    engine = Engine(target, drafter, eos=eos, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+    # one engine per drafter, sharing the target, the cache size and the prompt width
+    engine = Engine(target, pair.drafter, eos=eos, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                     cache_size=1, prompt_width=width)
+    base_engine = engine
+    if pair.baseline is not None and pair.baseline is not pair.drafter:
+        base_engine = Engine(target, pair.baseline, eos=eos, temperature=cfg.temperature,
+                             max_new_tokens=cfg.max_new_tokens, cache_size=1, prompt_width=width)
+    use_base = {mc: pair.baseline is not None and uses_baseline(mc) for mc in mcs}
+    engines = {mc: base_engine if use_base[mc] else engine for mc in mcs}
+    drafter_of = {mc: (pair.baseline_dir if use_base[mc] else pair.drafter_dir) if mc.speculative else None
+                  for mc in mcs}
+    role_of = {mc: ("baseline" if use_base[mc] else "drafter") if mc.speculative else None for mc in mcs}
     extra = 0
     for mc in mcs:
-        p = engine.plan(mc)  # validates budget / top_c against the pair (ArgumentError)
+        p = engines[mc].plan(mc)  # validates budget / top_c against the pair (ArgumentError)
         if p is not None:
             extra = max(extra, p.depth + p.nodes + 2)
-    engine.cache_size = max(width, decode.bucket(longest + cfg.max_new_tokens + extra))
-    depths = {mc.label: engine.depth(mc) for mc in mcs}
+    engine.cache_size = base_engine.cache_size = max(width, decode.bucket(longest + cfg.max_new_tokens + extra))
+    depths = {mc.label: engines[mc].depth(mc) for mc in mcs}
     labels = [mc.label for mc in mcs]
     setup = {
-        "target": t_dir, "drafter": d_dir, "tokenizer": tok_src, "default_pair": default_pair,
+        "target": t_dir, "drafter": pair.drafter_dir, "baseline_drafter": pair.baseline_dir,
+        "baseline_methods": [mc.label for mc in mcs if use_base[mc]],
+        "tokenizer": tok_src, "default_pair": default_pair,
         "dtype": _param_dtype(target),
-        "methods": [engine.describe(mc) for mc in mcs], "labels": labels, "depths": depths,
+        "methods": [{**engines[mc].describe(mc), "drafter": drafter_of[mc], "drafter_role": role_of[mc]}
+                    for mc in mcs],
+        "labels": labels, "depths": depths,
         "eos_token_ids": eos, "cache_size": engine.cache_size, "prompt_width": width, "timing_path": engine.path,
-        "datasets": [{"name": s.name, "path": s.path, "prompts_in_file": len(s),
+        "datasets": [{"name": s.name, "path": s.path, "kind": s.kind, "prompts_in_file": len(s),
                       "used": [i for i, _, _ in selected.get(s.name, [])]} for s in sets],
         "skipped": skipped,
         "protocol": _protocol_text(),
@@ -557,10 +646,11 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, tokenize
         bar = tqdm(mcs, desc="warm-up (compiling)", unit="method", disable=not progress, leave=False)
         for mc in bar:
             bar.set_postfix_str(mc.label)
-            stages_warm = warm_up(engine, mc, first_batch, seed=cfg.seed, stages=stage_cap != 0)
-            warmed.add(engine.shape_key(mc, first_batch))
+            eng = engines[mc]
+            stages_warm = warm_up(eng, mc, first_batch, seed=cfg.seed, stages=stage_cap != 0)
+            warmed.add(eng.shape_key(mc, first_batch))
             if stages_warm:
-                warmed.add((engine.shape_key(mc, first_batch), "stages"))
+                warmed.add((eng.shape_key(mc, first_batch), "stages"))
         batch_no = 0
         for name, rows in selected.items():
             bar = tqdm(total=len(rows), desc=f"{name}", unit="sample", disable=not progress)
@@ -573,9 +663,11 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, tokenize
                     stages = stage_cap is None or staged < stage_cap
                     done: list[dict[str, Any]] = []
                     for mc in mcs:
-                        raw = run_batch(engine, mc, batch, seed=seed, repeats=cfg.repeats, stages=stages,
+                        raw = run_batch(engines[mc], mc, batch, seed=seed, repeats=cfg.repeats, stages=stages,
                                         warmed=warmed)
-                        done.append(_record(name, b0 // cfg.batch_size, seed, mc, chunk, raw))
+                        rec = _record(name, b0 // cfg.batch_size, seed, mc, chunk, raw)
+                        rec.update(drafter=drafter_of[mc], drafter_role=role_of[mc])
+                        done.append(rec)
                     records.extend(done)  # a batch counts once every method has run it
                     staged += any(r["stage"] for r in done)
                     batch_no += 1

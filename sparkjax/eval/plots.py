@@ -23,8 +23,11 @@ def _figure(w: float, h: float):
 def _subtitle(results) -> str:
     c, s = results.config, results.setup
     temp = "greedy" if not c["temperature"] else f"T={c['temperature']}"
-    pair = "tiny synthetic default pair (demonstrates the machinery, not language quality)" if s.get(
-        "default_pair") else f"{pathlib.Path(str(s['target'])).name} + {pathlib.Path(str(s['drafter'])).name}"
+    pair = f"{pathlib.Path(str(s['target'])).name} + {pathlib.Path(str(s['drafter'])).name}"
+    if s.get("baseline_drafter") and s.get("baseline_methods") and s["baseline_drafter"] != s["drafter"]:
+        pair += f" (baseline {pathlib.Path(str(s['baseline_drafter'])).name})"
+    if s.get("default_pair"):
+        pair = f"bundled demo pair: {pair}"
     part = " [INTERRUPTED: partial results]" if results.interrupted else ""
     return f"{pair}\n{temp}, {c['max_new_tokens']} new tokens, batch {c['batch_size']}{part}"
 

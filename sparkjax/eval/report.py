@@ -80,6 +80,8 @@ def _header(results) -> list[str]:
     runs = "1 timed run" if c["repeats"] == 1 else f"median of {c['repeats']} timed runs"
     lines = [
         f"sparkjax.eval: target {s['target']}  drafter {s['drafter']}  ({s['dtype']})",
+        *([f"  baseline drafter {s['baseline_drafter']} for {', '.join(s['baseline_methods'])}"]
+          if s.get("baseline_drafter") and s.get("baseline_methods") else []),
         f"  {temp}; {c['max_new_tokens']} new tokens; batch {c['batch_size']}; up to {c['max_samples'] or 'all'} "
         f"prompts per set; {runs} per "
         f"prompt and method; {e['backend']} ({e.get('device_kind')}), "

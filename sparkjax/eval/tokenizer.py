@@ -1,8 +1,9 @@
-"""A tiny deterministic tokenizer for the bundled default pair, and tokenizer / prompt helpers.
+"""Tokenizer / prompt helpers, and a tiny deterministic tokenizer for the synthetic fixture pair.
 
-The bundled default pair (``tests/fixtures/tiny_dspark_b16``: a 6-layer Qwen3 with a
-320-token vocabulary and a block-16 DSpark drafter whose mask token is 300) ships no
-tokenizer. :func:`build_default_tokenizer` makes one that ``AutoTokenizer.from_pretrained``
+The synthetic fixture pair (``tests/fixtures/tiny_dspark_b16``: a 6-layer Qwen3 with a
+320-token vocabulary and a block-16 DSpark drafter whose mask token is 300; the harness's
+default pair before the bundled demo pair, still usable with ``--target``/``--drafter``/
+``--tokenizer``) ships no tokenizer. :func:`build_default_tokenizer` makes one that ``AutoTokenizer.from_pretrained``
 loads offline:
 
 * ids 0-255: the 256 bytes (id = byte value, in GPT-2's byte-level alphabet), so any text
@@ -78,7 +79,7 @@ def _added_content(i: int) -> str:
 
 
 def default_tokenizer_files() -> dict[str, str]:
-    """The default pair's tokenizer files (name -> text), built deterministically."""
+    """The synthetic fixture pair's tokenizer files (name -> text), built deterministically."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     table = _bytes_to_unicode()
@@ -169,9 +170,14 @@ def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer"):
         raise TokenizerError(f"{what}: cannot load a tokenizer from {folder} ({msg})") from None
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """A user turn as token ids: through the chat template (``enable_thinking=False``) when the
-    tokenizer has one, else the raw text."""
+def encode_prompt(tokenizer, text: str, kind: str = "chat") -> list[int]:
+    """A prompt as token ids. ``kind="chat"``: a user turn, through the chat template (with the
+    generation prompt, ``enable_thinking=False``) when the tokenizer has one, else the raw text.
+    ``kind="text"``: a raw completion prompt, encoded as is (no template, no special token added)."""
+    if kind == "text":
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if kind != "chat":
+        raise ValueError(f"encode_prompt: kind must be 'chat' or 'text', got {kind!r}")
     if getattr(tokenizer, "chat_template", None):
         from .errors import TokenizerError
 
@@ -208,7 +214,7 @@ def eos_ids(tokenizer, target_dir: str | os.PathLike | None) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m sparkjax.eval.tokenizer DIR   (writes the default pair's tokenizer files)",
+        print("usage: python -m sparkjax.eval.tokenizer DIR   (writes the synthetic fixture pair's tokenizer files)",
               file=sys.stderr)
         return 2
     print(write_default_tokenizer(argv[0]))
