@@ -24,6 +24,9 @@ from .errors import CheckpointError
 
 DEMO_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "demo"
 PROMPT_SETS = ("python_docs", "stdlib_code", "synthetic_math")
+# Stored in bfloat16, computed in float32 by default: in bf16 two logits can round to the same value and
+# a one-token decode step and a multi-token verify may break that tie differently (rounding, not a bug).
+COMPUTE_DTYPE = "float32"
 
 
 def path(part: str = "") -> pathlib.Path:
@@ -61,8 +64,9 @@ class DemoPair:
         return self.encode_text(row["text"]) if "text" in row else self.encode_chat(row["turns"][0])
 
 
-def load(dtype: Any = None) -> DemoPair:
-    """Loads the bundled target, both drafters and the tokenizer (``dtype`` defaults to the files' bfloat16)."""
+def load(dtype: Any = COMPUTE_DTYPE) -> DemoPair:
+    """Loads the bundled target, both drafters and the tokenizer, cast to ``dtype`` (float32; None keeps the
+    files' bfloat16)."""
     from transformers import AutoTokenizer
 
     from .convert import load_drafter, load_target

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", metavar="DIR",
                    help="tokenizer folder for AutoTokenizer (default: the --target folder)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="parameter dtype (default: the checkpoint's own)")
+                   help="parameter dtype (default: the checkpoint's own; float32 for the bundled demo pair)")
     g = p.add_argument_group("runs")
     g.add_argument("--methods", type=_csv(str), default=decode.METHODS, metavar="LIST",
                    help=f"comma-separated methods out of {','.join(decode.METHODS)} (default: all); ar is always run, "

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pathlib
 
-from ..demo import DEMO_DIR
+from ..demo import COMPUTE_DTYPE, DEMO_DIR
 from ..demo import PROMPT_SETS as SETS
 from .errors import EvalError
 
-__all__ = ["DEMO_DIR", "NOTE", "SETS", "path", "target_dir"]
+__all__ = ["COMPUTE_DTYPE", "DEMO_DIR", "NOTE", "SETS", "path", "target_dir"]
 NOTE = (
     "The default pair is the bundled demo pair: a small Qwen3 (~4M parameters, 4 layers, d=256, byte-level BPE "
     "4k vocab) trained from scratch on this CPU on Python's stdlib sources + Python docs + synthetic math, with "
