@@ -128,6 +128,12 @@ def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: 
             f.write(arr.tobytes())
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_file(path: PathLike) -> Iterator[str]:
     """Yields a temp path beside ``path``; renames it onto ``path`` only if the block succeeds."""
@@ -136,6 +142,7 @@ def atomic_file(path: PathLike) -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -154,6 +161,7 @@ def atomic_dir(path: PathLike, *, overwrite: bool = False) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder is meant to be shared
         if os.path.exists(path):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
             os.rename(path, os.path.join(old, "x"))

@@ -220,6 +220,14 @@ def test_bf16_safetensors_round_trip(tmp_path, fixture_target):
     np.testing.assert_array_equal(w.T, want.astype(np.float32))
     again = load_target(tmp_path / "bf16", dtype="float32")
     assert again.dtype == jnp.float32
+    # the written folder and files get the usual permissions (not mkdtemp's / mkstemp's 0700 / 0600)
+    old = os.umask(0o022)
+    try:
+        save_target(fixture_target, tmp_path / "perm")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "perm").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "perm" / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 def test_orbax_checkpoint_round_trip(tmp_path, fixture_target):
