@@ -211,3 +211,34 @@ def test_lm_bad_inputs(tmp_path, token_files):
         load_tokens(str(bad), 64, 16)
     with pytest.raises(TrainingError, match="fewer than one window"):
         load_tokens(str(token_files / "heldout.tokens.npy"), 64, 5000)
+
+
+# ----------------------------------------------------------------------------- tokenizer and distillation prompts
+def test_tokenizer_trains_saves_and_encodes_the_corpus(tmp_path, docs_root):
+    from transformers import AutoTokenizer
+
+    tokmod = _load("demo_tokenizer")
+    distill = _load("distill_data")
+    train, held, manifest = corpus.build(stdlib_root=sysconfig.get_paths()["stdlib"], docs_root=str(docs_root),
+                                         seed=0, heldout=0.2, limit_files=6)
+    corpus.write(str(tmp_path / "c"), train, held, manifest)
+    assert tokmod.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "tok"), "--vocab", "400"]) == 0
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert [tok.convert_tokens_to_ids(t) for t in tokmod.SPECIALS] == [0, 1, 2, 3]
+    assert tok.eos_token == "<|im_end|>" and len(tok) == 400
+    text = tok.apply_chat_template([{"role": "user", "content": "2 + 2?"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode("x = 1234\n", add_special_tokens=False)
+    assert tok.decode(ids) == "x = 1234\n"
+    assert [tok.decode([i]) for i in ids[-5:-1]] == ["1", "2", "3", "4"]  # digits one per token
+    stream = np.load(tmp_path / "c" / "train.tokens.npy")
+    assert stream.dtype == np.uint16 and 3 not in set(stream.tolist())  # the mask token never comes from text
+    assert (stream == 0).sum() == len(train)  # one <|endoftext|> after each document
+    # distillation prompts: chat documents end at the assistant header, others are 32..max windows
+    prompts = distill.pick_prompts(str(tmp_path / "c"), tok, 40, seed=1, max_prompt=48)
+    assert prompts == distill.pick_prompts(str(tmp_path / "c"), tok, 40, seed=1, max_prompt=48)
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for p in prompts:
+        assert 1 <= len(p) <= 48
+        assert p[-len(header):] == header or 1 not in p
+    assert tokmod.main(["--corpus", str(tmp_path / "nowhere"), "--out", str(tmp_path / "t2")]) == 2
