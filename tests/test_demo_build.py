@@ -178,6 +178,9 @@ def test_lm_pretraining_learns_resumes_exactly_and_exports(tmp_path, token_files
         train_lm(_cfg(lr=2e-2), str(tmp_path / "cut"), resume=True, **kw)
     resumed = train_lm(_cfg(), str(tmp_path / "cut"), resume=True, **kw)
     assert resumed.step == 12
+    # a stop right after a scheduled checkpoint does not save that step twice
+    again = train_lm(_cfg(checkpoint_every=1), str(tmp_path / "every"), max_minutes=0.0, **kw)
+    assert again.stopped_early and again.step == 1
 
     a = export_lm(str(tmp_path / "straight"), str(tmp_path / "hf_a"), dtype="float32",
                   special_ids={"eos_token_id": 2, "pad_token_id": 0})

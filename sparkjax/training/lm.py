@@ -204,6 +204,8 @@ def train_lm(
     stopped = False
 
     def save(st, at: int, extra: dict[str, float]) -> None:
+        if at in ckpt.steps():  # a stop right after a scheduled checkpoint: that step is already saved
+            return
         m = {"config": cfg.to_dict(), "wall_s": wall0 + time.perf_counter() - t0,
              "tokens_seen": at * cfg.batch_size * cfg.seq_len}
         ckpt.save(at, st, m, metrics=extra or None)
