@@ -49,6 +49,8 @@ def main(argv=None) -> int:
         if a.export:
             special = None
             if a.tokenizer:
+                if not os.path.isfile(os.path.join(a.tokenizer, "tokenizer.json")):
+                    raise TrainingError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(a.tokenizer)
