@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "tiny_dspark_b16"
+
+# One persistent XLA compilation cache for the whole test session, shared with the subprocesses the tests
+# start (CLI runs, kill and Ctrl-C tests): the same program is then compiled once per session, not once per
+# process. Set before anything imports jax; a cache dir the caller already chose is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparkjax-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 @pytest.fixture(scope="session")
