@@ -20,15 +20,12 @@ Layouts (checkpoint = PyTorch ``nn.Linear`` layout, module = JAX layout):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import struct
-import tempfile
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -138,7 +135,7 @@ def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: 
 
 # The atomic writers and the overwrite rule live in :mod:`sparkjax.atomic`; these names stay importable
 # from here (training code and the train/ scripts use them).
-from .atomic import (  # noqa: E402
+from .atomic import (  # noqa: E402, F401 - re-exported names
     MARKER,
     WriteError,
     _umask,

@@ -352,6 +352,20 @@ def test_atomic_exchange_is_used_on_linux(tmp_path):
     assert (a / "2").exists() and (b / "1").exists()
 
 
+def test_without_renameat2_the_fallback_renames_work(tmp_path, monkeypatch, target):
+    monkeypatch.setattr(atomic, "_renameat2", lambda: None)  # e.g. macOS, or an old libc
+    out = tmp_path / "out"
+    save_target(target, out)
+    save_target(target, out, overwrite=True, dtype="bfloat16")
+    assert load_target(out).dtype == jnp.bfloat16
+    assert os.listdir(tmp_path) == ["out"]
+    (tmp_path / "foreign").mkdir()
+    _canary(tmp_path / "foreign")
+    with pytest.raises(ArgumentError, match="not written by sparkjax"):
+        save_target(target, tmp_path / "foreign", overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["foreign", "out"]
+
+
 # ----------------------------------------------------------------------------- writers killed at several points
 
 CHILD = textwrap.dedent(
