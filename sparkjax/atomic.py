@@ -92,7 +92,7 @@ def _prefix(base: str, kind: str) -> str:
     return f".{base}.{kind}-{os.getpid()}@{_host()}-"
 
 
-_TEMP_TAIL = re.compile(r"(?P<kind>tmp|old)-(?P<pid>\d+)@(?P<host>[A-Za-z0-9.]+)-[a-z0-9_]+")
+_TEMP_TAIL = re.compile(r"(?P<kind>tmp|old)-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._]+)-[a-z0-9_]+")
 
 
 def _parse_temp(entry: str, base: str) -> tuple[str, int, str] | None:

@@ -277,7 +277,11 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_stale_temps_are_cleaned_only_when_owned_and_dead(tmp_path, target):
+@pytest.mark.parametrize("hostname", ["plainhost", "my-host.example-1"])
+def test_stale_temps_are_cleaned_only_when_owned_and_dead(tmp_path, monkeypatch, target, hostname):
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: hostname)
     host = atomic._host()
     dead = _dead_pid()
     out = tmp_path / "out"
