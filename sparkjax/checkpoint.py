@@ -3,7 +3,10 @@
 A saved model is a folder with ``sparkjax.json`` (what kind of model and its
 config) and ``state/`` (the orbax checkpoint of its parameters). Saving writes
 to a temp folder beside the destination and renames it when complete, so an
-interrupted save never leaves a half-written checkpoint behind.
+interrupted save never leaves a half-written checkpoint behind; overwriting
+follows the rule of :mod:`sparkjax.atomic`. ``sparkjax.json`` also holds exact
+per-tensor checksums, which :func:`restore_model` verifies (with a finiteness
+check) so a corrupted folder raises instead of loading wrong weights.
 """
 
 from __future__ import annotations

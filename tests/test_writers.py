@@ -155,6 +155,23 @@ def test_overwrite_replaces_marked_and_empty_folders(tmp_path, target):
     assert (out / "model.safetensors").exists() and not (out / "state").exists()
 
 
+def test_save_drafter_overwrites_its_own_output(tmp_path, target, drafter):
+    out = tmp_path / "d"
+    save_drafter(drafter, out)
+    save_drafter(drafter, out, overwrite=True, dtype="bfloat16")
+    assert load_drafter(out, target=target).dtype == jnp.bfloat16
+    assert atomic.is_sparkjax_output(out) and os.listdir(tmp_path) == ["d"]
+    # the old names stay importable from sparkjax.convert (training code and train/ scripts use them)
+    from sparkjax.convert import _umask, atomic_dir, atomic_file  # noqa: F401
+
+    old = os.umask(0o027)
+    try:
+        assert _umask() == 0o027  # read without changing it
+        assert os.umask(0o027) == 0o027
+    finally:
+        os.umask(old)
+
+
 def test_empty_path_refused_without_overwrite_and_bad_argument_types(tmp_path, target):
     for bad in ("", "  "):
         with pytest.raises(ArgumentError, match="empty path"):
