@@ -2,7 +2,10 @@
 
     python -m convert.hf_to_orbax HF_FOLDER OUT_FOLDER [--dtype bfloat16] [--overwrite]
 
-The output is written to a temp folder beside OUT_FOLDER and renamed when complete.
+The output is written to a temp folder beside OUT_FOLDER and renamed when complete. ``--overwrite``
+replaces only a folder sparkjax wrote (it holds a ``.sparkjax-output`` marker) or an empty folder;
+anything else (``.``, the home folder, a folder of other files, a file) is refused. Errors print one
+line and exit with code 2.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sparkjax.atomic import check_destination
 from sparkjax.checkpoint import save_model
 from sparkjax.convert import load_target
 from sparkjax.errors import SparkjaxError
@@ -20,17 +24,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("src", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
     ap.add_argument("dst", help="output folder (must not exist unless --overwrite)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an existing output folder (only one sparkjax wrote, or an empty one)")
     args = ap.parse_args(argv)
+    check_destination(args.dst, overwrite=args.overwrite)  # refuse before the (slow) load
     model = load_target(args.src, dtype=args.dtype)
     save_model(model, args.dst, overwrite=args.overwrite)
     print(f"wrote {args.dst}")
     return 0
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` with the CLI convention: a SparkjaxError prints one line and returns 2."""
     try:
-        sys.exit(main())
+        return main(argv)
     except SparkjaxError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -3,7 +3,10 @@
 A saved model is a folder with ``sparkjax.json`` (what kind of model and its
 config) and ``state/`` (the orbax checkpoint of its parameters). Saving writes
 to a temp folder beside the destination and renames it when complete, so an
-interrupted save never leaves a half-written checkpoint behind.
+interrupted save never leaves a half-written checkpoint behind; overwriting
+follows the rule of :mod:`sparkjax.atomic`. ``sparkjax.json`` also holds exact
+per-tensor checksums, which :func:`restore_model` verifies (with a finiteness
+check) so a corrupted folder raises instead of loading wrong weights.
 """
 
 from __future__ import annotations
@@ -17,40 +20,62 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from .atomic import WriteError, atomic_dir, check_destination
 from .config import Qwen3Config, read_json
-from .convert import atomic_dir
-from .errors import CheckpointError
+from .errors import ArgumentError, CheckpointError
 
 PathLike = str | os.PathLike
 _META = "sparkjax.json"
 
 
 def save_model(model: nnx.Module, path: PathLike, *, overwrite: bool = False) -> str:
-    """Saves a Qwen3 target with orbax, atomically."""
+    """Saves a Qwen3 target with orbax, atomically, with per-tensor checksums in ``sparkjax.json``.
+
+    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.atomic`).
+    Refusals raise :class:`~sparkjax.errors.ArgumentError`, I/O failures :class:`~sparkjax.atomic.WriteError`
+    (a :class:`~sparkjax.errors.CheckpointError`); both name the path, and the destination is left as it was.
+    """
     from .nn.qwen3 import Qwen3
 
     if not isinstance(model, Qwen3):
-        raise CheckpointError(f"{path}: save_model supports Qwen3 targets, got {type(model).__name__}")
-    meta = {"kind": "qwen3", "dtype": str(jnp.dtype(model.dtype)), "config": model.config.to_hf_dict()}
+        raise ArgumentError(f"save_model: model must be a Qwen3 target (sparkjax.nn.qwen3.Qwen3), "
+                            f"got {type(model).__name__}; {path} was not written")
+    check_destination(path, overwrite=overwrite)
     state = nnx.state(model, nnx.Param)
+    meta = {"kind": "qwen3", "dtype": str(jnp.dtype(model.dtype)), "config": model.config.to_hf_dict(),
+            "checksum_kind": _CHECKSUM_KIND, "checksums": bit_checksums(state)}
     with atomic_dir(path, overwrite=overwrite) as tmp:
         with open(os.path.join(tmp, _META), "w") as f:
             json.dump(meta, f, indent=2)
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, "state"), state)
-        ckptr.wait_until_finished()
-        ckptr.close()
+        try:
+            ckptr = ocp.StandardCheckpointer()
+            try:
+                ckptr.save(os.path.join(tmp, "state"), state)
+                ckptr.wait_until_finished()
+            finally:
+                ckptr.close()
+        except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many types on I/O failures
+            reason = str(e).splitlines()[0][:300] if str(e) else ""
+            raise WriteError(f"{path}: orbax could not save ({type(e).__name__}: {reason})",
+                             f"orbax: {type(e).__name__}: {reason}") from e
     return str(path)
 
 
 def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
-    """Restores a model saved by :func:`save_model` (optionally cast to ``dtype``)."""
+    """Restores a model saved by :func:`save_model` (optionally cast to ``dtype``).
+
+    What is read back is verified: every tensor against the checksum stored at save time (folders
+    written before checksums existed skip this), and every floating tensor must be finite. A mismatch
+    raises :class:`~sparkjax.errors.CheckpointError` naming the folder and the first bad tensor.
+    """
     from .convert import resolve_dtype
     from .nn.qwen3 import Qwen3
 
     folder = str(path)
     meta_path = os.path.join(folder, _META)
     meta = read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: expected a JSON object")
     if meta.get("kind") != "qwen3":
         raise CheckpointError(f"{meta_path}: unknown model kind {meta.get('kind')!r}")
     cfg = Qwen3Config.from_hf_config(meta.get("config") or {}, source=meta_path)
@@ -66,12 +91,86 @@ def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
             restored = ckptr.restore(state_dir, target)
     except Exception as e:  # orbax raises many types for damaged folders
         raise CheckpointError(f"{state_dir}: cannot restore orbax checkpoint ({type(e).__name__}: {e})") from None
+    verify_state(restored, meta.get("checksums"), folder=folder, meta_path=meta_path,
+                 kind=meta.get("checksum_kind"))
     model = nnx.merge(graphdef, restored)
     if dtype is not None:
         dt = resolve_dtype(dtype, None)
         params = nnx.state(model, nnx.Param)
         nnx.update(model, jax.tree.map(lambda x: x.astype(dt), params))
     return model
+
+
+# ----------------------------------------------------------------------------- exact checksums, finiteness
+
+_CHECKSUM_KIND = "bits-u32-v1"
+
+
+@jax.jit
+def _device_bits(leaves):
+    """Per leaf: (sum of its bit patterns, position-weighted sum), both mod 2**32, and an all-finite flag.
+
+    Exact and deterministic (integer arithmetic), so any changed value changes the first sum; a swap of
+    two values changes the second. One reduction per tensor, on device.
+    """
+    out = []
+    for x in leaves:
+        if x.dtype == jnp.bool_:
+            bits = x.astype(jnp.uint32)
+        elif x.dtype.itemsize == 4:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        elif x.dtype.itemsize == 2:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+        elif x.dtype.itemsize == 1:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+        else:  # 64-bit leaves (x64 mode): fold the two halves
+            halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            bits = halves[..., 0] ^ (halves[..., 1] * jnp.uint32(0x9E3779B1))
+        flat = bits.reshape(-1)
+        pos = jnp.arange(flat.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+        out.append((jnp.sum(flat, dtype=jnp.uint32), jnp.sum(flat * pos, dtype=jnp.uint32), finite))
+    return out
+
+
+def _bits_and_finite(state) -> tuple[dict[str, list[int]], dict[str, bool]]:
+    named = _named_leaves(state)
+    res = jax.device_get(_device_bits(list(named.values())))
+    sums = {name: [int(a), int(b)] for name, (a, b, _) in zip(named, res, strict=True)}
+    finite = {name: bool(f) for name, (_, _, f) in zip(named, res, strict=True)}
+    return sums, finite
+
+
+def bit_checksums(state) -> dict[str, list[int]]:
+    """Exact per-leaf checksums of a state pytree (two 32-bit sums of the bit patterns, on device)."""
+    return _bits_and_finite(state)[0]
+
+
+def verify_state(state, checksums, *, folder: str, meta_path: str | None = None, kind: str | None = None) -> None:
+    """Checks a restored state: its checksums against ``checksums`` (skipped when None: an older
+    folder) and that every floating tensor is finite. Raises CheckpointError naming ``folder`` and
+    the first bad tensor."""
+    got, finite = _bits_and_finite(state)
+    if checksums is not None:
+        where = meta_path or folder
+        if kind != _CHECKSUM_KIND:
+            raise CheckpointError(f"{where}: unknown checksum kind {kind!r} (expected {_CHECKSUM_KIND!r})")
+        if not isinstance(checksums, dict):
+            raise CheckpointError(f"{where}: 'checksums' must be a JSON object")
+        for name in sorted(set(got) | set(checksums)):
+            shown = name.removesuffix(".value")
+            if name not in checksums:
+                raise CheckpointError(f"{folder}: tensor '{shown}' has no stored checksum in {where}")
+            if name not in got:
+                raise CheckpointError(f"{folder}: tensor '{shown}' listed in {where} was not restored")
+            if list(checksums[name]) != got[name]:
+                raise CheckpointError(
+                    f"{folder}: tensor '{shown}' does not match the checksum saved with it (saved "
+                    f"{checksums[name]}, read {got[name]}); the checkpoint is corrupted"
+                )
+    for name, ok in finite.items():
+        if not ok:
+            raise CheckpointError(f"{folder}: tensor '{name.removesuffix('.value')}' holds NaN or Inf values")
 
 
 # ----------------------------------------------------------------------------- training checkpoints

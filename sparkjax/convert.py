@@ -20,15 +20,12 @@ Layouts (checkpoint = PyTorch ``nn.Linear`` layout, module = JAX layout):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import struct
-import tempfile
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -105,7 +102,15 @@ class SafetensorsFile:
 
 
 def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
-    """Writes ``tensors`` to ``path`` atomically (temp file in the same folder, then rename)."""
+    """Writes ``tensors`` to ``path`` atomically (temp file in the same folder, then rename).
+
+    I/O errors (read-only folder, full disk) raise :class:`~sparkjax.atomic.WriteError` naming ``path``.
+    """
+    if not isinstance(tensors, dict):
+        raise ArgumentError(f"tensors: expected a dict of name -> array, got {type(tensors).__name__}")
+    for key in tensors:
+        if not isinstance(key, str):
+            raise ArgumentError(f"tensors: keys must be str, got {type(key).__name__} {key!r}")
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -128,50 +133,29 @@ def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: 
             f.write(arr.tobytes())
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+# The atomic writers and the overwrite rule live in :mod:`sparkjax.atomic`; these names stay importable
+# from here (training code and the train/ scripts use them).
+from .atomic import (  # noqa: E402, F401 - re-exported names
+    MARKER,
+    WriteError,
+    _umask,
+    atomic_dir,
+    atomic_file,
+    check_destination,
+    is_sparkjax_output,
+    recover,
+)
 
 
-@contextlib.contextmanager
-def atomic_file(path: PathLike) -> Iterator[str]:
-    """Yields a temp path beside ``path``; renames it onto ``path`` only if the block succeeds."""
-    path = str(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-
-
-@contextlib.contextmanager
-def atomic_dir(path: PathLike, *, overwrite: bool = False) -> Iterator[str]:
-    """Yields a temp folder beside ``path``; it becomes ``path`` only if the block succeeds."""
-    path = os.path.abspath(str(path))
-    if os.path.exists(path) and not overwrite:
-        raise ArgumentError(f"output folder {path} already exists (pass overwrite=True to replace it)")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder is meant to be shared
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
-            os.rename(path, os.path.join(old, "x"))
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _require_model(model, cls, func: str, what: str, other: str) -> None:
+    """Writers take only the model class they can write back (a wrong one would make an unloadable folder)."""
+    if isinstance(model, cls):
+        return
+    hint = ""
+    if type(model).__name__ in ("Qwen3", "Drafter"):
+        hint = f" (use {other} for a {type(model).__name__})"
+    raise ArgumentError(f"{func}: model must be {what} ({cls.__module__}.{cls.__name__}), "
+                        f"got {type(model).__name__}{hint}")
 
 
 class WeightFiles:
@@ -406,7 +390,14 @@ def load_target(path: PathLike, dtype: Any = None):
 
 
 def save_target(model, path: PathLike, *, overwrite: bool = False, dtype: Any = None) -> str:
-    """Writes a Qwen3 model as a Hugging Face folder (``config.json`` + ``model.safetensors``), atomically."""
+    """Writes a Qwen3 model as a Hugging Face folder (``config.json`` + ``model.safetensors``), atomically.
+
+    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.atomic`).
+    """
+    from .nn.qwen3 import Qwen3
+
+    _require_model(model, Qwen3, "save_target", "a Qwen3 target", "save_drafter")
+    check_destination(path, overwrite=overwrite)  # before the export, so a refusal costs nothing
     cfg: Qwen3Config = model.config
     tensors = export_tensors(model, QWEN3_KEYS)
     if dtype is not None:
@@ -505,7 +496,13 @@ def load_drafter(path: PathLike, target=None, dtype: Any = None):
 def save_drafter(drafter, path: PathLike, *, overwrite: bool = False, dtype: Any = None) -> str:
     """Writes a drafter in its own format, atomically: DeepSpec DSpark (original key names, keys
     sorted like ``save_pretrained``) or z-lab DFlash (backbone only), with the original
-    ``config.json`` (updated with the config's values, and ``dtype`` when converting)."""
+    ``config.json`` (updated with the config's values, and ``dtype`` when converting).
+
+    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.atomic`)."""
+    from .nn.drafter import Drafter
+
+    _require_model(drafter, Drafter, "save_drafter", "a drafter", "save_target")
+    check_destination(path, overwrite=overwrite)
     tensors = export_tensors(drafter, DRAFTER_KEYS)
     if dtype is not None:
         dt = resolve_dtype(dtype, None)

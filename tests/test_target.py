@@ -333,7 +333,7 @@ def test_failed_conversion_leaves_no_output(tmp_path, fixture_dir, monkeypatch):
 
     monkeypatch.setattr(ocp.StandardCheckpointer, "wait_until_finished", boom)
     out = tmp_path / "out" / "model"
-    with pytest.raises(RuntimeError, match="simulated"):
+    with pytest.raises(sparkjax.CheckpointError, match="simulated"):
         convert_main([str(fixture_dir / "target"), str(out)])
     assert not out.exists()
     assert os.listdir(tmp_path / "out") == []
