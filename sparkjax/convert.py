@@ -251,6 +251,8 @@ class WeightFiles:
             weight_map = read_json(index_path, CheckpointError, "index file").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index_path}: missing or malformed 'weight_map'")
+            if not weight_map:
+                raise CheckpointError(f"{index_path}: 'weight_map' is empty")
             for key, fname in weight_map.items():
                 fname = self._shard_name(index_path, key, fname)
                 if fname not in self.files:
@@ -297,33 +299,28 @@ class WeightFiles:
     def describe(self) -> str:
         return ", ".join(os.path.join(self.folder, f) for f in self.files)
 
-    def dtype(self, keys: Sequence[str] | None = None) -> np.dtype:
+    def dtype(self) -> np.dtype:
         """The floating dtype the checkpoint's parameters are stored in (the default model dtype).
 
         Only floating tensors count (a non-float parameter is refused by :func:`load_into`). When
-        all of them share one dtype that is the answer; a mix is promoted to a dtype that holds
-        every value exactly (bfloat16 with float16 gives float32). float64 gives float32, the
-        widest dtype a model may use. A checkpoint with no tensors gives float32.
+        all of them share one dtype that is the answer. A mix of float dtypes gives float32, which
+        holds every float16 and bfloat16 value exactly; float64 also gives float32, the widest
+        dtype a model may use. A checkpoint without any float tensor is a CheckpointError.
         """
-        found = set()
-        for key in self.where if keys is None else keys:
-            if key in self.where:
-                dt = self.file_of(key).dtype(key)
-                if dt in _FLOAT_DTYPES:
-                    found.add(dt)
-        if not found:
-            if self.where and keys is None:
+        found = {f.dtype(key) for f in self.files.values() for key in f.keys()}
+        floats = found & set(_FLOAT_DTYPES)
+        if not floats:
+            if found:
                 key = next(iter(self.where))
+                src = self.file_of(key)
                 raise CheckpointError(
-                    f"{self.file_of(key).path}: no floating-point tensor in the checkpoint (tensor '{key}' is "
-                    f"{_ST_NAMES.get(self.file_of(key).dtype(key), self.file_of(key).dtype(key))})"
+                    f"{src.path}: no floating-point tensor in the checkpoint (tensor '{key}' is "
+                    f"{_ST_NAMES[src.dtype(key)]})"
                 )
             return np.dtype(np.float32)
-        if len(found) == 1:
-            (dt,) = found
-        else:
-            dt = np.dtype(np.float32)
-        return np.dtype(np.float32) if dt == np.dtype(np.float64) else dt
+        if len(floats) == 1 and np.dtype(np.float64) not in floats:
+            return next(iter(floats))
+        return np.dtype(np.float32)
 
 
 # ----------------------------------------------------------------------------- key maps
@@ -453,7 +450,7 @@ def _non_finite_error(path: str, key: str, stored: np.ndarray, dtype: np.dtype) 
     """The error for a tensor that is non-finite as stored, or becomes so when converted to ``dtype``."""
     wide = stored.astype(np.float64)
     if np.isfinite(wide).all():
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             bad = ~np.isfinite(stored.astype(dtype).astype(np.float64))
         first = [int(i) for i in np.argwhere(bad)[0]]
         return CheckpointError(
@@ -524,7 +521,7 @@ def load_into(
                 "floating-point (F32, BF16, F16 or F64)"
             )
         raw = src.get(key)
-        with np.errstate(over="ignore"):  # an overflow to Inf is reported below, naming the tensor
+        with np.errstate(over="ignore", invalid="ignore"):  # reported below, naming the tensor
             host = _to_module(layout, raw, shape).astype(dt)
         if check_finite and not _all_finite(host):
             raise _non_finite_error(src.path, key, raw, dt)

@@ -283,6 +283,25 @@ def test_sharded_index_weight_map_not_an_object(target_copy, tmp_path):
     with pytest.raises(CheckpointError, match="weight_map") as info:
         load_target(target_copy)
     assert_names(info.value, index)
+    with open(index, "w") as f:
+        json.dump({"weight_map": {}}, f)
+    with pytest.raises(CheckpointError, match="'weight_map' is empty") as info:
+        load_target(target_copy)
+    assert_names(info.value, index)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_sharded_index_symlinked_shards_load(target_copy, tmp_path):
+    # the Hugging Face hub cache stores each file of a snapshot as a link into ../../blobs
+    _shard(target_copy, tmp_path, lambda wm, keys: None)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        os.replace(os.path.join(target_copy, name), blobs / name)
+        os.symlink(os.path.relpath(blobs / name, target_copy), os.path.join(target_copy, name))
+    model = load_target(target_copy)
+    np.testing.assert_array_equal(np.asarray(model.norm.weight.get_value()),
+                                  read_tensors(TARGET_DIR)["model.norm.weight"])
 
 
 # ----------------------------------------------------------------------------- configs
