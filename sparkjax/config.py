@@ -12,23 +12,53 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from typing import Any
+import stat
+from typing import IO, Any
 
 from .errors import ConfigError
 
 PathLike = str | os.PathLike
 
 
-def read_json(path: PathLike, error: type[Exception] = ConfigError, what: str = "file") -> dict[str, Any]:
-    """Reads a JSON object from ``path``; any failure raises ``error`` naming the file."""
+def open_regular(path: PathLike, error: type[Exception] = ConfigError, what: str = "file") -> IO[bytes]:
+    """Opens ``path`` for binary reading, accepting regular files only.
+
+    A FIFO, socket or device named like a checkpoint file would make ``open`` block forever or
+    read endless data; the file is opened non-blocking and checked with ``fstat`` (no race
+    between the check and the open) and anything but a regular file raises ``error`` naming it.
+    """
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise error(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: cannot read JSON ({e})") from None
+    except OSError as e:
+        raise error(f"{path}: cannot open {what} ({e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a regular file")
+            raise error(f"{path}: {what} is {kind}; expected a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_json(path: PathLike, error: type[Exception] = ConfigError, what: str = "file") -> dict[str, Any]:
+    """Reads a JSON object from ``path`` (a regular file); any failure raises ``error`` naming the file."""
+    with open_regular(path, error, what) as f:
+        try:
+            data = json.loads(f.read().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise error(f"{path}: cannot read JSON ({e})") from None
+        except RecursionError:
+            raise error(f"{path}: cannot read JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -46,9 +76,15 @@ class _Fields:
         if isinstance(value, bool) and kind is not bool:
             raise ConfigError(f"{self.source}: key '{key}' must be {_kind_name(kind)}, got {value!r}")
         if kind is float and isinstance(value, int):
-            return float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ConfigError(f"{self.source}: key '{key}' is too large ({value})") from None
         if not isinstance(value, kind):
             raise ConfigError(f"{self.source}: key '{key}' must be {_kind_name(kind)}, got {value!r}")
+        # Python's json reads NaN / Infinity literals; no config value may be non-finite.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{self.source}: key '{key}' must be a finite number, got {value!r}")
         return value
 
     def required(self, key: str, kind: type | tuple[type, ...]) -> Any:
@@ -66,7 +102,13 @@ class _Fields:
         value = self.required(key, int) if default is None else self.optional(key, int, default)
         if value <= 0:
             raise ConfigError(f"{self.source}: key '{key}' must be a positive integer, got {value}")
+        if value >= _MAX_DIM:
+            raise ConfigError(f"{self.source}: key '{key}' is {value}; sizes must be below 2**31")
         return value
+
+
+# Array dimensions are int32 in XLA; a larger size cannot be a real model.
+_MAX_DIM = 2**31
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -162,6 +204,46 @@ class Qwen3Config:
         return cls(**qwen3_fields(_Fields(data, src), check_architecture=check_architecture))
 
 
+# The ``architectures`` a target config may declare. Names are matched exactly: "Qwen3MoeForCausalLM"
+# contains "Qwen3" but is a mixture-of-experts model whose weights this implementation cannot hold.
+QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
+
+# ``torch_dtype`` / ``dtype`` values a config may declare. The dtype the weights are stored in is
+# read from the safetensors header, which wins: a config that says "bfloat16" over float32 tensors
+# loads as float32 by default (pass dtype= to choose). A declared non-float dtype ("int8", ...) is
+# an error: such a config describes a checkpoint this implementation would misread.
+_FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "auto")
+
+
+def _check_unsupported(f: _Fields) -> None:
+    """Refuses config features that would load without error but compute something else."""
+    data = f.data
+    quant = data.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ConfigError(
+            f"{f.source}: key 'quantization_config' is present"
+            + (f" (quant_method {method!r})" if method is not None else "")
+            + "; quantized checkpoints are not supported, convert the weights to float first"
+        )
+    for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
+        value = data.get(key)
+        if value not in (None, 0):
+            raise ConfigError(
+                f"{f.source}: key '{key}' is {value!r}; mixture-of-experts models are not implemented"
+            )
+    for key in ("torch_dtype", "dtype"):
+        value = data.get(key)
+        if value is None:
+            continue
+        name = value.removeprefix("torch.") if isinstance(value, str) else None
+        if name not in _FLOAT_DTYPE_NAMES:
+            raise ConfigError(
+                f"{f.source}: key '{key}' is {value!r}; model weights must be a floating-point dtype "
+                f"({', '.join(_FLOAT_DTYPE_NAMES[:3])})"
+            )
+
+
 def qwen3_fields(f: _Fields, *, check_architecture: bool = True) -> dict[str, Any]:
     """Parses and validates the Qwen3 fields of a config (shared by target and drafter configs)."""
     data = f.data
@@ -170,8 +252,14 @@ def qwen3_fields(f: _Fields, *, check_architecture: bool = True) -> dict[str, An
         if model_type is not None and model_type != "qwen3":
             raise ConfigError(f"{f.source}: key 'model_type' is {model_type!r}; sparkjax supports only 'qwen3'")
         archs = data.get("architectures")
-        if archs is not None and (not isinstance(archs, list) or any("Qwen3" not in str(a) for a in archs)):
-            raise ConfigError(f"{f.source}: key 'architectures' is {archs!r}; expected a Qwen3 architecture")
+        if archs is not None and (
+            not isinstance(archs, list) or any(not isinstance(a, str) or a not in QWEN3_ARCHITECTURES for a in archs)
+        ):
+            raise ConfigError(
+                f"{f.source}: key 'architectures' is {archs!r}; expected one of {', '.join(QWEN3_ARCHITECTURES)} "
+                "(dense Qwen3; Qwen3-MoE and other families are not implemented)"
+            )
+    _check_unsupported(f)
     act = data.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{f.source}: key 'hidden_act' is {act!r}; only 'silu' is implemented")
@@ -179,6 +267,8 @@ def qwen3_fields(f: _Fields, *, check_architecture: bool = True) -> dict[str, An
         raise ConfigError(f"{f.source}: key 'use_sliding_window' is true; sliding-window attention is not implemented")
     layer_types = data.get("layer_types")
     if layer_types is not None:
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise ConfigError(f"{f.source}: key 'layer_types' must be a list of strings, got {layer_types!r:.200}")
         bad = [t for t in layer_types if t != "full_attention"]
         if bad:
             raise ConfigError(
@@ -222,6 +312,12 @@ def qwen3_fields(f: _Fields, *, check_architecture: bool = True) -> dict[str, An
 # ----------------------------------------------------------------------------- drafters
 
 DRAFTER_KINDS = ("dspark", "dflash")
+# A block is drafted in one forward pass whose activations, attention mask and per-round tree
+# buffers all grow with block_size (the mask quadratically), and every slot takes a position, so a
+# block can never exceed max_position_embeddings. Published DSpark / DFlash drafters use 8-16;
+# 1024 leaves ample room while refusing sizes (e.g. 10**9) that could only end in an out-of-memory
+# failure at the first draft instead of a clear error at load time.
+MAX_BLOCK_SIZE = 1024
 MARKOV_HEAD_TYPES = ("vanilla", "gated")
 
 
@@ -263,6 +359,11 @@ class DrafterConfig(Qwen3Config):
             raise ConfigError(f"drafter kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.block_size < 2:
             raise ConfigError(f"key 'block_size' must be at least 2, got {self.block_size}")
+        if self.block_size > min(MAX_BLOCK_SIZE, self.max_position_embeddings):
+            raise ConfigError(
+                f"key 'block_size' is {self.block_size}; it must be at most {MAX_BLOCK_SIZE} and at most "
+                f"max_position_embeddings ({self.max_position_embeddings})"
+            )
         if not self.target_layer_ids:
             raise ConfigError("key 'target_layer_ids' must not be empty")
         if self.markov_rank > 0 and self.markov_head_type not in MARKOV_HEAD_TYPES:
@@ -367,7 +468,11 @@ class DrafterConfig(Qwen3Config):
         else:
             fields.update(_dflash_fields(f, fields))
         try:
-            return cls(kind=kind, hf_json=json.dumps(data), **fields)
+            hf_json = json.dumps(data)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ConfigError(f"{src}: the config cannot be written back as JSON ({type(e).__name__}: {e})") from None
+        try:
+            return cls(kind=kind, hf_json=hf_json, **fields)
         except ConfigError as e:
             raise ConfigError(f"{src}: {e}") from None
 

@@ -1,0 +1,491 @@
+"""Hostile or broken checkpoints, index files and configs: each one is a clear SparkjaxError.
+
+Every case builds its broken input by hand (raw safetensors bytes, edited tensors or configs) from
+the small fixture pair, and checks the error class and that the message names the file and the
+key or argument. Cases that used to hang (FIFOs) run under a timeout so a regression fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sparkjax
+from sparkjax.config import DrafterConfig, Qwen3Config, read_json
+from sparkjax.convert import SafetensorsFile, WeightFiles, load_drafter, load_target, write_safetensors
+from sparkjax.errors import ArgumentError, CheckpointError, ConfigError, SparkjaxError
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")
+TARGET_DIR = os.path.join(FIXTURE, "target")
+DRAFTER_DIR = os.path.join(FIXTURE, "drafter")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def raw_safetensors(path, header: dict, body: bytes = b"") -> str:
+    """Writes a safetensors file byte by byte, with any header (valid or not)."""
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + body)
+    return str(path)
+
+
+def copy_folder(src, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def read_tensors(folder) -> dict[str, np.ndarray]:
+    f = SafetensorsFile(os.path.join(folder, "model.safetensors"))
+    return {k: np.array(f.get(k)) for k in f.keys()}
+
+
+def rewrite_tensors(folder, fn):
+    tensors = read_tensors(folder)
+    tensors = fn(tensors) or tensors
+    write_safetensors(os.path.join(folder, "model.safetensors"), tensors, {"format": "pt"})
+
+
+def edit_config(folder, fn):
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    fn(cfg)
+    with open(path, "w") as f:
+        json.dump(cfg, f)  # writes NaN / Infinity literals as Python's json does
+
+
+def assert_names(err: BaseException, *parts: str):
+    assert isinstance(err, SparkjaxError)
+    msg = str(err)
+    for p in parts:
+        assert str(p) in msg, f"{p!r} not in {msg!r}"
+
+
+def run_with_timeout(fn, timeout=20.0, unblock=None):
+    """Runs ``fn`` in a thread; returns its exception (or None). A hang fails the test."""
+    out: dict = {}
+
+    def body():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if unblock:
+            unblock()
+        t.join(5)
+        pytest.fail(f"{fn} did not return within {timeout}s (it hangs)")
+    return out.get("error")
+
+
+@pytest.fixture()
+def target_copy(tmp_path):
+    return copy_folder(TARGET_DIR, tmp_path / "target")
+
+
+VALID_F32 = {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
+
+
+# ----------------------------------------------------------------------------- safetensors headers
+
+
+def test_header_shape_of_2_pow_64(tmp_path):
+    path = raw_safetensors(tmp_path / "m.safetensors",
+                           {"w": {"dtype": "F32", "shape": [2**64], "data_offsets": [0, 4]}}, b"\0" * 4)
+    with pytest.raises(CheckpointError, match="inconsistent data offsets") as info:
+        SafetensorsFile(path)
+    assert_names(info.value, path, "'w'")
+
+
+@pytest.mark.parametrize("shape, what", [
+    ([-1, 6], "non-negative"), ([2.0, 3], "integers"), (["2", 3], "integers"), ([True, 6], "integers"),
+    ("6", "shape"), (None, "shape"),
+])
+def test_header_bad_shapes(tmp_path, shape, what):
+    path = raw_safetensors(tmp_path / "m.safetensors",
+                           {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 24]}}, b"\0" * 24)
+    with pytest.raises(CheckpointError, match=what) as info:
+        SafetensorsFile(path)
+    assert_names(info.value, path, "'w'")
+
+
+def test_header_overlapping_offsets(tmp_path):
+    # two 24-byte tensors sharing bytes [12, 24): accepted (and silently aliased) before
+    header = {"a": VALID_F32, "b": {"dtype": "F32", "shape": [2, 3], "data_offsets": [12, 36]}}
+    path = raw_safetensors(tmp_path / "m.safetensors", header, b"\0" * 36)
+    with pytest.raises(CheckpointError, match="overlap") as info:
+        SafetensorsFile(path)
+    assert_names(info.value, path, "'a'", "'b'")
+    # identical ranges overlap too; empty tensors overlap nothing
+    header = {"a": VALID_F32, "b": VALID_F32, "e": {"dtype": "F32", "shape": [0], "data_offsets": [12, 12]}}
+    with pytest.raises(CheckpointError, match="overlap"):
+        SafetensorsFile(raw_safetensors(tmp_path / "m2.safetensors", header, b"\0" * 24))
+    header = {"a": VALID_F32, "e": {"dtype": "F32", "shape": [0], "data_offsets": [12, 12]}}
+    f = SafetensorsFile(raw_safetensors(tmp_path / "m3.safetensors", header, b"\0" * 24))
+    assert f.get("e").shape == (0,) and f.get("a").shape == (2, 3)
+
+
+@pytest.mark.parametrize("offsets, pattern", [
+    ([-24, 0], "inconsistent"), ([24, 48], "truncated"), ([0, 24, 48], "data_offsets"),
+    ([0.0, 24], "data_offsets"), ([2**70, 2**70 + 24], "truncated"),
+])
+def test_header_offsets_outside_the_data(tmp_path, offsets, pattern):
+    path = raw_safetensors(tmp_path / "m.safetensors",
+                           {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": offsets}}, b"\0" * 24)
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        SafetensorsFile(path)
+    assert_names(info.value, path, "'w'")
+
+
+@pytest.mark.parametrize("header", [
+    {"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}},
+    {"w": [1, 2]},
+    {"__metadata__": [1], "w": VALID_F32},
+    [1, 2],
+])
+def test_header_malformed_entries(tmp_path, header):
+    path = raw_safetensors(tmp_path / "m.safetensors", header, b"\0" * 24)
+    with pytest.raises(CheckpointError, match="malformed") as info:
+        SafetensorsFile(path)
+    assert_names(info.value, path)
+
+
+def test_header_nested_too_deeply(tmp_path):
+    path = tmp_path / "m.safetensors"
+    blob = b"[" * 100_000 + b"]" * 100_000
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    with pytest.raises(CheckpointError, match="header") as info:
+        SafetensorsFile(path)
+    assert_names(info.value, path)
+
+
+def test_int32_header_on_a_float_parameter(target_copy):
+    key = "model.layers.1.mlp.up_proj.weight"
+    # same bytes, relabelled I32: silently reinterpreted as huge floats before
+    rewrite_tensors(target_copy, lambda t: t.update({key: t[key].view(np.int32)}))
+    with pytest.raises(CheckpointError, match="stored as I32.*floating") as info:
+        load_target(target_copy)
+    assert_names(info.value, os.path.join(target_copy, "model.safetensors"), key)
+
+
+def test_int32_first_tensor_does_not_make_the_model_int32(target_copy):
+    key = "model.embed_tokens.weight"
+
+    def first_int(t):
+        emb = t.pop(key)
+        return {key: emb.astype(np.int32), **t}
+
+    rewrite_tensors(target_copy, first_int)
+    assert next(iter(SafetensorsFile(os.path.join(target_copy, "model.safetensors")).keys())) == key
+    assert WeightFiles(target_copy).dtype() == np.float32  # was int32: the first tensor's dtype
+    with pytest.raises(CheckpointError, match="stored as I32") as info:
+        load_target(target_copy)
+    assert_names(info.value, "model.safetensors", key)
+    # a checkpoint without any float tensor has no model dtype at all
+    rewrite_tensors(target_copy, lambda t: {k: v.astype(np.int32) for k, v in t.items()})
+    with pytest.raises(CheckpointError, match="no floating-point tensor"):
+        load_target(target_copy)
+
+
+def test_config_dtype_and_header_dtype(target_copy):
+    # the header wins for storage: a config declaring bfloat16 over float32 tensors loads as float32
+    edit_config(target_copy, lambda c: c.update(dtype="bfloat16", torch_dtype="bfloat16"))
+    model = load_target(target_copy)
+    assert model.embed_tokens.embedding.get_value().dtype == np.float32
+    # a declared non-float dtype is an error naming the key
+    edit_config(target_copy, lambda c: c.update(torch_dtype="int8"))
+    with pytest.raises(ConfigError, match="torch_dtype.*int8") as info:
+        load_target(target_copy)
+    assert_names(info.value, "config.json")
+    edit_config(target_copy, lambda c: c.update(torch_dtype=None, dtype=32))
+    with pytest.raises(ConfigError, match="'dtype'"):
+        load_target(target_copy)
+
+
+def test_mixed_float_dtypes_load_losslessly(target_copy):
+    norm = "model.norm.weight"
+    original = read_tensors(target_copy)
+    rewrite_tensors(target_copy, lambda t: {k: (v if k == norm else v.astype(np.float16)) for k, v in t.items()})
+    assert SafetensorsFile(os.path.join(target_copy, "model.safetensors")).dtype(norm) == np.float32
+    # float16 + float32: the model dtype is the one holding every value exactly
+    assert WeightFiles(target_copy).dtype() == np.float32
+    model = load_target(target_copy)
+    got = np.asarray(model.norm.weight.get_value())
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, original[norm])
+    # one float dtype throughout: that dtype
+    rewrite_tensors(target_copy, lambda t: {k: v.astype(np.float16) for k, v in t.items()})
+    assert WeightFiles(target_copy).dtype() == np.float16
+
+
+# ----------------------------------------------------------------------------- sharded index files
+
+
+def _shard(folder, tmp_path, weight_map_edit):
+    """Splits the fixture target into two shards with an index, then edits the weight_map."""
+    tensors = read_tensors(folder)
+    os.remove(os.path.join(folder, "model.safetensors"))
+    keys = list(tensors)
+    half = len(keys) // 2
+    wm = {}
+    for name, part in (("model-00001-of-00002.safetensors", keys[:half]),
+                       ("model-00002-of-00002.safetensors", keys[half:])):
+        write_safetensors(os.path.join(folder, name), {k: tensors[k] for k in part})
+        wm.update(dict.fromkeys(part, name))
+    weight_map_edit(wm, keys)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    return index
+
+
+def test_sharded_index_loads(target_copy, tmp_path):
+    _shard(target_copy, tmp_path, lambda wm, keys: None)
+    model = load_target(target_copy)
+    want = read_tensors(TARGET_DIR)["model.norm.weight"]
+    np.testing.assert_array_equal(np.asarray(model.norm.weight.get_value()), want)
+
+
+@pytest.mark.parametrize("value, pattern", [
+    (7, "must be a file name"), (None, "must be a file name"), ("", "must be a file name"),
+    ("ABS", "absolute path"), ("../outside.safetensors", "outside"), ("sub/../../outside.safetensors", "outside"),
+])
+def test_sharded_index_bad_weight_map_values(target_copy, tmp_path, value, pattern):
+    # a valid shard outside the folder: the traversal would load it without complaint before
+    outside = os.path.join(tmp_path, "outside.safetensors")
+    write_safetensors(outside, {"model.norm.weight": read_tensors(TARGET_DIR)["model.norm.weight"]})
+    value = outside if value == "ABS" else value
+    key = "model.norm.weight"
+    index = _shard(target_copy, tmp_path, lambda wm, keys: wm.update({key: value}))
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        load_target(target_copy)
+    assert_names(info.value, index, key)
+
+
+def test_sharded_index_weight_map_not_an_object(target_copy, tmp_path):
+    index = _shard(target_copy, tmp_path, lambda wm, keys: None)
+    with open(index, "w") as f:
+        json.dump({"weight_map": ["model-00001-of-00002.safetensors"]}, f)
+    with pytest.raises(CheckpointError, match="weight_map") as info:
+        load_target(target_copy)
+    assert_names(info.value, index)
+    with open(index, "w") as f:
+        json.dump({"weight_map": {}}, f)
+    with pytest.raises(CheckpointError, match="'weight_map' is empty") as info:
+        load_target(target_copy)
+    assert_names(info.value, index)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_sharded_index_symlinked_shards_load(target_copy, tmp_path):
+    # the Hugging Face hub cache stores each file of a snapshot as a link into ../../blobs
+    _shard(target_copy, tmp_path, lambda wm, keys: None)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        os.replace(os.path.join(target_copy, name), blobs / name)
+        os.symlink(os.path.relpath(blobs / name, target_copy), os.path.join(target_copy, name))
+    model = load_target(target_copy)
+    np.testing.assert_array_equal(np.asarray(model.norm.weight.get_value()),
+                                  read_tensors(TARGET_DIR)["model.norm.weight"])
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_config_nested_too_deeply(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match="nested too deeply") as info:
+        Qwen3Config.from_hf_config(path)
+    assert_names(info.value, path)
+    with pytest.raises(CheckpointError):  # the caller's error class is kept
+        read_json(path, CheckpointError)
+
+
+@pytest.mark.parametrize("value", ["full_attention", 6, {"0": "full_attention"}, [None] * 6, [["full_attention"]] * 6])
+def test_config_layer_types_of_the_wrong_type(target_copy, value):
+    edit_config(target_copy, lambda c: c.update(layer_types=value))
+    with pytest.raises(ConfigError, match="layer_types") as info:
+        load_target(target_copy)
+    assert_names(info.value, "config.json")
+
+
+@pytest.mark.parametrize("key", ["rope_theta", "rms_norm_eps", "rope_parameters.rope_theta"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 10**400], ids=["nan", "inf", "-inf", "10**400"])
+def test_config_non_finite_floats(target_copy, key, value):
+    def edit(c):
+        if key == "rope_parameters.rope_theta":
+            c["rope_parameters"]["rope_theta"] = value
+        else:
+            if key == "rope_theta":
+                c.pop("rope_parameters")
+            c[key] = value
+
+    edit_config(target_copy, edit)
+    with pytest.raises(ConfigError, match=key.split(".")[-1]) as info:
+        load_target(target_copy)
+    assert_names(info.value, "config.json")
+    assert "finite" in str(info.value) or "too large" in str(info.value)
+
+
+@pytest.mark.parametrize("key, value", [("rope_theta", 0.0), ("rms_norm_eps", -1e-6)])
+def test_config_non_positive_floats(target_copy, key, value):
+    edit_config(target_copy, lambda c: (c.pop("rope_parameters"), c.update({key: value})))
+    with pytest.raises(ConfigError, match=f"{key}.*positive"):
+        load_target(target_copy)
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda c: (c.pop("model_type"), c.update(architectures=["Qwen3MoeForCausalLM"])), "architectures.*Qwen3Moe"),
+    (lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]), "architectures"),
+    (lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
+    (lambda c: c.update(architectures="Qwen3ForCausalLM"), "architectures"),
+    (lambda c: c.update(num_experts=8, moe_intermediate_size=64), "num_experts.*mixture-of-experts"),
+])
+def test_config_moe_and_other_architectures(target_copy, edit, pattern):
+    edit_config(target_copy, edit)
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_target(target_copy)
+    assert_names(info.value, "config.json")
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, {"load_in_8bit": True}, "fp8"])
+def test_config_quantization_config_refused(target_copy, quant):
+    edit_config(target_copy, lambda c: c.update(quantization_config=quant))
+    with pytest.raises(ConfigError, match="quantization_config") as info:
+        load_target(target_copy)
+    assert_names(info.value, "config.json")
+
+
+@pytest.mark.parametrize("block, pattern", [(10**9, "block_size.*1024"), (1025, "block_size"),
+                                             (2**40, "below 2\\*\\*31")])
+def test_drafter_block_size_bounded(tmp_path, block, pattern):
+    folder = copy_folder(DRAFTER_DIR, tmp_path / "drafter")
+    edit_config(folder, lambda c: c.update(block_size=block))
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_drafter(folder)
+    assert_names(info.value, os.path.join(folder, "config.json"))
+
+
+def test_drafter_block_size_within_max_positions():
+    base = json.load(open(os.path.join(DRAFTER_DIR, "config.json")))
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        DrafterConfig.from_hf_config({**base, "max_position_embeddings": 8}, source="d.json")
+    assert DrafterConfig.from_hf_config({**base, "block_size": 1024}).block_size == 1024
+
+
+# ----------------------------------------------------------------------------- non-regular files
+
+
+def _fifo_case(folder, name):
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+        os.remove(path)
+    os.mkfifo(path)
+
+    def unblock():  # a reader blocked in open() returns once a writer appears
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+    return path, unblock
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "model.safetensors.index.json", "shard"])
+def test_fifo_is_refused_not_hung(target_copy, tmp_path, name):
+    if name == "shard":
+        _shard(target_copy, tmp_path, lambda wm, keys: None)
+        name = "model-00002-of-00002.safetensors"
+    elif name == "model.safetensors.index.json":
+        os.remove(os.path.join(target_copy, "model.safetensors"))
+    path, unblock = _fifo_case(target_copy, name)
+    err = run_with_timeout(lambda: load_target(target_copy), unblock=unblock)
+    assert isinstance(err, (CheckpointError, ConfigError)), repr(err)
+    assert_names(err, path, "FIFO")
+
+
+def test_folder_named_like_a_weights_file(target_copy):
+    path = os.path.join(target_copy, "model.safetensors")
+    os.remove(path)
+    os.mkdir(path)
+    with pytest.raises(CheckpointError, match="is a folder; expected a regular file") as info:
+        load_target(target_copy)
+    assert_names(info.value, path)
+
+
+# ----------------------------------------------------------------------------- load_drafter(target=)
+
+
+@pytest.mark.parametrize("target", ["target", {"config": None}, 3])
+def test_load_drafter_target_not_a_model(target):
+    with pytest.raises(ArgumentError, match="target") as info:
+        load_drafter(DRAFTER_DIR, target=target)
+    assert_names(info.value, "target", type(target).__name__)
+
+
+def test_load_drafter_target_is_a_drafter(fixture_target):
+    drafter = load_drafter(DRAFTER_DIR, target=fixture_target)
+    with pytest.raises(ArgumentError, match="target.*Drafter"):
+        load_drafter(DRAFTER_DIR, target=drafter)
+
+
+# ----------------------------------------------------------------------------- non-finite weights
+
+
+@pytest.mark.parametrize("bad, kind", [(np.nan, "NaN"), (np.inf, "Inf"), (-np.inf, "Inf")])
+@pytest.mark.parametrize("stored", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_non_finite_weights(target_copy, bad, kind, stored):
+    key = "model.layers.3.self_attn.v_proj.weight"
+
+    def poison(t):
+        t = {k: v.astype(stored) for k, v in t.items()}
+        t[key] = t[key].copy()
+        t[key][5, 7] = bad
+        return t
+
+    rewrite_tensors(target_copy, poison)
+    with pytest.raises(CheckpointError, match=f"non-finite.*{kind}.*1 of .*\\[5, 7\\]") as info:
+        load_target(target_copy)
+    assert_names(info.value, os.path.join(target_copy, "model.safetensors"), key)
+
+
+def test_overflow_when_converting_is_non_finite(target_copy):
+    key = "model.layers.0.mlp.down_proj.weight"
+    rewrite_tensors(target_copy, lambda t: t[key].__setitem__((1, 2), 1e6))  # beyond float16's 65504
+    model = load_target(target_copy, dtype="float32")  # fine in float32
+    assert float(np.asarray(model.layers[0].mlp.down_proj.kernel.get_value())[2, 1]) == 1e6
+    with pytest.raises(CheckpointError, match="overflows.*float16") as info:
+        load_target(target_copy, dtype="float16")
+    assert_names(info.value, "model.safetensors", key)
+
+
+def test_non_finite_drafter_weights(tmp_path, fixture_target):
+    folder = copy_folder(DRAFTER_DIR, tmp_path / "drafter")
+    key = "fc.weight"
+    rewrite_tensors(folder, lambda t: t[key].__setitem__((0, 0), np.nan))
+    with pytest.raises(CheckpointError, match="non-finite") as info:
+        load_drafter(folder, target=fixture_target)
+    assert_names(info.value, os.path.join(folder, "model.safetensors"), key)
+
+
+def test_all_errors_are_value_errors_too():
+    # generic handlers written against the built-in classes keep working
+    for cls in (CheckpointError, ConfigError, ArgumentError):
+        assert issubclass(cls, sparkjax.SparkjaxError) and issubclass(cls, ValueError)
