@@ -9,7 +9,7 @@ pieces live in ``sparkjax.nn``, ``sparkjax.cache``,
 from . import demo
 from .config import DrafterConfig, Qwen3Config
 from .convert import load_drafter, load_target, save_drafter, save_target
-from .decode import METHODS, GenerateOutput, generate, stream
+from .decode import METHODS, GenerateOutput, NumericalError, generate, stream
 from .errors import ArgumentError, CheckpointError, ConfigError, IncompatiblePairError, SparkjaxError
 
 __version__ = "0.1.0"
@@ -22,6 +22,7 @@ __all__ = [
     "DrafterConfig",
     "GenerateOutput",
     "IncompatiblePairError",
+    "NumericalError",
     "Qwen3Config",
     "SparkjaxError",
     "demo",

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .errors import ArgumentError, IncompatiblePairError
+from .errors import ArgumentError, IncompatiblePairError, SparkjaxError
 from .sampling import pick
 
 Array = jax.Array
@@ -50,9 +50,88 @@ class Prompts:
         return self.tokens.shape[0]
 
 
+# ============================================================================= argument checks
+
+MAX_SEED = 2**63  # seeds are Python / numpy ints in [0, MAX_SEED)
+MIN_TEMPERATURE = 1e-6  # a positive temperature below this overflows logits / T in float32
+MAX_TEMPERATURE = 1e4  # above this every distribution is uniform to float32 precision
+MAX_SLOTS = 2**30  # cache slots, prompt width and output capacity are int32 positions on device
+
+
+def _is_int(x: Any) -> bool:
+    """An int or numpy integer, not a bool (True is not a count)."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def _describe(x: Any) -> str:
+    """``type value`` for a short plain value, the type alone for anything else (a model, an array)."""
+    if not isinstance(x, int | float | complex | str | bytes | list | tuple | np.generic | type(None)):
+        shape = getattr(x, "shape", None)
+        return type(x).__name__ + (f" of shape {list(shape)}" if shape is not None else "")
+    try:
+        r = repr(x)
+    except Exception:  # noqa: BLE001 - an object whose repr fails
+        return type(x).__name__
+    if len(r) > 60:
+        r = r[:57] + "..."
+    return f"{type(x).__name__} {r}"
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None, unit: str = "") -> int:
+    """``value`` as an int; ArgumentError naming ``name`` for another type (a bool, a float, a string)
+    or a value outside ``[minimum, maximum]``."""
+    if not _is_int(value):
+        what = f"an integer{' ' + unit if unit else ''}"
+        raise ArgumentError(f"{name}: expected {what}, got {_describe(value)} (a type problem, not a size)")
+    v = int(value)
+    if v < minimum:
+        raise ArgumentError(f"{name}: must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ArgumentError(f"{name}: must be <= {maximum}, got {v}")
+    return v
+
+
+def check_seed(seed: Any) -> int:
+    """A seed is an int (Python or numpy, not a bool) in ``[0, 2**63)``."""
+    if not _is_int(seed):
+        raise ArgumentError(f"seed: expected an integer in [0, 2**63), got {_describe(seed)}")
+    s = int(seed)
+    if not 0 <= s < MAX_SEED:
+        raise ArgumentError(f"seed: {s} is outside [0, 2**63)")
+    return s
+
+
+def _key(seed: int) -> Array:
+    """The PRNG key of a checked seed. Seeds below 2**32 give ``jax.random.key(seed)``; larger ones fold
+    in their high 32 bits (``jax.random.key`` alone would wrap them onto small seeds without 64-bit mode)."""
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    key = jax.random.key(lo)
+    return key if hi == 0 else jax.random.fold_in(key, hi)
+
+
+def check_models(target: Any, drafter: Any) -> None:
+    """``target`` must be a Qwen3 model and ``drafter`` a Drafter (or None)."""
+    from .nn.drafter import Drafter
+    from .nn.qwen3 import Qwen3
+
+    if not isinstance(target, Qwen3):
+        hint = " (the drafter was passed as the target?)" if isinstance(target, Drafter) else ""
+        raise ArgumentError(
+            f"target: expected a sparkjax.nn.qwen3.Qwen3 model (sparkjax.load_target), got {_describe(target)}{hint}"
+        )
+    if drafter is not None and not isinstance(drafter, Drafter):
+        hint = " (the target was passed as the drafter?)" if isinstance(drafter, Qwen3) else ""
+        raise ArgumentError(
+            f"drafter: expected a sparkjax.nn.drafter.Drafter (sparkjax.load_drafter) or None, "
+            f"got {_describe(drafter)}{hint}"
+        )
+
+
 def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) -> Prompts:
     """Validates prompts (an int array ``[B, P]``, one list of ids, or a list of lists) and pads them
     to a power of two, or to ``width`` when given (so that runs of different prompts share a program)."""
+    if width is not None:
+        width = check_int("prompt_width", width, maximum=MAX_SLOTS, unit="number of prompt slots (or None)")
     if isinstance(prompt_ids, np.ndarray | jax.Array):
         arr = np.asarray(prompt_ids)
         if arr.ndim == 1:
@@ -60,42 +139,75 @@ def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) 
         if arr.ndim != 2:
             raise ArgumentError(f"prompt_ids: expected shape [B, P], got {list(arr.shape)}")
         rows = list(arr)
+    elif isinstance(prompt_ids, str | bytes) or _is_int(prompt_ids) or not hasattr(prompt_ids, "__iter__"):
+        raise ArgumentError(
+            f"prompt_ids: expected token ids (an int array [B, P], a list of ids or a list of lists), "
+            f"got {_describe(prompt_ids)}"
+        )
     else:
         rows = list(prompt_ids)
-        if rows and all(isinstance(x, int | np.integer) for x in rows):
+        if rows and all(_is_int(x) for x in rows):
             rows = [rows]
     if not rows:
         raise ArgumentError("prompt_ids: empty batch")
     seqs = []
     for b, row in enumerate(rows):
-        r = np.asarray(row)
+        if isinstance(row, str | bytes):
+            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got {_describe(row)}")
+        try:
+            r = np.asarray(row)
+        except (TypeError, ValueError, OverflowError):
+            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids") from None
         if r.size == 0:
             raise ArgumentError(f"prompt_ids[{b}]: empty prompt")
         if r.ndim != 1 or not np.issubdtype(r.dtype, np.integer):
-            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids")
+            raise ArgumentError(
+                f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got shape {list(r.shape)} "
+                f"of {r.dtype}"
+            )
         if r.min() < 0 or r.max() >= vocab_size:
             raise ArgumentError(f"prompt_ids[{b}]: token id outside [0, {vocab_size}) (vocab of the target)")
         seqs.append(r.astype(np.int32))
     lengths = np.array([len(s) for s in seqs], np.int32)
-    if width is not None and (not isinstance(width, int | np.integer) or width < lengths.max()):
-        raise ArgumentError(f"prompt_width: {width!r} is shorter than the longest prompt ({lengths.max()} tokens)")
-    tokens = np.zeros((len(seqs), bucket(lengths.max()) if width is None else int(width)), np.int32)
+    if width is not None and width < lengths.max():
+        raise ArgumentError(f"prompt_width: {width} is shorter than the longest prompt ({lengths.max()} tokens)")
+    tokens = np.zeros((len(seqs), bucket(lengths.max()) if width is None else width), np.int32)
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = s
     return Prompts(tokens, lengths)
 
 
 def eos_array(eos_token_ids: int | Sequence[int] | None, vocab_size: int) -> np.ndarray:
-    """EOS ids as an int32 array (``-1`` when there is none, which never matches)."""
+    """EOS ids as an int32 array (``-1`` when there is none, which never matches).
+
+    ``eos_token_ids`` is None, one int, or a flat sequence / integer array of ints (not a string,
+    and no None, float or bool entries)."""
+    name = "eos_token_ids"
     if eos_token_ids is None:
         ids: list[int] = []
-    elif isinstance(eos_token_ids, int | np.integer):
+    elif _is_int(eos_token_ids):
         ids = [int(eos_token_ids)]
+    elif isinstance(eos_token_ids, str | bytes):
+        raise ArgumentError(
+            f"{name}: expected an int or a sequence of ints, got a string {eos_token_ids!r} "
+            f"(a string is not a list of ids; pass [105], not '105')"
+        )
+    elif isinstance(eos_token_ids, np.ndarray | jax.Array):
+        arr = np.asarray(eos_token_ids)
+        if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ArgumentError(f"{name}: expected a flat integer array, got shape {list(arr.shape)} of {arr.dtype}")
+        ids = [int(i) for i in arr.reshape(-1)]
     else:
-        ids = [int(i) for i in eos_token_ids]
+        if not hasattr(eos_token_ids, "__iter__"):
+            raise ArgumentError(f"{name}: expected an int or a sequence of ints, got {_describe(eos_token_ids)}")
+        ids = []
+        for j, x in enumerate(eos_token_ids):
+            if not _is_int(x):
+                raise ArgumentError(f"{name}[{j}]: expected an integer token id, got {_describe(x)}")
+            ids.append(int(x))
     for i in ids:
         if not 0 <= i < vocab_size:
-            raise ArgumentError(f"eos_token_ids: {i} is outside [0, {vocab_size})")
+            raise ArgumentError(f"{name}: {i} is outside [0, {vocab_size})")
     return np.array(ids or [-1], np.int32)
 
 
@@ -106,9 +218,11 @@ def check_lengths(
 
     ``extra`` is the scratch room a round needs past the committed tokens (a verify window).
     """
-    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
-        raise ArgumentError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens)
+    if cache_size is not None:
+        cache_size = check_int("cache_size", cache_size, unit="number of cache slots (or None)")
     longest = int(prompts.lengths.max())
+    width = prompts.tokens.shape[1]
     if longest + max_new_tokens > max_positions:
         raise ArgumentError(
             f"max_new_tokens: prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the target's "
@@ -116,24 +230,45 @@ def check_lengths(
         )
     need = longest + max_new_tokens + extra
     if cache_size is None:
-        return max(bucket(need), prompts.tokens.shape[1])
-    if cache_size < prompts.tokens.shape[1] or cache_size < longest + 1:
+        size = max(bucket(need), width)
+        if size > MAX_SLOTS:
+            raise ArgumentError(
+                f"max_new_tokens: a cache of {size} slots is needed, more than {MAX_SLOTS} (int32 positions)"
+            )
+        return size
+    if cache_size > MAX_SLOTS:
+        raise ArgumentError(f"cache_size: {cache_size} slots exceed {MAX_SLOTS} (positions are int32 on device)")
+    if cache_size < longest + 1:
         raise ArgumentError(f"cache_size: the prompt ({longest} tokens) is longer than the cache ({cache_size} slots)")
+    if cache_size < width:
+        raise ArgumentError(
+            f"cache_size: {cache_size} slots cannot hold the prompt buffer, which is padded to {width} slots "
+            f"(the longest prompt has {longest} tokens); pass prompt_width (at least {longest}) to pad less, "
+            f"or a cache_size of at least {width}"
+        )
     if cache_size < need:
         raise ArgumentError(
             f"cache_size: {cache_size} slots cannot hold prompt {longest} + max_new_tokens {max_new_tokens}"
             + (f" + {extra} scratch rows" if extra else "")
         )
-    return int(cache_size)
+    return cache_size
 
 
 def check_temperature(temperature: float) -> float:
+    """0 (greedy) or a real number in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]`` (finite in float32)."""
+    if isinstance(temperature, bool | np.bool_) or not isinstance(temperature, int | float | np.integer | np.floating):
+        raise ArgumentError(f"temperature: expected a real number, got {_describe(temperature)}")
     try:
         t = float(temperature)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"temperature: expected a number, got {temperature!r}") from None
+    except OverflowError:
+        raise ArgumentError(f"temperature: {temperature!r} is not finite in float32") from None
     if not np.isfinite(t) or t < 0:
         raise ArgumentError(f"temperature: must be finite and >= 0, got {temperature!r}")
+    if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise ArgumentError(
+            f"temperature: {t!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (or 0 for greedy): "
+            "logits / temperature would overflow or underflow in float32"
+        )
     return t
 
 
@@ -157,25 +292,37 @@ def _ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key
     out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
     n = jnp.ones((b,), jnp.int32)
     done = jnp.isin(first, eos) | (n >= max_new)
+    bad = flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
 
     def cond(carry):
         return ~jnp.all(carry[3])
 
     def body(carry):
-        cache, out, n, done, key = carry
+        cache, out, n, done, key, bad = carry
         cur = jnp.take_along_axis(out, (n - 1)[:, None], axis=1)
         step = model(cur, cache.lengths[:, None], cache=cache)
         cache = step.cache.with_lengths(cache.lengths + (~done).astype(jnp.int32))
         key, sub = jax.random.split(key)
         nxt = pick(step.logits[:, 0], temperature, sub)
+        bad = flag_nonfinite(bad, step.logits, ~done, n)  # step n makes token n + 1
         write = jnp.where(done, buf_len, n)  # out of range -> dropped
         out = out.at[jnp.arange(b), write].set(nxt, mode="drop")
         n = n + (~done).astype(jnp.int32)
         done = done | jnp.isin(nxt, eos) | (n >= max_new)
-        return cache, out, n, done, key
+        return cache, out, n, done, key, bad
 
-    _, out, n, _, _ = jax.lax.while_loop(cond, body, (cache, out, n, done, key))
-    return out, n
+    _, out, n, _, _, bad = jax.lax.while_loop(cond, body, (cache, out, n, done, key, bad))
+    return out, n, bad
+
+
+def flag_nonfinite(flags: Array, logits: Array, active: Array, round_index: Array) -> Array:
+    """Records, per sequence, the first round whose target logits hold a NaN or an Inf.
+
+    ``flags`` ``[B]`` int32 is -1 while every logit so far was finite; ``logits`` is ``[B, ..., V]``;
+    only ``active`` sequences are checked. One reduction, no host sync.
+    """
+    finite = jnp.isfinite(logits).reshape(logits.shape[0], -1).all(axis=1)
+    return jnp.where((flags < 0) & active & ~finite, round_index, flags)
 
 
 # ============================================================================= speculative decoding
@@ -215,7 +362,8 @@ class SpecState:
     The target has processed every committed token but the last one, ``x_start``, which sits at
     index ``start = cache.lengths`` (and the drafter context holds positions ``< start``).
     ``out`` holds the generated tokens (``n`` of them), ``accept_lens[b, r]`` the tokens round r
-    committed (accepted drafts + 1), ``depth_hits[b, d]`` how many rounds accepted depth d + 1.
+    committed (accepted drafts + 1), ``depth_hits[b, d]`` how many rounds accepted depth d + 1,
+    ``nonfinite[b]`` the first round whose target logits were not finite (-1 while all were).
     """
 
     cache: Any
@@ -228,6 +376,7 @@ class SpecState:
     accept_lens: Array
     rounds: Array
     depth_hits: Array
+    nonfinite: Array  # [B] int32: first round with non-finite target logits (0 = prefill), -1 if none
 
 
 @jax.tree_util.register_dataclass
@@ -351,6 +500,7 @@ def stage_commit(drafter, state: SpecState, prop: Proposal, verified, plan: Plan
         cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,
         key=state.key, accept_lens=accept_lens, rounds=state.rounds + active.astype(jnp.int32),
         depth_hits=state.depth_hits + hits.astype(jnp.int32),
+        nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1),
     )
 
 
@@ -381,6 +531,8 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
         cache=cache, ctx=ctx, x_start=first, out=out, n=n, done=done, key=key,
         accept_lens=jnp.zeros((b, buf_len), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
+        nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
+                                 jnp.zeros((b,), jnp.int32)),
     )
 
 
@@ -396,7 +548,7 @@ def _spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature,
         lambda s: spec_round(target, drafter, s, plan, max_new, eos, temperature),
         state,
     )
-    return state.out, state.n, state.accept_lens, state.rounds, state.depth_hits
+    return state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -436,19 +588,47 @@ class GenerateOutput:
 
 
 def _check_drafter(target, drafter, method: str):
+    """The drafter fits the target (the same pair check as ``load_drafter(target=)``) and the method."""
+    from .config import validate_pair
+    from .convert import source_of
+
     if drafter is None:
         raise ArgumentError(f"drafter: method {method!r} needs a drafter (use method='ar' without one)")
     dc, tc = drafter.config, target.config
+    d_src, t_src = source_of(drafter), source_of(target)
+    d_src = f"{d_src}/config.json" if d_src else "<drafter model>"
+    t_src = f"{t_src}/config.json" if t_src else "<target model>"
     if dc.vocab_size != tc.vocab_size or dc.hidden_size != tc.hidden_size:
         raise IncompatiblePairError(
-            f"drafter: vocab/hidden {dc.vocab_size}/{dc.hidden_size} do not match the target's "
-            f"{tc.vocab_size}/{tc.hidden_size}"
+            f"drafter {d_src} does not fit target {t_src}: vocab/hidden {dc.vocab_size}/{dc.hidden_size} do not "
+            f"match the target's {tc.vocab_size}/{tc.hidden_size}"
         )
+    validate_pair(dc, tc, drafter_source=d_src, target_source=t_src)
     if method in MARKOV_METHODS and not dc.has_markov:
         raise ArgumentError(
             f"method: {method!r} needs a drafter with a Markov head; this {dc.kind} drafter has none "
             "(use 'dflash' or 'ddtree')"
         )
+
+
+def _check_widths(widths: Any) -> tuple[int, ...]:
+    if isinstance(widths, np.ndarray | jax.Array):
+        arr = np.asarray(widths)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ArgumentError(f"widths: expected a flat sequence of ints, got shape {list(arr.shape)} of {arr.dtype}")
+        items = arr.tolist()
+    elif isinstance(widths, list | tuple):
+        items = list(widths)
+    else:
+        raise ArgumentError(f"widths: expected a list or tuple of ints (one per depth), got {_describe(widths)}")
+    out = []
+    for i, x in enumerate(items):
+        if not _is_int(x):
+            raise ArgumentError(f"widths[{i}]: expected an integer, got {_describe(x)}")
+        if x < 0:
+            raise ArgumentError(f"widths[{i}]: must be >= 0, got {int(x)}")
+        out.append(int(x))
+    return tuple(out)
 
 
 def make_plan(target, drafter, method: str, budget: int | None, top_c: int | None,
@@ -465,39 +645,157 @@ def make_plan(target, drafter, method: str, budget: int | None, top_c: int | Non
             if value is not None:
                 raise ArgumentError(f"{name}: chain method {method!r} drafts one node per depth; {name} does not apply")
         return Plan(method, depth, depth, sampling=sampling, layer_ids=layer_ids)
-    if normalization not in ("exact", "fast"):
-        raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {normalization!r}")
-    budget = 64 if budget is None else budget
-    if not isinstance(budget, int | np.integer) or isinstance(budget, bool) or budget < 1:
-        raise ArgumentError(f"budget: must be a positive integer, got {budget!r}")
+    if not isinstance(normalization, str) or normalization not in ("exact", "fast"):
+        raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {_describe(normalization)}")
+    budget = 64 if budget is None else check_int("budget", budget, unit="number of tree nodes")
     v = target.config.vocab_size
-    top_c = min(v, max(int(budget), 32)) if top_c is None else top_c
-    if not isinstance(top_c, int | np.integer) or top_c < 1:
-        raise ArgumentError(f"top_c: must be a positive integer, got {top_c!r}")
-    c = min(int(top_c), v)
+    top_c = min(v, max(budget, 32)) if top_c is None else check_int("top_c", top_c)
+    c = min(top_c, v)
     reachable = sum(c**k for k in range(1, depth + 1))
     if budget > reachable:
         raise ArgumentError(
             f"budget: {budget} nodes exceed the reachable tree size {reachable} (top_c={c}, depth={depth})"
         )
+    if budget > MAX_SLOTS:
+        raise ArgumentError(f"budget: {budget} nodes exceed {MAX_SLOTS} (node indices are int32 on device)")
     w = None
     if method == "sparklingtree-beam":
-        w = tree.even_widths(int(budget), depth) if widths is None else tuple(int(x) for x in widths)
+        w = tree.even_widths(budget, depth) if widths is None else _check_widths(widths)
         if len(w) != depth or sum(w) != budget:
             raise ArgumentError(f"widths: need {depth} per-depth widths summing to budget={budget}, got {w}")
         if any(x > c ** (i + 1) for i, x in enumerate(w)):
             raise ArgumentError(f"widths: {w} asks for more nodes at some depth than top_c={c} allows")
+        first_zero = w.index(0) if 0 in w else depth
+        if any(w[first_zero:]):
+            raise ArgumentError(f"widths: zeros may only come at the end (deepest depths), got {w}")
     elif widths is not None:
         raise ArgumentError(f"widths: only 'sparklingtree-beam' takes a width profile, not {method!r}")
-    return Plan(method, depth, int(budget), c, w, normalization, sampling, layer_ids)
+    return Plan(method, depth, budget, c, w, normalization, sampling, layer_ids)
+
+
+# ----------------------------------------------------------------------------- memory estimate
+
+
+def _itemsize(model) -> int:
+    try:
+        return int(np.dtype(model.dtype).itemsize)
+    except (AttributeError, TypeError):
+        return 4
+
+
+def estimate_memory(target, drafter, plan: Plan | None, batch: int, prompt_width: int, cache_size: int,
+                    buf_len: int) -> dict[str, int]:
+    """A rough count of the bytes a generation holds on device, by what they grow with.
+
+    ``cache``: the target's KV cache ``[layers, 2, B, S, K, H]`` and the drafter's context;
+    ``verify``: a round's tree arrays (candidates, tables, the ``[B, M + 1, M + 1]`` ancestor mask),
+    the visibility mask ``[B, M + 1, S]``, one layer's attention scores and probabilities
+    ``[B, heads, M + 1, S]`` float32, the MLP activations and the logits ``[B, M + 1, V]`` float32;
+    ``prefill``: the same for the ``P`` prompt rows; ``output``: the output buffers ``[B, capacity]``.
+    The model weights are not counted (they are already resident).
+    """
+    tc = target.config
+    b, s, p = batch, cache_size, prompt_width
+    it = _itemsize(target)
+    ffn = max(tc.intermediate_size, tc.hidden_size)
+
+    def forward(t: int, hidden_feats: int) -> int:
+        mask = b * t * s
+        scores = 2 * b * tc.num_attention_heads * t * s * 4
+        acts = b * t * (3 * ffn + 4 * tc.hidden_size) * 4
+        return mask + scores + acts + b * t * hidden_feats * 4
+
+    cache = tc.num_hidden_layers * 2 * b * s * tc.num_key_value_heads * tc.head_dim * it
+    out = {"cache": cache, "output": 2 * b * buf_len * 4, "prefill": forward(p, 0) + b * tc.vocab_size * 4,
+           "verify": 0}
+    if plan is None:
+        out["verify"] = forward(1, 0) + b * tc.vocab_size * 4
+        return out
+    dc = drafter.config
+    out["cache"] += dc.num_hidden_layers * 2 * b * s * dc.num_key_value_heads * dc.head_dim * _itemsize(drafter)
+    feats = len(plan.layer_ids) * tc.hidden_size
+    out["prefill"] += b * p * feats * 4
+    t = plan.nodes + 1
+    d, c, v = plan.depth, max(plan.top_c, 1), tc.vocab_size
+    tree_arrays = b * d * v * 4 * 2 + b * d * c * c * 4 * 2 + b * t * t + b * t * 16
+    out["verify"] = tree_arrays + forward(t, feats) + b * t * v * 4 * 2
+    return out
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes the default device can still allocate, and how that was found."""
+    import os
+
+    dev = jax.devices()[0]
+    stats = None
+    try:
+        stats = dev.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return free, f"this {dev.platform} device has {_gib(free)} free of {_gib(int(stats['bytes_limit']))}"
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0, "unknown"
+    return int(total), f"this {dev.platform} host has {_gib(int(total))} of memory"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n < 2**40 else f"{n / 2**30:,.0f} GiB"
+
+
+def check_memory(target, drafter, plan: Plan | None, prompts: Prompts, size: int, buf_len: int, *,
+                 cache_size: Any, capacity: Any, prompt_width: Any) -> None:
+    """Refuses a run whose estimated memory (:func:`estimate_memory`) exceeds what the device has,
+    naming the argument that makes it large and the figures."""
+    b, p = prompts.tokens.shape
+    est = estimate_memory(target, drafter, plan, b, p, size, buf_len)
+    total = sum(est.values())
+    limit, where = available_memory()
+    if limit <= 0 or total <= limit:
+        return
+    part = max(est, key=est.get)
+    if part == "verify" and plan is not None:
+        head = f"budget: a {plan.nodes}-node verify of {b} sequence(s) over a {size}-slot cache"
+    elif part == "verify":
+        head = f"prompt_ids: a decode step of {b} sequences over a {size}-slot cache"
+    elif part == "cache":
+        arg = "cache_size" if cache_size is not None else "max_new_tokens"
+        head = f"{arg}: a KV cache of {b} sequence(s) x {size} slots"
+    elif part == "output":
+        arg = "capacity" if capacity is not None else "max_new_tokens"
+        head = f"{arg}: an output buffer of {b} sequence(s) x {buf_len} tokens"
+    else:
+        arg = "prompt_width" if prompt_width is not None else "prompt_ids"
+        head = f"{arg}: a prefill of {b} sequence(s) x {p} prompt slots"
+    detail = ", ".join(f"{k} {_gib(v)}" for k, v in est.items())
+    raise ArgumentError(
+        f"{head} needs about {_gib(total)} of memory ({detail}); {where}. "
+        "Lower budget, max_new_tokens, cache_size or the batch"
+    )
 
 
 def _prepare(target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
              budget, top_c, widths, normalization, prompt_width=None):
-    if method not in METHODS:
-        raise ArgumentError(f"method: unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    """Validates a generation's arguments; returns (prompts, eos, temperature, plan, cache size)."""
+    return _validate(target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
+                     budget, top_c, widths, normalization, prompt_width)[:5]
+
+
+def _validate(target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
+              budget, top_c, widths, normalization, prompt_width=None, capacity=None, seed=0):
+    """Validates every argument of a generation; returns (prompts, eos, temperature, plan, size, buf_len, seed)."""
+    check_models(target, drafter)
+    if not isinstance(method, str) or method not in METHODS:
+        raise ArgumentError(f"method: unknown method {_describe(method)}; expected one of {', '.join(METHODS)}")
     if prompt_ids is None:
         raise ArgumentError("prompt_ids: required")
+    seed = check_seed(seed)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens)
+    if capacity is not None:
+        capacity = check_int("capacity", capacity, maximum=MAX_SLOTS, unit="number of output tokens (or None)")
     cfg = target.config
     prompts = prepare_prompts(prompt_ids, cfg.vocab_size, prompt_width)
     eos = eos_array(eos_token_ids, cfg.vocab_size)
@@ -512,7 +810,31 @@ def _prepare(target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids,
         plan = make_plan(target, drafter, method, budget, top_c, widths, normalization, temperature > 0)
         extra = plan.depth + plan.nodes + 2  # a round may overshoot by D and verifies M + 1 rows
     size = check_lengths(prompts, max_new_tokens, cfg.max_position_embeddings, cache_size, extra)
-    return prompts, eos, temperature, plan, size
+    buf_len = _buf_len(max_new_tokens, capacity, plan)
+    check_memory(target, drafter, plan, prompts, size, buf_len, cache_size=cache_size, capacity=capacity,
+                 prompt_width=prompt_width)
+    return prompts, eos, temperature, plan, size, buf_len, seed
+
+
+class NumericalError(SparkjaxError, FloatingPointError):
+    """The target produced non-finite logits (NaN or Inf) during a generation: its output is garbage."""
+
+
+def raise_if_nonfinite(nonfinite: Any) -> None:
+    """Raises :class:`NumericalError` if any entry of a run's ``nonfinite`` flags (``[B]`` int32: the first
+    round whose target logits were not finite, 0 for the prefill; -1 when all were finite) is set."""
+    flags = np.asarray(nonfinite).reshape(-1)
+    bad = np.flatnonzero(flags >= 0)
+    if bad.size == 0:
+        return
+    b = int(bad[np.argmin(flags[bad])])
+    r = int(flags[b])
+    where = "the prefill (round 0)" if r == 0 else f"round {r}"
+    raise NumericalError(
+        f"generate: the target's logits are not finite (NaN or Inf) in {where} of sequence {b} "
+        f"({bad.size} of {flags.size} sequence(s) affected); the generated tokens are garbage. "
+        "Check the target's weights for NaN/Inf or use a wider dtype (float32)"
+    )
 
 
 def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, stage_seconds=None) -> GenerateOutput:
@@ -559,58 +881,83 @@ def generate(
     ``prompt_width``; the cache has ``cache_size`` slots (default: a power of two that fits); the
     output buffer holds ``capacity`` tokens (default ``max_new_tokens``, which is otherwise a traced
     value: runs that differ only in ``max_new_tokens <= capacity`` share one compiled program).
+
+    Argument rules: counts (``max_new_tokens``, ``budget``, ``top_c``, ``cache_size``,
+    ``prompt_width``, ``capacity``, ``widths`` entries) are ints, never bools or floats; ``seed`` is an
+    int in ``[0, 2**63)``; ``temperature`` is 0 or in ``[1e-6, 1e4]``; ``eos_token_ids`` is an int or
+    a flat sequence of ints (not a string). A run whose estimated memory (:func:`estimate_memory`)
+    exceeds the device's (or, on CPU, the host's) is refused before anything is compiled. Any
+    violation raises :class:`~sparkjax.errors.ArgumentError` (a mismatched pair
+    :class:`~sparkjax.errors.IncompatiblePairError`). If the target's logits turn non-finite (NaN
+    or Inf weights, an overflow), :class:`NumericalError` names the first such round and sequence.
     """
-    shape = dict(cache_size=cache_size, prompt_width=prompt_width, capacity=capacity)
+    if not isinstance(instrument, bool | np.bool_):
+        raise ArgumentError(f"instrument: expected True or False, got {_describe(instrument)}")
     if instrument:
-        prompts, eos, temperature, plan, size = _prepare(
+        prompts, eos, temperature, plan, size, buf_len, seed = _validate(
             target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
-            budget, top_c, widths, normalization, prompt_width,
+            budget, top_c, widths, normalization, prompt_width, capacity, seed,
         )
         if plan is None:
             raise ArgumentError("instrument: the instrumented mode times speculative rounds; method 'ar' has none")
         args = _device_args(prompts, max_new_tokens, eos, temperature, seed)
-        return _instrumented(target, drafter, args, plan, size, _buf_len(max_new_tokens, capacity, plan))
-    res = launch(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
-                 normalization=normalization, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                 temperature=temperature, seed=seed, **shape)
+        return _instrumented(target, drafter, args, plan, size, buf_len)
+    *res, nonfinite = launch(
+        target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
+        normalization=normalization, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+        temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width, capacity=capacity,
+        report_nonfinite=True,
+    )
+    raise_if_nonfinite(nonfinite)
     return _outputs(*res)
 
 
 def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, temperature: float, seed: int):
     return (jnp.asarray(prompts.tokens), jnp.asarray(prompts.lengths), jnp.int32(max_new_tokens),
-            jnp.asarray(eos), jnp.float32(temperature), jax.random.key(seed))
+            jnp.asarray(eos), jnp.float32(temperature), _key(seed))
 
 
 def _buf_len(max_new_tokens: int, capacity: int | None, plan: Plan | None) -> int:
     """Output-buffer length: room for ``capacity`` tokens plus a round's overshoot, as a power of two."""
-    if capacity is not None and (not isinstance(capacity, int | np.integer) or capacity < max_new_tokens):
+    if capacity is not None and capacity < max_new_tokens:
         raise ArgumentError(f"capacity: {capacity!r} is smaller than max_new_tokens ({max_new_tokens})")
     n = max_new_tokens if capacity is None else int(capacity)
-    return bucket(n + (plan.depth + 1 if plan is not None else 0), 1)
+    size = bucket(n + (plan.depth + 1 if plan is not None else 0), 1)
+    if size > MAX_SLOTS:
+        raise ArgumentError(f"capacity: an output buffer of {size} tokens exceeds {MAX_SLOTS} (int32 positions)")
+    return size
 
 
 def launch(target, drafter=None, prompt_ids: Any = None, *, method: str = "ar", budget=None, top_c=None,
            widths=None, normalization="fast", max_new_tokens: int = 128, eos_token_ids=None,
            temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
-           capacity: int | None = None) -> tuple[Array, ...]:
+           capacity: int | None = None, report_nonfinite: bool = False) -> tuple[Array, ...]:
     """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
 
     Returns device arrays: ``(out [B, buf], n [B])`` for ``ar``, plus ``(accept_lens [B, R],
     rounds [B], depth_hits [B, D])`` for speculative methods. Nothing is copied to the host.
     ``max_new_tokens=1`` stops after the prefill and its first token (no round), in the same
     compiled program as a longer run of the same shapes: that is how to time prefill alone.
+
+    ``launch`` never syncs, so it cannot raise on non-finite logits itself: with
+    ``report_nonfinite=True`` it appends the ``nonfinite [B]`` int32 flags (the first round whose
+    target logits held a NaN or an Inf, 0 for the prefill; -1 when all were finite), which
+    :func:`raise_if_nonfinite` checks once the caller syncs.
     """
-    prompts, eos, temperature, plan, size = _prepare(
+    if not isinstance(report_nonfinite, bool | np.bool_):
+        raise ArgumentError(f"report_nonfinite: expected True or False, got {_describe(report_nonfinite)}")
+    prompts, eos, temperature, plan, size, buf_len, seed = _validate(
         target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
-        budget, top_c, widths, normalization, prompt_width,
+        budget, top_c, widths, normalization, prompt_width, capacity, seed,
     )
     args = _device_args(prompts, max_new_tokens, eos, temperature, seed)
-    buf_len = _buf_len(max_new_tokens, capacity, plan)
     if plan is None:
         gdef, state = nnx.split(target)
-        return _ar_program(gdef, state, *args, buf_len=buf_len, cache_size=size)
-    graphdefs, states = _split_pair(target, drafter)
-    return _spec_program(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf_len)
+        res = _ar_program(gdef, state, *args, buf_len=buf_len, cache_size=size)
+    else:
+        graphdefs, states = _split_pair(target, drafter)
+        res = _spec_program(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf_len)
+    return tuple(res) if report_nonfinite else tuple(res[:-1])
 
 
 def _split_pair(target, drafter):
@@ -638,20 +985,27 @@ def stream(
 
     Runs the same jitted round as :func:`generate`, one call per round, so it syncs with the host
     once per round by design (for notebooks). The concatenated yields equal ``generate(...).tokens``.
+    The arguments are validated when ``stream`` is called, before it returns the generator; a round
+    whose target logits are not finite raises :class:`NumericalError` instead of yielding.
     """
-    if method == "ar":
+    check_models(target, drafter)
+    if isinstance(method, str) and method == "ar":
         raise ArgumentError("method: stream() runs speculative rounds; use generate(method='ar') for the target alone")
-    prompts, eos, temperature, plan, size = _prepare(
+    prompts, eos, temperature, plan, size, buf_len, seed = _validate(
         target, drafter, prompt_ids, method, max_new_tokens, eos_token_ids, temperature, cache_size,
-        budget, top_c, widths, normalization,
+        budget, top_c, widths, normalization, seed=seed,
     )
-    buf_len = _buf_len(max_new_tokens, None, plan)
+    return _stream_rounds(target, drafter, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens)
+
+
+def _stream_rounds(target, drafter, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens):
     graphdefs, states = _split_pair(target, drafter)
     args = _device_args(prompts, max_new_tokens, eos, temperature, seed)
     state = _spec_start(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf_len)
     seen = np.zeros(prompts.batch, np.int64)
     while True:
-        n, out, done = (np.asarray(x) for x in (state.n, state.out, state.done))
+        n, out, done, bad = (np.asarray(x) for x in (state.n, state.out, state.done, state.nonfinite))
+        raise_if_nonfinite(bad)
         yield [out[b, seen[b] : n[b]].tolist() for b in range(prompts.batch)]
         seen = n
         if done.all():
@@ -684,6 +1038,7 @@ def _instrumented(target, drafter, args, plan: Plan, size: int, buf_len: int) ->
         t4 = time.perf_counter()
         for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             times[name] += dt
+    raise_if_nonfinite(state.nonfinite)
     return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, times)
 
 

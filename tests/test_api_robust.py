@@ -1,0 +1,377 @@
+"""The generation API refuses bad arguments with a SparkjaxError naming the argument (issue #12).
+
+Almost every case here fails validation before anything is compiled. The few runs share two shapes
+(``ar`` and ``dspark`` over one 3-token prompt batch, 2 new tokens), so each program compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sparkjax
+from sparkjax import decode
+from sparkjax.decode import generate, launch, stream
+
+P = [[1, 2, 3], [4, 5, 6]]  # the shape of every run in this file
+RUN = dict(max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def pair(fixture_target, fixture_dir):
+    return fixture_target, sparkjax.load_drafter(fixture_dir / "drafter", target=fixture_target)
+
+
+def _all_entry_points(target, drafter, method="dspark", prompts=P, **kw):
+    """Calls generate, instrument=True, stream and launch with the same arguments; returns the errors."""
+    errors = []
+    calls = [
+        lambda: generate(target, drafter, prompts, method=method, **kw),
+        lambda: generate(target, drafter, prompts, method=method, instrument=True, **kw),
+        lambda: stream(target, drafter, prompts, method=method, **kw),
+        lambda: launch(target, drafter, prompts, method=method, **kw),
+    ]
+    for call in calls:
+        with pytest.raises(sparkjax.SparkjaxError) as info:
+            call()
+        errors.append(info.value)
+    return errors
+
+
+# ----------------------------------------------------------------------------- seed
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, 10**30, -1, 1.0, 0.5, None, True, "1", np.float32(3)],
+                         ids=lambda s: repr(s)[:20])
+def test_bad_seed_is_an_argument_error(pair, seed):
+    for err in _all_entry_points(*pair, seed=seed, **RUN):
+        assert isinstance(err, sparkjax.ArgumentError)
+        assert str(err).startswith("seed:")
+
+
+def test_good_seeds_run_and_large_ones_do_not_wrap(pair):
+    target, _ = pair
+    for seed in (0, np.int64(7), np.uint64(2**40), 2**63 - 1):
+        out = generate(target, None, P, temperature=1.0, seed=seed, **RUN)
+        assert [len(t) for t in out.tokens] == [2, 2]
+    # jax.random.key alone maps 2**32 onto 0 without 64-bit mode; ours keeps them apart
+    assert not np.array_equal(jax.random.key_data(decode._key(2**32)), jax.random.key_data(decode._key(0)))
+    assert np.array_equal(jax.random.key_data(decode._key(12345)), jax.random.key_data(jax.random.key(12345)))
+
+
+# ----------------------------------------------------------------------------- widths
+
+
+@pytest.mark.parametrize("widths", ["44", 8.0, [[4, 4]], [8.0] + [0] * 14, [9, -1] + [0] * 13, [True] * 8,
+                                    {"a": 1}, np.array([[8]]), np.array([8.0] + [0.0] * 14)],
+                         ids=lambda w: type(w).__name__ + repr(w)[:12])
+def test_bad_widths_are_an_argument_error(pair, widths):
+    for err in _all_entry_points(*pair, method="sparklingtree-beam", budget=8, widths=widths, **RUN):
+        assert isinstance(err, sparkjax.ArgumentError)
+        assert str(err).startswith("widths")
+
+
+def test_widths_as_a_numpy_array_are_fine(pair):
+    target, drafter = pair
+    depth = drafter.config.block_size - drafter.config.first_draft_slot
+    w = np.array([4, 4] + [0] * (depth - 2), np.int64)
+    plan = decode.make_plan(target, drafter, "sparklingtree-beam", 8, None, w, "fast", False)
+    assert plan.widths == tuple(int(x) for x in w) and all(type(x) is int for x in plan.widths)
+
+
+# ----------------------------------------------------------------------------- eos_token_ids
+
+
+@pytest.mark.parametrize("eos", ["105", b"105", [None], [1.0], [105, 2.5], [True], np.array([1.5]),
+                                 np.array([[1, 2]]), 7.0, object()], ids=lambda e: type(e).__name__ + repr(e)[:10])
+def test_bad_eos_is_an_argument_error(pair, eos):
+    for err in _all_entry_points(*pair, eos_token_ids=eos, **RUN):
+        assert isinstance(err, sparkjax.ArgumentError)
+        assert str(err).startswith("eos_token_ids")
+
+
+def test_eos_string_is_not_split_into_digits(pair):
+    with pytest.raises(sparkjax.ArgumentError, match="string '105'"):
+        generate(pair[0], None, P, eos_token_ids="105", **RUN)
+
+
+def test_eos_as_numpy_ints_is_fine(pair):
+    target, _ = pair
+    assert decode.eos_array(np.array([105, 3], np.int16), 320).tolist() == [105, 3]
+    assert decode.eos_array(np.int64(9), 320).tolist() == [9]
+    ref = generate(target, None, P, **RUN).tokens
+    eos = ref[0][0]
+    out = generate(target, None, P, eos_token_ids=np.array([eos]), **RUN).tokens
+    assert out[0] == [eos]  # stopped right at the EOS
+
+
+# ----------------------------------------------------------------------------- types of shapes
+
+
+@pytest.mark.parametrize("name,value", [("cache_size", "64"), ("cache_size", 10.5), ("cache_size", 64.0),
+                                        ("prompt_width", 3.0), ("prompt_width", "16"), ("capacity", "x"),
+                                        ("capacity", 4.0)])
+def test_shape_arguments_of_the_wrong_type_say_so(pair, name, value):
+    target, drafter = pair
+    calls = [lambda: generate(target, drafter, P, method="dspark", **{name: value}, **RUN),
+             lambda: launch(target, drafter, P, method="dspark", **{name: value}, **RUN)]
+    if name == "cache_size":
+        calls.append(lambda: stream(target, drafter, P, method="dspark", cache_size=value, **RUN))
+    for call in calls:
+        with pytest.raises(sparkjax.ArgumentError) as info:
+            call()
+        msg = str(info.value)
+        assert msg.startswith(f"{name}:") and "type problem" in msg and "expected an integer" in msg
+        assert "longer" not in msg and "smaller" not in msg and "shorter" not in msg
+
+
+def test_cache_smaller_than_the_padded_prompt_names_the_padding(pair):
+    target, drafter = pair
+    width = decode.bucket(3)
+    for method in ("ar", "dspark"):
+        with pytest.raises(sparkjax.ArgumentError) as info:
+            generate(target, drafter, [[1, 2, 3]], method=method, cache_size=7, max_new_tokens=2)
+        msg = str(info.value)
+        assert msg.startswith("cache_size:")
+        assert f"padded to {width}" in msg and "prompt_width" in msg and f"at least {width}" in msg
+    # the advice works: with prompt_width=3 the prompt buffer fits (the cache then is too small for the rest)
+    with pytest.raises(sparkjax.ArgumentError, match="cache_size: 7 slots cannot hold prompt 3 \\+ max_new_tokens"):
+        generate(target, None, [[1, 2, 3]], cache_size=7, prompt_width=3, max_new_tokens=8)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("method", ["sparklingtree", "ddtree"])
+def test_a_million_node_budget_is_refused_with_the_figure(pair, method):
+    target, drafter = pair
+    with pytest.raises(sparkjax.ArgumentError) as info:
+        generate(target, drafter, P, method=method, budget=1_000_000, **RUN)
+    msg = str(info.value)
+    assert msg.startswith("budget: a 1000000-node verify")
+    est = decode.estimate_memory(target, drafter, decode.make_plan(target, drafter, method, 1_000_000, None, None,
+                                                                   "fast", False), 2, 16, 2**20, 32)
+    assert sum(est.values()) > 2 * 10**12  # the [B, M + 1, M + 1] ancestor mask alone is 2 TB
+    assert f"{sum(est.values()) / 2**30:,.0f} GiB" in msg
+    limit, where = decode.available_memory()
+    assert where in msg
+
+
+def test_available_memory_on_cpu_is_the_host_memory():
+    if jax.devices()[0].memory_stats():
+        pytest.skip("this device reports memory stats; the host fallback does not apply")
+    limit, where = decode.available_memory()
+    assert limit == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert "host" in where
+
+
+def test_device_memory_stats_are_used_when_present(pair, monkeypatch):
+    class Dev:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 2**30, "bytes_in_use": 2**29}
+
+    monkeypatch.setattr(decode.jax, "devices", lambda *a: [Dev()])
+    assert decode.available_memory() == (2**29, "this gpu device has 0.5 GiB free of 1.0 GiB")
+
+
+@pytest.mark.parametrize("kw,name", [(dict(cache_size=2**28), "cache_size"),
+                                     (dict(capacity=2**28), "capacity"),
+                                     (dict(prompt_width=2**24), "prompt_width")])
+def test_huge_caches_and_buffers_are_refused_before_compiling(pair, kw, name, monkeypatch):
+    target, drafter = pair
+    monkeypatch.setattr(decode, "available_memory", lambda: (2**31, "this test device has 2.0 GiB"))
+    for method in ("ar", "dspark"):
+        with pytest.raises(sparkjax.ArgumentError) as info:
+            launch(target, drafter, P, method=method, **kw, **RUN)
+        msg = str(info.value)
+        assert msg.startswith(f"{name}:") and "GiB" in msg and "2.0 GiB" in msg
+
+
+def test_a_big_batch_names_the_prompts_and_scales_with_the_batch(pair, monkeypatch):
+    target, drafter = pair
+    plan = decode.make_plan(target, drafter, "sparklingtree", 64, None, None, "fast", False)
+    one = sum(decode.estimate_memory(target, drafter, plan, 1, 16, 256, 32).values())
+    many = sum(decode.estimate_memory(target, drafter, plan, 64, 16, 256, 32).values())
+    assert many == 64 * one
+    monkeypatch.setattr(decode, "available_memory", lambda: (one * 8, "this test device has a little"))
+    generate_args = dict(method="sparklingtree", budget=64, **RUN)
+    with pytest.raises(sparkjax.ArgumentError, match="needs about .*this test device has a little"):
+        launch(target, drafter, [[1, 2, 3]] * 64, **generate_args)
+
+
+@pytest.mark.parametrize("budget", [1e30, 1e6, 10**30, 2**31, float("inf"), float("nan")], ids=repr)
+def test_absurd_budgets_are_argument_errors(pair, budget):
+    for err in _all_entry_points(*pair, method="sparklingtree", budget=budget, **RUN):
+        assert isinstance(err, sparkjax.ArgumentError)
+        assert str(err).startswith("budget:")
+
+
+# ----------------------------------------------------------------------------- model arguments
+
+
+def test_swapped_or_missing_models_are_argument_errors(pair):
+    target, drafter = pair
+    cases = [((target, target), "drafter", "sparkjax.nn.drafter.Drafter"),
+             ((drafter, drafter), "target", "sparkjax.nn.qwen3.Qwen3"),
+             ((drafter, target), "target", "sparkjax.nn.qwen3.Qwen3"),
+             ((None, drafter), "target", "sparkjax.nn.qwen3.Qwen3"),
+             (("model", drafter), "target", "sparkjax.nn.qwen3.Qwen3"),
+             ((target, "drafter"), "drafter", "sparkjax.nn.drafter.Drafter")]
+    for (t, d), name, expected in cases:
+        for err in _all_entry_points(t, d, **RUN):
+            assert isinstance(err, sparkjax.ArgumentError)
+            assert str(err).startswith(f"{name}:") and expected in str(err)
+    with pytest.raises(sparkjax.ArgumentError, match="drafter:.*Drafter"):
+        generate(target, target, P, method="ar", **RUN)  # even where the drafter is not used
+
+
+# ----------------------------------------------------------------------------- booleans are not numbers
+
+
+@pytest.mark.parametrize("name", ["max_new_tokens", "top_c", "temperature", "budget", "cache_size", "capacity",
+                                  "prompt_width"])
+def test_booleans_do_not_pass_as_numbers(pair, name):
+    target, drafter = pair
+    kw = {"max_new_tokens": 2, name: True}
+    for value in (True, np.bool_(True)):
+        kw[name] = value
+        calls = [lambda: generate(target, drafter, P, method="sparklingtree", **kw),
+                 lambda: launch(target, drafter, P, method="sparklingtree", **kw)]
+        if name not in ("capacity", "prompt_width"):
+            calls += [lambda: stream(target, drafter, P, method="sparklingtree", **kw),
+                      lambda: generate(target, drafter, P, method="sparklingtree", instrument=True, **kw)]
+        for call in calls:
+            with pytest.raises(sparkjax.ArgumentError) as info:
+                call()
+            assert str(info.value).startswith(f"{name}:")
+
+
+def test_instrument_and_prompt_ids_must_have_their_types(pair):
+    target, drafter = pair
+    with pytest.raises(sparkjax.ArgumentError, match="^instrument:"):
+        generate(target, drafter, P, method="dspark", instrument="yes", **RUN)
+    for bad in (5, "abc", [[1, [2]]], [[1.0, 2.0]], [[True, False]], np.zeros((1, 2, 3), np.int32),
+                np.ones((1, 3), np.float32), [[1, None]], [[1, 2**70]], [[-1, 2]], [[]], []):
+        with pytest.raises(sparkjax.ArgumentError, match="^prompt_ids"):
+            generate(target, None, bad, **RUN)
+
+
+# ----------------------------------------------------------------------------- temperature
+
+
+@pytest.mark.parametrize("t", [1e39, np.float64(1e39), 1e300, float("inf"), float("nan"), -0.5, 1e-45, 2e4, True,
+                               "1.0", None, 10**400], ids=lambda t: repr(t)[:12])
+def test_bad_temperatures_are_refused(pair, t):
+    for err in _all_entry_points(*pair, temperature=t, **RUN):
+        assert isinstance(err, sparkjax.ArgumentError)
+        assert str(err).startswith("temperature:")
+
+
+def test_the_documented_temperature_range_is_accepted():
+    for t in (0, 0.0, decode.MIN_TEMPERATURE, 1, 0.7, np.float32(0.7), decode.MAX_TEMPERATURE):
+        assert decode.check_temperature(t) == float(t)
+    assert np.isfinite(np.float32(decode.MAX_TEMPERATURE)) and np.float32(decode.MIN_TEMPERATURE) > 0
+
+
+# ----------------------------------------------------------------------------- the pair check
+
+
+@pytest.mark.parametrize("change,field", [({"target_layer_ids": [1, 5]}, "target_layer_ids"),
+                                          ({"num_target_layers": 8}, "num_target_layers")])
+def test_generate_runs_the_pair_check_of_load_drafter(pair, fixture_dir, tmp_path, change, field):
+    target, _ = pair
+    folder = tmp_path / "drafter"
+    shutil.copytree(fixture_dir / "drafter", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(change)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(sparkjax.IncompatiblePairError, match=field):
+        sparkjax.load_drafter(folder, target=target)
+    loose = sparkjax.load_drafter(folder)  # loaded without target=: nothing checked yet
+    for method in ("dspark", "dflash", "sparklingtree"):
+        for err in _all_entry_points(target, loose, method=method, **RUN):
+            assert isinstance(err, sparkjax.IncompatiblePairError)
+            assert f"{field}:" in str(err) and str(folder) in str(err)
+
+
+def test_an_in_memory_drafter_is_checked_too(pair):
+    target, drafter = pair
+    cfg = dataclasses.replace(drafter.config, target_layer_ids=(1, 5))
+    bad = nnx.clone(drafter)
+    bad.config = cfg
+    with pytest.raises(sparkjax.IncompatiblePairError, match="<drafter model>.*target_layer_ids: entry 5 is the "
+                                                             "target's final layer"):
+        generate(target, bad, P, method="dspark", **RUN)
+
+
+# ----------------------------------------------------------------------------- non-finite logits
+
+
+def _poisoned(model, value=np.nan):
+    """A copy of ``model`` with one entry of its first MLP down projection set to ``value``."""
+    copy = nnx.clone(model)
+    proj = copy.layers[0].mlp.down_proj
+    nnx.update(proj, jax.tree.map(lambda x: x.at[0, 0].set(value) if x.ndim == 2 else x, nnx.state(proj)))
+    assert not np.isnan(np.asarray(model.layers[0].mlp.down_proj.kernel.get_value())).any()  # a real copy
+    return copy
+
+
+def test_nan_weights_raise_with_round_and_sequence(pair):
+    target, drafter = pair
+    good = generate(target, None, P, **RUN).tokens
+    for value in (np.nan, np.inf):
+        bad = _poisoned(target, value)
+        with pytest.raises(sparkjax.NumericalError, match=r"prefill \(round 0\) of sequence 0 \(2 of 2"):
+            generate(bad, None, P, **RUN)
+        with pytest.raises(sparkjax.NumericalError, match=r"round 0.*sequence 0"):
+            generate(bad, drafter, P, method="dspark", **RUN)
+        with pytest.raises(sparkjax.NumericalError, match=r"round 0.*sequence 0"):
+            list(stream(bad, drafter, P, method="dspark", **RUN))
+    with pytest.raises(sparkjax.NumericalError, match=r"round 0.*sequence 0"):
+        generate(bad, drafter, P, method="dspark", instrument=True, **RUN)
+    assert issubclass(sparkjax.NumericalError, sparkjax.SparkjaxError)
+    assert issubclass(sparkjax.NumericalError, FloatingPointError)
+    # the original is untouched and still fine; launch reports the flags without syncing
+    assert generate(target, None, P, **RUN).tokens == good
+    flags = launch(_poisoned(target), None, P, report_nonfinite=True, **RUN)[-1]
+    assert np.asarray(flags).tolist() == [0, 0]
+    assert len(launch(target, None, P, **RUN)) == 2
+    assert np.asarray(launch(target, None, P, report_nonfinite=True, **RUN)[-1]).tolist() == [-1, -1]
+
+
+def test_the_flag_records_the_first_bad_round(pair):
+    """Rounds after the prefill: a good prefill, then a round with poisoned weights is round 1 (and stays
+    the recorded one after more bad rounds); the same compiled start/step functions as stream()."""
+    target, drafter = pair
+    prompts, eos, temp, plan, size, buf_len, seed = decode._validate(
+        target, drafter, P, "dspark", 2, None, 0.0, None, None, None, None, "fast")
+    args = decode._device_args(prompts, 2, eos, temp, seed)
+    g_good, s_good = decode._split_pair(target, drafter)
+    _, s_bad = decode._split_pair(_poisoned(target), drafter)
+    state = decode._spec_start(g_good, s_good, *args, plan=plan, cache_size=size, buf_len=buf_len)
+    assert np.asarray(state.nonfinite).tolist() == [-1, -1]
+    state = decode._spec_step(g_good, s_bad, state, args[2], args[3], args[4], plan=plan)
+    assert np.asarray(state.nonfinite).tolist() == [1, 1]
+    with pytest.raises(sparkjax.NumericalError, match="round 1 of sequence 0"):
+        decode.raise_if_nonfinite(state.nonfinite)
+
+
+def test_flag_names_the_earliest_sequence_and_skips_finished_ones():
+    logits = jnp.zeros((3, 2, 5)).at[2, 1, 4].set(jnp.nan).at[0, 0, 0].set(jnp.inf)
+    flags = decode.flag_nonfinite(jnp.array([-1, -1, -1]), logits, jnp.array([False, True, True]), jnp.array(4))
+    assert np.asarray(flags).tolist() == [-1, -1, 4]  # sequence 0 was done: not flagged
+    flags = decode.flag_nonfinite(jnp.array([-1, 2, 4]), logits, jnp.array([True] * 3), jnp.array(7))
+    assert np.asarray(flags).tolist() == [7, 2, 4]  # the first bad round is kept
+    with pytest.raises(sparkjax.NumericalError, match=r"round 2 of sequence 1 \(3 of 3"):
+        decode.raise_if_nonfinite(flags)
+    decode.raise_if_nonfinite(np.array([-1, -1]))  # all finite: nothing raised
