@@ -469,14 +469,14 @@ def baseline_run(standin, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("baseline_out")
     batches: list[tuple[str, list[list[int]]]] = []
-    original = harness.run_batch
+    original = harness.time_batch
 
-    def spy(engine, mc, batch, **kwargs):
-        batches.append((mc.label, [list(ids) for ids in batch]))
-        return original(engine, mc, batch, **kwargs)
+    def spy(units, batch, **kwargs):  # one call per batch, all methods interleaved
+        batches.extend((mc.label, [list(ids) for ids in batch]) for _, mc in units)
+        return original(units, batch, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(harness, "run_batch", spy)
+        mp.setattr(harness, "time_batch", spy)
         res = harness.run(target=str(standin / "target"), drafter=str(standin / "dspark_b16"),
                           baseline_drafter=str(standin / "dflash_b16"),
                           methods=("ar", "dflash", "dspark", "ddtree", "sparklingtree"), budgets=(8,),
