@@ -322,7 +322,7 @@ def test_huge_budget_is_refused_before_compiling(capsys, monkeypatch, tmp_path):
     '{"config": {}, "summary": [], "setup": 3}',
     "[" * 100_000 + "]" * 100_000,  # deep nesting (RecursionError in json)
     "\udcff",
-])
+], ids=["truncated", "list", "row-without-label", "config-not-object", "setup-not-object", "deep-nesting", "not-utf8"])
 def test_compare_on_partial_or_corrupt_json_is_one_line(content, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(content, errors="surrogateescape")
