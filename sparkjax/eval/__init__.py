@@ -35,22 +35,32 @@ accepted drafts + 1. ``tau_pooled`` = sum of acceptance lengths / rounds (DeepSp
 whose accepted path reached draft depth k (from the engine's per-depth counts / rounds).
 
 **Timing protocol** (:mod:`sparkjax.eval.harness`). Every method is compiled and run once before
-anything is timed. Then, per batch (batch size 1 by default), each method runs the full generation
-(the engine's single jitted on-device loop, no host sync) and a prefill-only run of the very same
-compiled program with ``max_new_tokens = 1`` (prefill, first token, drafter context of the prompt;
-no round), each timed from dispatch to ``block_until_ready``. Decode time = full - prefill-only
-(medians over ``--repeats``): prefill and the prompt part of the first draft pass are excluded,
-round 1's drafter block pass is included. TPOT = decode time / output tokens, averaged over batches
-(those whose first token ended them have no decode step and are left out); tok/s = 1 / TPOT;
-speedup = TPOT(ar) / TPOT(method), ar timed in the same run on the same prompts, interleaved with
-the other methods, with the same cache size. Per-stage times (draft, tree, verify, commit) come from
-a separate pass of the engine's instrumented mode, which syncs after each stage, so they include
-per-call overhead the fused loop does not pay; the table shows both.
+anything is timed. Then, per batch (batch size 1 by default), ``--repeats`` (default 3) interleaved
+repetitions: repetition r runs every method in turn (A B C, A B C, not A A B B), each the full
+generation (the engine's single jitted on-device loop, no host sync) followed by a prefill-only run
+of the very same compiled program with ``max_new_tokens = 1`` (prefill, first token, drafter context
+of the prompt; no round), each timed from dispatch to ``block_until_ready``. Decode time = median
+full - median prefill-only (and the best case, min - min): prefill and the prompt part of the first
+draft pass are excluded, round 1's drafter block pass is included. A decode time that is not
+positive (a busy machine) is "not measured", never 0, and is left out. TPOT = decode time / output
+tokens, averaged over batches (those whose first token ended them have no decode step and are left
+out); tok/s = 1 / TPOT; speedup = TPOT(ar) / TPOT(method), ar timed in the same run on the same
+prompts, interleaved with the other methods, with the same cache size. The table shows the median
+and the best case and the spread (max - min) / median of the full runs, and warns when a spread
+exceeds 25 % or the load average exceeded the CPU count during the run. Per-stage times (draft,
+tree, verify, commit) come from a separate pass of the engine's instrumented mode, which syncs
+after each stage, so they include per-call overhead the fused loop does not pay; the table shows both.
+
+**Ctrl-C** stops a run after the current step and returns (the CLI: writes, exit code 130) the
+batches every method had finished, marked ``interrupted``; :func:`run` restores the previous SIGINT
+handler when it returns.
 
 **Output** in ``--out``: ``results.json`` (config, package versions, setup, summary rows and every
 raw number: per-round acceptance lengths, per-depth counts, output ids, timings),
 ``results.csv`` (the summary rows, flat), ``acceptance_per_depth.png``, ``tau_speedup.png`` and
-``stage_time.png``.
+``stage_time.png``. ``--out`` is created and tested for writing before any work; each file is written
+atomically, and those of an earlier run into the same folder are replaced or removed (only these file
+names; nothing else in the folder is touched).
 
 The bundled demo pair is small and trained on a CPU: its CPU timings say nothing about real
 models on accelerators. Importing this package loads no model and changes no global setting.

@@ -10,7 +10,7 @@ import time
 from .. import decode
 from . import datasets as ds
 from .errors import EvalError
-from .harness import BASELINE_METHODS, DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES
+from .harness import BASELINE_METHODS, DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS
 
 DESCRIPTION = """\
 Benchmark speculative decoding on a target/drafter pair: per prompt set and method, the
@@ -25,12 +25,16 @@ sparklingtree-beam) and without it (dflash_b16: dflash, ddtree)) on its three pr
 (python_docs, stdlib_code, synthetic_math), in a few minutes on a laptop CPU."""
 
 EPILOG = """\
-timing protocol: every method is compiled and run once before anything is timed. Each batch is
-then run --repeats times with max_new_tokens new tokens and as often prefill-only (same compiled
-program, max_new_tokens=1: prefill, first token, drafter context of the prompt, no round); decode
-time = median(full) - median(prefill-only). TPOT = decode time / output tokens (mean over batches),
-tok/s = 1/TPOT, speedup = TPOT(ar) / TPOT(method). Per-stage times come from a separate,
-synced pass of the engine's instrumented mode.
+timing protocol: every method is compiled and run once before anything is timed. Then, per batch,
+--repeats repetitions, interleaved: repetition r runs every method in turn (A B C, A B C, not
+A A B B), each a full run (max_new_tokens new tokens) followed by a prefill-only run (same compiled
+program, max_new_tokens=1: prefill, first token, drafter context of the prompt, no round). decode
+time = median(full) - median(prefill-only), and the best case min(full) - min(prefill-only); a
+difference that is not positive (a busy machine) is "not measured" and left out, never 0. TPOT =
+decode time / output tokens (mean over batches), tok/s = 1/TPOT, speedup = TPOT(ar) / TPOT(method).
+The table shows the median and the best case, the spread (max - min) / median of the full runs,
+and warns when a spread exceeds 25% or the load average exceeded the CPU count. Per-stage times
+come from a separate, synced pass of the engine's instrumented mode.
 
 examples:
   python -m sparkjax.eval
@@ -41,7 +45,16 @@ examples:
       --drafter tests/fixtures/tiny_dspark_b16/drafter --tokenizer eval/default_pair/tokenizer
   python -m sparkjax.eval --compare runs/a/results.json runs/b/results.json
 
-exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (partial results written)."""
+--out is created and tested for writing before any work. Each results file is written atomically;
+outputs an earlier run left in the same folder (results.json, results.csv, the three PNGs) are
+replaced or removed, and no other file is touched.
+
+Ctrl-C stops the run after the current step (a timed run, a warm-up, a stage pass; a compilation
+in progress finishes first) and writes the batches every method had finished, marked interrupted;
+a second Ctrl-C stops at once.
+
+exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (partial results written, or
+nothing if no batch had finished)."""
 
 
 def _csv(kind):
@@ -115,10 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                    help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
     g.add_argument("--batch-size", type=int, default=1, metavar="B", help="prompts decoded together (default: 1)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed of the first batch; batch i uses seed + i")
-    g.add_argument("--repeats", type=int, default=1, metavar="N",
-                   help="timed repetitions per batch and method, medians used (default: 1, as upstream times each "
-                        "response once after warm-up)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed of the first batch, in [0, 2**63); batch i uses seed + i")
+    g.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
+                   help="timed repetitions per batch and method, interleaved across methods; the table shows the "
+                        f"median and the fastest (default: {DEFAULT_REPEATS})")
     g.add_argument("--stage-samples", type=_count_or_all, default=1, metavar="N",
                    help="prompts per set (the first N with at least one round) that also get the separate, "
                         "instrumented per-stage pass (default: 1; 0: none; 'all')")
@@ -150,6 +164,13 @@ def config_from_args(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
+    from .harness import sigint_flag
+
+    with sigint_flag():  # Ctrl-C sets a flag the run checks between steps (the previous handler comes back after)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from ..errors import SparkjaxError
 
     try:
@@ -176,10 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         state = "partial results (interrupted) written to" if results.interrupted else "wrote"
         print(f"\n{state} {cfg.out}: " + ", ".join(os.path.basename(f) for f in files))
         print(f"total time {time.perf_counter() - t0:.1f} s")
+        sys.stdout.flush()
         return 130 if results.interrupted else 0
     except SparkjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside the benchmark loop (e.g. while loading): nothing to write
-        print("interrupted before any result", file=sys.stderr)
+    except KeyboardInterrupt:  # before the first batch finished (e.g. while loading): nothing to write
+        print("interrupted before any result (nothing written)", file=sys.stderr)
         return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -1,37 +1,57 @@
 """The benchmark loop: load a pair and prompt sets, warm up, time every method, summarise.
 
-Timing protocol (per batch of prompts, per method; see :mod:`sparkjax.eval` for the summary):
+Timing protocol (per batch of prompts; see :mod:`sparkjax.eval` for the summary):
 
 1. Warm-up: before anything is timed, every method is compiled and run once on the first
-   batch's shapes (and on any later new shape, e.g. a smaller last batch, before it is timed).
-2. Timed pass, sync-free: ``repeats`` times, alternately, (a) the full generation (the engine's
-   one jitted ``while_loop`` program, ``max_new_tokens`` new tokens) and (b) a prefill-only run
+   batch's shapes (and on any later new shape, e.g. a smaller last batch, before that batch's
+   first timed run: all of a batch's warm-ups come before any of its timed runs).
+2. Timed pass, sync-free, interleaved: for repetition r = 1..``repeats``, every method in turn
+   (A B C, A B C, ..., not A A B B C C) runs (a) the full generation (the engine's one jitted
+   ``while_loop`` program, ``max_new_tokens`` new tokens) and right after it (b) a prefill-only run
    of the same shapes (``max_new_tokens = 1``: target prefill, first token and the drafter's
    context projection of the prompt features, then no round). Each run is timed on the host from
-   dispatch to ``jax.block_until_ready`` of its outputs.
+   dispatch to ``jax.block_until_ready`` of its outputs. Interleaving spreads a slow spell of a
+   busy machine over every method instead of charging it to one.
    ``decode seconds = median(a) - median(b)``: the rounds only, with prefill, the first token and
    the prompt-context part of the first draft pass excluded. (Round 1's drafter block pass stays
    in; in upstream code it is part of the first draft call too, so this is an approximation.)
+   Also kept: the best case ``min(a) - min(b)`` and the spread ``(max(a) - min(a)) / median(a)``.
+   A difference that is not positive (the prefill-only runs took as long as the full runs, which
+   happens on a loaded machine) is "not measured" (None, with a note), never 0: that unit is left
+   out of TPOT, tok/s and speedup, and a row with no measured unit shows "-".
 3. TPOT = decode seconds / output tokens of the batch (all generated tokens, the first included,
    as upstream counts them); a method's TPOT is the mean over batches (= over responses at batch
    size 1; a batch whose first token already ended it has no decode step and is left out),
    tokens/s = 1 / TPOT and speedup = TPOT(ar) / TPOT(method), ar being timed in the
    same run, on the same batches, with the same cache size, interleaved with the other methods.
+   The same from the min times gives ``tokens_per_s_best`` / ``speedup_best``. A row's
+   ``timing_spread`` is the median over its batches of the full-run spread; the table warns when it
+   exceeds 25 % or when the 1-minute load average (sampled during the run) exceeded the CPU count.
 4. Stage pass (separate, synced; on the first ``stage_samples`` prompts of each set that have at
    least one round): the engine's instrumented mode (``instrument=True``) runs the same batch stage
    by stage (draft, tree, verify, commit), blocking after each; per-stage time per round = summed
    stage seconds / rounds (loop iterations) of the instrumented batches. Its stage functions are
    compiled (warmed up) on a batch with a round before one is timed.
+
+Ctrl-C: while :func:`run` runs, SIGINT only sets a flag (the previous handler is restored when it
+returns); the flag is checked between units of work (each warm-up, each timed run, each stage
+pass), so the run stops at the next one, keeps the batches every method had finished and returns
+them with ``interrupted=True`` (saved to ``out`` like a full run). A second Ctrl-C raises
+KeyboardInterrupt at once (which ends the run the same way, when it reaches the harness).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import pathlib
 import platform
+import signal
 import statistics
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -47,6 +67,11 @@ from .errors import EvalError, TokenizerError
 DEFAULT_BUDGETS = (16, 32, 64)
 DEFAULT_MAX_SAMPLES = 4
 DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_REPEATS = 3
+SPREAD_WARNING = 0.25  # the table warns when a row's timing spread ((max - min) / median) is above this
+MAX_SEED = 2**63  # seeds are int64 on the device: [0, 2**63)
+# The files EvalResults.save writes; a re-run into the same folder replaces or removes exactly these.
+OUTPUT_FILES = ("results.json", "results.csv", "acceptance_per_depth.png", "tau_speedup.png", "stage_time.png")
 STAGES = ("draft", "tree", "verify", "commit")
 DEFAULT_PAIR_NOTE = demo.NOTE
 # The methods that use no Markov head: with a baseline drafter they run with it (the DFlash / DDTree baseline).
@@ -81,7 +106,7 @@ class EvalConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 1
     seed: int = 0
-    repeats: int = 1
+    repeats: int = DEFAULT_REPEATS
     stage_samples: int | None = 1
     ignore_eos: bool = False
     out: str | None = None
@@ -149,6 +174,9 @@ def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[list[Metho
     _positive("--max-new-tokens", cfg.max_new_tokens)
     _positive("--batch-size", cfg.batch_size)
     _positive("--repeats", cfg.repeats)
+    seed = cfg.seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED:
+        raise EvalError(f"--seed: expected an integer in [0, 2**63), got {seed!r}")
     _positive("--stage-samples", cfg.stage_samples, allow_none=True, allow_zero=True)
     if not cfg.datasets:
         raise EvalError("--datasets: no prompt set given")
@@ -188,9 +216,24 @@ class EvalResults:
     @classmethod
     def load(cls, path: str | os.PathLike) -> EvalResults:
         """Reads a ``results.json`` (EvalError naming the file when it is not one)."""
-        d = read_json(path, EvalError, "results file")
-        if not isinstance(d.get("summary"), list) or "config" not in d:
-            raise EvalError(f"{path}: not a sparkjax.eval results.json (no 'summary' / 'config')")
+        try:
+            d = read_json(path, EvalError, "results file")
+        except (RecursionError, ValueError, OSError) as e:
+            if isinstance(e, EvalError):
+                raise
+            raise EvalError(f"{path}: cannot read JSON ({type(e).__name__})") from None
+        if not isinstance(d.get("summary"), list) or not isinstance(d.get("config"), dict):
+            raise EvalError(f"{path}: not a sparkjax.eval results.json (no 'summary' list / 'config' object)")
+        for i, row in enumerate(d["summary"]):
+            if not (isinstance(row, dict) and isinstance(row.get("dataset"), str)
+                    and isinstance(row.get("label"), str)):
+                raise EvalError(f"{path}: summary[{i}] is not a summary row (an object with 'dataset' and 'label')")
+        for key, kind in (("setup", dict), ("environment", dict), ("records", list), ("notes", list)):
+            if key in d and not isinstance(d[key], kind):
+                raise EvalError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'list'}")
+        d.setdefault("setup", {})
+        d.setdefault("environment", {})
+        d.setdefault("records", [])
         return cls.from_dict(d)
 
     def rows(self, dataset: str | None = None) -> list[dict[str, Any]]:
@@ -215,25 +258,72 @@ class EvalResults:
         return pd.DataFrame([flat_row(r, self.setup) for r in self.summary])
 
     def save(self, out: str | os.PathLike, *, plots: bool = True) -> list[str]:
-        """Writes results.json, results.csv and (with ``plots``) the PNG plots into ``out``; returns the paths."""
+        """Writes results.json, results.csv and (with ``plots``) the PNG plots into ``out``; returns the paths.
+
+        Each file is written atomically (a temp file renamed into place). Outputs of an earlier run in the
+        same folder that this run does not write (e.g. its plots, with ``plots=False``) are removed: only
+        the file names in :data:`OUTPUT_FILES`, never any other file."""
         from .report import write_csv, write_json
 
-        folder = pathlib.Path(out)
+        folder = check_out(out)
+        paths: list[pathlib.Path] = []
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise EvalError(f"--out: cannot create {folder} ({e.strerror or e})") from None
-        paths = [write_json(self, folder / "results.json"), write_csv(self, folder / "results.csv")]
-        if plots and self.summary:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                self.notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
-            else:
-                from .plots import make_plots
+            paths += [write_json(self, folder / "results.json"), write_csv(self, folder / "results.csv")]
+            if plots and self.summary:
+                try:
+                    import matplotlib  # noqa: F401
+                except ImportError:
+                    self.notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
+                else:
+                    from .plots import make_plots
 
-                paths += make_plots(self, folder)
+                    try:
+                        make_plots(self, folder, written=paths)
+                    except OSError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the results
+                        self.notes.append(f"plots incomplete: {type(e).__name__}: {e}")
+        except OSError as e:
+            raise EvalError(f"--out: cannot write to {folder} ({e.strerror or e})") from None
+        remove_stale_outputs(folder, keep=[p.name for p in paths])
         return [str(p) for p in paths]
+
+
+def check_out(out: str | os.PathLike) -> pathlib.Path:
+    """Creates ``out`` (and its parents) and proves it writable with a probe file, which is removed;
+    EvalError naming the folder otherwise. Called before any work, so a bad --out loses nothing."""
+    folder = pathlib.Path(out)
+    if str(out) == "":
+        raise EvalError("--out: empty path")
+    if folder.exists() and not folder.is_dir():
+        raise EvalError(f"--out: {folder} exists and is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EvalError(f"--out: cannot create {folder} ({e.strerror or e})") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sparkjax-eval-probe-", dir=folder)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as e:
+        raise EvalError(f"--out: cannot write to {folder} ({e.strerror or e})") from None
+    return folder
+
+
+def remove_stale_outputs(folder: str | os.PathLike, keep: list[str]) -> list[str]:
+    """Removes the files of :data:`OUTPUT_FILES` in ``folder`` that are not in ``keep`` (left by an earlier
+    run); returns their names. Nothing else is touched."""
+    removed = []
+    for name in OUTPUT_FILES:
+        path = pathlib.Path(folder) / name
+        if name not in keep and path.is_file() and not path.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(name)
+    return removed
 
 
 def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str, int],
@@ -249,7 +339,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
     for name, recs in groups:
         if not recs:
             continue
-        ar_tpot = None
+        ar_tpot = ar_best = None
         for label in labels:
             rr = [r for r in recs if r["label"] == label]
             if not rr:
@@ -258,11 +348,16 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
             lens = [s["acceptance_lengths"] for s in samples]
             depth = depths.get(label, 0)
             rounds = [len(a) for a in lens]
-            # a unit whose first token already ended it (no decode step) has no decode time to speak of
+            # a unit whose first token already ended it (no decode step) has no decode time to speak of;
+            # one whose decode time was not measured (None: prefill-only >= full run) is left out too
             timed = [r for r in rr if r["loop_iterations"] > 0]
-            tp = metrics.mean_tpot([r["decode_seconds"] for r in timed], [r["output_tokens"] for r in timed])
+            measured = [r for r in timed if _measured(r.get("decode_seconds"))]
+            tp = metrics.mean_tpot([r["decode_seconds"] for r in measured], [r["output_tokens"] for r in measured])
+            best = [r for r in timed if _measured(r.get("decode_seconds_min"))]
+            tp_best = metrics.mean_tpot([r["decode_seconds_min"] for r in best], [r["output_tokens"] for r in best])
             if label == "ar":
-                ar_tpot = tp
+                ar_tpot, ar_best = tp, tp_best
+            spreads = [r["run_spread"] for r in timed if _measured(r.get("run_spread"), allow_zero=True)]
             staged = [r for r in rr if r.get("stage")]
             stage = None
             if staged:
@@ -276,6 +371,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
                 pairs = [(a, b) for a, b in pairs if b is not None]
                 same = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
             r0 = rr[0]
+            decode_sum = sum(r["decode_seconds"] for r in measured)
             rows.append({
                 "dataset": name,
                 "label": label,
@@ -291,12 +387,20 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
                 "tau_per_response": metrics.tau_per_response(lens),
                 "accept_rate": metrics.accept_rates([s["accepted_per_depth"] for s in samples], rounds, depth)
                 if depth else [],
-                "decode_seconds": sum(r["decode_seconds"] for r in rr),
-                "prefill_ms": 1000 * statistics.mean(statistics.median(r["prefill_seconds"]) for r in rr),
+                "decode_seconds": decode_sum,
+                "prefill_ms": 1000 * statistics.mean(statistics.median(r["prefill_seconds"]) for r in rr)
+                if all(r["prefill_seconds"] for r in rr) else math.nan,
                 "tpot_ms": 1000 * tp,
-                "round_ms": _ratio_ms(sum(r["decode_seconds"] for r in rr), sum(r["loop_iterations"] for r in rr)),
-                "tokens_per_s": 1 / tp if tp > 0 else math.nan,
+                "tpot_min_ms": 1000 * tp_best,
+                "round_ms": _ratio_ms(decode_sum, sum(r["loop_iterations"] for r in measured)),
+                "tokens_per_s": metrics.rate(tp),
+                "tokens_per_s_best": metrics.rate(tp_best),
                 "speedup": metrics.speedup(ar_tpot, tp) if ar_tpot is not None else math.nan,
+                "speedup_best": metrics.speedup(ar_best, tp_best) if ar_best is not None else math.nan,
+                "timing_spread": statistics.median(spreads) if spreads else math.nan,
+                "timing_spread_max": max(spreads) if spreads else math.nan,
+                "timed_batches": len(timed),
+                "unmeasured_batches": len(timed) - len(measured),
                 "stage_ms_per_round": stage,
                 "stage_samples": sum(len(r["samples"]) for r in staged),
                 "same_as_ar": same,
@@ -312,7 +416,14 @@ def _param_dtype(model) -> str:
 
 
 def _ratio_ms(seconds: float, count: int) -> float:
-    return 1000 * seconds / count if count else math.nan
+    return 1000 * seconds / count if count and seconds > 0 else math.nan
+
+
+def _measured(x, *, allow_zero: bool = False) -> bool:
+    """A measured, usable time (or spread): a finite number > 0 (>= 0 with ``allow_zero``); None is "not measured"."""
+    if not isinstance(x, int | float) or isinstance(x, bool) or not math.isfinite(x):
+        return False
+    return x >= 0 if allow_zero else x > 0
 
 
 # ============================================================================= the run
@@ -474,46 +585,167 @@ def _short(label: str) -> str:
     return abbr.get(name, name) + budget
 
 
+class Interrupt:
+    """The Ctrl-C flag of a run: the SIGINT handler :func:`sigint_flag` installs sets it; the harness checks
+    it between units of work. A second Ctrl-C raises KeyboardInterrupt at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.count = 0
+
+    def handler(self, signum, frame) -> None:
+        self.count += 1
+        self.requested = True
+        if self.count == 1:
+            print("\nCtrl-C: stopping after the current step; the finished batches will be written "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            return
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.requested:
+            raise Stopped
+
+
+class Stopped(Exception):
+    """Raised inside the benchmark loop when the Ctrl-C flag is set; the run keeps what it finished."""
+
+
+@contextlib.contextmanager
+def sigint_flag():
+    """Routes SIGINT to an :class:`Interrupt` flag for the duration of the block, then restores the previous
+    handler. Reuses the flag when one is already installed (the CLI installs it before :func:`run` does).
+    Outside the main thread (no signal handler possible) the flag is never set and Ctrl-C stays a
+    KeyboardInterrupt."""
+    try:
+        current = signal.getsignal(signal.SIGINT)
+    except ValueError:  # pragma: no cover - no signal module support
+        current = None
+    owner = getattr(current, "__self__", None)
+    if isinstance(owner, Interrupt):
+        yield owner
+        return
+    flag = Interrupt()
+    try:
+        signal.signal(signal.SIGINT, flag.handler)
+    except ValueError:  # not the main thread
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, current if current is not None else signal.default_int_handler)
+
+
+def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]], *, seed: int, repeats: int,
+               stages: bool, warmed: set, stop: Interrupt | None = None) -> dict[MethodConfig, dict[str, Any]]:
+    """Times one batch with every method (see the module docstring): warm-up of any new shape first, then
+    ``repeats`` interleaved repetitions (repetition r runs every method in turn, full run then prefill-only),
+    then the stage passes. Returns the raw record of each method. Raises :class:`Stopped` when ``stop`` is set
+    between two units of work (the batch is then dropped whole)."""
+    check = stop.check if stop is not None else (lambda: None)
+    for eng, mc in units:
+        key = eng.shape_key(mc, batch)
+        if key not in warmed:
+            check()
+            warm_up(eng, mc, batch, seed=seed, stages=False)
+            warmed.add(key)
+    run_s: dict[MethodConfig, list[float]] = {mc: [] for _, mc in units}
+    pre_s: dict[MethodConfig, list[float]] = {mc: [] for _, mc in units}
+    res: dict[MethodConfig, Any] = {}
+    for _ in range(repeats):
+        for eng, mc in units:
+            check()
+            t0 = time.perf_counter()
+            res[mc] = jax.block_until_ready(eng.launch(mc, batch, seed))
+            run_s[mc].append(time.perf_counter() - t0)
+            check()
+            t0 = time.perf_counter()
+            jax.block_until_ready(eng.launch(mc, batch, seed, prefill_only=True))
+            pre_s[mc].append(time.perf_counter() - t0)
+    raws: dict[MethodConfig, dict[str, Any]] = {}
+    for eng, mc in units:
+        out: BatchOutput = eng.outputs(res[mc])
+        n_out = sum(len(t) for t in out.tokens)
+        if mc.speculative:
+            iterations = max((len(a) for a in out.acceptance_lengths), default=0)
+        else:  # ar: the first token comes from the prefill, then one loop step per token
+            iterations = max((len(t) for t in out.tokens), default=1) - 1
+        stage = None
+        if stages and mc.speculative and iterations > 0:  # a batch without a round has no stage to time
+            key = eng.shape_key(mc, batch)
+            if (key, "stages") not in warmed:  # the stage functions compile on their first round
+                check()
+                eng.instrumented(mc, batch, seed)
+                warmed.add((key, "stages"))
+            check()
+            ins = eng.instrumented(mc, batch, seed)
+            stage = {"seconds": ins.stage_seconds, "rounds": max((len(a) for a in ins.acceptance_lengths), default=0),
+                     "acceptance_lengths": ins.acceptance_lengths}
+        raws[mc] = {
+            "loop_iterations": iterations,
+            "output": out,
+            "run_seconds": run_s[mc],
+            "prefill_seconds": pre_s[mc],
+            "decode_seconds": metrics.decode_seconds(run_s[mc], pre_s[mc]),
+            "decode_seconds_min": metrics.decode_seconds_min(run_s[mc], pre_s[mc]),
+            "run_spread": metrics.spread(run_s[mc]),
+            "output_tokens": n_out,
+            "stage": stage,
+        }
+    return raws
+
+
 def run_batch(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: int, repeats: int,
               stages: bool, warmed: set) -> dict[str, Any]:
-    """Times one batch with one method (see the module docstring); returns the raw record."""
-    key = engine.shape_key(mc, batch)
-    if key not in warmed:
-        warm_up(engine, mc, batch, seed=seed, stages=False)
-        warmed.add(key)
-    run_s: list[float] = []
-    pre_s: list[float] = []
-    res = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        res = jax.block_until_ready(engine.launch(mc, batch, seed))
-        run_s.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        jax.block_until_ready(engine.launch(mc, batch, seed, prefill_only=True))
-        pre_s.append(time.perf_counter() - t0)
-    out: BatchOutput = engine.outputs(res)
-    n_out = sum(len(t) for t in out.tokens)
-    if mc.speculative:
-        iterations = max((len(a) for a in out.acceptance_lengths), default=0)
-    else:  # ar: the first token comes from the prefill, then one loop step per token
-        iterations = max((len(t) for t in out.tokens), default=1) - 1
-    stage = None
-    if stages and mc.speculative and iterations > 0:  # a batch without a round has no stage to time
-        if (key, "stages") not in warmed:  # the stage functions compile on their first round
-            engine.instrumented(mc, batch, seed)
-            warmed.add((key, "stages"))
-        ins = engine.instrumented(mc, batch, seed)
-        stage = {"seconds": ins.stage_seconds, "rounds": max((len(a) for a in ins.acceptance_lengths), default=0),
-                 "acceptance_lengths": ins.acceptance_lengths}
-    return {
-        "loop_iterations": iterations,
-        "output": out,
-        "run_seconds": run_s,
-        "prefill_seconds": pre_s,
-        "decode_seconds": metrics.decode_seconds(run_s, pre_s),
-        "output_tokens": n_out,
-        "stage": stage,
-    }
+    """Times one batch with one method (:func:`time_batch` with a single method); returns the raw record."""
+    return time_batch([(engine, mc)], batch, seed=seed, repeats=repeats, stages=stages, warmed=warmed)[mc]
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def check_memory(target, mc: MethodConfig, plan, batch_size: int, cache_size: int) -> None:
+    """Refuses, before anything is compiled, a method whose verify step cannot fit in memory: a rough lower
+    bound of what one round holds at once (the KV cache, the verify's attention scores over the cache for
+    ``budget + 1`` rows, their logits and the tree mask) against the device's memory (the host's RAM on a CPU)."""
+    if plan is None:
+        return
+    c = target.config
+    rows = int(plan.nodes) + 1
+    heads = int(getattr(c, "num_attention_heads", 1) or 1)
+    kv = int(getattr(c, "num_key_value_heads", heads) or heads)
+    hd = int(getattr(c, "head_dim", None) or (c.hidden_size // heads))
+    layers = int(getattr(c, "num_hidden_layers", 1) or 1)
+    need = 4 * batch_size * (2 * layers * cache_size * kv * hd  # KV cache (float32 upper bound)
+                             + heads * rows * cache_size  # attention scores of one layer's verify
+                             + rows * int(c.vocab_size)  # verify logits
+                             + rows * rows)  # tree mask
+    limit = _memory_limit()
+    if limit and need > limit:
+        raise EvalError(
+            f"--budgets: {mc.label} needs about {need / 2**30:.1f} GiB for one verify step (budget {plan.nodes}: "
+            f"{rows} rows against a {cache_size}-slot cache, batch {batch_size}), more than the "
+            f"{limit / 2**30:.1f} GiB this device has; use a smaller budget")
+
+
+def _memory_limit() -> int | None:
+    try:
+        dev = jax.devices()[0]
+        stats = dev.memory_stats() if dev.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            return int(stats["bytes_limit"])
+    except Exception:  # noqa: BLE001 - memory_stats is optional and backend-specific
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def warm_up(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: int, stages: bool) -> bool:
@@ -535,9 +767,17 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
     The baseline drafter runs dflash and ddtree; dspark, sparklingtree and sparklingtree-beam run
     with the drafter (see :class:`EvalConfig` for the defaults). Keyword
     ``overrides`` set :class:`EvalConfig` fields, e.g. ``run(methods=("ar", "dspark"), max_samples=2)``.
-    A KeyboardInterrupt stops the run and returns (and saves) the batches finished so far, with
-    ``interrupted=True``.
+    Ctrl-C (SIGINT) stops the run at the next unit of work and returns (and saves) the batches finished so far,
+    with ``interrupted=True``; while it runs, SIGINT only sets a flag, and the previous handler is restored
+    when it returns. A Ctrl-C before the first timed batch (while loading) raises KeyboardInterrupt.
     """
+    with sigint_flag() as stop:
+        return _run(config, target=target, drafter=drafter, baseline_drafter=baseline_drafter, tokenizer=tokenizer,
+                    progress=progress, stop=stop, **overrides)
+
+
+def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokenizer, progress: bool,
+         stop: Interrupt, **overrides) -> EvalResults:
     t_start = time.perf_counter()
     cfg = dataclasses.replace(config or EvalConfig(), **overrides)
     for name in ("methods", "datasets", "budgets"):
@@ -554,9 +794,18 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
         except ValueError:
             raise EvalError(f"--budgets: expected integers, got {cfg.budgets!r}") from None
     mcs, notes = validate(cfg, target_given=target is not None)
+    if cfg.out:
+        check_out(cfg.out)  # a bad --out is said before any work, not after the benchmark
     resolve_pair(cfg, target, drafter, baseline_drafter, mcs)  # a missing demo folder: said before anything is read
     sets = ds.load_all(cfg.datasets)
+
+    def early_stop():  # a Ctrl-C before the first timed batch: nothing to keep
+        if stop.requested:
+            raise KeyboardInterrupt
+
+    early_stop()
     pair = load_pair(cfg, target, drafter, baseline_drafter, mcs)
+    early_stop()
     target, t_dir = pair.target, pair.target_dir
     notes += pair.notes
     tok, tok_src = load_tok(cfg, tokenizer, t_dir)
@@ -600,6 +849,9 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
                      "(listed in results.json setup.skipped)")
     if not selected:
         raise EvalError("--datasets: no prompt fits the target's max_position_embeddings; lower --max-new-tokens")
+    n_batches = sum(math.ceil(len(rows) / cfg.batch_size) for rows in selected.values())
+    if cfg.seed + n_batches - 1 >= MAX_SEED:
+        raise EvalError(f"--seed: batch i runs with seed + i, and {cfg.seed} + {n_batches - 1} is not below 2**63")
 
     # ---- shapes: one prompt width and one cache size for the whole run
     longest = max(len(ids) for rows in selected.values() for _, _, ids in rows)
@@ -617,11 +869,15 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
                   for mc in mcs}
     role_of = {mc: ("baseline" if use_base[mc] else "drafter") if mc.speculative else None for mc in mcs}
     extra = 0
+    plans = {}
     for mc in mcs:
-        p = engines[mc].plan(mc)  # validates budget / top_c against the pair (ArgumentError)
+        plans[mc] = p = engines[mc].plan(mc)  # validates budget / top_c against the pair (ArgumentError)
         if p is not None:
             extra = max(extra, p.depth + p.nodes + 2)
     engine.cache_size = base_engine.cache_size = max(width, decode.bucket(longest + cfg.max_new_tokens + extra))
+    for mc in mcs:  # a budget whose verify cannot fit: refused now, not after minutes of compiling
+        check_memory(target, mc, plans[mc], cfg.batch_size, engine.cache_size)
+    early_stop()
     depths = {mc.label: engines[mc].depth(mc) for mc in mcs}
     labels = [mc.label for mc in mcs]
     setup = {
@@ -642,37 +898,51 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
     interrupted = False
     warmed: set = set()
     stage_cap = cfg.stage_samples
+    loads: list[float] = []
+
+    def sample_load():
+        la = load_average()
+        if la is not None:
+            loads.append(la)
+
     from tqdm.auto import tqdm
 
+    units = [(engines[mc], mc) for mc in mcs]
     try:
+        sample_load()
         first = next(iter(selected.values()))[: cfg.batch_size]
         first_batch = [ids for _, _, ids in first]
         bar = tqdm(mcs, desc="warm-up (compiling)", unit="method", disable=not progress, leave=False)
         for mc in bar:
+            stop.check()
             bar.set_postfix_str(mc.label)
             eng = engines[mc]
             stages_warm = warm_up(eng, mc, first_batch, seed=cfg.seed, stages=stage_cap != 0)
             warmed.add(eng.shape_key(mc, first_batch))
             if stages_warm:
                 warmed.add((eng.shape_key(mc, first_batch), "stages"))
+        bar.close()
+        sample_load()
         batch_no = 0
         for name, rows in selected.items():
             bar = tqdm(total=len(rows), desc=f"{name}", unit="sample", disable=not progress)
             staged = 0  # batches of this set that got the stage pass
             try:
                 for b0 in range(0, len(rows), cfg.batch_size):
+                    stop.check()
                     chunk = rows[b0 : b0 + cfg.batch_size]
                     batch = [ids for _, _, ids in chunk]
                     seed = cfg.seed + batch_no
                     stages = stage_cap is None or staged < stage_cap
+                    raws = time_batch(units, batch, seed=seed, repeats=cfg.repeats, stages=stages, warmed=warmed,
+                                      stop=stop)
                     done: list[dict[str, Any]] = []
                     for mc in mcs:
-                        raw = run_batch(engines[mc], mc, batch, seed=seed, repeats=cfg.repeats, stages=stages,
-                                        warmed=warmed)
-                        rec = _record(name, b0 // cfg.batch_size, seed, mc, chunk, raw)
+                        rec = _record(name, b0 // cfg.batch_size, seed, mc, chunk, raws[mc])
                         rec.update(drafter=drafter_of[mc], drafter_role=role_of[mc])
                         done.append(rec)
                     records.extend(done)  # a batch counts once every method has run it
+                    sample_load()
                     staged += any(r["stage"] for r in done)
                     batch_no += 1
                     bar.update(len(chunk))
@@ -686,10 +956,26 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
                         bar.set_postfix_str("tau " + " ".join(taus))
             finally:
                 bar.close()
-    except KeyboardInterrupt:
+    except (Stopped, KeyboardInterrupt):
         interrupted = True
         n = len({(r["dataset"], s["index"]) for r in records for s in r["samples"]})
         notes.append(f"interrupted (Ctrl-C): the results cover the {n} sample(s) every method had finished")
+    cpus = os.cpu_count() or 1
+    setup["timing"] = {
+        "order": "interleaved: per batch, repetition r runs every method in turn (full run, then prefill-only)",
+        "repeats": cfg.repeats,
+        "statistics": "median and min over repetitions; spread = (max - min) / median of the full runs",
+        "spread_warning": SPREAD_WARNING,
+        "load_average_max": max(loads) if loads else None,
+        "load_average_samples": len(loads),
+        "cpu_count": cpus,
+    }
+    unmeasured = [f"{r['dataset']}/{r['label']}#{r['batch']}" for r in records
+                  if r["loop_iterations"] > 0 and r["decode_seconds"] is None]
+    if unmeasured:
+        notes.append(f"decode time not measured for {len(unmeasured)} batch(es) ({', '.join(unmeasured[:6])}"
+                     f"{', ...' if len(unmeasured) > 6 else ''}): the prefill-only runs took at least as long as the "
+                     "full runs (a busy machine?); they are left out of TPOT, tok/s and speedup")
     ended = [(r["dataset"], s["index"]) for r in records if r["label"] == "ar" for s in r["samples"]
              if s["output_tokens"] <= 1]
     if ended:
@@ -721,7 +1007,8 @@ def _record(dataset: str, batch_index: int, seed: int, mc: MethodConfig, chunk, 
     return {
         "dataset": dataset, "label": mc.label, "method": mc.method, "budget": mc.budget, "batch": batch_index,
         "seed": seed, "samples": samples, "run_seconds": raw["run_seconds"], "prefill_seconds": raw["prefill_seconds"],
-        "decode_seconds": raw["decode_seconds"], "output_tokens": raw["output_tokens"],
+        "decode_seconds": raw["decode_seconds"], "decode_seconds_min": raw.get("decode_seconds_min"),
+        "run_spread": raw.get("run_spread"), "output_tokens": raw["output_tokens"],
         "loop_iterations": raw["loop_iterations"], "stage": raw["stage"],
     }
 

@@ -14,6 +14,7 @@ reports both, labelled:
 accepted at least k drafts (acceptance length >= k + 1), pooled over all rounds.
 
 TPOT (time per output token) = decode seconds / output tokens; speedup = TPOT(ar) / TPOT(method).
+A decode time that is not positive is "not measured" (None), never 0: no ratio is ever taken over it.
 """
 
 from __future__ import annotations
@@ -58,27 +59,60 @@ def accept_rates_from_lengths(acceptance_lengths: Iterable[Sequence[int]], depth
     return [sum(a >= k + 1 for a in flat) / len(flat) for k in range(1, depth + 1)]
 
 
-def tpot(decode_seconds: float, output_tokens: int) -> float:
-    """Seconds per output token (NaN without tokens)."""
-    return decode_seconds / output_tokens if output_tokens > 0 else math.nan
+def tpot(decode_seconds: float | None, output_tokens: int) -> float:
+    """Seconds per output token (NaN without tokens or without a measured, positive decode time)."""
+    if decode_seconds is None or not (decode_seconds > 0) or output_tokens <= 0:
+        return math.nan
+    return decode_seconds / output_tokens
 
 
 def mean_tpot(decode_seconds: Sequence[float], output_tokens: Sequence[int]) -> float:
     """The mean over timed units (responses, or batches when batching) of their TPOT, as upstream averages it."""
     values = [tpot(s, n) for s, n in zip(decode_seconds, output_tokens, strict=True) if n > 0]
+    values = [v for v in values if not math.isnan(v)]
     return sum(values) / len(values) if values else math.nan
 
 
 def speedup(tpot_ar: float, tpot_method: float) -> float:
     """TPOT(ar) / TPOT(method): how many times faster than the target alone."""
-    if not (tpot_method > 0) or not (tpot_ar > 0):
+    if tpot_ar is None or tpot_method is None or not (tpot_method > 0) or not (tpot_ar > 0):
         return math.nan
     return tpot_ar / tpot_method
 
 
-def decode_seconds(run_seconds: Sequence[float], prefill_seconds: Sequence[float]) -> float:
-    """Decode time of one timed unit: median full run - median prefill-only run (floored at 0)."""
-    return max(statistics.median(run_seconds) - statistics.median(prefill_seconds), 0.0)
+def decode_seconds(run_seconds: Sequence[float], prefill_seconds: Sequence[float]) -> float | None:
+    """Decode time of one timed unit: median full run - median prefill-only run.
+
+    None ("not measured") when that difference is not positive: on a busy machine the prefill-only
+    run can take as long as the full run, and a clamped 0 would turn into an infinite tok/s. Never 0."""
+    if not run_seconds or not prefill_seconds:
+        return None
+    d = statistics.median(run_seconds) - statistics.median(prefill_seconds)
+    return d if d > 0 else None
+
+
+def decode_seconds_min(run_seconds: Sequence[float], prefill_seconds: Sequence[float]) -> float | None:
+    """The best-case decode time: fastest full run - fastest prefill-only run (None when not positive)."""
+    if not run_seconds or not prefill_seconds:
+        return None
+    d = min(run_seconds) - min(prefill_seconds)
+    return d if d > 0 else None
+
+
+def spread(values: Sequence[float]) -> float | None:
+    """Relative spread of repeated timings: (max - min) / median (None for fewer than 2 values or a median <= 0)."""
+    vals = [float(v) for v in values]
+    if len(vals) < 2:
+        return None
+    med = statistics.median(vals)
+    if not (med > 0):
+        return None
+    return (max(vals) - min(vals)) / med
+
+
+def rate(tpot_seconds: float) -> float:
+    """Tokens per second = 1 / TPOT (NaN for a TPOT that is not a positive number)."""
+    return 1.0 / tpot_seconds if isinstance(tpot_seconds, int | float) and tpot_seconds > 0 else math.nan
 
 
 def stage_ms_per_round(stage_seconds: Sequence[dict[str, float]], iterations: Sequence[int]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import pathlib
 
@@ -9,6 +10,47 @@ import numpy as np
 
 STAGES = ("draft", "tree", "verify", "commit")
 STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
+
+# One colour per method family; the budget of a tree method sets the shade (lighter for smaller trees), the
+# line style, the marker and the bar hatch. A label's style depends on the label alone, so it is the same in
+# every plot of every run, whichever other methods run beside it.
+FAMILY_COLORS = {
+    "ar": "#4d4d4d",
+    "dflash": "#1f77b4",
+    "dspark": "#d62728",
+    "ddtree": "#2ca02c",
+    "sparklingtree": "#ff7f0e",
+    "sparklingtree-beam": "#9467bd",
+}
+_OTHER_COLORS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#843c39")
+_LINESTYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+_HATCHES = ("", "//", "..", "xx", "\\\\", "++")
+
+
+def _mix(color: str, other: str, t: float) -> str:
+    a = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
+    b = [int(other[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(a, b, strict=True))
+
+
+def method_style(label: str) -> dict:
+    """The plot style of a method label (``"ar"``, ``"dspark"``, ``"sparklingtree@32"``, ...): ``color``,
+    ``linestyle``, ``marker`` and ``hatch``. Stable: a function of the label only."""
+    family, _, budget = label.partition("@")
+    base = FAMILY_COLORS.get(family)
+    if base is None:  # a method this module does not know: a fixed colour picked from its name
+        base = _OTHER_COLORS[int(hashlib.md5(family.encode()).hexdigest(), 16) % len(_OTHER_COLORS)]
+    if not budget:
+        return {"color": base, "linestyle": "-", "marker": "o", "hatch": ""}
+    try:
+        level = max(0, round(math.log2(int(budget))) - 4)  # 16 -> 0, 32 -> 1, 64 -> 2, ...
+    except ValueError:
+        level = int(hashlib.md5(budget.encode()).hexdigest(), 16) % 6
+    shade = (-0.45, 0.0, 0.4, -0.25, 0.2, 0.55)[level % 6]  # < 0: towards white, > 0: towards black
+    color = _mix(base, "#ffffff", -shade) if shade < 0 else _mix(base, "#000000", shade)
+    return {"color": color, "linestyle": _LINESTYLES[(level + 1) % len(_LINESTYLES)],
+            "marker": _MARKERS[(level + 1) % len(_MARKERS)], "hatch": _HATCHES[(level + 1) % len(_HATCHES)]}
 
 
 def _figure(w: float, h: float):
@@ -44,15 +86,16 @@ def acceptance_plot(results, path) -> pathlib.Path:
     rows = math.ceil(n / cols)
     fig = _figure(4.6 * cols, 3.4 * rows + 0.6)
     labels = [lab for lab in results.setup["labels"] if lab != "ar"]
-    cmap = _colormap(fig)
     for i, name in enumerate(sets):
         ax = fig.add_subplot(rows, cols, i + 1)
-        for j, label in enumerate(labels):
+        for label in labels:
             row = next((r for r in results.rows(name) if r["label"] == label), None)
             if not row or not row["accept_rate"]:
                 continue
             k = np.arange(1, len(row["accept_rate"]) + 1)
-            ax.plot(k, [_val(x) for x in row["accept_rate"]], marker="o", ms=3, label=label, color=cmap(j % 10))
+            st = method_style(label)
+            ax.plot(k, [_val(x) for x in row["accept_rate"]], marker=st["marker"], ms=3, ls=st["linestyle"],
+                    label=label, color=st["color"])
         ax.set_title(f"{name}")
         ax.set_xlabel("draft depth k")
         ax.set_ylabel("accept_rate@k (fraction of rounds)")
@@ -62,14 +105,7 @@ def acceptance_plot(results, path) -> pathlib.Path:
             ax.legend(fontsize=7)
     fig.suptitle("Per-depth acceptance: fraction of rounds whose accepted path reached depth k\n" + _subtitle(results),
                  fontsize=9)
-    fig.savefig(path)
-    return pathlib.Path(path)
-
-
-def _colormap(fig):
-    import matplotlib
-
-    return matplotlib.colormaps["tab10"]
+    return _save(fig, path)
 
 
 def tau_speedup_plot(results, path) -> pathlib.Path:
@@ -77,7 +113,6 @@ def tau_speedup_plot(results, path) -> pathlib.Path:
     sets = list(dict.fromkeys(r["dataset"] for r in results.summary))
     labels = list(results.setup["labels"])
     fig = _figure(min(14.0, max(7.5, 0.3 * len(sets) * max(1, len(labels)) + 2)), 7.0)
-    cmap = _colormap(fig)
     x = np.arange(len(sets))
     width = 0.8 / max(len(labels), 1)
     for p, (field, title) in enumerate((("tau_pooled", "acceptance length tau (pooled: sum / rounds)"),
@@ -88,7 +123,9 @@ def tau_speedup_plot(results, path) -> pathlib.Path:
             for name in sets:
                 row = next((r for r in results.rows(name) if r["label"] == label), None)
                 vals.append(_val(row[field]) if row else float("nan"))
-            ax.bar(x + (j - (len(labels) - 1) / 2) * width, vals, width, label=label, color=cmap(j % 10))
+            st = method_style(label)
+            ax.bar(x + (j - (len(labels) - 1) / 2) * width, vals, width, label=label, color=st["color"],
+                   hatch=st["hatch"] or None, edgecolor="white" if st["hatch"] else None, linewidth=0)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(x, sets)
         ax.set_ylabel(field.replace("_", " "))
@@ -97,8 +134,7 @@ def tau_speedup_plot(results, path) -> pathlib.Path:
         if p == 0:
             ax.legend(fontsize=7, ncols=min(len(labels), 5))
     fig.suptitle("tau and speedup per dataset\n" + _subtitle(results), fontsize=9)
-    fig.savefig(path)
-    return pathlib.Path(path)
+    return _save(fig, path)
 
 
 def stage_plot(results, path) -> pathlib.Path:
@@ -130,14 +166,23 @@ def stage_plot(results, path) -> pathlib.Path:
     if not rows:
         ax.text(0.5, 0.5, "no instrumented pass in this run", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"Time per round by stage ({scope})\n" + _subtitle(results), fontsize=9)
-    fig.savefig(path)
+    return _save(fig, path)
+
+
+def _save(fig, path) -> pathlib.Path:
+    """Writes the figure atomically (a temp file renamed into place)."""
+    from ..convert import atomic_file
+
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png")
     return pathlib.Path(path)
 
 
-def make_plots(results, folder) -> list[pathlib.Path]:
+def make_plots(results, folder, written: list | None = None) -> list[pathlib.Path]:
+    """Writes the three PNGs into ``folder``; each path is appended to ``written`` as soon as it exists."""
     folder = pathlib.Path(folder)
-    return [
-        acceptance_plot(results, folder / "acceptance_per_depth.png"),
-        tau_speedup_plot(results, folder / "tau_speedup.png"),
-        stage_plot(results, folder / "stage_time.png"),
-    ]
+    written = [] if written is None else written
+    for plot, name in ((acceptance_plot, "acceptance_per_depth.png"), (tau_speedup_plot, "tau_speedup.png"),
+                       (stage_plot, "stage_time.png")):
+        written.append(plot(results, folder / name))
+    return written

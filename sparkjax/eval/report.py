@@ -19,7 +19,36 @@ def _num(x, fmt: str, none: str = "-") -> str:
 
 
 def _ok(x) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _times(x) -> str:
+    return f"{x:.2f}x" if _ok(x) else "-"
+
+
+def timing_warnings(results, threshold: float | None = None) -> list[str]:
+    """WARNING lines for the table: rows whose timing spread exceeds the threshold (25 %), a load average above
+    the CPU count during the run, and rows whose decode time could not be measured."""
+    timing = (results.setup or {}).get("timing") or {}
+    if threshold is None:
+        threshold = timing.get("spread_warning", 0.25)
+    out = []
+    noisy = [r for r in results.summary if _ok(r.get("timing_spread")) and r["timing_spread"] > threshold]
+    if noisy:
+        shown = ", ".join(f"{r['dataset']}/{r['label']} {100 * r['timing_spread']:.0f}%" for r in noisy[:6])
+        more = f" and {len(noisy) - 6} more" if len(noisy) > 6 else ""
+        out.append(f"WARNING: timing spread above {100 * threshold:.0f}% ({shown}{more}): these timings are noisy; "
+                   "rerun on a quieter machine or with more --repeats")
+    load, cpus = timing.get("load_average_max"), timing.get("cpu_count")
+    if _ok(load) and _ok(cpus) and load > cpus:
+        out.append(f"WARNING: the load average reached {load:.1f} during the run, above the {cpus} CPU cores: other "
+                   "processes competed for the CPU, so tok/s and speedups are unreliable")
+    unmeasured = [r for r in results.summary if r.get("unmeasured_batches")]
+    if unmeasured:
+        out.append("WARNING: decode time not measured for some batches (prefill-only took as long as the full run): "
+                   + ", ".join(f"{r['dataset']}/{r['label']} {r['unmeasured_batches']}/{r.get('timed_batches')}"
+                               for r in unmeasured[:6]))
+    return ([""] + out) if out else []
 
 
 def _clean(x):
@@ -34,12 +63,13 @@ def _clean(x):
 
 
 def write_json(results, path: str | os.PathLike) -> pathlib.Path:
+    """Writes ``results.json`` atomically (a temp file beside it, renamed into place when complete)."""
+    from ..convert import atomic_file
+
     path = pathlib.Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_clean(results.to_dict()), f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    text = json.dumps(_clean(results.to_dict()), indent=1, allow_nan=False) + "\n"
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
     return path
 
 
@@ -64,20 +94,21 @@ def write_csv(results, path: str | os.PathLike) -> pathlib.Path:
     fields: list[str] = []
     for r in rows:
         fields += [k for k in r if k not in fields]
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+    from ..convert import atomic_file
+
+    with atomic_file(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields or ["dataset"])
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in r.items()})
-    os.replace(tmp, path)
+            w.writerow({k: ("" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v)
+                        for k, v in r.items()})
     return path
 
 
 def _header(results) -> list[str]:
     c, s, e = results.config, results.setup, results.environment
     temp = "greedy" if not c["temperature"] else f"temperature {c['temperature']}"
-    runs = "1 timed run" if c["repeats"] == 1 else f"median of {c['repeats']} timed runs"
+    runs = "1 timed run" if c.get("repeats") == 1 else f"median and min of {c.get('repeats')} interleaved timed runs"
     lines = [
         f"sparkjax.eval: target {s['target']}  drafter {s['drafter']}  ({s['dtype']})",
         *([f"  baseline drafter {s['baseline_drafter']} for {', '.join(s['baseline_methods'])}"]
@@ -101,10 +132,12 @@ def format_table(results) -> str:
         return "\n".join(lines)
     dw = max(7, *(len(r["dataset"]) for r in results.summary))
     mw = max(6, *(len(r["label"]) for r in results.summary))
-    head = (f"{'dataset':<{dw}}  {'method':<{mw}}  {'n':>3}  {'tau':>6}  {'tau':>6}  {'tok/s':>8}  {'speedup':>7}  "
-            f"{'TPOT':>7}  {'round':>6}  | {'stage ms per round (instrumented pass)':<38}")
-    sub = (f"{'':<{dw}}  {'':<{mw}}  {'':>3}  {'pooled':>6}  {'resp':>6}  {'':>8}  {'vs ar':>7}  "
-           f"{'ms':>7}  {'ms':>6}  | " + " ".join(f"{k:>6}" for k in (*STAGES, "total")))
+    head = (f"{'dataset':<{dw}}  {'method':<{mw}}  {'n':>3}  {'tau':>6}  {'tau':>6}  {'tok/s':>8}  {'tok/s':>8}  "
+            f"{'spread':>6}  {'speedup':>7}  {'speedup':>7}  {'TPOT':>7}  {'round':>6}  {'same':>5}  "
+            f"| {'stage ms per round (instrumented pass)':<38}")
+    sub = (f"{'':<{dw}}  {'':<{mw}}  {'':>3}  {'pooled':>6}  {'resp':>6}  {'median':>8}  {'best':>8}  "
+           f"{'':>6}  {'vs ar':>7}  {'best':>7}  {'ms':>7}  {'ms':>6}  {'as ar':>5}  | "
+           + " ".join(f"{k:>6}" for k in (*STAGES, "total")))
     lines += ["", head, sub, "-" * len(sub)]
     prev = None
     for r in results.summary:
@@ -113,12 +146,18 @@ def format_table(results) -> str:
         prev = r["dataset"]
         st = r.get("stage_ms_per_round") or {}
         stages = " ".join(f"{_num(st.get(k), '6.2f'):>6}" for k in (*STAGES, "total"))
+        spread = r.get("timing_spread")
+        same = r.get("same_as_ar")
         lines.append(
             f"{r['dataset']:<{dw}}  {r['label']:<{mw}}  {r['n_samples']:>3}  {_num(r['tau_pooled'], '6.2f'):>6}  "
-            f"{_num(r['tau_per_response'], '6.2f'):>6}  {_num(r['tokens_per_s'], '8.1f'):>8}  "
-            f"{_num(r['speedup'], '.2f', none='-') + ('x' if _ok(r['speedup']) else ''):>7}  "
-            f"{_num(r['tpot_ms'], '7.3f'):>7}  {_num(r.get('round_ms'), '6.2f'):>6}  | {stages}"
+            f"{_num(r['tau_per_response'], '6.2f'):>6}  {_num(r.get('tokens_per_s'), '8.1f'):>8}  "
+            f"{_num(r.get('tokens_per_s_best'), '8.1f'):>8}  "
+            f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
+            f"{_times(r.get('speedup')):>7}  {_times(r.get('speedup_best')):>7}  "
+            f"{_num(r.get('tpot_ms'), '7.3f'):>7}  {_num(r.get('round_ms'), '6.2f'):>6}  "
+            f"{(_num(same, '.2f') if r['label'] != 'ar' else '-'):>5}  | {stages}"
         )
+    lines += timing_warnings(results)
     scope = "all" if any(r["dataset"] == "all" for r in results.summary) else results.summary[0]["dataset"]
     rows = [r for r in results.rows(scope) if r["accept_rate"]]
     if rows:
@@ -137,8 +176,10 @@ def format_table(results) -> str:
         "tau pooled = sum of acceptance lengths / rounds (DeepSpec); tau resp = mean of per-response means (DDTree);",
         "acceptance length = accepted drafts + 1. TPOT = decode time / output tokens, decode time = full run - "
         "prefill-only run",
-        "(median each); tok/s = 1 / TPOT; speedup = TPOT(ar) / TPOT(method), same run. round ms = decode time / rounds",
-        "(ar: per token) in the fused loop; stage times come from a separate, synced pass, so they add overhead.",
+        "(median over the repetitions, methods interleaved A B A B; 'best': the same from the fastest runs); tok/s =",
+        "1 / TPOT; speedup = TPOT(ar) / TPOT(method), same run; spread = (max - min) / median of the full runs (median",
+        "over batches). round ms = decode time / rounds (ar: per token) in the fused loop; stage times come from a",
+        "separate, synced pass, so they add overhead. same as ar = fraction of outputs equal to ar's (greedy: 1.00).",
     ]
     lines += [f"note: {n}" for n in results.notes]
     return "\n".join(lines)
@@ -163,8 +204,9 @@ def compare(a, b, name_a: str = "A", name_b: str = "B") -> str:
         cells = []
         for field, _, fmt in COMPARED:
             x, y = ia[k].get(field), ib[k].get(field)
-            if x is None or y is None or (isinstance(x, float) and math.isnan(x)) or (
-                    isinstance(y, float) and math.isnan(y)):
+            x = x if _ok(x) else None  # a missing, null, NaN or non-number value (an older or edited file): "-"
+            y = y if _ok(y) else None
+            if x is None or y is None:
                 cells.append(f"{_num(x, fmt)} -> {_num(y, fmt)}")
                 continue
             d = y - x

@@ -23,10 +23,12 @@ The pair is synthetic: its acceptance numbers demonstrate the machinery, not lan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 VOCAB_SIZE = 320
@@ -144,6 +146,37 @@ def default_tokenizer_dir() -> pathlib.Path:
     return write_default_tokenizer(cache / "default_tokenizer")
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silences transformers' advisory and info messages for the block (only its tokenizers are used here).
+
+    Its import prints "PyTorch was not found. Models won't be available ..." when torch is not installed,
+    which reads like a broken install although no model of transformers is ever used: that message is an
+    "advisory warning", dropped while ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` is set (it is set only for the
+    block and then restored). Inside the block, transformers' log level is ERROR; the previous level is
+    restored after it."""
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    previous = os.environ.get(key)
+    os.environ[key] = "1"
+    verbosity = None
+    try:
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 - no transformers: nothing to silence; the caller reports the import error
+        hf_logging = None
+    try:
+        yield
+    finally:
+        if hf_logging is not None and verbosity is not None:
+            hf_logging.set_verbosity(verbosity)
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
 def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer"):
     """``AutoTokenizer.from_pretrained(folder)`` offline, with a one-line error naming the folder."""
     from .errors import TokenizerError
@@ -156,15 +189,10 @@ def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer"):
         raise TokenizerError(f"{what}: {folder} holds no tokenizer ({', '.join(files)}: none found)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        with quiet_transformers():
+            from transformers import AutoTokenizer
 
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
             return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        finally:
-            hf_logging.set_verbosity(verbosity)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TokenizerError(f"{what}: cannot load a tokenizer from {folder} ({msg})") from None
