@@ -321,36 +321,62 @@ def test_damaged_checkpoint_fallback_prints_one_line(tmp_path, run, jax_cache):
     noise = [line for line in proc.stderr.splitlines()
              if "Exception ignored" in line or "Event loop is closed" in line or "Traceback" in line]
     assert len(noise) < 5, proc.stderr[-3000:]
+    print(proc.stdout.splitlines()[-1])  # DROPPED n: how many reports the filter took out
     assert len(proc.stderr.splitlines()) < 12, proc.stderr[-3000:]
     assert os.path.isdir(os.path.join(out, "checkpoints", "corrupt-4-0"))
 
 
-def _closed_loop_report():
+def _late_tensorstore_read() -> None:
+    """What a failed orbax restore leaves: a tensorstore read awaited on an event loop that is closed
+    (the restore failed on another read) before this read completes."""
+    import tensorstore as ts
+
+    promise, future = ts.Promise.new()
+
+    async def read():
+        return await future
+
+    async def restore():
+        pending = asyncio.ensure_future(read())
+        await asyncio.sleep(0)
+        assert not pending.done()
+        raise ValueError("another read failed")
+
     loop = asyncio.new_event_loop()
+    with pytest.raises(ValueError):
+        loop.run_until_complete(restore())
     loop.close()
-    try:
-        loop.call_soon_threadsafe(print)
-    except RuntimeError as e:
-        return types.SimpleNamespace(exc_type=RuntimeError, exc_value=e, exc_traceback=e.__traceback__,
-                                     err_msg=None, object=None)
-    raise AssertionError("a closed loop accepted a callback")
+    promise.set_result(1)  # the read completes: tensorstore calls loop.call_soon_threadsafe on the closed loop
 
 
-def test_closed_loop_filter_drops_only_that_report():
-    from sparkjax.checkpoint import _ClosedLoopFilter
+def test_closed_loop_filter_drops_only_that_report(tmp_path, monkeypatch):
+    from sparkjax.checkpoint import TrainCheckpointer, _ClosedLoopFilter
 
     seen = []
-    hook = _ClosedLoopFilter(seen.append)
-    noise = _closed_loop_report()
-    hook(noise)
-    assert seen == [] and hook.dropped == 1
+
+    def record(report):
+        seen.append(report)
+
+    monkeypatch.setattr(sys, "unraisablehook", record)
+    _late_tensorstore_read()
+    assert len(seen) == 1 and str(seen[0].exc_value) == "Event loop is closed"  # the noise, without the filter
+    TrainCheckpointer(str(tmp_path / "ck"), keep_last=1, keep_best=0).close()  # installs the filter
+    hook = sys.unraisablehook
+    assert isinstance(hook, _ClosedLoopFilter) and hook.previous is record
+    _late_tensorstore_read()
+    assert len(seen) == 1 and hook.dropped == 1
+    TrainCheckpointer(str(tmp_path / "ck2"), keep_last=1, keep_best=0).close()
+    assert sys.unraisablehook is hook  # installed once
+    noise = seen[0]
     other = types.SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError("something else"),
                                   exc_traceback=noise.exc_traceback, err_msg=None, object=None)
-    with_object = types.SimpleNamespace(**{**vars(noise), "object": object()})
-    not_asyncio = types.SimpleNamespace(**{**vars(noise), "exc_traceback": None})
-    for report in (other, with_object, not_asyncio):
+    with_object = types.SimpleNamespace(exc_type=RuntimeError, exc_value=noise.exc_value,
+                                        exc_traceback=noise.exc_traceback, err_msg=None, object=object())
+    elsewhere = types.SimpleNamespace(exc_type=RuntimeError, exc_value=noise.exc_value, exc_traceback=None,
+                                      err_msg=None, object=None)
+    for report in (other, with_object, elsewhere):
         hook(report)
-    assert seen == [other, with_object, not_asyncio] and hook.dropped == 1
+    assert seen[1:] == [other, with_object, elsewhere] and hook.dropped == 1
 
 
 # ----------------------------------------------------------------------------- 5. metrics after a resume
