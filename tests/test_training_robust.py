@@ -445,6 +445,8 @@ def test_train_cli_mistakes_are_one_line(argv, capsys, tmp_path, monkeypatch):
     ["--output", "x", "--export", "y"],  # not a run
     ["--output", "x", "--recipe", "r.json", "--corpus", "c", "--set", "seq_len"],
     ["--output", "x", "--max-minutes", "soon"],
+    ["--output", "x", "--recipe", "r.json", "--corpus", "c", "--set", "model=3"],
+    ["--output", "x", "--recipe", "r.json", "--corpus", "c", "--set", 'seed="a"'],
 ])
 def test_train_target_cli_mistakes_are_one_line(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

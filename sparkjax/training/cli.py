@@ -30,7 +30,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def run_cli(body) -> int:
-    """Runs ``body()``; a :class:`SparkjaxError` or an OS error (disk full, no permission) is one line, exit 2."""
+    """Runs ``body()``; a :class:`SparkjaxError` or an OS error (disk full, no permission) is one line, exit 2
+    (Ctrl-C: one line, exit 130)."""
     try:
         return body()
     except SparkjaxError as e:
@@ -38,6 +39,9 @@ def run_cli(body) -> int:
     except OSError as e:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C); --resume continues from the last saved checkpoint", file=sys.stderr)
+        return 130
     return 2
 
 

@@ -60,6 +60,10 @@ class LMConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise TrainingError(f"{name}: must be a positive integer, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise TrainingError(f"seed: must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.model, dict):
+            raise TrainingError(f"model: must be a Qwen3 config.json object, got {type(self.model).__name__}")
         self.qwen3_config()  # validates the model keys
 
     def qwen3_config(self) -> Qwen3Config:

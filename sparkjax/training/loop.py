@@ -9,6 +9,11 @@ Output folder layout::
     OUT/drafter/              the final drafter, DeepSpec safetensors format (load_drafter reads it)
     OUT/best_drafter/         the drafter with the best held-out probabilistic tau
     OUT/tensorboard/          TensorBoard events (only if tensorboardX or tensorboard is installed)
+    OUT/.sparkjax-lock        the run lock (flock): a second run into OUT is refused while one runs
+
+Exports (``drafter/``, ``best_drafter/``, ``--export-to``) go through ``atomic_dir`` and hold the
+marker file ``.sparkjax-output``; an export replaces only such a folder or an empty one, and a
+destination it may not replace is refused before any work (see :mod:`.outdir`).
 
 A resumed run (``resume=True``) restores the newest good checkpoint (a damaged one is moved
 aside and the previous one used), checks that the config and data are the ones it was written
