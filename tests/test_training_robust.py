@@ -387,18 +387,27 @@ def steps_of(path: str) -> list[int]:
         return [json.loads(line)["step"] for line in f]
 
 
-def test_lm_resume_drops_the_metric_lines_past_its_checkpoint(tmp_path, lm_run, tokens):
+@pytest.mark.parametrize("how", ["killed", "damaged"])
+def test_lm_resume_drops_the_metric_lines_past_its_checkpoint(tmp_path, lm_run, tokens, how):
     out = str(tmp_path / "lm")
     shutil.copytree(lm_run, out)
     metrics = os.path.join(out, "metrics.jsonl")
     assert steps_of(metrics) == [1, 2, 3, 4]
-    # as a kill between the checkpoints of steps 2 and 4 leaves it: step 4 never saved, its lines written
-    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
-    with open(metrics, "a") as f:
-        f.write('{"step": 5, "split": "tr')  # a line cut by the kill
-    r = train_lm(lm_cfg(), out, resume=True, log=lambda *_: None, **tokens)
-    assert r.step == 4
+    step4 = os.path.join(out, "checkpoints", "4")
+    if how == "killed":  # as a kill between the checkpoints of steps 2 and 4 leaves it: lines 3-4, no step 4
+        shutil.rmtree(step4)
+        with open(metrics, "a") as f:
+            f.write('{"step": 5, "split": "tr')  # a line cut by the kill
+    else:  # step 4's metadata unreadable: the resume falls back to step 2
+        with open(os.path.join(step4, "meta", "metadata"), "w") as f:
+            f.write("{garbage")
+    messages = []
+    r = train_lm(lm_cfg(), out, resume=True, log=messages.append, **tokens)
+    assert r.step == 4 and "resumed at step 2" in messages
     assert steps_of(metrics) == [1, 2, 3, 4]
+    if how == "damaged":
+        assert os.path.isdir(os.path.join(out, "checkpoints", "corrupt-4-0"))
+        assert sum("falling back to step 2" in m for m in messages) == 1
     # a new run (no checkpoint) into a folder with an old metrics file starts it afresh
     fresh = str(tmp_path / "fresh")
     os.makedirs(fresh)

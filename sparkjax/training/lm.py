@@ -141,6 +141,39 @@ def _eval_step(graphdef, params, rest, window):
     return _loss(graphdef, params, rest, window)
 
 
+def _check_lm_config(cfg: LMConfig, meta: dict[str, Any], where: str, force_resume: bool, log) -> None:
+    saved = meta.get("config") or {}
+    now = json.loads(json.dumps(cfg.to_dict()))
+    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if diff and (not force_resume or "model" in diff or "seq_len" in diff or "batch_size" in diff):
+        raise TrainingError(f"{where}: the checkpoint was written with another config (differs in "
+                            f"{', '.join(diff)}); refusing to resume" + ("" if force_resume else
+                            " (force_resume continues with a changed schedule)"))
+    if diff:
+        log(f"resuming with a changed config: {', '.join(f'{k}: {saved.get(k)} -> {now.get(k)}' for k in diff)}")
+
+
+def _resume(cfg: LMConfig, ckpt: TrainCheckpointer, state, resume: bool, force_resume: bool, log):
+    """``(state, meta)``: the newest usable checkpoint's (a damaged one falls back), or the new state."""
+    latest = ckpt.latest_step()
+    if latest is None:
+        return state, {"wall_s": 0.0}
+    if not resume:
+        raise TrainingError(f"{ckpt.directory}: holds checkpoints; pass --resume to continue (or use a new folder)")
+    try:
+        newest = ckpt.read_meta(latest)
+    except CheckpointError:
+        newest = None  # damaged: the restore moves it aside and falls back; its config is checked below
+    if newest is not None:
+        _check_lm_config(cfg, newest, ckpt.directory, force_resume, log)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    step, state, meta = ckpt.restore(abstract)
+    if newest is None or step != latest:
+        _check_lm_config(cfg, meta, ckpt.directory, force_resume, log)
+    log(f"resumed at step {int(state['step'])}")
+    return state, meta
+
+
 @dataclasses.dataclass
 class LMResult:
     step: int
@@ -188,22 +221,11 @@ def _train_lm(cfg, output_dir, tokens, heldout, resume, force_resume, max_minute
     tx = make_optimizer(cfg.optim())
     graphdef, state, rest = _new_state(cfg, tx)
     ckpt = TrainCheckpointer(ckpt_dir, keep_last=2, keep_best=0, best_metric="eval_loss", best_mode="min", log=log)
-    meta: dict[str, Any] = {"wall_s": 0.0}
-    if ckpt.latest_step() is not None:
-        if not resume:
-            raise TrainingError(f"{ckpt_dir}: holds checkpoints; pass --resume to continue (or use a new folder)")
-        saved = ckpt.read_meta(ckpt.latest_step()).get("config") or {}
-        now = json.loads(json.dumps(cfg.to_dict()))
-        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        if diff and (not force_resume or "model" in diff or "seq_len" in diff or "batch_size" in diff):
-            raise TrainingError(f"{ckpt_dir}: the checkpoint was written with another config (differs in "
-                                f"{', '.join(diff)}); refusing to resume" + ("" if force_resume else
-                                " (force_resume continues with a changed schedule)"))
-        if diff:
-            log(f"resuming with a changed config: {', '.join(f'{k}: {saved.get(k)} -> {now.get(k)}' for k in diff)}")
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        _, state, meta = ckpt.restore(abstract)
-        log(f"resumed at step {int(state['step'])}")
+    try:
+        state, meta = _resume(cfg, ckpt, state, resume, force_resume, log)
+    except BaseException:
+        ckpt.close()
+        raise
     with atomic_file(os.path.join(output_dir, "config.json")) as tmp, open(tmp, "w") as f:
         json.dump(cfg.to_dict(), f, indent=2)
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
