@@ -27,7 +27,7 @@ from sparkjax.training import DataError, TrainConfig, TrainingError, export_run,
 from sparkjax.training import cli as train_cli
 from sparkjax.training.data import TokenData
 from sparkjax.training.lm import LMConfig, export_lm, train_lm
-from sparkjax.training.outdir import MARKER, RunLock, check_overwritable, drop_metrics_after
+from sparkjax.training.outdir import LOCK_NAME, MARKER, RunLock, check_overwritable, drop_metrics_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "train", "recipes", "tiny.json")
@@ -241,6 +241,15 @@ def test_bad_output_folders_are_refused_before_any_work(tmp_path, tokens, monkey
         line = one_error_line(capsys.readouterr().err)
         assert rc == 2 and out in line and msg in line
     assert a_file.read_text() == "keep me"
+    # a folder of other files with a config.json / metrics.jsonl of its own: a run would overwrite them
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"mine": true}')
+    with pytest.raises(TrainingError, match=f"{project} is not a training run folder but holds config.json"):
+        train(bogus, str(project), progress=False, log=lambda m: None)
+    with pytest.raises(TrainingError, match="not a training run folder"):
+        train_lm(lm_cfg(), str(project), log=lambda *_: None, tokens="missing.npy", heldout="missing.npy")
+    assert os.listdir(project) == ["config.json"] and (project / "config.json").read_text() == '{"mine": true}'
     # read-only: tests run as root, so the permission check is simulated
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -408,10 +417,11 @@ def test_lm_resume_drops_the_metric_lines_past_its_checkpoint(tmp_path, lm_run, 
     if how == "damaged":
         assert os.path.isdir(os.path.join(out, "checkpoints", "corrupt-4-0"))
         assert sum("falling back to step 2" in m for m in messages) == 1
-    # a new run (no checkpoint) into a folder with an old metrics file starts it afresh
+    # a new run into a run folder without a checkpoint (killed before its first) starts the metrics afresh
     fresh = str(tmp_path / "fresh")
     os.makedirs(fresh)
     shutil.copy(metrics, os.path.join(fresh, "metrics.jsonl"))
+    shutil.copy(os.path.join(out, LOCK_NAME), os.path.join(fresh, LOCK_NAME))
     train_lm(lm_cfg(steps=2), fresh, log=lambda *_: None, **tokens)
     assert steps_of(os.path.join(fresh, "metrics.jsonl")) == [1, 2]
 

@@ -34,13 +34,24 @@ def _why(e: OSError) -> str:
 # ----------------------------------------------------------------------------- the output folder
 
 
+RUN_FILES = ("config.json", "metrics.jsonl")  # files a run (re)writes at the top of its folder
+
+
 def prepare_output(path, what: str = "output folder") -> str:
-    """Creates ``path`` if needed and checks it is a writable folder; returns its absolute path."""
+    """Creates ``path`` if needed and checks it is a writable folder; returns its absolute path.
+
+    An existing folder that holds ``config.json`` or ``metrics.jsonl`` but is not a training run
+    folder (no run lock file, no ``checkpoints/``) is refused: the run would overwrite those files."""
     if isinstance(path, bool) or not isinstance(path, str | os.PathLike) or not str(os.fspath(path)).strip():
         raise TrainingError(f"{what}: expected a folder path, got {path!r}")
     out = os.path.abspath(os.fspath(path))
     if os.path.lexists(out) and not os.path.isdir(out):
         raise TrainingError(f"{what} {out} exists and is not a folder (a file?); choose another path")
+    if os.path.isdir(out) and not any(os.path.lexists(os.path.join(out, n)) for n in (LOCK_NAME, "checkpoints")):
+        theirs = [n for n in RUN_FILES if os.path.lexists(os.path.join(out, n))]
+        if theirs:
+            raise TrainingError(f"{what} {out} is not a training run folder but holds {theirs[0]}, which a run "
+                                "would overwrite; choose a new or empty folder")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:  # a parent that is a file, no permission, a read-only file system
