@@ -230,6 +230,15 @@ class TrainCheckpointer:
     checksums match); a damaged or partial step is moved aside to ``DIR/corrupt-<step>-<n>`` with
     a message and the previous step is tried. Tensors whose shapes do not fit the model raise
     :class:`~sparkjax.errors.CheckpointError` (not a fallback: older steps would not fit either).
+
+    Reading a damaged step makes orbax's restore fail while tensorstore still has reads in flight;
+    orbax then closes the event loop it ran them on, and each late read calls
+    ``loop.call_soon_threadsafe`` on the closed loop from a tensorstore thread. Python reports
+    every such ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook``: hundreds to
+    thousands of traceback lines after the one warning that matters. Creating a checkpointer
+    therefore installs (once per process) a filter in ``sys.unraisablehook`` that drops exactly
+    that report -- a RuntimeError with that message, raised in asyncio's ``_check_closed``, with
+    no object -- and passes everything else to the previous hook.
     """
 
     def __init__(
@@ -248,6 +257,7 @@ class TrainCheckpointer:
         if best_mode not in ("max", "min"):
             raise CheckpointError(f"{directory}: best_mode must be 'max' or 'min', got {best_mode!r}")
         self.directory = os.path.abspath(str(directory))
+        _install_closed_loop_filter()
         self.best_metric = best_metric
         self.best_mode = best_mode
         self._log = log or _stderr
@@ -435,3 +445,38 @@ def _stderr(msg: str) -> None:
 
 class _Damaged(Exception):
     """A step that cannot be read back as written (internal: triggers the fallback)."""
+
+
+def _is_closed_loop_report(unraisable) -> bool:
+    """Whether an unraisable-exception report is a late tensorstore callback hitting a closed asyncio loop."""
+    exc = getattr(unraisable, "exc_value", None)
+    if type(exc) is not RuntimeError or str(exc) != "Event loop is closed":
+        return False
+    if getattr(unraisable, "object", None) is not None:
+        return False
+    tb, last = getattr(unraisable, "exc_traceback", None), None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_name == "_check_closed" and \
+        os.path.basename(last.tb_frame.f_code.co_filename) == "base_events.py"
+
+
+class _ClosedLoopFilter:
+    """``sys.unraisablehook`` that drops :func:`_is_closed_loop_report` reports and forwards the rest."""
+
+    def __init__(self, previous):
+        self.previous = previous
+        self.dropped = 0
+
+    def __call__(self, unraisable) -> None:
+        if _is_closed_loop_report(unraisable):
+            self.dropped += 1
+            return
+        self.previous(unraisable)
+
+
+def _install_closed_loop_filter() -> None:
+    import sys
+
+    if not isinstance(sys.unraisablehook, _ClosedLoopFilter):
+        sys.unraisablehook = _ClosedLoopFilter(sys.unraisablehook)

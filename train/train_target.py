@@ -7,15 +7,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 from sparkjax.config import read_json
-from sparkjax.errors import SparkjaxError
+from sparkjax.training.cli import OneLineParser, run_cli
 from sparkjax.training.errors import TrainingError
 from sparkjax.training.lm import LMConfig, export_lm, train_lm
+from sparkjax.training.outdir import check_overwritable
 
 
 def parse_set(items):
@@ -32,7 +32,7 @@ def parse_set(items):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="train_target.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe")
     p.add_argument("--corpus", help="folder with train.tokens.npy / heldout.tokens.npy (train/demo_tokenizer.py)")
     p.add_argument("--output", required=True)
@@ -45,31 +45,38 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="tokenizer folder copied into the export")
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args(argv)
-    try:
-        if a.export:
-            special = None
-            if a.tokenizer:
-                if not os.path.isfile(os.path.join(a.tokenizer, "tokenizer.json")):
-                    raise TrainingError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
-                from transformers import AutoTokenizer
+    return run_cli(lambda: _main(a))
 
+
+def _main(a) -> int:
+    if a.export:
+        # the destination is checked before any work: only a new or empty folder, or one sparkjax wrote
+        check_overwritable(a.export, "--export")
+        special = None
+        if a.tokenizer:
+            if not os.path.isfile(os.path.join(a.tokenizer, "tokenizer.json")):
+                raise TrainingError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
+            from transformers import AutoTokenizer
+
+            try:
                 tok = AutoTokenizer.from_pretrained(a.tokenizer)
-                special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-            export_lm(a.output, a.export, tokenizer=a.tokenizer, dtype=a.dtype, overwrite=True, special_ids=special)
-            print(f"wrote {a.export}")
-            return 0
-        if not a.recipe or not a.corpus:
-            raise TrainingError("--recipe and --corpus are required to train")
-        d = read_json(a.recipe, TrainingError, "recipe")
-        d.update(parse_set(a.set))
-        cfg = LMConfig.from_dict(d, source=a.recipe)
-        r = train_lm(cfg, a.output, tokens=os.path.join(a.corpus, "train.tokens.npy"),
-                     heldout=os.path.join(a.corpus, "heldout.tokens.npy"), resume=a.resume or a.force_resume,
-                     force_resume=a.force_resume, max_minutes=a.max_minutes)
-        print(json.dumps(r.__dict__))
-    except (SparkjaxError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            except Exception as e:  # noqa: BLE001 - any failure of the tokenizer files is reported in one line
+                raise TrainingError(f"--tokenizer {a.tokenizer}: cannot load it ({type(e).__name__}: {e})") from None
+            special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+        export_lm(a.output, a.export, tokenizer=a.tokenizer, dtype=a.dtype, overwrite=True, special_ids=special)
+        print(f"wrote {a.export}")
+        return 0
+    if not a.recipe or not a.corpus:
+        raise TrainingError("--recipe and --corpus are required to train")
+    if a.max_minutes is not None and not a.max_minutes >= 0:
+        raise TrainingError(f"--max-minutes: expected a number >= 0, got {a.max_minutes}")
+    d = read_json(a.recipe, TrainingError, "recipe")
+    d.update(parse_set(a.set))
+    cfg = LMConfig.from_dict(d, source=a.recipe)
+    r = train_lm(cfg, a.output, tokens=os.path.join(a.corpus, "train.tokens.npy"),
+                 heldout=os.path.join(a.corpus, "heldout.tokens.npy"), resume=a.resume or a.force_resume,
+                 force_resume=a.force_resume, max_minutes=a.max_minutes)
+    print(json.dumps(r.__dict__))
     return 0
 
 

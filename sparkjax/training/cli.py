@@ -15,19 +15,45 @@ import json
 import os
 import sys
 
-from ..errors import SparkjaxError
+from ..errors import ArgumentError, SparkjaxError
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "train", "recipes")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr and exit code 2 (no usage block)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_cli(body) -> int:
+    """Runs ``body()``; a :class:`SparkjaxError` or an OS error (disk full, no permission) is one line, exit 2
+    (Ctrl-C: one line, exit 130)."""
+    try:
+        return body()
+    except SparkjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+    except OSError as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C); --resume continues from the last saved checkpoint", file=sys.stderr)
+        return 130
+    return 2
 
 
 def _parse_set(items: list[str]) -> dict:
     out = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--set: expected KEY=VALUE, got {item!r}")
+            raise ArgumentError(f"--set: expected KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         key = key.strip()
+        if not key or (("." in key) and not all(key.split(".", 1))):
+            raise ArgumentError(f"--set: empty key in {item!r}")
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
@@ -48,7 +74,7 @@ def _recipe_path(name: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="train.py",
         description="Joint (re)training of a DSpark drafter (Markov + confidence heads) against a Qwen3 target.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -76,26 +102,28 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    return run_cli(lambda: _main(args))
+
+
+def _main(args) -> int:
     from .config import TrainConfig
 
+    if args.export_to is not None and not args.export:
+        raise ArgumentError("--export-to: only used with --export WHICH")
     overrides = _parse_set(args.set)
     if args.steps is not None:
         overrides["steps"] = args.steps
-    try:
-        cfg = TrainConfig.from_file(_recipe_path(args.recipe), overrides)
-        if args.print_config:
-            print(json.dumps(cfg.to_dict(), indent=2))
-            return 0
-        from .loop import export_run, train
+    cfg = TrainConfig.from_file(_recipe_path(args.recipe), overrides)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from .loop import export_run, train
 
-        if args.export:
-            export_run(cfg, args.output, args.export, args.export_to)
-            return 0
-        result = train(cfg, args.output, resume=args.resume or args.force_resume, force_resume=args.force_resume,
-                       progress=not args.no_progress, stop_at=args.stop_at)
-    except SparkjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.export:
+        export_run(cfg, args.output, args.export, args.export_to)
+        return 0
+    result = train(cfg, args.output, resume=args.resume or args.force_resume, force_resume=args.force_resume,
+                   progress=not args.no_progress, stop_at=args.stop_at)
     summary = {"output": result.output_dir, "step": result.step, "resumed_from": result.resumed_from,
                "drafter": result.drafter_dir, "best_drafter": result.best_dir}
     if result.last_eval is not None:

@@ -75,18 +75,33 @@ class TokenData:
         return int((self.loss_mask > 0.5).sum())
 
     def save(self, path: str) -> None:
-        """Writes the ids and mask to an ``.npz`` (atomically)."""
-        tmp = path + ".tmp.npz"
-        np.savez(tmp, input_ids=self.input_ids, loss_mask=self.loss_mask)
-        os.replace(tmp, path)
+        """Writes the ids and mask to an ``.npz`` atomically: a unique temp file beside ``path``,
+        flushed to disk, then renamed, so a kill leaves the old file or the new one."""
+        from ..convert import atomic_file
+
+        with atomic_file(path) as tmp:
+            with open(tmp, "wb") as f:
+                np.savez(f, input_ids=self.input_ids, loss_mask=self.loss_mask)
+                f.flush()
+                os.fsync(f.fileno())
 
     @classmethod
     def load(cls, path: str) -> TokenData:
+        """Reads what :meth:`save` wrote; anything unreadable (truncated, not an npz, wrong arrays)
+        is a :class:`DataError` naming ``path``."""
+        import zipfile
+        import zlib
+
         try:
             with np.load(path) as z:
-                return cls(z["input_ids"].astype(np.int32), z["loss_mask"].astype(np.float32))
-        except (OSError, KeyError, ValueError) as e:
-            raise DataError(f"{path}: cannot read token data ({e})") from None
+                ids, mask = z["input_ids"], z["loss_mask"]
+        except (OSError, KeyError, ValueError, TypeError, AttributeError, EOFError, zipfile.BadZipFile,
+                zlib.error) as e:
+            raise DataError(f"{path}: cannot read token data ({type(e).__name__}: {e})") from None
+        if ids.ndim != 2 or mask.shape != ids.shape or ids.dtype.kind not in "iu":
+            raise DataError(f"{path}: malformed token data (input_ids {ids.dtype} {list(ids.shape)}, "
+                            f"loss_mask {list(mask.shape)})")
+        return cls(ids.astype(np.int32), mask.astype(np.float32))
 
 
 # ----------------------------------------------------------------------------- JSONL

@@ -31,9 +31,11 @@ from flax import nnx
 
 from ..checkpoint import TrainCheckpointer
 from ..config import Qwen3Config, read_json
+from ..convert import atomic_file
 from ..errors import CheckpointError
 from .errors import TrainingError
 from .optim import OptimConfig, make_optimizer
+from .outdir import MARKER, RunLock, check_overwritable, drop_metrics_after, prepare_output, write_marker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,10 @@ class LMConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise TrainingError(f"{name}: must be a positive integer, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise TrainingError(f"seed: must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.model, dict):
+            raise TrainingError(f"model: must be a Qwen3 config.json object, got {type(self.model).__name__}")
         self.qwen3_config()  # validates the model keys
 
     def qwen3_config(self) -> Qwen3Config:
@@ -135,6 +141,39 @@ def _eval_step(graphdef, params, rest, window):
     return _loss(graphdef, params, rest, window)
 
 
+def _check_lm_config(cfg: LMConfig, meta: dict[str, Any], where: str, force_resume: bool, log) -> None:
+    saved = meta.get("config") or {}
+    now = json.loads(json.dumps(cfg.to_dict()))
+    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if diff and (not force_resume or "model" in diff or "seq_len" in diff or "batch_size" in diff):
+        raise TrainingError(f"{where}: the checkpoint was written with another config (differs in "
+                            f"{', '.join(diff)}); refusing to resume" + ("" if force_resume else
+                            " (force_resume continues with a changed schedule)"))
+    if diff:
+        log(f"resuming with a changed config: {', '.join(f'{k}: {saved.get(k)} -> {now.get(k)}' for k in diff)}")
+
+
+def _resume(cfg: LMConfig, ckpt: TrainCheckpointer, state, resume: bool, force_resume: bool, log):
+    """``(state, meta)``: the newest usable checkpoint's (a damaged one falls back), or the new state."""
+    latest = ckpt.latest_step()
+    if latest is None:
+        return state, {"wall_s": 0.0}
+    if not resume:
+        raise TrainingError(f"{ckpt.directory}: holds checkpoints; pass --resume to continue (or use a new folder)")
+    try:
+        newest = ckpt.read_meta(latest)
+    except CheckpointError:
+        newest = None  # damaged: the restore moves it aside and falls back; its config is checked below
+    if newest is not None:
+        _check_lm_config(cfg, newest, ckpt.directory, force_resume, log)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    step, state, meta = ckpt.restore(abstract)
+    if newest is None or step != latest:
+        _check_lm_config(cfg, meta, ckpt.directory, force_resume, log)
+    log(f"resumed at step {int(state['step'])}")
+    return state, meta
+
+
 @dataclasses.dataclass
 class LMResult:
     step: int
@@ -165,39 +204,39 @@ def train_lm(
     max_minutes: float | None = None,
     log=print,
 ) -> LMResult:
-    """Trains (or resumes) a target in ``output_dir`` (``config.json``, ``metrics.jsonl``, ``checkpoints/``)."""
+    """Trains (or resumes) a target in ``output_dir`` (``config.json``, ``metrics.jsonl``, ``checkpoints/``).
+
+    The folder is checked first and locked for the run (a second run into it is refused); a resumed
+    run drops the metric lines past the step it restored."""
+    output_dir = prepare_output(output_dir)
+    with RunLock(output_dir):
+        return _train_lm(cfg, output_dir, tokens, heldout, resume, force_resume, max_minutes, log)
+
+
+def _train_lm(cfg, output_dir, tokens, heldout, resume, force_resume, max_minutes, log) -> LMResult:
     qcfg = cfg.qwen3_config()
     train_ids = load_tokens(tokens, qcfg.vocab_size, cfg.seq_len)
     held_ids = load_tokens(heldout, qcfg.vocab_size, cfg.seq_len)
-    os.makedirs(output_dir, exist_ok=True)
     ckpt_dir = os.path.join(output_dir, "checkpoints")
     tx = make_optimizer(cfg.optim())
     graphdef, state, rest = _new_state(cfg, tx)
     ckpt = TrainCheckpointer(ckpt_dir, keep_last=2, keep_best=0, best_metric="eval_loss", best_mode="min", log=log)
-    meta: dict[str, Any] = {"wall_s": 0.0}
-    if ckpt.latest_step() is not None:
-        if not resume:
-            raise TrainingError(f"{ckpt_dir}: holds checkpoints; pass --resume to continue (or use a new folder)")
-        saved = ckpt.read_meta(ckpt.latest_step()).get("config") or {}
-        now = json.loads(json.dumps(cfg.to_dict()))
-        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        if diff and (not force_resume or "model" in diff or "seq_len" in diff or "batch_size" in diff):
-            raise TrainingError(f"{ckpt_dir}: the checkpoint was written with another config (differs in "
-                                f"{', '.join(diff)}); refusing to resume" + ("" if force_resume else
-                                " (force_resume continues with a changed schedule)"))
-        if diff:
-            log(f"resuming with a changed config: {', '.join(f'{k}: {saved.get(k)} -> {now.get(k)}' for k in diff)}")
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        _, state, meta = ckpt.restore(abstract)
-        log(f"resumed at step {int(state['step'])}")
-    with open(os.path.join(output_dir, "config.json"), "w") as f:
+    try:
+        state, meta = _resume(cfg, ckpt, state, resume, force_resume, log)
+    except BaseException:
+        ckpt.close()
+        raise
+    with atomic_file(os.path.join(output_dir, "config.json")) as tmp, open(tmp, "w") as f:
         json.dump(cfg.to_dict(), f, indent=2)
+    metrics_path = os.path.join(output_dir, "metrics.jsonl")
+    # lines past the restored step were written before an interruption; the resumed run writes them again
+    drop_metrics_after(metrics_path, int(state["step"]))
     evals = eval_windows(held_ids, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
 
     def evaluate(st) -> float:
         return float(np.mean([float(_eval_step(graphdef, st["params"], rest, jnp.asarray(w))) for w in evals]))
 
-    metrics_f = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+    metrics_f = open(metrics_path, "a")
     wall0, t0 = float(meta.get("wall_s", 0.0)), time.perf_counter()
     step = int(state["step"])
     train_loss = eval_loss = None
@@ -256,6 +295,10 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
     and ``generation_config.json``."""
     from ..convert import atomic_dir, save_target
 
+    if overwrite:  # only a folder sparkjax wrote, or an empty one (checked before any work)
+        check_overwritable(out, "export folder")
+    if tokenizer is not None and not os.path.isdir(tokenizer):
+        raise CheckpointError(f"{tokenizer}: tokenizer folder not found")
     cfg = LMConfig.from_dict(read_json(os.path.join(run_dir, "config.json"), TrainingError, "run config"),
                              source=os.path.join(run_dir, "config.json"))
     tx = make_optimizer(cfg.optim())
@@ -280,8 +323,9 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump({**ids, "do_sample": False}, f, indent=2)
         if tokenizer is not None:
-            if not os.path.isdir(tokenizer):
-                raise CheckpointError(f"{tokenizer}: tokenizer folder not found")
             for name in sorted(os.listdir(tokenizer)):
-                shutil.copy2(os.path.join(tokenizer, name), os.path.join(tmp, name))
+                src = os.path.join(tokenizer, name)
+                if os.path.isfile(src) and name != MARKER:
+                    shutil.copy2(src, os.path.join(tmp, name))
+        write_marker(tmp)
     return out

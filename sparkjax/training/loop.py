@@ -9,6 +9,11 @@ Output folder layout::
     OUT/drafter/              the final drafter, DeepSpec safetensors format (load_drafter reads it)
     OUT/best_drafter/         the drafter with the best held-out probabilistic tau
     OUT/tensorboard/          TensorBoard events (only if tensorboardX or tensorboard is installed)
+    OUT/.sparkjax-lock        the run lock (flock): a second run into OUT is refused while one runs
+
+Exports (``drafter/``, ``best_drafter/``, ``--export-to``) go through ``atomic_dir`` and hold the
+marker file ``.sparkjax-output``; an export replaces only such a folder or an empty one, and a
+destination it may not replace is refused before any work (see :mod:`.outdir`).
 
 A resumed run (``resume=True``) restores the newest good checkpoint (a damaged one is moved
 aside and the previous one used), checks that the config and data are the ones it was written
@@ -32,13 +37,14 @@ import jax
 import numpy as np
 
 from ..checkpoint import TrainCheckpointer
-from ..convert import atomic_file, load_target, save_drafter
+from ..convert import atomic_file, load_target
 from ..errors import ArgumentError, CheckpointError
 from ..sharding import make_mesh
 from . import data as data_lib
 from .config import TrainConfig, config_diff
 from .errors import TrainingError
 from .models import init_drafter, load_drafter_for_training, new_drafter_config
+from .outdir import RunLock, check_overwritable, drop_metrics_after, export_drafter, prepare_output
 from .trainer import Trainer, to_host
 
 FORMAT_VERSION = 1
@@ -106,9 +112,14 @@ def build_data(cfg: TrainConfig, target, drafter, output_dir: str | None,
             raise TrainingError(f"synthetic: unknown key '{bad[0]}' (known: {', '.join(sorted(known))})")
         cache = None if output_dir is None else os.path.join(output_dir, "data")
         paths = None if cache is None else (os.path.join(cache, "train.npz"), os.path.join(cache, "eval.npz"))
+        train = held = None
         if paths and all(os.path.exists(p) for p in paths):
-            train, held = data_lib.TokenData.load(paths[0]), data_lib.TokenData.load(paths[1])
-        else:
+            try:
+                train, held = data_lib.TokenData.load(paths[0]), data_lib.TokenData.load(paths[1])
+            except data_lib.DataError as e:  # a cache this run wrote, damaged: it is rebuilt from its seed
+                log(f"warning: {e}; rebuilding the data cache")
+                train = held = None
+        if train is None:
             common = dict(seq_len=cfg.seq_len, prompt_len=int(s.get("prompt_len", 16)),
                           vocab_high=s.get("vocab_high"), batch=int(s.get("batch", 64)))
             seed = int(s.get("seed", cfg.data_seed))
@@ -175,20 +186,9 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str, *, resume_step: int | None, tensorboard: bool):
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_step is not None and os.path.exists(self.path):
-            keep = []
-            with open(self.path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut by a kill
-                    if rec.get("step", 0) <= resume_step:
-                        keep.append(json.dumps(rec))
-            with atomic_file(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-                f.write("".join(k + "\n" for k in keep))
-        elif resume_step is None and os.path.exists(self.path):
-            os.remove(self.path)
+        # a resumed run drops the lines past its checkpoint (written before an interruption); a new run
+        # starts the file afresh (step 0)
+        drop_metrics_after(self.path, resume_step or 0)
         self._tb = None
         if tensorboard:
             self._tb = _tensorboard_writer(os.path.join(output_dir, "tensorboard"))
@@ -263,15 +263,17 @@ def train(
     on disk). ``stop_at`` ends the loop early at that step (after its checkpoint), as an
     interruption would, without the final export.
     """
-    output_dir = os.path.abspath(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
-    ckpt = TrainCheckpointer(os.path.join(output_dir, "checkpoints"), keep_last=cfg.keep_last,
-                             keep_best=cfg.keep_best, best_metric="eval_tau", async_save=cfg.async_checkpoint,
-                             log=log)
-    try:
-        return _train(cfg, output_dir, ckpt, resume, force_resume, progress, log, on_step, stop_at)
-    finally:
-        ckpt.close()
+    output_dir = prepare_output(output_dir)
+    with RunLock(output_dir):  # one run per folder; released on return, on an error, or by the OS on a kill
+        for name in ("drafter", "best_drafter"):  # refused now, not after the whole run
+            check_overwritable(os.path.join(output_dir, name), "export folder")
+        ckpt = TrainCheckpointer(os.path.join(output_dir, "checkpoints"), keep_last=cfg.keep_last,
+                                 keep_best=cfg.keep_best, best_metric="eval_tau", async_save=cfg.async_checkpoint,
+                                 log=log)
+        try:
+            return _train(cfg, output_dir, ckpt, resume, force_resume, progress, log, on_step, stop_at)
+        finally:
+            ckpt.close()
 
 
 def _check_config(meta: dict[str, Any], cfg: TrainConfig, where: str, force: bool, log) -> None:
@@ -401,7 +403,7 @@ def _train(cfg, output_dir, ckpt, resume, force_resume, progress, log, on_step, 
     drafter_dir = best_dir = None
     if end == cfg.steps:
         drafter_dir = os.path.join(output_dir, "drafter")
-        save_drafter(trainer.drafter(), drafter_dir, overwrite=True, dtype=cfg.export_dtype)
+        export_drafter(trainer.drafter(), drafter_dir, dtype=cfg.export_dtype)
         log(f"exported the final drafter to {drafter_dir}")
         best = ckpt.best_step()
         if best is not None:
@@ -426,11 +428,12 @@ def export_checkpoint(cfg: TrainConfig, trainer: Trainer, ckpt: TrainCheckpointe
     """Writes the drafter of checkpoint ``step`` to ``out_dir`` (DeepSpec format), leaving ``trainer`` as it was."""
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainer.state,
                             trainer.state_shardings())
+    out_dir = check_overwritable(out_dir)
     current = trainer.state
     _, state, _ = ckpt.restore(abstract, step=step)
     trainer.set_state(state)
     try:
-        save_drafter(trainer.drafter(), out_dir, overwrite=True, dtype=cfg.export_dtype)
+        export_drafter(trainer.drafter(), out_dir, dtype=cfg.export_dtype)
     finally:
         trainer.state = current
     return out_dir
@@ -438,7 +441,14 @@ def export_checkpoint(cfg: TrainConfig, trainer: Trainer, ckpt: TrainCheckpointe
 
 def export_run(cfg: TrainConfig, output_dir: str, which: str, out_dir: str | None = None,
                log: Callable[[str], None] = _stderr) -> str:
-    """Exports checkpoint ``which`` (``latest``, ``best`` or a step number) of a run to DeepSpec format."""
+    """Exports checkpoint ``which`` (``latest``, ``best`` or a step number) of a run to DeepSpec format.
+
+    ``out_dir`` (default ``OUTPUT/export_stepN``) may only be a new or empty folder or one sparkjax
+    wrote; anything else is refused before any work."""
+    if out_dir is not None:
+        check_overwritable(out_dir, "--export-to")
+    if not os.path.isdir(os.path.join(os.path.abspath(output_dir), "checkpoints")):
+        raise CheckpointError(f"{os.path.abspath(output_dir)}: no checkpoints folder (not a training run?)")
     ckpt = TrainCheckpointer(os.path.join(os.path.abspath(output_dir), "checkpoints"), keep_last=cfg.keep_last,
                              keep_best=cfg.keep_best, log=log)
     try:
@@ -457,6 +467,7 @@ def export_run(cfg: TrainConfig, output_dir: str, which: str, out_dir: str | Non
         trainer = Trainer(drafter, target, optim=cfg.optim, objective=cfg.objective, num_anchors=cfg.num_anchors,
                           seed=cfg.seed, compute_dtype=cfg.compute_dtype, freeze=cfg.freeze)
         out = out_dir or os.path.join(output_dir, f"export_step{step}")
+        check_overwritable(out, "--export-to")
         export_checkpoint(cfg, trainer, ckpt, step, out)
         log(f"exported step {step} to {out}")
         return out

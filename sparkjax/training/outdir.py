@@ -1,0 +1,198 @@
+"""The training output folder: checks before any work, the run lock, exports, metrics hygiene.
+
+* :func:`prepare_output` -- ``--output`` must be a folder that can be created and written; checked
+  before anything else, so a typo costs nothing.
+* :class:`RunLock` -- one run per output folder: ``fcntl.flock`` on ``OUT/.sparkjax-lock``, held for
+  the run's lifetime. The OS releases it when the process ends, even by SIGKILL, so a crashed run
+  never leaves a stale lock; a second run into the same folder gets a :class:`TrainingError`.
+* :func:`check_overwritable` -- an export may replace only a folder sparkjax wrote (it holds the
+  marker file :data:`MARKER`) or an empty one; never a file, a link, a non-empty folder of other
+  files, ``/``, the home folder, the working directory or its parents.
+* :func:`export_drafter` -- every drafter export of the trainer goes through ``atomic_dir`` and
+  leaves the marker, so the next export may replace it.
+* :func:`drop_metrics_after` -- after a resume, metric lines past the restored step (written
+  between that checkpoint and the interruption) are dropped, so no step appears twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+from ..errors import ArgumentError
+from .errors import TrainingError
+
+MARKER = ".sparkjax-output"  # the same name sparkjax.convert's writers leave in what they write
+LOCK_NAME = ".sparkjax-lock"
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or type(e).__name__
+
+
+# ----------------------------------------------------------------------------- the output folder
+
+
+RUN_FILES = ("config.json", "metrics.jsonl")  # files a run (re)writes at the top of its folder
+
+
+def prepare_output(path, what: str = "output folder") -> str:
+    """Creates ``path`` if needed and checks it is a writable folder; returns its absolute path.
+
+    An existing folder that holds ``config.json`` or ``metrics.jsonl`` but is not a training run
+    folder (no run lock file, no ``checkpoints/``) is refused: the run would overwrite those files."""
+    if isinstance(path, bool) or not isinstance(path, str | os.PathLike) or not str(os.fspath(path)).strip():
+        raise TrainingError(f"{what}: expected a folder path, got {path!r}")
+    out = os.path.abspath(os.fspath(path))
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise TrainingError(f"{what} {out} exists and is not a folder (a file?); choose another path")
+    if os.path.isdir(out) and not any(os.path.lexists(os.path.join(out, n)) for n in (LOCK_NAME, "checkpoints")):
+        theirs = [n for n in RUN_FILES if os.path.lexists(os.path.join(out, n))]
+        if theirs:
+            raise TrainingError(f"{what} {out} is not a training run folder but holds {theirs[0]}, which a run "
+                                "would overwrite; choose a new or empty folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, a read-only file system
+        raise TrainingError(f"{what} {out} cannot be created ({_why(e)})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TrainingError(f"{what} {out} is not writable")
+    return out
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``OUTPUT/.sparkjax-lock`` (a context manager; :meth:`release` ends it)."""
+
+    def __init__(self, output_dir: str, what: str = "output folder"):
+        import fcntl
+
+        self.output_dir = os.path.abspath(output_dir)
+        self.path = os.path.join(self.output_dir, LOCK_NAME)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise TrainingError(f"{what} {self.output_dir} is not writable ({_why(e)})") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(os.pread(self._fd, 32, 0).decode().strip() or "x")
+                holder = f" (process {pid})"
+            os.close(self._fd)
+            self._fd = None
+            raise TrainingError(
+                f"{what} {self.output_dir} is in use by another training run{holder}; wait for it to end "
+                "or choose another --output"
+            ) from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ----------------------------------------------------------------------------- exports
+
+
+def _protected(dest: str) -> str | None:
+    real = os.path.realpath(dest)
+    if real == os.path.realpath(os.sep):
+        return "the root folder"
+    places = []
+    with contextlib.suppress(OSError):
+        places.append((os.path.realpath(os.getcwd()), "the current working directory"))
+    home = os.path.expanduser("~")
+    if home and home != "~":
+        places.append((os.path.realpath(home), "the home folder"))
+    for place, name in places:
+        if real == place:
+            return name
+        if place.startswith(real.rstrip(os.sep) + os.sep):
+            return f"a parent of {name}"
+    return None
+
+
+def check_overwritable(path, what: str = "export folder") -> str:
+    """Returns ``path`` (absolute) if an export may write there (absent, empty, or written by sparkjax)."""
+    if isinstance(path, bool) or not isinstance(path, str | os.PathLike) or not str(os.fspath(path)).strip():
+        raise ArgumentError(f"{what}: expected a folder path, got {path!r}")
+    dest = os.path.abspath(os.fspath(path))
+    reason = _protected(dest)
+    if reason is not None:
+        raise ArgumentError(f"{what} {dest} is {reason}; refusing to write over it")
+    if not os.path.lexists(dest):
+        return dest
+    if os.path.islink(dest) or not os.path.isdir(dest):
+        raise ArgumentError(f"{what} {dest} exists and is not a folder (a file or a link); refusing to replace it")
+    try:
+        names = os.listdir(dest)
+    except OSError as e:
+        raise ArgumentError(f"{what} {dest} cannot be listed ({_why(e)}); refusing to replace it") from None
+    if names and not os.path.isfile(os.path.join(dest, MARKER)):
+        raise ArgumentError(
+            f"{what} {dest} is not empty and was not written by sparkjax (it has no {MARKER} file); "
+            "refusing to replace it: remove it yourself or choose another folder"
+        )
+    return dest
+
+
+def write_marker(folder: str) -> None:
+    """Leaves :data:`MARKER` in a folder being written (inside ``atomic_dir``, before it is renamed)."""
+    with open(os.path.join(folder, MARKER), "w", encoding="utf-8") as f:
+        f.write("written by sparkjax; an overwrite may replace this folder\n")
+
+
+def export_drafter(drafter, out: str, *, dtype=None, what: str = "export folder") -> str:
+    """Writes ``drafter`` (DeepSpec format) to ``out`` through ``atomic_dir``, refusing a folder it may not replace."""
+    from ..convert import atomic_dir, save_drafter
+
+    out = check_overwritable(out, what)
+    with atomic_dir(out, overwrite=True) as tmp:
+        inner = os.path.join(tmp, "drafter")
+        save_drafter(drafter, inner, dtype=dtype)
+        for name in os.listdir(inner):
+            os.replace(os.path.join(inner, name), os.path.join(tmp, name))
+        os.rmdir(inner)
+        write_marker(tmp)
+    return out
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def drop_metrics_after(path: str, step: int) -> int:
+    """Keeps the lines of ``metrics.jsonl`` with ``step <= step`` (and drops lines cut by a kill);
+    returns how many lines were dropped. The file is rewritten atomically."""
+    from ..convert import atomic_file
+
+    if not os.path.exists(path):
+        return 0
+    keep, dropped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                at = int(rec.get("step", 0))
+            except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+                dropped += 1  # a line cut by a kill
+                continue
+            if at <= step:
+                keep.append(json.dumps(rec))
+            else:
+                dropped += 1
+    if dropped:
+        with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(k + "\n" for k in keep))
+    return dropped
+
