@@ -35,7 +35,7 @@ from ..convert import atomic_file
 from ..errors import CheckpointError
 from .errors import TrainingError
 from .optim import OptimConfig, make_optimizer
-from .outdir import MARKER, RunLock, check_overwritable, drop_metrics_after, prepare_output, write_marker
+from .outdir import MARKER, RunLock, check_overwritable, drop_metrics_after, prepare_output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,5 +327,4 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
                 src = os.path.join(tokenizer, name)
                 if os.path.isfile(src) and name != MARKER:
                     shutil.copy2(src, os.path.join(tmp, name))
-        write_marker(tmp)
     return out

@@ -5,10 +5,9 @@
 * :class:`RunLock` -- one run per output folder: ``fcntl.flock`` on ``OUT/.sparkjax-lock``, held for
   the run's lifetime. The OS releases it when the process ends, even by SIGKILL, so a crashed run
   never leaves a stale lock; a second run into the same folder gets a :class:`TrainingError`.
-* :func:`check_overwritable` -- an export may replace only a folder sparkjax wrote (it holds the
-  marker file :data:`MARKER`) or an empty one; never a file, a link, a non-empty folder of other
-  files, ``/``, the home folder, the working directory or its parents.
-* :func:`export_drafter` -- every drafter export of the trainer goes through ``atomic_dir`` and
+* :func:`check_overwritable` -- the overwrite rule of :mod:`sparkjax.atomic` for exports, checked
+  before any work: only a folder sparkjax wrote (it holds :data:`MARKER`) or an empty one.
+* :func:`export_drafter` -- every drafter export of the trainer goes through ``atomic_dir``, which
   leaves the marker, so the next export may replace it.
 * :func:`drop_metrics_after` -- after a resume, metric lines past the restored step (written
   between that checkpoint and the interruption) are dropped, so no step appears twice.
@@ -20,10 +19,9 @@ import contextlib
 import json
 import os
 
-from ..errors import ArgumentError
+from ..atomic import MARKER, check_destination  # noqa: F401 - MARKER is re-exported for the trainers
 from .errors import TrainingError
 
-MARKER = ".sparkjax-output"  # the same name sparkjax.convert's writers leave in what they write
 LOCK_NAME = ".sparkjax-lock"
 
 
@@ -105,52 +103,11 @@ class RunLock:
 # ----------------------------------------------------------------------------- exports
 
 
-def _protected(dest: str) -> str | None:
-    real = os.path.realpath(dest)
-    if real == os.path.realpath(os.sep):
-        return "the root folder"
-    places = []
-    with contextlib.suppress(OSError):
-        places.append((os.path.realpath(os.getcwd()), "the current working directory"))
-    home = os.path.expanduser("~")
-    if home and home != "~":
-        places.append((os.path.realpath(home), "the home folder"))
-    for place, name in places:
-        if real == place:
-            return name
-        if place.startswith(real.rstrip(os.sep) + os.sep):
-            return f"a parent of {name}"
-    return None
-
-
 def check_overwritable(path, what: str = "export folder") -> str:
-    """Returns ``path`` (absolute) if an export may write there (absent, empty, or written by sparkjax)."""
-    if isinstance(path, bool) or not isinstance(path, str | os.PathLike) or not str(os.fspath(path)).strip():
-        raise ArgumentError(f"{what}: expected a folder path, got {path!r}")
-    dest = os.path.abspath(os.fspath(path))
-    reason = _protected(dest)
-    if reason is not None:
-        raise ArgumentError(f"{what} {dest} is {reason}; refusing to write over it")
-    if not os.path.lexists(dest):
-        return dest
-    if os.path.islink(dest) or not os.path.isdir(dest):
-        raise ArgumentError(f"{what} {dest} exists and is not a folder (a file or a link); refusing to replace it")
-    try:
-        names = os.listdir(dest)
-    except OSError as e:
-        raise ArgumentError(f"{what} {dest} cannot be listed ({_why(e)}); refusing to replace it") from None
-    if names and not os.path.isfile(os.path.join(dest, MARKER)):
-        raise ArgumentError(
-            f"{what} {dest} is not empty and was not written by sparkjax (it has no {MARKER} file); "
-            "refusing to replace it: remove it yourself or choose another folder"
-        )
-    return dest
+    """Returns ``path`` (absolute) if an export may write there (absent, empty, or written by sparkjax).
 
-
-def write_marker(folder: str) -> None:
-    """Leaves :data:`MARKER` in a folder being written (inside ``atomic_dir``, before it is renamed)."""
-    with open(os.path.join(folder, MARKER), "w", encoding="utf-8") as f:
-        f.write("written by sparkjax; an overwrite may replace this folder\n")
+    The rule is :func:`sparkjax.atomic.check_destination`'s, the one every sparkjax writer applies."""
+    return check_destination(path, overwrite=True, what=what)
 
 
 def export_drafter(drafter, out: str, *, dtype=None, what: str = "export folder") -> str:
@@ -164,7 +121,6 @@ def export_drafter(drafter, out: str, *, dtype=None, what: str = "export folder"
         for name in os.listdir(inner):
             os.replace(os.path.join(inner, name), os.path.join(tmp, name))
         os.rmdir(inner)
-        write_marker(tmp)
     return out
 
 
