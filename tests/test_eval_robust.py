@@ -491,3 +491,15 @@ def test_every_default_method_has_its_own_stable_style():
     assert len({s["color"] for s in styles}) == len(labels)  # a distinct colour for each default method
     assert method_style("ar")["color"] != method_style("sparklingtree-beam@32")["color"]  # the issue's clash
     assert len({tuple(sorted(method_style(m).items())) for m in decode.METHODS}) == len(decode.METHODS)
+
+
+def test_eval_reports_non_finite_target_logits():
+    """The eval launches with the non-finite flags and raises NumericalError instead of timing garbage."""
+    import sparkjax
+    from sparkjax.eval.engine import Engine
+
+    out = np.array([[5, 6, 7, 0]], np.int32)
+    ok = Engine.outputs((out, np.array([3], np.int32), np.array([-1], np.int32)))
+    assert ok.tokens == [[5, 6, 7]]
+    with pytest.raises(sparkjax.NumericalError, match="round 2"):
+        Engine.outputs((out, np.array([3], np.int32), np.array([2], np.int32)))

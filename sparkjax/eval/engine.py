@@ -96,7 +96,7 @@ class Engine:
         """Dispatches one generation without waiting; ``prefill_only`` stops before the first round."""
         max_new = 1 if prefill_only else self.max_new_tokens
         drafter = self.drafter if mc.speculative else None
-        return decode.launch(self.target, drafter, batch, **self._kwargs(mc, max_new, seed))
+        return decode.launch(self.target, drafter, batch, report_nonfinite=True, **self._kwargs(mc, max_new, seed))
 
     def instrumented(self, mc: MethodConfig, batch: list[list[int]], seed: int) -> BatchOutput:
         """The engine's instrumented mode (each stage its own jitted call, synced and timed)."""
@@ -107,8 +107,9 @@ class Engine:
 
     @staticmethod
     def outputs(res) -> BatchOutput:
-        """Host copies of a finished launch's arrays."""
+        """Host copies of a finished launch's arrays; raises NumericalError if the target's logits were not finite."""
         arrays = [np.asarray(x) for x in res]
+        decode.raise_if_nonfinite(arrays.pop())  # the target's logits must stay finite (NumericalError)
         out, n = arrays[0], arrays[1]
         tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
         if len(arrays) == 2:  # ar: one token per step
