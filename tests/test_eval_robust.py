@@ -495,6 +495,8 @@ def test_every_default_method_has_its_own_stable_style():
 
 def test_eval_reports_non_finite_target_logits():
     """The eval launches with the non-finite flags and raises NumericalError instead of timing garbage."""
+    import numpy as np
+
     import sparkjax
     from sparkjax.eval.engine import Engine
 
