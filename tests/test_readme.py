@@ -45,4 +45,5 @@ def test_readme_snippet_runs(line, code, capsys):
     if "sparkjax.generate" in code:
         out = namespace["out"]
         assert out.tokens and all(len(t) >= 1 for t in out.tokens)
-        assert all(sum(lens) >= len(t) for lens, t in zip(out.acceptance_lengths, out.tokens, strict=True))
+        # every token but the first (from the prefill) is committed by a round
+        assert all(sum(lens) >= len(t) - 1 for lens, t in zip(out.acceptance_lengths, out.tokens, strict=True))
