@@ -6,20 +6,9 @@ pieces live in ``sparkjax.nn``, ``sparkjax.cache``,
 ``sparkjax.draft``, ``sparkjax.tree``, ``sparkjax.decode`` and ``sparkjax.sampling``.
 """
 
-import os as _os
-import signal as _signal
-import sys as _sys
+from . import _startup
 
-if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-    # ``python -m sparkjax[.eval]`` is starting: Ctrl-C while jax is imported and models load used to be
-    # swallowed (a KeyboardInterrupt raised inside a garbage-collection callback is only printed) and the
-    # run went on. Nothing has been written yet, so end the process at once; the CLIs install their own
-    # handlers (the eval's writes partial results) once they reach their work. Library imports are untouched.
-    def _interrupted_at_start(signum, frame):
-        _sys.stderr.write("interrupted during start-up; nothing was written\n")
-        _os._exit(130)
-
-    _signal.signal(_signal.SIGINT, _interrupted_at_start)
+_startup.install()  # Ctrl-C while a ``python -m sparkjax...`` entry point starts: see _startup
 
 from . import demo
 from .config import DrafterConfig, Qwen3Config

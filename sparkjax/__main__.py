@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from . import decode, demo
+from . import _startup, decode, demo
 from .convert import load_drafter, load_target
 from .errors import SparkjaxError
 
@@ -31,6 +31,7 @@ EXPLANATION_OTHER = ("tau = tokens committed per target call; with random prompt
 
 
 def main(argv: list[str] | None = None) -> int:
+    _startup.check()
     ap = argparse.ArgumentParser(prog="python -m sparkjax", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="Hugging Face Qwen3 folder (default: the bundled demo target)")
     ap.add_argument("--drafter", help="DeepSpec DSpark or z-lab DFlash folder (default: the demo drafters)")

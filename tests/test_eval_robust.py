@@ -396,20 +396,26 @@ def _interrupt(tmp_path, name, when, cache, extra=()):
                 seen.set()
         err.append(buf)
 
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
+    out_parts: list[str] = []
+    # the pump thread is the only reader of stderr (proc.communicate would read it too and take characters
+    # from under it), a second thread drains stdout
+    threads = [threading.Thread(target=pump, daemon=True),
+               threading.Thread(target=lambda: out_parts.append(proc.stdout.read()), daemon=True)]
+    for t in threads:
+        t.start()
     if isinstance(when, str):
         assert seen.wait(240), f"{when!r} never appeared"
     else:
         time.sleep(when)
     proc.send_signal(signal.SIGINT)
     try:
-        stdout, _ = proc.communicate(timeout=240)
+        proc.wait(timeout=240)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    t.join(10)
-    return proc.returncode, "".join(err), stdout, out
+    for t in threads:
+        t.join(30)
+    return proc.returncode, "".join(err), "".join(out_parts), out
 
 
 def _check_files(out, rc):
@@ -432,8 +438,9 @@ def test_sigint_subprocess_at_several_moments(small, tmp_path, xla_cache):
     #    install its handler): Python's own Ctrl-C, which ends the process at once (a KeyboardInterrupt, or an
     #    ImportError when it lands inside jaxlib's initialisation) and writes nothing; never a crash signal
     rc, err, _, out = _interrupt(tmp_path, "early", 0.5, xla_cache)
-    assert rc >= 0 or rc == -signal.SIGINT, (rc, err[-2000:])
-    assert rc not in (134, 139), (rc, err[-2000:])
+    #    once sparkjax is imported, a Ctrl-C a library swallowed is remembered and the CLI exits 130 before
+    #    its work; so never a completed run (0) and never a crash signal
+    assert rc in (1, 130, -signal.SIGINT), (rc, err[-2000:])
     assert _check_files(out, rc) is None and not (out.exists() and list(out.iterdir()))
     # 2. while compiling: stops after the current warm-up; partial (empty) results, exit 130
     rc, err, stdout, out = _interrupt(tmp_path, "warmup", "warm-up", xla_cache)

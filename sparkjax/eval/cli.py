@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .. import decode
+from .. import _startup, decode
 from . import datasets as ds
 from .errors import EvalError
 from .harness import BASELINE_METHODS, DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from .harness import sigint_flag
 
     with sigint_flag():  # Ctrl-C sets a flag the run checks between steps (the previous handler comes back after)
+        _startup.check()  # a Ctrl-C while jax was imported: exit 130, nothing written
         return _main(argv)
 
 

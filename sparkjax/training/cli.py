@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from .. import _startup
 from ..errors import ArgumentError, SparkjaxError
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -101,6 +102,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _startup.check()
     args = parser().parse_args(argv)
     return run_cli(lambda: _main(args))
 
