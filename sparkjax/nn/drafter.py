@@ -25,7 +25,7 @@ W1[prev]]))`` (gated; ``gate_proj`` has a bias, DeepSpec's
 (or ``[h]`` alone without the Markov input), read through a sigmoid.
 
 Parameter paths mirror the DeepSpec checkpoint keys (see
-:data:`sparkjax.convert.DRAFTER_KEYS`).
+:data:`sparkjax.io.keymaps.DRAFTER_KEYS`).
 """
 
 from __future__ import annotations
