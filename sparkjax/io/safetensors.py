@@ -8,20 +8,22 @@ a file, reads one tensor at a time, reads bfloat16 through ``ml_dtypes`` and val
   should be hangs the load). :class:`SafetensorsFile` opens through
   :func:`~sparkjax.config.open_regular` (non-blocking open, ``fstat``) and refuses FIFOs, sockets,
   devices and folders before reading a byte.
-* **Errors that name the file and the key.** The library raises ``SafetensorError`` (not a
-  :class:`~sparkjax.errors.SparkjaxError`), and several of its messages name neither the file nor
-  the key (a missing key reads ``File does not contain tensor NAME``; a truncated file
-  ``incomplete metadata, file not fully covered``). Every failure here is a
-  :class:`~sparkjax.errors.CheckpointError` that names the path and, where there is one, the key
-  and the offending value, which is what the load-time checks of :mod:`sparkjax.io.hf` promise.
-* **Shape and dtype before data.** The whole header is validated when the file is opened (known
-  dtype, non-negative integer shape, offsets of exactly the tensor's size, inside the data
-  section, not overlapping), so :func:`~sparkjax.io.hf.load_into` compares every shape and dtype
-  against the model before it touches any tensor data, and a tensor is then a zero-copy view of
-  the mapped file (peak host memory: the one tensor being converted).
-* **Atomic writes.** ``safetensors.numpy.save_file`` writes in place; :func:`write_safetensors`
-  writes through :func:`~sparkjax.io.atomic.atomic_file`, so a killed writer leaves the old file or
-  the new one, never half of one.
+* **Errors that name the file and the key.** The library raises ``SafetensorError``, not a
+  :class:`~sparkjax.errors.SparkjaxError`, and its messages do not name the file (seen: a missing
+  key, ``File does not contain tensor NAME``; a truncated file, ``Error while deserializing
+  header: incomplete metadata, file not fully covered``). Every failure here is a
+  :class:`~sparkjax.errors.CheckpointError` naming the path and, where there is one, the key and
+  the offending value, as the load-time checks of :mod:`sparkjax.io.hf` promise.
+* **Atomic writes.** ``safetensors.numpy.save_file`` writes to the path it is given;
+  :func:`write_safetensors` writes through :func:`~sparkjax.io.atomic.atomic_file`, so a killed
+  writer leaves the old file or the new one, never half of one.
+
+What the reader guarantees: the whole header is validated when the file is opened (known dtype,
+non-negative integer shape, offsets of exactly the tensor's size, inside the data section, not
+overlapping), so :func:`~sparkjax.io.hf.load_into` finds missing and unexpected keys before
+reading any tensor data and compares each tensor's shape and dtype with the model before reading
+it; a tensor is a zero-copy view of the mapped file (peak host memory: the one tensor being
+converted).
 
 Also here: :class:`WeightFiles` (one file, or shards with a validated index) and the finiteness
 check that :func:`~sparkjax.io.hf.load_into` runs on every converted tensor.
