@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparkjax.atomic import check_destination
-from sparkjax.checkpoint import save_model
-from sparkjax.convert import load_target
 from sparkjax.errors import SparkjaxError
+from sparkjax.io.atomic import check_destination
+from sparkjax.io.checkpoint import save_model
+from sparkjax.io.hf import load_target
 
 
 def main(argv: list[str] | None = None) -> int:

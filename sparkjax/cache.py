@@ -17,11 +17,20 @@ here: 4.4 ms against 1.0 ms per step for 8 layers and 256 slots).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from .sharding import DEFAULT_RULES, logical_to_spec
 
 Array = jax.Array
+
+# Logical axes of the cache arrays (mapped onto a mesh by the rules of :mod:`sparkjax.sharding`):
+# keys / values ``[B, S, K, H]`` split over the batch and the kv heads, lengths ``[B]`` over the batch.
+KV_AXES: tuple[str | None, ...] = ("batch", None, "kv_heads", None)
+LENGTHS_AXES: tuple[str | None, ...] = ("batch",)
 
 
 def _scatter_block(buf: Array, rows: Array, offsets: Array) -> Array:
@@ -54,6 +63,10 @@ class KVCache:
     def size(self) -> int:
         return self.k[0].shape[1]
 
+    def shardings(self, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
+        """A KVCache of NamedShardings matching this cache (for ``jax.device_put`` / ``out_shardings``)."""
+        return kv_cache_shardings(mesh, len(self.k), rules)
+
     def write_layer(self, layer: int, k: Array, v: Array) -> KVCache:
         """Writes one layer's new rows ``[B, T, K, H]`` at ``lengths`` (lengths unchanged)."""
         new_k = _replace_at(self.k, layer, _scatter_block(self.k[layer], k, self.lengths))
@@ -77,6 +90,14 @@ class KVCache:
         k = tuple(per_seq(buf, start, indices) for buf in self.k)
         v = tuple(per_seq(buf, start, indices) for buf in self.v)
         return KVCache(k, v, start + jnp.asarray(count, jnp.int32))
+
+
+def kv_cache_shardings(mesh: Mesh, layers: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
+    """Shardings of a :class:`KVCache` of ``layers`` layers on ``mesh``: keys / values by
+    :data:`KV_AXES` (batch over ``rules["batch"]``, kv heads over ``rules["kv_heads"]``), lengths by
+    :data:`LENGTHS_AXES`."""
+    kv = NamedSharding(mesh, logical_to_spec(KV_AXES, rules))
+    return KVCache((kv,) * layers, (kv,) * layers, NamedSharding(mesh, logical_to_spec(LENGTHS_AXES, rules)))
 
 
 def _replace_at(items: tuple, index: int, value) -> tuple:

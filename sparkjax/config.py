@@ -334,7 +334,7 @@ class DrafterConfig(Qwen3Config):
       slot ``i`` predicts the token at ``start + i``, slot 0 is unused (``block_size - 1`` drafts).
 
     ``hf_json`` keeps the checkpoint's original ``config.json`` text (not compared, not hashed)
-    so that :func:`sparkjax.convert.save_drafter` writes it back unchanged.
+    so that :func:`sparkjax.io.hf.save_drafter` writes it back unchanged.
     """
 
     kind: str = "dspark"
@@ -580,25 +580,11 @@ def _dflash_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate_pair(drafter: DrafterConfig, target: Qwen3Config, *, drafter_source: str, target_source: str) -> None:
-    """Checks that a drafter fits its target; raises IncompatiblePairError naming both files and the field."""
-    from .errors import IncompatiblePairError
+    """Checks that a drafter fits its target; raises IncompatiblePairError naming both files and the field.
 
-    def fail(field: str, detail: str):
-        raise IncompatiblePairError(
-            f"drafter {drafter_source} does not fit target {target_source}: {field}: {detail}"
-        )
+    The same check as :func:`sparkjax.pairing.check_pair` (which this calls), with the arguments in
+    the order its older callers use.
+    """
+    from .pairing import check_pair
 
-    if drafter.hidden_size != target.hidden_size:
-        fail("hidden_size", f"drafter has {drafter.hidden_size}, target has {target.hidden_size}")
-    if drafter.vocab_size != target.vocab_size:
-        fail("vocab_size", f"drafter has {drafter.vocab_size}, target has {target.vocab_size}")
-    n = target.num_hidden_layers
-    if drafter.num_target_layers is not None and drafter.num_target_layers != n:
-        fail("num_target_layers", f"drafter expects {drafter.num_target_layers} target layers, target has {n}")
-    for lid in drafter.target_layer_ids:
-        if lid == n - 1:
-            fail("target_layer_ids", f"entry {lid} is the target's final layer (its hidden state is final-normed)")
-        if not -1 <= lid < n - 1:
-            fail("target_layer_ids", f"entry {lid} is outside [-1, {n - 2}] for a target with {n} layers")
-    if not 0 <= drafter.mask_token_id < target.vocab_size:
-        fail("mask_token_id", f"{drafter.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})")
+    check_pair(target, drafter, target_source=target_source, drafter_source=drafter_source)

@@ -16,7 +16,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .cache import KVCache
 from .errors import ArgumentError
 
 DEFAULT_RULES: Mapping[str, str | None] = {
@@ -63,10 +62,12 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] =
     return model
 
 
-def cache_sharding(mesh: Mesh, layers: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
-    """Shardings for a :class:`KVCache` of ``layers`` layers: batch over data, kv heads over model."""
-    kv = NamedSharding(mesh, PartitionSpec(rules.get("batch"), None, rules.get("kv_heads"), None))
-    return KVCache((kv,) * layers, (kv,) * layers, NamedSharding(mesh, PartitionSpec(rules.get("batch"))))
+def cache_sharding(mesh: Mesh, layers: int, rules: Mapping[str, str | None] = DEFAULT_RULES):
+    """Shardings for a KVCache of ``layers`` layers (:func:`sparkjax.cache.kv_cache_shardings`;
+    for an existing cache use ``cache.shardings(mesh, rules)``)."""
+    from .cache import kv_cache_shardings
+
+    return kv_cache_shardings(mesh, layers, rules)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> NamedSharding:

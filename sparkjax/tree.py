@@ -127,14 +127,6 @@ def _check_ndim(name: str, x: jax.Array, ndim: int, axes: str) -> None:
         raise ArgumentError(f"{name} must have shape [{axes}], got shape {tuple(jnp.shape(x))}")
 
 
-def _logsumexp(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """Stable logsumexp in the input dtype; an all ``-inf`` slice gives ``-inf`` (never NaN)."""
-    m = jnp.max(x, axis=axis, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
-    out = jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
-    return out if keepdims else jnp.squeeze(out, axis=axis)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # candidates and tables
 
@@ -156,7 +148,7 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     top_c = _check_int("top_c", top_c, 1)
     _check_ndim("logits", logits, 2, "D, V")
     x = jnp.asarray(logits, jnp.float32)
-    logp = x - _logsumexp(x, axis=-1, keepdims=True)
+    logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
     c = min(top_c, x.shape[-1])
     cand_logp, cand_tokens = jax.lax.top_k(logp, c)
     # The barrier keeps XLA from folding later slices of the result into the top-k, which turns it into a
@@ -260,7 +252,7 @@ def markov_tables(
 
     # depth 1: one parent (x_start), exact over the vocabulary
     z0 = u[0] + w2 @ feats[0, 0]
-    row0 = (z0 - _logsumexp(z0))[cand_tokens[0]]
+    row0 = (z0 - jax.nn.logsumexp(z0))[cand_tokens[0]]
     t0 = jnp.broadcast_to(row0[None, None, :], (1, c, c))
     if d == 1:
         return t0
@@ -271,15 +263,15 @@ def markov_tables(
         def one_depth(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
             ud, cd, fd = args
             z = ud[None, :] + fd @ w2.T  # [C, V] corrected logits of every child of every parent
-            return jnp.take(z, cd, axis=1) - _logsumexp(z, axis=-1, keepdims=True)
+            return jnp.take(z, cd, axis=1) - jax.nn.logsumexp(z, axis=-1, keepdims=True)
 
         rest = jax.lax.map(one_depth, (u_rest, cand_rest, f_rest))
     else:
         uc = jnp.take_along_axis(u_rest, cand_rest, axis=1)  # [D-1, C]
         z = uc[:, None, :] + jnp.einsum("dir,djr->dij", f_rest, w2[cand_rest])
         rows = jnp.arange(d - 1)[:, None]
-        log_tail = _logsumexp(u_rest.at[rows, cand_rest].set(-jnp.inf), axis=-1)  # [D-1]
-        lse = jnp.logaddexp(_logsumexp(z, axis=-1), log_tail[:, None])
+        log_tail = jax.nn.logsumexp(u_rest.at[rows, cand_rest].set(-jnp.inf), axis=-1)  # [D-1]
+        lse = jnp.logaddexp(jax.nn.logsumexp(z, axis=-1), log_tail[:, None])
         rest = z - lse[..., None]
     return jnp.concatenate([t0, rest], axis=0)
 

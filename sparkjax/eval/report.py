@@ -64,7 +64,7 @@ def _clean(x):
 
 def write_json(results, path: str | os.PathLike) -> pathlib.Path:
     """Writes ``results.json`` atomically (a temp file beside it, renamed into place when complete)."""
-    from ..convert import atomic_file
+    from ..io.atomic import atomic_file
 
     path = pathlib.Path(path)
     text = json.dumps(_clean(results.to_dict()), indent=1, allow_nan=False) + "\n"
@@ -94,7 +94,7 @@ def write_csv(results, path: str | os.PathLike) -> pathlib.Path:
     fields: list[str] = []
     for r in rows:
         fields += [k for k in r if k not in fields]
-    from ..convert import atomic_file
+    from ..io.atomic import atomic_file
 
     with atomic_file(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields or ["dataset"])

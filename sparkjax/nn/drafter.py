@@ -25,7 +25,7 @@ W1[prev]]))`` (gated; ``gate_proj`` has a bias, DeepSpec's
 (or ``[h]`` alone without the Markov input), read through a sigmoid.
 
 Parameter paths mirror the DeepSpec checkpoint keys (see
-:data:`sparkjax.convert.DRAFTER_KEYS`).
+:data:`sparkjax.io.keymaps.DRAFTER_KEYS`).
 """
 
 from __future__ import annotations
@@ -39,39 +39,10 @@ from flax import nnx
 from ..cache import ContextCache
 from ..config import DrafterConfig
 from ..errors import ArgumentError
-from .layers import Embed, Linear, RMSNorm, rope_cos_sin
+from .layers import Embed, Linear, RMSNorm, attend, rope_cos_sin
 from .qwen3 import DecoderLayer, LMHead
 
 Array = jax.Array
-
-
-def attend_parts(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
-    """Grouped-query attention over several key/value sets sharing one softmax.
-
-    ``q`` ``[B, T, N, H]``; each part is ``(k [B, S_i, K, H], v [B, S_i, K, H], mask [B, T, S_i])``
-    (True = visible). Equivalent to :func:`~sparkjax.nn.layers.attend` on the concatenated keys,
-    without copying the (possibly large) context keys/values. Scores and softmax in float32,
-    scale ``H ** -0.5``; a fully masked row returns zeros.
-    """
-    b, t, n, h = q.shape
-    kh = parts[0][0].shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)
-    scores = jnp.concatenate(
-        [jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts],
-        axis=-1,
-    ) * (h**-0.5)
-    mask = jnp.concatenate([jnp.broadcast_to(m, (b, t, k.shape[1])) for k, _, m in parts], axis=-1)
-    m = mask[:, None, None, :, :]
-    scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
-    probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
-    out = None
-    offset = 0
-    for k, v, _ in parts:
-        s = k.shape[1]
-        term = jnp.einsum("bkgts,bskh->btkgh", probs[..., offset : offset + s].astype(v.dtype), v)
-        out = term if out is None else out + term
-        offset += s
-    return out.reshape(b, t, n, h)
 
 
 class Table(nnx.Module):
@@ -165,7 +136,7 @@ class DrafterLayer(DecoderLayer):
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
-        attn = attend_parts(q, [(ctx_k, ctx_v, ctx_mask), (k, v, block_mask)])
+        attn = attend(q, [(ctx_k, ctx_v, ctx_mask), (k, v, block_mask)])
         x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -118,21 +118,31 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Grouped-query attention core.
+def attend(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+    """Grouped-query attention over one or several key/value sets sharing one softmax.
 
-    q ``[B, T, N, H]``, k/v ``[B, S, K, H]``, mask ``[B, T, S]`` (True = visible).
-    Scores and softmax in float32, scale ``H ** -0.5``. A fully masked row returns zeros.
+    ``q`` ``[B, T, N, H]``; each part is ``(k [B, S_i, K, H], v [B, S_i, K, H], mask [B, T, S_i])``
+    (mask broadcastable, True = visible). The target passes one part (its cache or the new
+    tokens); a drafter passes its context rows and its block, which is attention over the
+    concatenated keys without copying the (possibly large) context keys/values. Scores and softmax
+    in float32, scale ``H ** -0.5``; a fully masked row returns zeros.
     """
     b, t, n, h = q.shape
-    kh = k.shape[2]
+    kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (h**-0.5)
-    m = mask[:, None, None, :, :]
+    scores = [jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
+    scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)) * (h**-0.5)
+    masks = [jnp.broadcast_to(m, (b, t, k.shape[1])) for k, _, m in parts]
+    m = (masks[0] if len(masks) == 1 else jnp.concatenate(masks, axis=-1))[:, None, None, :, :]
     scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(m, probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
+    out = None
+    offset = 0
+    for k, v, _ in parts:
+        s = k.shape[1]
+        term = jnp.einsum("bkgts,bskh->btkgh", probs[..., offset : offset + s].astype(v.dtype), v)
+        out = term if out is None else out + term
+        offset += s
     return out.reshape(b, t, n, h)
 
 

@@ -56,7 +56,7 @@ class DecoderLayer(nnx.Module):
             cache = cache.write_layer(index, k, v)
             if not fresh:  # a fresh cache holds nothing before the block: attend to the block alone
                 k, v = cache.k[index], cache.v[index]
-        x = x + self.self_attn.o_proj(attend(q, k, v, mask))
+        x = x + self.self_attn.o_proj(attend(q, [(k, v, mask)]))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
 

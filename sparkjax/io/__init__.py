@@ -1,0 +1,52 @@
+"""Checkpoint I/O: every file format sparkjax reads or writes, in one package.
+
+=========================  ===================================================================
+:mod:`.atomic`             crash-safe writers (:func:`atomic_file`, :func:`atomic_dir`) and the one
+                           overwrite rule (:func:`check_destination`, :data:`MARKER`)
+:mod:`.safetensors`        the validating memory-mapped reader (:class:`SafetensorsFile`), the
+                           atomic writer (:func:`write_safetensors`), sharded folders
+                           (:class:`WeightFiles`), the finiteness check
+:mod:`.keymaps`            HF Qwen3 and DeepSpec / DFlash drafter names <-> NNX paths, and layouts
+:mod:`.hf`                 :func:`load_target`, :func:`load_drafter`, :func:`save_target`,
+                           :func:`save_drafter`, :func:`source_of`
+:mod:`.checkpoint`         orbax (the only module that imports it): :func:`save_model`,
+                           :func:`restore_model`, :class:`TrainCheckpointer`
+=========================  ===================================================================
+
+The orbax names are imported on first use, so ``import sparkjax.io`` does not import orbax.
+The old modules ``sparkjax.convert``, ``sparkjax.checkpoint`` and ``sparkjax.atomic`` remain as
+aliases.
+"""
+
+from __future__ import annotations
+
+from .atomic import MARKER, WriteError, atomic_dir, atomic_file, check_destination, is_sparkjax_output, recover
+from .hf import (
+    export_tensors,
+    load_drafter,
+    load_into,
+    load_target,
+    resolve_dtype,
+    save_drafter,
+    save_target,
+    source_of,
+)
+from .keymaps import DRAFTER_KEYS, QWEN3_KEYS, Rule, param_keys
+from .safetensors import SafetensorsFile, WeightFiles, write_safetensors
+
+_ORBAX = ("save_model", "restore_model", "TrainCheckpointer")
+
+__all__ = [
+    "DRAFTER_KEYS", "MARKER", "QWEN3_KEYS", "Rule", "SafetensorsFile", "WeightFiles", "WriteError",
+    "atomic_dir", "atomic_file", "check_destination", "export_tensors", "is_sparkjax_output", "load_drafter",
+    "load_into", "load_target", "param_keys", "recover", "resolve_dtype", "save_drafter", "save_target",
+    "source_of", "write_safetensors", *_ORBAX,
+]
+
+
+def __getattr__(name: str):
+    if name in _ORBAX:
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,482 @@
+"""Saving and restoring converted models with orbax (the only module that imports orbax).
+
+A saved model is a folder with ``sparkjax.json`` (what kind of model and its
+config) and ``state/`` (the orbax checkpoint of its parameters). Saving writes
+to a temp folder beside the destination and renames it when complete, so an
+interrupted save never leaves a half-written checkpoint behind; overwriting
+follows the rule of :mod:`sparkjax.io.atomic`. ``sparkjax.json`` also holds exact
+per-tensor checksums, which :func:`restore_model` verifies (with a finiteness
+check) so a corrupted folder raises instead of loading wrong weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from ..config import Qwen3Config, read_json
+from ..errors import ArgumentError, CheckpointError
+from .atomic import WriteError, atomic_dir, check_destination
+
+PathLike = str | os.PathLike
+_META = "sparkjax.json"
+
+
+def save_model(model: nnx.Module, path: PathLike, *, overwrite: bool = False) -> str:
+    """Saves a Qwen3 target with orbax, atomically, with per-tensor checksums in ``sparkjax.json``.
+
+    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`).
+    Refusals raise :class:`~sparkjax.errors.ArgumentError`, I/O failures :class:`~sparkjax.io.atomic.WriteError`
+    (a :class:`~sparkjax.errors.CheckpointError`); both name the path, and the destination is left as it was.
+    """
+    from ..nn.qwen3 import Qwen3
+
+    if not isinstance(model, Qwen3):
+        raise ArgumentError(f"save_model: model must be a Qwen3 target (sparkjax.nn.qwen3.Qwen3), "
+                            f"got {type(model).__name__}; {path} was not written")
+    check_destination(path, overwrite=overwrite)
+    state = nnx.state(model, nnx.Param)
+    meta = {"kind": "qwen3", "dtype": str(jnp.dtype(model.dtype)), "config": model.config.to_hf_dict(),
+            "checksum_kind": _CHECKSUM_KIND, "checksums": bit_checksums(state)}
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        with open(os.path.join(tmp, _META), "w") as f:
+            json.dump(meta, f, indent=2)
+        try:
+            ckptr = ocp.StandardCheckpointer()
+            try:
+                ckptr.save(os.path.join(tmp, "state"), state)
+                ckptr.wait_until_finished()
+            finally:
+                ckptr.close()
+        except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many types on I/O failures
+            reason = str(e).splitlines()[0][:300] if str(e) else ""
+            raise WriteError(f"{path}: orbax could not save ({type(e).__name__}: {reason})",
+                             f"orbax: {type(e).__name__}: {reason}") from e
+    return str(path)
+
+
+def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
+    """Restores a model saved by :func:`save_model` (optionally cast to ``dtype``).
+
+    What is read back is verified: every tensor against the checksum stored at save time (folders
+    written before checksums existed skip this), and every floating tensor must be finite. A mismatch
+    raises :class:`~sparkjax.errors.CheckpointError` naming the folder and the first bad tensor.
+    """
+    from ..nn.qwen3 import Qwen3
+    from .hf import resolve_dtype
+
+    folder = str(path)
+    meta_path = os.path.join(folder, _META)
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: expected a JSON object")
+    if meta.get("kind") != "qwen3":
+        raise CheckpointError(f"{meta_path}: unknown model kind {meta.get('kind')!r}")
+    cfg = Qwen3Config.from_hf_config(meta.get("config") or {}, source=meta_path)
+    saved = resolve_dtype(meta.get("dtype"), None)
+    abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), dtype=saved))
+    graphdef, state = nnx.split(abstract)
+    state_dir = os.path.join(folder, "state")
+    if not os.path.isdir(state_dir):
+        raise CheckpointError(f"{state_dir}: missing orbax state folder")
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(state_dir, target)
+    except Exception as e:  # orbax raises many types for damaged folders
+        raise CheckpointError(f"{state_dir}: cannot restore orbax checkpoint ({type(e).__name__}: {e})") from None
+    verify_state(restored, meta.get("checksums"), folder=folder, meta_path=meta_path,
+                 kind=meta.get("checksum_kind"))
+    model = nnx.merge(graphdef, restored)
+    if dtype is not None:
+        dt = resolve_dtype(dtype, None)
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dt), params))
+    return model
+
+
+# ----------------------------------------------------------------------------- exact checksums, finiteness
+
+_CHECKSUM_KIND = "bits-u32-v1"
+
+
+@jax.jit
+def _device_bits(leaves):
+    """Per leaf: (sum of its bit patterns, position-weighted sum), both mod 2**32, and an all-finite flag.
+
+    Exact and deterministic (integer arithmetic), so any changed value changes the first sum; a swap of
+    two values changes the second. One reduction per tensor, on device.
+    """
+    out = []
+    for x in leaves:
+        if x.dtype == jnp.bool_:
+            bits = x.astype(jnp.uint32)
+        elif x.dtype.itemsize == 4:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        elif x.dtype.itemsize == 2:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+        elif x.dtype.itemsize == 1:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+        else:  # 64-bit leaves (x64 mode): fold the two halves
+            halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            bits = halves[..., 0] ^ (halves[..., 1] * jnp.uint32(0x9E3779B1))
+        flat = bits.reshape(-1)
+        pos = jnp.arange(flat.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+        out.append((jnp.sum(flat, dtype=jnp.uint32), jnp.sum(flat * pos, dtype=jnp.uint32), finite))
+    return out
+
+
+def _bits_and_finite(state) -> tuple[dict[str, list[int]], dict[str, bool]]:
+    named = _named_leaves(state)
+    res = jax.device_get(_device_bits(list(named.values())))
+    sums = {name: [int(a), int(b)] for name, (a, b, _) in zip(named, res, strict=True)}
+    finite = {name: bool(f) for name, (_, _, f) in zip(named, res, strict=True)}
+    return sums, finite
+
+
+def bit_checksums(state) -> dict[str, list[int]]:
+    """Exact per-leaf checksums of a state pytree (two 32-bit sums of the bit patterns, on device)."""
+    return _bits_and_finite(state)[0]
+
+
+def verify_state(state, checksums, *, folder: str, meta_path: str | None = None, kind: str | None = None) -> None:
+    """Checks a restored state: its checksums against ``checksums`` (skipped when None: an older
+    folder) and that every floating tensor is finite. Raises CheckpointError naming ``folder`` and
+    the first bad tensor."""
+    got, finite = _bits_and_finite(state)
+    if checksums is not None:
+        where = meta_path or folder
+        if kind != _CHECKSUM_KIND:
+            raise CheckpointError(f"{where}: unknown checksum kind {kind!r} (expected {_CHECKSUM_KIND!r})")
+        if not isinstance(checksums, dict):
+            raise CheckpointError(f"{where}: 'checksums' must be a JSON object")
+        for name in sorted(set(got) | set(checksums)):
+            shown = name.removesuffix(".value")
+            if name not in checksums:
+                raise CheckpointError(f"{folder}: tensor '{shown}' has no stored checksum in {where}")
+            if name not in got:
+                raise CheckpointError(f"{folder}: tensor '{shown}' listed in {where} was not restored")
+            if list(checksums[name]) != got[name]:
+                raise CheckpointError(
+                    f"{folder}: tensor '{shown}' does not match the checksum saved with it (saved "
+                    f"{checksums[name]}, read {got[name]}); the checkpoint is corrupted"
+                )
+    for name, ok in finite.items():
+        if not ok:
+            raise CheckpointError(f"{folder}: tensor '{name.removesuffix('.value')}' holds NaN or Inf values")
+
+
+# ----------------------------------------------------------------------------- training checkpoints
+
+
+def _leaf_name(path) -> str:
+    """Dotted name of a pytree path, as orbax names array leaves (dict keys, indices, attributes)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(str(k.name))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _named_leaves(tree) -> dict[str, Any]:
+    return {_leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@jax.jit
+def _device_checksums(leaves):
+    out = []
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x32 = x.astype(jnp.float32)
+            out.append(jnp.stack([jnp.sum(x32), jnp.sum(jnp.abs(x32))]))
+        else:  # integer leaves (step counters, RNG key data): exact
+            xi = x.astype(jnp.uint32).view(jnp.int32) if x.dtype == jnp.uint32 else x.astype(jnp.int32)
+            out.append(jnp.stack([jnp.sum(xi % 65521), jnp.sum((xi // 65521) % 65521)]).astype(jnp.float32))
+    return out
+
+
+def state_checksums(state) -> dict[str, list[float]]:
+    """Per-leaf ``[sum, sum |x|]`` of a state pytree (computed on device), to detect silent corruption."""
+    named = _named_leaves(state)
+    sums = jax.device_get(_device_checksums(list(named.values())))
+    return {name: [float(v) for v in s] for name, s in zip(named, sums, strict=True)}
+
+
+class TrainCheckpointer:
+    """Resumable training checkpoints with orbax's ``CheckpointManager``.
+
+    Each step folder ``DIR/<step>`` holds ``state`` (the train-state pytree: params, optimizer
+    state, step, RNG) and ``meta`` (JSON: config, data position, metrics, per-leaf checksums).
+    orbax writes a step into a temporary folder and renames it when complete, so a killed save
+    leaves no step behind. Kept: the last ``keep_last`` steps plus the ``keep_best`` best by
+    ``metrics[best_metric]`` (higher is better when ``best_mode == "max"``).
+
+    :meth:`restore` verifies a step (orbax restore succeeds, every tensor has the expected shape,
+    checksums match); a damaged or partial step is moved aside to ``DIR/corrupt-<step>-<n>`` with
+    a message and the previous step is tried. Tensors whose shapes do not fit the model raise
+    :class:`~sparkjax.errors.CheckpointError` (not a fallback: older steps would not fit either).
+
+    Reading a damaged step makes orbax's restore fail while tensorstore still has reads in flight;
+    orbax then closes the event loop it ran them on, and each late read calls
+    ``loop.call_soon_threadsafe`` on the closed loop from a tensorstore thread. Python reports
+    every such ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook``: hundreds to
+    thousands of traceback lines after the one warning that matters. Creating a checkpointer
+    therefore installs (once per process) a filter in ``sys.unraisablehook`` that drops exactly
+    that report -- a RuntimeError with that message, raised in asyncio's ``_check_closed``, with
+    no object -- and passes everything else to the previous hook.
+    """
+
+    def __init__(
+        self,
+        directory: PathLike,
+        *,
+        keep_last: int = 3,
+        keep_best: int = 1,
+        best_metric: str = "eval_tau",
+        best_mode: str = "max",
+        async_save: bool = False,
+        log=None,
+    ):
+        if keep_last < 1:
+            raise CheckpointError(f"{directory}: keep_last must be >= 1, got {keep_last}")
+        if best_mode not in ("max", "min"):
+            raise CheckpointError(f"{directory}: best_mode must be 'max' or 'min', got {best_mode!r}")
+        self.directory = os.path.abspath(str(directory))
+        _install_closed_loop_filter()
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self._log = log or _stderr
+        cm = ocp.checkpoint_managers
+        policies = [cm.LatestN(n=keep_last)]
+        if keep_best > 0:
+            sign = 1.0 if best_mode == "max" else -1.0
+            policies.append(cm.BestN(get_metric_fn=lambda m: sign * float(m[best_metric]), n=keep_best,
+                                     keep_checkpoints_without_metrics=False))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            preservation_policy=cm.AnyPreservationPolicy(policies),
+            create=True,
+        )
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # ------------------------------------------------------------------ queries
+    def steps(self) -> list[int]:
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged folders
+            msg = f"unreadable checkpoint metadata ({type(e).__name__}: {e})"
+            raise CheckpointError(f"{self.step_dir(step)}: {msg}") from None
+        meta = out["meta"]
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{self.step_dir(step)}/meta: expected a JSON object")
+        return meta
+
+    def best_step(self) -> int | None:
+        """The kept step with the best ``metrics[best_metric]`` recorded in its meta (None if none has one)."""
+        best, best_val = None, None
+        for step in self.steps():
+            try:
+                value = (self.read_meta(step).get("metrics") or {}).get(self.best_metric)
+            except CheckpointError:
+                continue
+            if value is None:
+                continue
+            better = best_val is None or (value > best_val if self.best_mode == "max" else value < best_val)
+            if better:
+                best, best_val = step, value
+        return best
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> str:
+        """Saves ``state`` and ``meta`` (+ per-leaf checksums) as step ``step``; returns its folder."""
+        meta = dict(meta)
+        meta["step"] = int(step)
+        meta["checksums"] = state_checksums(state)
+        if metrics:
+            meta["metrics"] = {k: float(v) for k, v in metrics.items()}
+        keep_metrics = meta.get("metrics") if meta.get("metrics", {}).get(self.best_metric) is not None else None
+        try:
+            self._mngr.save(
+                int(step),
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                metrics=keep_metrics,
+                force=True,
+            )
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self.step_dir(step)}: cannot save checkpoint ({type(e).__name__}: {e})") from e
+        return self.step_dir(step)
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+    # ------------------------------------------------------------------ restore
+    def _check_shapes(self, step: int, abstract) -> None:
+        """Shape check from orbax's metadata; unreadable metadata is left to the restore to judge."""
+        try:
+            saved = self._mngr.item_metadata(step)["state"]
+        except Exception:  # noqa: BLE001
+            return
+        if saved is None:
+            return
+        have = {}
+        for _, m in jax.tree_util.tree_flatten_with_path(saved)[0]:
+            name = getattr(m, "name", None)
+            if name is not None:
+                have[name] = m
+        want = _named_leaves(abstract)
+        for name, x in sorted(want.items(), key=lambda kv: (not kv[0].startswith("params"), kv[0])):
+            m = have.get(name)
+            shown = name.removesuffix(".value")
+            if m is None:
+                raise CheckpointError(
+                    f"{self.step_dir(step)}/state: tensor '{shown}' is missing; the checkpoint was written for "
+                    "a different model or optimizer (its tensors do not fit this config)"
+                )
+            if tuple(m.shape) != tuple(x.shape):
+                raise CheckpointError(
+                    f"{self.step_dir(step)}/state: tensor '{shown}' has shape {list(m.shape)}, this config expects "
+                    f"{list(x.shape)} (the checkpoint's tensors do not fit this config)"
+                )
+        extra = [name.removesuffix(".value") for name in sorted(set(have) - set(want))]
+        if extra:
+            raise CheckpointError(
+                f"{self.step_dir(step)}/state: unexpected tensor '{extra[0]}'; the checkpoint was written for a "
+                "different model or optimizer (its tensors do not fit this config)"
+            )
+
+    def _restore_one(self, step: int, abstract):
+        import numpy as np
+
+        self._check_shapes(step, abstract)
+        try:
+            out = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+            )
+        except Exception as e:  # noqa: BLE001
+            raise _Damaged(f"orbax cannot restore it ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+        state, meta = out["state"], out["meta"]
+        if not isinstance(meta, dict):
+            raise _Damaged("meta is not a JSON object")
+        want = meta.get("checksums")
+        if not isinstance(want, dict):
+            raise _Damaged("meta has no checksums")
+        got = state_checksums(state)
+        for name, ref in want.items():
+            val = got.get(name)
+            if val is None or not np.allclose(val, ref, rtol=1e-4, atol=1e-3):
+                raise _Damaged(f"tensor '{name}' fails its checksum (saved {ref}, read {val})")
+        return state, meta
+
+    def _move_aside(self, step: int) -> str:
+        src = self.step_dir(step)
+        n = 0
+        while os.path.exists(dst := os.path.join(self.directory, f"corrupt-{step}-{n}")):
+            n += 1
+        if os.path.exists(src):
+            os.rename(src, dst)
+        self._mngr.reload()
+        return dst
+
+    def restore(self, abstract_state, step: int | None = None):
+        """Restores the newest usable step (or ``step``) into ``abstract_state``'s shapes / shardings.
+
+        Returns ``(step, state, meta)``. Damaged steps are moved aside with a message and the
+        previous step is tried; raises CheckpointError when no step is usable.
+        """
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"{self.directory}: no checkpoint for step {step} (have {steps})")
+            steps = [s for s in steps if s <= step]
+        if not steps:
+            raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
+        tried = []
+        for s in reversed(steps):
+            try:
+                state, meta = self._restore_one(s, abstract_state)
+            except _Damaged as e:
+                moved = self._move_aside(s)
+                tried.append(f"step {s}: {e}")
+                older = [x for x in steps if x < s]
+                nxt = f"falling back to step {older[-1]}" if older else "no older checkpoint left"
+                self._log(f"warning: checkpoint {self.step_dir(s)} is corrupted or incomplete ({e}); "
+                          f"moved it to {moved}; {nxt}")
+                continue
+            return s, state, meta
+        raise CheckpointError(f"{self.directory}: no usable checkpoint ({'; '.join(tried)})")
+
+
+def _stderr(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _Damaged(Exception):
+    """A step that cannot be read back as written (internal: triggers the fallback)."""
+
+
+def _is_closed_loop_report(unraisable) -> bool:
+    """Whether an unraisable-exception report is a late tensorstore callback hitting a closed asyncio loop."""
+    exc = getattr(unraisable, "exc_value", None)
+    if type(exc) is not RuntimeError or str(exc) != "Event loop is closed":
+        return False
+    if getattr(unraisable, "object", None) is not None:
+        return False
+    tb, last = getattr(unraisable, "exc_traceback", None), None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_name == "_check_closed" and \
+        os.path.basename(last.tb_frame.f_code.co_filename) == "base_events.py"
+
+
+class _ClosedLoopFilter:
+    """``sys.unraisablehook`` that drops :func:`_is_closed_loop_report` reports and forwards the rest."""
+
+    def __init__(self, previous):
+        self.previous = previous
+        self.dropped = 0
+
+    def __call__(self, unraisable) -> None:
+        if _is_closed_loop_report(unraisable):
+            self.dropped += 1
+            return
+        self.previous(unraisable)
+
+
+def _install_closed_loop_filter() -> None:
+    import sys
+
+    if not isinstance(sys.unraisablehook, _ClosedLoopFilter):
+        sys.unraisablehook = _ClosedLoopFilter(sys.unraisablehook)

@@ -1,0 +1,265 @@
+"""Hugging Face checkpoint folders: loading and saving the Qwen3 target and the drafters.
+
+Loading walks the abstract module's parameters, finds the key-map rule of each
+(:mod:`sparkjax.io.keymaps`), reads that one tensor from its safetensors file (memory-mapped,
+:mod:`sparkjax.io.safetensors`), asserts its shape and dtype, converts dtype and layout, checks it
+is finite and moves on; so peak host memory is one tensor. Missing, unexpected and mis-shaped
+tensors and truncated files raise :class:`~sparkjax.errors.CheckpointError` naming the file and
+the key. Saving writes a folder atomically (:mod:`sparkjax.io.atomic`). :func:`source_of` tells
+which folder a model came from (named in pair errors, :mod:`sparkjax.pairing`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..config import Qwen3Config
+from ..errors import ArgumentError, CheckpointError
+from .atomic import atomic_dir, check_destination
+from .keymaps import DRAFTER_KEYS, QWEN3_KEYS, Rule, _checkpoint_shape, _to_checkpoint, _to_module, param_keys
+from .safetensors import _FLOAT_DTYPES, _ST_NAMES, WeightFiles, _all_finite, _non_finite_error, write_safetensors
+
+PathLike = str | os.PathLike
+
+def _require_model(model, cls, func: str, what: str, other: str) -> None:
+    """Writers take only the model class they can write back (a wrong one would make an unloadable folder)."""
+    if isinstance(model, cls):
+        return
+    hint = ""
+    if type(model).__name__ in ("Qwen3", "Drafter"):
+        hint = f" (use {other} for a {type(model).__name__})"
+    raise ArgumentError(f"{func}: model must be {what} ({cls.__module__}.{cls.__name__}), "
+                        f"got {type(model).__name__}{hint}")
+
+
+_MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def resolve_dtype(dtype: Any, default: Any, argument: str = "dtype") -> Any:
+    """The model dtype: ``dtype`` when given, else ``default``; either must be float32, bfloat16 or float16."""
+    if dtype is None:
+        dt = jnp.dtype(default)
+        if dt not in _MODEL_DTYPES:
+            raise ArgumentError(f"{argument}: the checkpoint's dtype {dt} cannot be used for a model; pass {argument}=")
+        return dt
+    try:
+        dt = jnp.dtype(dtype)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{argument}: unknown dtype {dtype!r:.80}") from None
+    if dt not in _MODEL_DTYPES:
+        raise ArgumentError(f"{argument}: expected float32, bfloat16 or float16, got {dt}")
+    return dt
+
+
+def load_into(
+    build: Callable[[], nnx.Module],
+    files: WeightFiles,
+    rules: Sequence[Rule],
+    *,
+    dtype: Any,
+    ignore: Sequence[str] = (),
+    shared: dict[tuple, Any] | None = None,
+    check_finite: bool = True,
+) -> nnx.Module:
+    """Builds ``build()`` abstractly and fills its parameters from ``files`` through ``rules``.
+
+    ``ignore`` lists checkpoint keys that may be present and are skipped (e.g. a
+    tied ``lm_head.weight``); ``shared`` gives values for module paths that do not
+    come from the checkpoint (e.g. a drafter reusing the target's embedding).
+
+    Every tensor must have the parameter's shape and a floating dtype (an integer or
+    boolean tensor is refused, never reinterpreted); it is converted to ``dtype`` and,
+    with ``check_finite``, checked for NaN / Inf after the conversion (one reduction per
+    tensor on the host copy), so a corrupt tensor or one that overflows ``dtype`` raises
+    :class:`CheckpointError` naming the file and the key.
+    """
+    abstract = nnx.eval_shape(build)
+    graphdef, state = nnx.split(abstract)
+    shared = shared or {}
+    flat = dict(nnx.to_flat_state(state))
+    mapping = [(p, k, lay) for p, k, lay in param_keys(state, rules) if p not in shared]
+    expected = {k for _, k, _ in mapping}
+    available = set(files.keys())
+    missing = sorted(expected - available)
+    if missing:
+        raise CheckpointError(f"{files.describe()}: missing tensor '{missing[0]}'" +
+                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = sorted(available - expected - set(ignore))
+    if unexpected:
+        raise CheckpointError(
+            f"{files.folder}/{files.where[unexpected[0]]}: unexpected tensor '{unexpected[0]}'"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
+    dt = np.dtype(jnp.dtype(dtype))
+    for path, key, layout in mapping:
+        var = flat[path]
+        shape = tuple(var.get_value().shape)
+        want = _checkpoint_shape(layout, shape)
+        src = files.file_of(key)
+        got = src.shape(key)
+        if tuple(got) != want:
+            raise CheckpointError(f"{src.path}: tensor '{key}' has shape {list(got)}, expected {list(want)}")
+        stored = src.dtype(key)
+        if stored not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{src.path}: tensor '{key}' is stored as {_ST_NAMES[stored]}; parameters must be "
+                "floating-point (F32, BF16, F16 or F64)"
+            )
+        raw = src.get(key)
+        with np.errstate(over="ignore", invalid="ignore"):  # reported below, naming the tensor
+            host = _to_module(layout, raw, shape).astype(dt)
+        if check_finite and not _all_finite(host):
+            raise _non_finite_error(src.path, key, raw, dt)
+        var.set_value(jnp.asarray(host))
+    for path, value in shared.items():
+        flat[path].set_value(value)
+    return nnx.merge(graphdef, state)
+
+
+def export_tensors(model: nnx.Module, rules: Sequence[Rule], *, skip: Sequence[tuple] = ()) -> dict[str, np.ndarray]:
+    """The model's parameters as checkpoint-layout NumPy arrays keyed by checkpoint name."""
+    state = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    out = {}
+    for path, key, layout in param_keys(state, rules):
+        if path in skip:
+            continue
+        out[key] = np.asarray(jax.device_get(flat[path].get_value()))
+        out[key] = np.ascontiguousarray(_to_checkpoint(layout, out[key]))
+    return out
+
+# ----------------------------------------------------------------------------- Qwen3 target
+
+def load_target(path: PathLike, dtype: Any = None):
+    """Loads a Hugging Face Qwen3 folder (``config.json`` + ``model.safetensors`` or shards).
+
+    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) defaults to the checkpoint's own:
+    the dtype in the safetensors header, which wins over the config's ``torch_dtype`` / ``dtype``
+    (that key is only checked to name a floating dtype). float64 tensors load as float32, a
+    checkpoint mixing float dtypes loads as float32.
+
+    Validated at load time (each failure raises a :class:`~sparkjax.errors.SparkjaxError` naming
+    the file and the key): the config (see :class:`~sparkjax.config.Qwen3Config`); regular files
+    only; the safetensors header (dtypes, shapes, offsets in range and not overlapping); the
+    index's shard names (relative, inside the folder); every tensor present, of the expected
+    shape and a floating dtype; and every converted tensor finite (no NaN / Inf).
+    """
+    from ..nn.qwen3 import Qwen3
+
+    folder = str(path)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: not a folder")
+    cfg = Qwen3Config.from_hf_config(os.path.join(folder, "config.json"))
+    files = WeightFiles(folder)
+    dt = resolve_dtype(dtype, files.dtype())
+    ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    model = load_into(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), dtype=dt), files, QWEN3_KEYS, dtype=dt, ignore=ignore)
+    _SOURCES[model] = folder  # named in drafter/target compatibility errors
+    return model
+
+
+def save_target(model, path: PathLike, *, overwrite: bool = False, dtype: Any = None) -> str:
+    """Writes a Qwen3 model as a Hugging Face folder (``config.json`` + ``model.safetensors``), atomically.
+
+    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`).
+    """
+    from ..nn.qwen3 import Qwen3
+
+    _require_model(model, Qwen3, "save_target", "a Qwen3 target", "save_drafter")
+    check_destination(path, overwrite=overwrite)  # before the export, so a refusal costs nothing
+    cfg: Qwen3Config = model.config
+    tensors = export_tensors(model, QWEN3_KEYS)
+    if dtype is not None:
+        dt = resolve_dtype(dtype, None)
+        tensors = {k: v.astype(dt) for k, v in tensors.items()}
+    config = cfg.to_hf_dict()
+    config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
+    return str(path)
+
+# ----------------------------------------------------------------------------- drafters (DSpark / DFlash)
+
+# Where each loaded model came from. Kept outside the module: a plain attribute would become part of
+# the NNX graphdef, so the same architecture loaded from two folders would compile twice.
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def source_of(model) -> str | None:
+    """The folder a model was loaded from (None for a model built in memory)."""
+    return _SOURCES.get(model)
+
+
+def load_drafter(path: PathLike, target=None, dtype: Any = None):
+    """Loads a DeepSpec DSpark or z-lab DFlash drafter folder (``config.json`` + safetensors).
+
+    The format is detected from ``config.json`` (see :class:`~sparkjax.config.DrafterConfig`).
+    With ``target`` (a loaded :class:`~sparkjax.nn.qwen3.Qwen3`) the pair is validated first:
+    hidden size, vocabulary, ``target_layer_ids`` (in range, not the final layer),
+    ``num_target_layers``, ``mask_token_id``, and for DSpark the stored shapes of ``embed_tokens`` /
+    ``lm_head`` (:func:`sparkjax.pairing.check_pair`, before any tensor is read); any mismatch raises
+    :class:`~sparkjax.errors.IncompatiblePairError` naming both files;
+    a ``target`` that is not such a model raises :class:`~sparkjax.errors.ArgumentError`.
+    ``dtype`` defaults to the checkpoint's. :func:`source_of` gives the folder it came from.
+    The files are validated as in :func:`load_target` (header, dtypes, finiteness).
+    """
+    from ..config import DrafterConfig
+    from ..nn.drafter import Drafter
+    from ..pairing import IO_TABLES, check_pair
+
+    folder = str(path)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: not a folder")
+    config_path = os.path.join(folder, "config.json")
+    if target is not None:
+        from ..nn.qwen3 import Qwen3
+
+        if not isinstance(target, Qwen3):
+            raise ArgumentError(
+                f"target: expected a target model from sparkjax.load_target (a Qwen3), got {type(target).__name__}"
+            )
+    cfg = DrafterConfig.from_hf_config(config_path)
+    files = WeightFiles(folder)
+    if target is not None:
+        stored = {key: (files.file_of(key).shape(key), files.file_of(key).path) for key in IO_TABLES
+                  if key in files.where}
+        check_pair(target, cfg, drafter_source=config_path, drafter_tensors=stored)
+    dt = resolve_dtype(dtype, files.dtype())
+    model = load_into(lambda: Drafter(cfg, rngs=nnx.Rngs(0), dtype=dt), files, DRAFTER_KEYS, dtype=dt)
+    _SOURCES[model] = folder
+    return model
+
+
+def save_drafter(drafter, path: PathLike, *, overwrite: bool = False, dtype: Any = None) -> str:
+    """Writes a drafter in its own format, atomically: DeepSpec DSpark (original key names, keys
+    sorted like ``save_pretrained``) or z-lab DFlash (backbone only), with the original
+    ``config.json`` (updated with the config's values, and ``dtype`` when converting).
+
+    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`)."""
+    from ..nn.drafter import Drafter
+
+    _require_model(drafter, Drafter, "save_drafter", "a drafter", "save_target")
+    check_destination(path, overwrite=overwrite)
+    tensors = export_tensors(drafter, DRAFTER_KEYS)
+    if dtype is not None:
+        dt = resolve_dtype(dtype, None)
+        tensors = {k: v.astype(dt) for k, v in tensors.items()}
+    tensors = dict(sorted(tensors.items()))
+    config = drafter.config.to_hf_dict()
+    config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
+    return str(path)

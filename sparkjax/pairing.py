@@ -1,0 +1,122 @@
+"""The one target/drafter compatibility check.
+
+:func:`check_pair` is what every entry point runs before a drafter is used with a target:
+``load_drafter(target=)``, :func:`sparkjax.config.validate_pair` (kept for its callers), the
+decoders and the trainer. Every mismatch raises :class:`~sparkjax.errors.IncompatiblePairError`
+whose message reads ``drafter SRC does not fit target SRC: FIELD: detail``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .config import DrafterConfig, Qwen3Config
+from .errors import ArgumentError, IncompatiblePairError
+
+# The DSpark drafter's own input/output tables, which must have the target's shapes.
+IO_TABLES = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _split(x: Any, argument: str, kind: type) -> tuple[Any, Any]:
+    """``(config, model or None)`` of a model or a bare config of type ``kind``."""
+    cfg = getattr(x, "config", None)
+    if isinstance(cfg, kind) and not isinstance(x, Qwen3Config):
+        model = x
+    elif isinstance(x, kind):
+        cfg, model = x, None
+    else:
+        cfg = None
+    want = "a drafter (sparkjax.load_drafter) or its DrafterConfig" if kind is DrafterConfig else \
+        "a Qwen3 target (sparkjax.load_target) or its Qwen3Config"
+    if cfg is None or (kind is Qwen3Config and isinstance(cfg, DrafterConfig)):
+        raise ArgumentError(f"{argument}: expected {want}, got {type(x).__name__}")
+    return cfg, model
+
+
+def _source(model, given: str | None, what: str) -> str:
+    if given is not None:
+        return given
+    if model is None:
+        return f"<{what} config>"
+    from .io.hf import source_of
+
+    src = source_of(model)
+    return f"{src}/config.json" if src else f"<{what} model>"
+
+
+def _table_shapes(model, cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """The target's embedding / LM-head shapes (the tied head reuses the embedding)."""
+    if model is None:
+        return dict.fromkeys(IO_TABLES, (cfg.vocab_size, cfg.hidden_size))
+    embed = tuple(model.embed_tokens.embedding.get_value().shape)
+    head = embed if model.lm_head is None else tuple(model.lm_head.weight.get_value().shape)
+    return {"embed_tokens.weight": embed, "lm_head.weight": head}
+
+
+def check_pair(
+    target: Any,
+    drafter: Any,
+    *,
+    target_source: str | None = None,
+    drafter_source: str | None = None,
+    drafter_tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+) -> None:
+    """Checks that ``drafter`` fits ``target``; raises IncompatiblePairError naming both and the field.
+
+    ``target`` is a :class:`~sparkjax.nn.qwen3.Qwen3` or a :class:`~sparkjax.config.Qwen3Config`,
+    ``drafter`` a :class:`~sparkjax.nn.drafter.Drafter` or a :class:`~sparkjax.config.DrafterConfig`
+    (anything else: :class:`~sparkjax.errors.ArgumentError`). The sources named in messages default
+    to ``FOLDER/config.json`` of a loaded model (:func:`sparkjax.io.hf.source_of`), else
+    ``<target model>`` / ``<drafter model>`` (``<... config>`` for a bare config).
+
+    Checked, in this order: ``hidden_size`` and ``vocab_size`` equal; every ``target_layer_ids``
+    entry in ``[-1, L - 2]`` (not the final, final-normed layer); ``num_target_layers`` (when set)
+    equal to the target's ``L``; ``mask_token_id`` inside the target vocabulary; and for a DSpark
+    drafter the shapes of its own ``embed_tokens`` / ``lm_head`` against the target's tables:
+    those of ``drafter_tensors`` (``key -> (shape, file)``, the shapes stored in a checkpoint that
+    is about to be loaded) when given, else those of the drafter model's parameters.
+    """
+    tc, t_model = _split(target, "target", Qwen3Config)
+    dc, d_model = _split(drafter, "drafter", DrafterConfig)
+    t_src = _source(t_model, target_source, "target")
+    d_src = _source(d_model, drafter_source, "drafter")
+
+    def fail(field: str, detail: str):
+        raise IncompatiblePairError(f"drafter {d_src} does not fit target {t_src}: {field}: {detail}")
+
+    if dc.hidden_size != tc.hidden_size or dc.vocab_size != tc.vocab_size:
+        fail("hidden_size" if dc.hidden_size != tc.hidden_size else "vocab_size",
+             f"drafter vs target hidden_size {dc.hidden_size} vs {tc.hidden_size}, "
+             f"vocab_size {dc.vocab_size} vs {tc.vocab_size} (both must match)")
+    n = tc.num_hidden_layers
+    for lid in dc.target_layer_ids:
+        if lid == n - 1:
+            fail("target_layer_ids", f"entry {lid} is the target's final layer (its hidden state is final-normed)")
+        if not -1 <= lid < n - 1:
+            fail("target_layer_ids", f"entry {lid} of target_layer_ids {list(dc.target_layer_ids)} is outside "
+                                     f"[-1, {n - 2}] for a target with {n} layers")
+    if dc.num_target_layers is not None and dc.num_target_layers != n:
+        fail("num_target_layers", f"drafter expects {dc.num_target_layers} target layers, target has {n}")
+    if not 0 <= dc.mask_token_id < tc.vocab_size:
+        fail("mask_token_id", f"{dc.mask_token_id} is outside the target vocabulary [0, {tc.vocab_size})")
+    if dc.kind != "dspark":
+        return
+    want = _table_shapes(t_model, tc)
+    if drafter_tensors is not None:
+        stored = dict(drafter_tensors)
+    elif d_model is not None:
+        stored = {key: (tuple(mod.get_value().shape), "the drafter model")
+                  for key, mod in (("embed_tokens.weight", getattr(d_model.embed_tokens, "embedding", None)),
+                                   ("lm_head.weight", getattr(d_model.lm_head, "weight", None)))
+                  if mod is not None}
+    else:
+        stored = {}
+    for key in IO_TABLES:
+        if key in stored:
+            got, where = stored[key]
+            if tuple(got) != want[key]:
+                raise IncompatiblePairError(
+                    f"drafter {d_src} does not fit target {t_src}: tensor '{key}' in {where} has shape "
+                    f"{list(got)}, the target's is {list(want[key])}"
+                )
