@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.target is None:
             if args.drafter is not None:
                 raise SparkjaxError("--drafter: given without --target (the demo drafters fit only the demo target)")
-            from .eval.tokenizer import quiet_transformers
+            from .text import quiet_transformers
 
             with quiet_transformers():  # no "PyTorch was not found" advisory: only the tokenizer is used
                 pair = demo.load()

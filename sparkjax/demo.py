@@ -18,11 +18,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from importlib import resources
 from typing import Any
 
+from . import text as _text
 from .errors import CheckpointError
 
-DEMO_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "demo"
+
+def _bundled_dir() -> pathlib.Path:
+    """``sparkjax/assets/demo`` of the installed package, found by importlib.resources (not by the source tree)."""
+    folder = resources.files("sparkjax.assets") / "demo"
+    # An install on a file system gives a real path. The loaders need real files, so anything else (a zipped
+    # install) becomes a path that does not exist, and path() reports the pair missing.
+    return folder if isinstance(folder, pathlib.Path) else pathlib.Path(str(folder))
+
+
+DEMO_DIR = _bundled_dir()
 PROMPT_SETS = ("python_docs", "stdlib_code", "synthetic_math")
 # Stored in bfloat16, computed in float32 by default: in bf16 two logits can round to the same value and
 # a one-token decode step and a multi-token verify may break that tie differently (rounding, not a bug).
@@ -39,43 +50,45 @@ def path(part: str = "") -> pathlib.Path:
 
 @dataclasses.dataclass
 class DemoPair:
+    """The loaded demo pair; its encoders are those of :mod:`sparkjax.text`, shared with ``python -m sparkjax.eval``,
+    so a question gets the same ids from both."""
+
     target: Any
     dspark: Any
     dflash: Any
     tokenizer: Any
+    target_dir: Any = None  # the target folder, for its generation_config.json EOS ids
 
     @property
     def eos_token_ids(self) -> list[int]:
-        tok = self.tokenizer
-        return [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
+        """:func:`sparkjax.text.eos_ids`: the target's generation_config EOS ids plus the tokenizer's."""
+        return _text.eos_ids(self.tokenizer, self.target_dir)
 
-    def encode_chat(self, question: str) -> list[int]:
-        """A user turn through the chat template, ending with the assistant header."""
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_chat(self, question: str, *, enable_thinking: bool = False) -> list[int]:
+        """A user turn through the chat template, ending with the assistant header (see
+        :func:`sparkjax.text.encode_chat`)."""
+        return _text.encode_chat(self.tokenizer, question, enable_thinking=enable_thinking)
 
     def encode_text(self, text: str) -> list[int]:
-        """A raw completion prompt (no template)."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """A raw completion prompt (no template, no special token)."""
+        return _text.encode_text(self.tokenizer, text)
 
     def encode_row(self, row: dict[str, Any]) -> list[int]:
         """A prompt-set row: ``{"turns": [...]}`` (chat) or ``{"text": ...}`` (raw)."""
-        return self.encode_text(row["text"]) if "text" in row else self.encode_chat(row["turns"][0])
+        return _text.encode_row(self.tokenizer, row)
 
 
 def load(dtype: Any = COMPUTE_DTYPE) -> DemoPair:
     """Loads the bundled target, both drafters and the tokenizer, cast to ``dtype`` (float32; None keeps the
     files' bfloat16)."""
-    from transformers import AutoTokenizer
-
     from .convert import load_drafter, load_target
 
-    target = load_target(path("target"), dtype=dtype)
+    target_dir = path("target")
+    target = load_target(target_dir, dtype=dtype)
     dspark = load_drafter(path("dspark_b16"), target=target, dtype=dtype)
     dflash = load_drafter(path("dflash_b16"), target=target, dtype=dtype)
-    tok = AutoTokenizer.from_pretrained(str(path("target")))
-    return DemoPair(target, dspark, dflash, tok)
+    tok = _text.load_tokenizer(target_dir, what="demo target")
+    return DemoPair(target, dspark, dflash, tok, target_dir)
 
 
 def prompts(name: str) -> list[dict[str, Any]]:

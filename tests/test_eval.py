@@ -308,7 +308,9 @@ def test_subprocess_bad_input_and_help():
 
 
 def test_default_tokenizer_is_shipped_and_reproducible():
-    from sparkjax.eval.tokenizer import DEFAULT_TOKENIZER_DIR, default_tokenizer_files, encode_prompt, load_tokenizer
+    from fixtures.default_tokenizer import DEFAULT_TOKENIZER_DIR, default_tokenizer_files
+
+    from sparkjax.text import encode_prompt, load_tokenizer
 
     for name, text in default_tokenizer_files().items():
         assert (DEFAULT_TOKENIZER_DIR / name).read_text(encoding="utf-8") == text, name

@@ -608,7 +608,7 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from sparkjax.eval.tokenizer import write_default_tokenizer  # byte-level BPE, built locally
+    from fixtures.default_tokenizer import write_default_tokenizer  # byte-level BPE, built locally
 
     return str(write_default_tokenizer(tmp_path_factory.mktemp("tok")))
 

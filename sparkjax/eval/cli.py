@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy (default); > 0 = lossless sampling at that temperature")
     g.add_argument("--datasets", type=_csv(str), default=ds.DEFAULT, metavar="LIST",
                    help=f"comma-separated bundled sets (the demo's {','.join(ds.DEMO_SETS)}, the default; and, in a "
-                        f"source checkout, {','.join(ds.EVAL_SETS)} from eval/datasets) and/or paths of JSONL files, "
+                        f"source checkout, {','.join(ds.EVAL_SETS)} from ./eval/datasets or ${ds.ENV_VAR}) "
+                        "and/or paths of JSONL files, "
                         "one object per line: {\"turns\": [...]} (chat: the first turn, through the chat template) "
                         "or {\"text\": \"...\"} (a raw completion prompt, encoded as is)")
     g.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES, metavar="N",

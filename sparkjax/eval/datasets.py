@@ -1,5 +1,5 @@
-"""Prompt sets: the demo sets bundled in the package, the sets in the checkout's ``eval/datasets/``,
-and user JSONL files.
+"""Prompt sets: the demo sets bundled in the package, the public sets of a source checkout's
+``eval/datasets/``, and user JSONL files.
 
 A prompt set is a JSONL file with one JSON object per line, of one of two shapes:
 
@@ -11,8 +11,11 @@ A prompt set is a JSONL file with one JSON object per line, of one of two shapes
 Other keys (``id``, ...) are ignored. Blank lines are skipped; anything else (no field, both
 fields, a wrong type, an empty prompt) is an error naming the file and the line number.
 
-Bundled names: :data:`DEMO_SETS` (``sparkjax/assets/demo/prompts``, the default) and
-:data:`EVAL_SETS` (``eval/datasets/`` in a source checkout).
+Names: :data:`DEMO_SETS` ship inside the package (``sparkjax/assets/demo/prompts``, the default).
+:data:`EVAL_SETS` (public benchmark samples) live only in a source checkout's ``eval/datasets/``, not in the
+package: a name is found in the folder named by the ``SPARKJAX_EVAL_DATASETS`` environment variable when it
+is set, else in ``eval/datasets/`` under the current folder (the checkout's root); otherwise it is a
+:class:`DatasetError` saying so. A path to a JSONL file always works.
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ import pathlib
 from . import demo
 from .errors import DatasetError
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BUNDLED_DIR = ROOT / "eval" / "datasets"
+ENV_VAR = "SPARKJAX_EVAL_DATASETS"  # a folder holding the EVAL_SETS files (default: ./eval/datasets)
 DEMO_SETS = demo.SETS  # in the package: sparkjax/assets/demo/prompts
 EVAL_SETS = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")  # in the source checkout: eval/datasets
 BUNDLED = DEMO_SETS + EVAL_SETS
@@ -78,18 +80,34 @@ def resolve(spec: str) -> tuple[str, str]:
             )
         return spec, str(path)
     if spec in EVAL_SETS and not os.path.exists(spec):
-        path = BUNDLED_DIR / f"{spec}.jsonl"
-        if not path.is_file():
-            raise DatasetError(
-                f"--datasets: bundled set {spec!r} not found at {path} (these sets live in the source "
-                "checkout's eval/datasets/; pass the path of a JSONL file instead)"
-            )
-        return spec, str(path)
+        return spec, str(eval_set_file(spec))
     if is_path(spec):
         return pathlib.Path(spec).stem, spec
     raise DatasetError(
         f"--datasets: {spec!r} is neither a bundled set ({', '.join(BUNDLED)}) nor a .jsonl file path"
     )
+
+
+def eval_sets_dir() -> tuple[pathlib.Path, str]:
+    """The folder searched for :data:`EVAL_SETS` and how it was chosen: ``$SPARKJAX_EVAL_DATASETS`` when set,
+    else ``eval/datasets`` under the current folder. Never the package's own location: these sets are not in it."""
+    folder = os.environ.get(ENV_VAR, "").strip()
+    if folder:
+        return pathlib.Path(folder).expanduser(), f"${ENV_VAR}"
+    return pathlib.Path.cwd() / "eval" / "datasets", "the current folder's eval/datasets"
+
+
+def eval_set_file(name: str) -> pathlib.Path:
+    """The JSONL file of the public set ``name`` (one of :data:`EVAL_SETS`); DatasetError when it is not there."""
+    folder, how = eval_sets_dir()
+    path = folder / f"{name}.jsonl"
+    if not path.is_file():
+        raise DatasetError(
+            f"--datasets: {name!r} not found at {path} ({how}): the public sets {', '.join(EVAL_SETS)} are not "
+            f"installed with the package, they live in a source checkout's eval/datasets/; run from the checkout's "
+            f"root, set {ENV_VAR}=FOLDER, or pass the path of a JSONL file"
+        )
+    return path
 
 
 def load(spec: str) -> PromptSet:

@@ -70,6 +70,6 @@ def require(*parts: str) -> None:
         raise EvalError(
             f"the bundled demo pair is incomplete: {', '.join(missing)} not found (no config.json + *.safetensors; "
             "a source checkout from before the demo weights were added?); pass --target and --drafter to run "
-            "another pair, e.g. --target tests/fixtures/tiny_dspark_b16/target --drafter "
+            "another pair, e.g. (from a source checkout) --target tests/fixtures/tiny_dspark_b16/target --drafter "
             "tests/fixtures/tiny_dspark_b16/drafter --tokenizer eval/default_pair/tokenizer"
         )

@@ -564,7 +564,7 @@ def load_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
 
 
 def load_tok(cfg: EvalConfig, tokenizer, t_dir):
-    from .tokenizer import load_tokenizer
+    from ..text import load_tokenizer
 
     if tokenizer is not None and not _is_path(tokenizer):
         return tokenizer, getattr(tokenizer, "name_or_path", "<tokenizer object>")
@@ -809,7 +809,7 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     target, t_dir = pair.target, pair.target_dir
     notes += pair.notes
     tok, tok_src = load_tok(cfg, tokenizer, t_dir)
-    from .tokenizer import encode_prompt, eos_ids
+    from ..text import encode_prompt, eos_ids
 
     default_pair = pair.default
     if default_pair:
