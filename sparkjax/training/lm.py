@@ -35,7 +35,7 @@ from ..errors import CheckpointError
 from .errors import TrainingError
 from .fit import LoopSettings, Task, fit
 from .optim import OptimConfig, compose, make_optimizer, make_schedule
-from .outdir import MARKER, check_overwritable
+from .outdir import MARKER, check_overwritable, save_into
 
 LM_OPTIM = OptimConfig(lr=3e-3, steps=4000, warmup_steps=100, schedule="cosine", min_lr_ratio=0.1,
                        weight_decay=0.1, b1=0.9, b2=0.95, grad_clip=1.0)
@@ -282,10 +282,7 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
     model = nnx.merge(graphdef, state["params"], rest)
     ids = {k: int(v) for k, v in (special_ids or {}).items() if v is not None}
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_target(model, os.path.join(tmp, "model"), dtype=dtype)
-        for name in os.listdir(os.path.join(tmp, "model")):
-            os.replace(os.path.join(tmp, "model", name), os.path.join(tmp, name))
-        os.rmdir(os.path.join(tmp, "model"))
+        save_into(tmp, save_target, model, dtype=dtype)
         config = read_json(os.path.join(tmp, "config.json"), CheckpointError, "config")
         config.update(ids)
         with open(os.path.join(tmp, "config.json"), "w") as f:
