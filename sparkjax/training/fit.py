@@ -439,6 +439,10 @@ class _Run:
                         bar.update(1)
                     if on_step is not None:
                         on_step(step, saved)
+                    if not stop and step < end and signals.received is not None:  # a signal during on_step
+                        if not saved:
+                            self.save(step, evaluated)
+                        stop = True
                     if stop:
                         stopped = True
                         why = "a signal" if signals.received is not None else f"{max_minutes} minutes"
