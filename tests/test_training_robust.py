@@ -480,3 +480,33 @@ def test_train_target_cli_mistakes_are_one_line(argv, capsys, tmp_path, monkeypa
 
 def test_errors_are_sparkjax_errors():
     assert issubclass(TrainingError, SparkjaxError) and issubclass(DataError, TrainingError)
+
+
+# ----------------------------------------------------------------------------- 7. one loop: SIGTERM / Ctrl-C stop
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_and_resume_continues(tmp_path, lm_run, tokens):
+    from sparkjax.training.fit import fit
+    from sparkjax.training.lm import LMTask
+
+    out = str(tmp_path / "term")
+    before = signal.getsignal(signal.SIGTERM)
+    messages = []
+
+    def hook(step, saved):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once: the loop stops after this step
+
+    r = fit(LMTask(**tokens), lm_cfg(), out, log=messages.append, on_step=hook)
+    assert r.stopped_early and r.step == 1, messages
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
+    assert sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit()) == [1]
+    assert any("SIGTERM" in m for m in messages)
+    # a second signal stops at once
+    with pytest.raises(KeyboardInterrupt):
+        fit(LMTask(**tokens), lm_cfg(), out, resume=True, log=lambda m: None,
+            on_step=lambda step, saved: [os.kill(os.getpid(), signal.SIGINT) for _ in range(2)])
+    assert signal.getsignal(signal.SIGTERM) is before
+    r = train_lm(lm_cfg(), out, resume=True, log=lambda *_: None, **tokens)
+    assert r.step == 4 and not r.stopped_early
+    assert steps_of(os.path.join(out, "metrics.jsonl")) == [1, 2, 3, 4]

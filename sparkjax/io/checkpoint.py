@@ -423,6 +423,7 @@ class TrainCheckpointer:
             raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
         tried = []
         for s in reversed(steps):
+            _DamagedReadsFilter.install(self.step_dir(s))  # reads of a damaged step: reported by the warning below
             try:
                 state, meta = self._restore_one(s, abstract_state)
             except _Damaged as e:
@@ -473,6 +474,39 @@ class _ClosedLoopFilter:
             self.dropped += 1
             return
         self.previous(unraisable)
+
+
+class _DamagedReadsFilter:
+    """A filter of the ``asyncio`` logger: drops the "Task / Future exception was never retrieved" reports
+    of orbax's failed reads of a step being restored (their exceptions name its folder; each is a
+    multi-line traceback repeating the one warning :meth:`TrainCheckpointer.restore` prints about a
+    damaged step). Reports about anything else pass."""
+
+    _instance: _DamagedReadsFilter | None = None
+
+    def __init__(self):
+        self.folders: set[str] = set()
+        self.dropped = 0
+
+    @classmethod
+    def install(cls, folder: str) -> None:
+        import logging
+
+        if cls._instance is None:
+            cls._instance = cls()
+            logging.getLogger("asyncio").addFilter(cls._instance)
+        cls._instance.folders.add(os.path.join(folder, ""))
+
+    def filter(self, record) -> bool:
+        msg = record.getMessage()
+        if not msg.startswith(("Task exception was never retrieved", "Future exception was never retrieved")):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = f"{msg} {exc}"
+        if any(folder in text for folder in self.folders):
+            self.dropped += 1
+            return False
+        return True
 
 
 def _install_closed_loop_filter() -> None:

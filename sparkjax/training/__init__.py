@@ -11,25 +11,29 @@ Pieces, from the bottom up:
 * :mod:`.data` -- JSONL conversations (chat template, assistant loss mask) or token ids, synthetic
   target-greedy data, packing / padding, resumable batch order;
 * :mod:`.models` -- continue a DeepSpec drafter (e.g. block 7 -> 16) or build a new one;
-* :mod:`.loop` / :mod:`.cli` -- the training loop with metrics, eval, orbax checkpoints and export.
+* :mod:`.fit` -- the one training loop (:func:`fit`): run lock, resume, orbax checkpoints, metrics,
+  eval, stopping (time limit, SIGINT / SIGTERM), exports, for any :class:`Task`;
+* :mod:`.loop` -- the drafter's task (:class:`DrafterTask`, :func:`train`); :mod:`.lm` -- the target
+  LM's (:class:`~.lm.LMTask`, :func:`~.lm.train_lm`); :mod:`.cli` -- ``train/train.py``.
 """
 
 from .anchors import Blocks, anchor_candidates, anchors_from_uniforms, build_blocks, sample_anchors
 from .config import TrainConfig
 from .data import BatchStream, TokenData, load_jsonl, synthetic_data
 from .errors import DataError, TrainingError
+from .fit import LoopSettings, RunResult, Task, fit
 from .forward import TrainOutputs, batch_loss, drafter_outputs, target_features
-from .loop import RunResult, export_run, train
+from .loop import DrafterTask, export_run, train
 from .loss import LossSums, Objective, dspark_loss_sums
 from .models import init_drafter, load_drafter_for_training, new_drafter_config
 from .optim import OptimConfig, make_optimizer, make_schedule
 from .trainer import Trainer, eval_step, loss_and_grads, train_step
 
 __all__ = [
-    "BatchStream", "Blocks", "DataError", "LossSums", "Objective", "OptimConfig", "RunResult", "TokenData",
-    "TrainConfig", "TrainOutputs", "Trainer", "TrainingError", "anchor_candidates", "anchors_from_uniforms",
-    "batch_loss", "build_blocks", "drafter_outputs", "dspark_loss_sums", "eval_step", "export_run",
-    "init_drafter", "load_drafter_for_training", "load_jsonl", "loss_and_grads", "make_optimizer",
-    "make_schedule", "new_drafter_config", "sample_anchors", "synthetic_data", "target_features", "train",
-    "train_step",
+    "BatchStream", "Blocks", "DataError", "DrafterTask", "LoopSettings", "LossSums", "Objective", "OptimConfig",
+    "RunResult", "Task", "TokenData", "TrainConfig", "TrainOutputs", "Trainer", "TrainingError",
+    "anchor_candidates", "anchors_from_uniforms", "batch_loss", "build_blocks", "drafter_outputs",
+    "dspark_loss_sums", "eval_step", "export_run", "fit", "init_drafter", "load_drafter_for_training",
+    "load_jsonl", "loss_and_grads", "make_optimizer", "make_schedule", "new_drafter_config", "sample_anchors",
+    "synthetic_data", "target_features", "train", "train_step",
 ]

@@ -1,6 +1,7 @@
 """Command line of the trainer (``python train/train.py`` or ``python -m sparkjax.training``).
 
-    python train/train.py --recipe train/recipes/tiny.json --output runs/tiny
+    python train/train.py --recipe tiny --output runs/tiny       # a recipe of train/recipes by name
+    python -m sparkjax.training --recipe train/recipes/tiny.json --output runs/tiny
     python train/train.py --recipe train/recipes/extend_block.json --output runs/b16 \\
         --set target=/models/Qwen3-4B --set init_drafter=/models/dspark_qwen3_4b_block7 \\
         --set data=/data/train.jsonl
@@ -13,37 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from .. import _startup
-from ..errors import ArgumentError, SparkjaxError
-
-RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "train", "recipes")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line on stderr and exit code 2 (no usage block)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
+from ..cli import OneLineParser
+from ..cli import run_cli as _run_cli
+from ..errors import ArgumentError
 
 
 def run_cli(body) -> int:
-    """Runs ``body()``; a :class:`SparkjaxError` or an OS error (disk full, no permission) is one line, exit 2
-    (Ctrl-C: one line, exit 130)."""
-    try:
-        return body()
-    except SparkjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-    except OSError as e:
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("interrupted (Ctrl-C); --resume continues from the last saved checkpoint", file=sys.stderr)
-        return 130
-    return 2
+    """:func:`sparkjax.cli.run_cli` with the trainers' Ctrl-C line (a run saves its checkpoint on the first
+    Ctrl-C and stops; a second one stops at once)."""
+    return _run_cli(body, interrupted="interrupted (Ctrl-C); --resume continues from the last saved checkpoint")
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -67,23 +48,26 @@ def _parse_set(items: list[str]) -> dict:
     return out
 
 
-def _recipe_path(name: str) -> str:
-    if os.path.exists(name):
+def _recipe_path(name: str, recipes_dir: str | None) -> str:
+    """``name`` as a path, else ``recipes_dir/name[.json]`` (the named recipes of ``train/train.py``)."""
+    if os.path.exists(name) or recipes_dir is None:
         return name
-    candidate = os.path.join(RECIPES_DIR, name if name.endswith(".json") else name + ".json")
+    candidate = os.path.join(recipes_dir, name if name.endswith(".json") else name + ".json")
     return candidate if os.path.exists(candidate) else name
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(recipes_dir: str | None = None) -> argparse.ArgumentParser:
+    named = sorted(f[:-5] for f in os.listdir(recipes_dir) if f.endswith(".json")) \
+        if recipes_dir and os.path.isdir(recipes_dir) else []
     ap = OneLineParser(
         prog="train.py",
         description="Joint (re)training of a DSpark drafter (Markov + confidence heads) against a Qwen3 target.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Recipes: " + ", ".join(sorted(f[:-5] for f in os.listdir(RECIPES_DIR) if f.endswith(".json")))
-        if os.path.isdir(RECIPES_DIR) else None,
+        epilog=("Recipes: " + ", ".join(named)) if named else None,
     )
     ap.add_argument("--recipe", required=True,
-                    help="a JSON recipe file, or the name of one in train/recipes (tiny, extend_block, from_scratch)")
+                    help="a JSON recipe file (its relative paths are relative to the file)"
+                    + (f", or the name of one in {recipes_dir}" if recipes_dir else ""))
     ap.add_argument("--output", required=True, help="run folder (checkpoints, metrics.jsonl, exported drafters)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe key (JSON value, else a string); drafter.KEY=VALUE for drafter settings")
@@ -93,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
                     help="resume even if the config or the data differ from the checkpoint's")
     ap.add_argument("--stop-at", type=int, metavar="STEP",
                     help="stop after this step (and its checkpoint), as an interruption would; resume later")
+    ap.add_argument("--max-minutes", type=float, metavar="M",
+                    help="stop (with a checkpoint) after M minutes of training; resume later")
     ap.add_argument("--export", metavar="WHICH",
                     help="do not train: export checkpoint 'latest', 'best' or a step number to DeepSpec format")
     ap.add_argument("--export-to", metavar="DIR", help="folder for --export (default: OUTPUT/export_stepN)")
@@ -101,13 +87,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    _startup.check()
-    args = parser().parse_args(argv)
-    return run_cli(lambda: _main(args))
+def main(argv: list[str] | None = None, *, recipes_dir: str | None = None) -> int:
+    """The command line; ``recipes_dir``: where ``--recipe NAME`` looks (``train/train.py`` passes its
+    ``recipes/`` folder; the package itself assumes no repository layout)."""
+    _startup.check()  # a Ctrl-C while jax was imported: exit 130, nothing written
+    args = parser(recipes_dir).parse_args(argv)
+    return run_cli(lambda: _main(args, recipes_dir))
 
 
-def _main(args) -> int:
+def _main(args, recipes_dir: str | None = None) -> int:
     from .config import TrainConfig
 
     if args.export_to is not None and not args.export:
@@ -115,7 +103,7 @@ def _main(args) -> int:
     overrides = _parse_set(args.set)
     if args.steps is not None:
         overrides["steps"] = args.steps
-    cfg = TrainConfig.from_file(_recipe_path(args.recipe), overrides)
+    cfg = TrainConfig.from_file(_recipe_path(args.recipe, recipes_dir), overrides)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
@@ -125,9 +113,10 @@ def _main(args) -> int:
         export_run(cfg, args.output, args.export, args.export_to)
         return 0
     result = train(cfg, args.output, resume=args.resume or args.force_resume, force_resume=args.force_resume,
-                   progress=not args.no_progress, stop_at=args.stop_at)
+                   progress=not args.no_progress, stop_at=args.stop_at,
+                   max_minutes=args.max_minutes)
     summary = {"output": result.output_dir, "step": result.step, "resumed_from": result.resumed_from,
-               "drafter": result.drafter_dir, "best_drafter": result.best_dir}
+               "drafter": result.drafter_dir, "best_drafter": result.best_dir, "stopped_early": result.stopped_early}
     if result.last_eval is not None:
         summary["eval_tau"] = result.last_eval["tau_probabilistic"]
     print(json.dumps(summary))

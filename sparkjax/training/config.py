@@ -2,7 +2,7 @@
 
 Every key is validated up front and errors name the recipe file and the key. Keys that only
 change how a run is observed (``OPERATIONAL``) may differ when resuming; any other difference
-refuses to resume unless forced (see :func:`config_diff`).
+refuses to resume unless forced (see :func:`sparkjax.training.fit.check_config`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from ..config import read_json
 from .errors import TrainingError
 from .loss import Objective
-from .optim import OptimConfig
+from .optim import OPTIM_KEYS, OptimConfig, compose
 
 PATH_KEYS = ("target", "init_drafter", "tokenizer", "data", "eval_data")
 OPERATIONAL = frozenset({
@@ -54,19 +54,12 @@ class TrainConfig:
     ce_loss_alpha: float = 0.1
     l1_loss_alpha: float = 0.9
     confidence_alpha: float = 1.0
-    # optimisation
+    # optimisation: the recipe's flat optimizer keys (lr, steps, schedule, ... see OptimConfig) make
+    # `optim`; `warmup_steps` stays the recipe's value (None: warmup_ratio * steps)
     batch_size: int = 4
-    steps: int = 600
-    lr: float = 6e-4
+    optim: OptimConfig = OptimConfig()
     warmup_steps: int | None = None
     warmup_ratio: float = 0.04
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
     seed: int = 0
     data_seed: int = 0
     # loop
@@ -86,16 +79,17 @@ class TrainConfig:
     def objective(self) -> Objective:
         return Objective(self.loss_decay_gamma, self.ce_loss_alpha, self.l1_loss_alpha, self.confidence_alpha)
 
-    @property
-    def optim(self) -> OptimConfig:
-        warm = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * self.steps)
-        return OptimConfig(
-            lr=self.lr, steps=self.steps, warmup_steps=warm, schedule=self.schedule, min_lr_ratio=self.min_lr_ratio,
-            weight_decay=self.weight_decay, b1=self.b1, b2=self.b2, eps=self.eps, grad_clip=self.grad_clip,
-        )
+    def __getattr__(self, name: str):  # the optimizer's settings read as the recipe's keys: cfg.lr, cfg.steps
+        if name in OPTIM_KEYS:
+            return getattr(self.optim, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The flat recipe keys (what :meth:`from_dict` reads back)."""
         d = dataclasses.asdict(self)
+        optim = d.pop("optim")
+        optim.pop("warmup_steps")  # the recipe's own value (maybe None) is kept, not the resolved one
+        d.update(optim)
         d["freeze"] = list(self.freeze)
         return d
 
@@ -105,7 +99,7 @@ class TrainConfig:
         """Builds and validates a config; relative paths resolve against ``base_dir`` (if given)."""
         if not isinstance(data, dict):
             raise TrainingError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = ({f.name for f in dataclasses.fields(cls)} - {"optim"}) | set(OPTIM_KEYS)
         unknown = sorted(set(data) - names)
         if unknown:
             raise TrainingError(f"{source}: unknown key '{unknown[0]}' (known keys: {', '.join(sorted(names))})")
@@ -117,7 +111,19 @@ class TrainConfig:
                     values[key] = os.path.normpath(os.path.join(base_dir, v))
         if isinstance(values.get("freeze"), list):
             values["freeze"] = tuple(values["freeze"])
-        cfg = cls(**values)
+        warm, ratio, steps = values.get("warmup_steps"), values.get("warmup_ratio", 0.04), values.get("steps", 600)
+        if not (isinstance(ratio, int | float) and not isinstance(ratio, bool) and math.isfinite(ratio)
+                and 0 <= ratio < 1):
+            raise TrainingError(f"{source}: key 'warmup_ratio' must be in [0, 1), got {ratio!r}")
+        if warm is not None and (isinstance(warm, bool) or not isinstance(warm, int) or warm < 0):
+            raise TrainingError(f"{source}: key 'warmup_steps' must be a positive integer or null, got {warm!r}")
+        settings = {k: v for k, v in values.items() if k in OPTIM_KEYS}
+        if warm is None:  # upstream's warmup_ratio of the run's steps (steps itself is checked by OptimConfig)
+            good_steps = isinstance(steps, int) and not isinstance(steps, bool)
+            settings["warmup_steps"] = int(ratio * steps) if good_steps else 0
+        optim = compose(settings, OptimConfig(), source=source)
+        rest = {k: v for k, v in values.items() if k not in OPTIM_KEYS or k == "warmup_steps"}
+        cfg = cls(**rest, optim=optim)
         cfg.validate(source)
         return cfg
 
@@ -149,35 +155,28 @@ class TrainConfig:
         def is_num(v):
             return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
-        for key in ("seq_len", "num_anchors", "batch_size", "steps", "log_every", "eval_every", "checkpoint_every",
+        for key in ("seq_len", "num_anchors", "batch_size", "log_every", "eval_every", "checkpoint_every",
                     "keep_last"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 fail(key, "must be a positive integer")
         for key in ("eval_size", "keep_best", "seed", "data_seed"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 0:
                 fail(key, "must be an integer >= 0")
-        for key in ("eval_batches", "data_parallel", "warmup_steps"):
+        for key in ("eval_batches", "data_parallel"):
             v = getattr(self, key)
-            if v is not None and (not is_int(v) or v < (0 if key == "warmup_steps" else 1)):
+            if v is not None and (not is_int(v) or v < 1):
                 fail(key, "must be a positive integer or null")
         for key in ("ce_loss_alpha", "l1_loss_alpha", "confidence_alpha"):
             if not is_num(getattr(self, key)) or getattr(self, key) < 0:
                 fail(key, "must be a finite number >= 0")
         if self.loss_decay_gamma is not None and not is_num(self.loss_decay_gamma):
             fail("loss_decay_gamma", "must be a number or null")
-        if not is_num(self.warmup_ratio) or not 0 <= self.warmup_ratio < 1:
-            fail("warmup_ratio", "must be in [0, 1)")
-        for key in ("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps"):
-            if not is_num(getattr(self, key)):
-                fail(key, "must be a finite number")
-        if not 0 < self.lr <= 1:
-            fail("lr", "must be a learning rate in (0, 1]")
-        if self.warmup_steps is not None and self.warmup_steps and self.warmup_steps >= self.steps:
-            fail("warmup_steps", f"must be smaller than steps ({self.steps})")
-        if self.grad_clip is not None and not is_num(self.grad_clip):
-            fail("grad_clip", "must be a finite number or null")
         if self.packing not in ("pad", "pack"):
             fail("packing", "must be 'pad' or 'pack'")
+        if not is_num(self.warmup_ratio) or not 0 <= self.warmup_ratio < 1:
+            fail("warmup_ratio", "must be in [0, 1)")
+        if not isinstance(self.optim, OptimConfig):
+            fail("optim", "must be an OptimConfig")
         if not isinstance(self.drafter, dict):
             fail("drafter", "must be an object of drafter config keys")
         if self.synthetic is not None and not isinstance(self.synthetic, dict):
@@ -192,23 +191,3 @@ class TrainConfig:
             v = getattr(self, key)
             if v is not None and v not in ("float32", "bfloat16", "float16"):
                 fail(key, "must be 'float32', 'bfloat16', 'float16' or null")
-        try:
-            self.optim  # noqa: B018 - validates lr, steps, warmup, schedule, betas, clipping
-        except TrainingError as e:
-            raise TrainingError(f"{source}: {e}") from None
-
-
-def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Keys (other than ``OPERATIONAL`` ones) whose values differ, as ``"key: old -> new"``."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        if key in OPERATIONAL:
-            continue
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, tuple):
-            a = list(a)
-        if isinstance(b, tuple):
-            b = list(b)
-        if a != b:
-            out.append(f"{key}: {a!r} -> {b!r}")
-    return out

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import atomic_file
 from .errors import DataError
 
 CHATML_HEADER = "<|im_start|>assistant\n"
@@ -77,8 +78,6 @@ class TokenData:
     def save(self, path: str) -> None:
         """Writes the ids and mask to an ``.npz`` atomically: a unique temp file beside ``path``,
         flushed to disk, then renamed, so a kill leaves the old file or the new one."""
-        from ..convert import atomic_file
-
         with atomic_file(path) as tmp:
             with open(tmp, "wb") as f:
                 np.savez(f, input_ids=self.input_ids, loss_mask=self.loss_mask)
@@ -105,6 +104,25 @@ class TokenData:
 
 
 # ----------------------------------------------------------------------------- JSONL
+
+
+def load_tokenizer(folder: str):
+    """``AutoTokenizer.from_pretrained(folder)`` offline; any failure is a :class:`DataError` naming the folder."""
+    folder = str(folder)
+    if not os.path.isdir(folder):
+        raise DataError(f"tokenizer: {folder} is not a folder")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in files):
+        raise DataError(f"tokenizer: {folder} holds no tokenizer ({', '.join(files)}: none found)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found" when torch is absent
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"tokenizer: cannot load a tokenizer from {folder} ({msg})") from None
 
 
 def read_jsonl(path: str) -> Iterator[tuple[int, Any]]:

@@ -14,13 +14,12 @@ data cursor to save. Stopping (``max_minutes``, Ctrl-C) saves a checkpoint first
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
-import math
 import os
 import shutil
-import time
 from typing import Any
 
 import jax
@@ -29,34 +28,57 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ..atomic import atomic_dir
 from ..checkpoint import TrainCheckpointer
 from ..config import Qwen3Config, read_json
-from ..convert import atomic_file
 from ..errors import CheckpointError
 from .errors import TrainingError
-from .optim import OptimConfig, make_optimizer
-from .outdir import MARKER, RunLock, check_overwritable, drop_metrics_after, prepare_output
+from .fit import LoopSettings, Task, fit
+from .optim import OptimConfig, compose, make_optimizer, make_schedule
+from .outdir import MARKER, check_overwritable, save_into
+
+LM_OPTIM = OptimConfig(lr=3e-3, steps=4000, warmup_steps=100, schedule="cosine", min_lr_ratio=0.1,
+                       weight_decay=0.1, b1=0.9, b2=0.95, grad_clip=1.0)
+"""The target's optimizer: AdamW (betas 0.9 / 0.95), warmup then cosine decay to 10%, clipping at 1."""
+LM_OPTIM_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip")
+"""The optimizer settings an LM recipe may set (flat keys); the others are :data:`LM_OPTIM`'s."""
+LOOP_KEYS = ("seq_len", "batch_size", "seed", "eval_every", "eval_batches", "checkpoint_every", "log_every")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class LMConfig:
+    """A target pre-training run: the Qwen3 ``model`` (config.json keys), the loop's settings and
+    ``optim`` (an :class:`OptimConfig` made from the flat keys ``steps``, ``lr``, ``warmup_steps``,
+    ``min_lr_ratio``, ``weight_decay``, ``grad_clip`` over :data:`LM_OPTIM`)."""
+
     model: dict[str, Any]
     seq_len: int = 256
     batch_size: int = 16
-    steps: int = 4000
-    lr: float = 3e-3
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 250
     eval_batches: int = 8
     checkpoint_every: int = 250
     log_every: int = 25
+    optim: OptimConfig = LM_OPTIM
 
-    def __post_init__(self):
-        for name in ("seq_len", "batch_size", "steps", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
+    def __init__(self, model: dict[str, Any], **settings: Any):
+        unknown = sorted(set(settings) - set(LOOP_KEYS) - set(LM_OPTIM_KEYS))
+        if unknown:
+            raise TrainingError(f"LMConfig: unknown key(s) {', '.join(unknown)}")
+        object.__setattr__(self, "model", model)
+        for f in dataclasses.fields(self):
+            if f.name in LOOP_KEYS:
+                object.__setattr__(self, f.name, settings.pop(f.name, f.default))
+        object.__setattr__(self, "optim", compose(settings, LM_OPTIM, LM_OPTIM_KEYS, source="LMConfig"))
+        self._validate()
+
+    def __getattr__(self, name: str):  # cfg.lr, cfg.steps, ...: the optimizer's settings
+        if name in LM_OPTIM_KEYS:
+            return getattr(self.optim, name)
+        raise AttributeError(f"LMConfig has no attribute {name!r}")
+
+    def _validate(self):
+        for name in ("seq_len", "batch_size", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise TrainingError(f"{name}: must be a positive integer, got {v!r}")
@@ -69,23 +91,25 @@ class LMConfig:
     def qwen3_config(self) -> Qwen3Config:
         return Qwen3Config.from_hf_config(dict(self.model), source="LMConfig.model")
 
-    def optim(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, steps=self.steps, warmup_steps=self.warmup_steps, schedule="cosine",
-                           min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, b1=0.9, b2=0.95,
-                           grad_clip=self.grad_clip)
-
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat recipe keys (what :meth:`from_dict` reads back)."""
+        d = {"model": copy.deepcopy(self.model), **{k: getattr(self, k) for k in LOOP_KEYS}}
+        d.update({k: getattr(self.optim, k) for k in LM_OPTIM_KEYS})
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> LMConfig:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
+        if not isinstance(d, dict):
+            raise TrainingError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - {"model", *LOOP_KEYS, *LM_OPTIM_KEYS})
         if unknown:
             raise TrainingError(f"{source}: unknown key(s) {', '.join(unknown)}")
         if "model" not in d:
             raise TrainingError(f"{source}: key 'model' (a Qwen3 config.json object) is required")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TrainingError as e:
+            raise TrainingError(f"{source}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- data
@@ -129,7 +153,8 @@ def _loss(graphdef, params, rest, window):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
-def _train_step(graphdef, tx, state, rest, window):
+def _train_step(graphdef, optim: OptimConfig, state, rest, window):
+    tx = make_optimizer(optim)
     loss, grads = jax.value_and_grad(lambda p: _loss(graphdef, p, rest, window))(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -139,39 +164,6 @@ def _train_step(graphdef, tx, state, rest, window):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _eval_step(graphdef, params, rest, window):
     return _loss(graphdef, params, rest, window)
-
-
-def _check_lm_config(cfg: LMConfig, meta: dict[str, Any], where: str, force_resume: bool, log) -> None:
-    saved = meta.get("config") or {}
-    now = json.loads(json.dumps(cfg.to_dict()))
-    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-    if diff and (not force_resume or "model" in diff or "seq_len" in diff or "batch_size" in diff):
-        raise TrainingError(f"{where}: the checkpoint was written with another config (differs in "
-                            f"{', '.join(diff)}); refusing to resume" + ("" if force_resume else
-                            " (force_resume continues with a changed schedule)"))
-    if diff:
-        log(f"resuming with a changed config: {', '.join(f'{k}: {saved.get(k)} -> {now.get(k)}' for k in diff)}")
-
-
-def _resume(cfg: LMConfig, ckpt: TrainCheckpointer, state, resume: bool, force_resume: bool, log):
-    """``(state, meta)``: the newest usable checkpoint's (a damaged one falls back), or the new state."""
-    latest = ckpt.latest_step()
-    if latest is None:
-        return state, {"wall_s": 0.0}
-    if not resume:
-        raise TrainingError(f"{ckpt.directory}: holds checkpoints; pass --resume to continue (or use a new folder)")
-    try:
-        newest = ckpt.read_meta(latest)
-    except CheckpointError:
-        newest = None  # damaged: the restore moves it aside and falls back; its config is checked below
-    if newest is not None:
-        _check_lm_config(cfg, newest, ckpt.directory, force_resume, log)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    step, state, meta = ckpt.restore(abstract)
-    if newest is None or step != latest:
-        _check_lm_config(cfg, meta, ckpt.directory, force_resume, log)
-    log(f"resumed at step {int(state['step'])}")
-    return state, meta
 
 
 @dataclasses.dataclass
@@ -184,13 +176,66 @@ class LMResult:
     stopped_early: bool
 
 
-def _new_state(cfg: LMConfig, tx):
+def _new_state(cfg: LMConfig):
     from ..nn.qwen3 import Qwen3
 
+    tx = make_optimizer(cfg.optim)
     model = Qwen3(cfg.qwen3_config(), rngs=nnx.Rngs(cfg.seed), dtype=jnp.float32)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     return graphdef, state, rest
+
+
+class LMTask(Task):
+    """Next-token cross-entropy of a Qwen3 trained from scratch on a token stream (``tokens``), with
+    the mean loss on fixed windows of ``heldout`` as its evaluation."""
+
+    best = ("eval_loss", "loss", "min")
+    eval_inline = True  # "eval_loss" in the train record of the step
+
+    def __init__(self, tokens: str, heldout: str):
+        self.tokens, self.heldout = tokens, heldout
+
+    def settings(self, cfg: LMConfig) -> LoopSettings:
+        return LoopSettings(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every,
+                            checkpoint_every=cfg.checkpoint_every, keep_last=2, keep_best=0,
+                            tokens_per_step=cfg.batch_size * cfg.seq_len,
+                            operational=frozenset({"log_every", "eval_every", "eval_batches", "checkpoint_every"}),
+                            fixed=frozenset({"model", "seq_len", "batch_size"}))
+
+    def build(self, cfg: LMConfig, output_dir: str, log) -> None:
+        self.cfg = cfg
+        vocab = cfg.qwen3_config().vocab_size
+        self.train_ids = load_tokens(self.tokens, vocab, cfg.seq_len)
+        held = load_tokens(self.heldout, vocab, cfg.seq_len)
+        self.evals = [jnp.asarray(w) for w in eval_windows(held, cfg.eval_batches, cfg.batch_size, cfg.seq_len)]
+        self.graphdef, self.state, self.rest = _new_state(cfg)
+        self.schedule = make_schedule(cfg.optim)
+
+    def abstract_state(self):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
+
+    def restore(self, step, state, meta, where, force_resume, log) -> str:
+        self.state = state
+        return f"resumed at step {int(state['step'])}"
+
+    def step(self, index: int):
+        cfg = self.cfg
+        window = jnp.asarray(batch_at(self.train_ids, cfg.seed, index, cfg.batch_size, cfg.seq_len))
+        self.state, loss, gnorm = _train_step(self.graphdef, cfg.optim, self.state, self.rest, window)
+        return index, loss, gnorm
+
+    def train_metrics(self, outputs) -> dict[str, Any]:
+        index, _, gnorm = outputs[-1]
+        return {"loss": float(np.mean([float(loss) for _, loss, _ in outputs])), "grad_norm": float(gnorm),
+                "lr": float(self.schedule(index))}
+
+    def evaluate(self) -> dict[str, Any]:
+        return {"loss": float(np.mean([float(_eval_step(self.graphdef, self.state["params"], self.rest, w))
+                                       for w in self.evals]))}
+
+    def checkpoint(self):
+        return self.state, {}
 
 
 def train_lm(
@@ -204,87 +249,13 @@ def train_lm(
     max_minutes: float | None = None,
     log=print,
 ) -> LMResult:
-    """Trains (or resumes) a target in ``output_dir`` (``config.json``, ``metrics.jsonl``, ``checkpoints/``).
-
-    The folder is checked first and locked for the run (a second run into it is refused); a resumed
-    run drops the metric lines past the step it restored."""
-    output_dir = prepare_output(output_dir)
-    with RunLock(output_dir):
-        return _train_lm(cfg, output_dir, tokens, heldout, resume, force_resume, max_minutes, log)
-
-
-def _train_lm(cfg, output_dir, tokens, heldout, resume, force_resume, max_minutes, log) -> LMResult:
-    qcfg = cfg.qwen3_config()
-    train_ids = load_tokens(tokens, qcfg.vocab_size, cfg.seq_len)
-    held_ids = load_tokens(heldout, qcfg.vocab_size, cfg.seq_len)
-    ckpt_dir = os.path.join(output_dir, "checkpoints")
-    tx = make_optimizer(cfg.optim())
-    graphdef, state, rest = _new_state(cfg, tx)
-    ckpt = TrainCheckpointer(ckpt_dir, keep_last=2, keep_best=0, best_metric="eval_loss", best_mode="min", log=log)
-    try:
-        state, meta = _resume(cfg, ckpt, state, resume, force_resume, log)
-    except BaseException:
-        ckpt.close()
-        raise
-    with atomic_file(os.path.join(output_dir, "config.json")) as tmp, open(tmp, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
-    metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    # lines past the restored step were written before an interruption; the resumed run writes them again
-    drop_metrics_after(metrics_path, int(state["step"]))
-    evals = eval_windows(held_ids, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
-
-    def evaluate(st) -> float:
-        return float(np.mean([float(_eval_step(graphdef, st["params"], rest, jnp.asarray(w))) for w in evals]))
-
-    metrics_f = open(metrics_path, "a")
-    wall0, t0 = float(meta.get("wall_s", 0.0)), time.perf_counter()
-    step = int(state["step"])
-    train_loss = eval_loss = None
-    stopped = False
-
-    def save(st, at: int, extra: dict[str, float]) -> None:
-        if at in ckpt.steps():  # a stop right after a scheduled checkpoint: that step is already saved
-            return
-        m = {"config": cfg.to_dict(), "wall_s": wall0 + time.perf_counter() - t0,
-             "tokens_seen": at * cfg.batch_size * cfg.seq_len}
-        ckpt.save(at, st, m, metrics=extra or None)
-
-    try:
-        losses = []
-        while step < cfg.steps:
-            window = jnp.asarray(batch_at(train_ids, cfg.seed, step, cfg.batch_size, cfg.seq_len))
-            state, loss, gnorm = _train_step(graphdef, tx, state, rest, window)
-            step += 1
-            losses.append(loss)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                train_loss = float(np.mean([float(x) for x in losses]))
-                losses = []
-                if not math.isfinite(train_loss):
-                    raise TrainingError(f"step {step}: the training loss is {train_loss}; lower lr")
-                rec = {"step": step, "split": "train", "loss": train_loss, "grad_norm": float(gnorm),
-                       "wall_s": round(wall0 + time.perf_counter() - t0, 1)}
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    eval_loss = evaluate(state)
-                    rec["eval_loss"] = eval_loss
-                metrics_f.write(json.dumps(rec) + "\n")
-                metrics_f.flush()
-                log(json.dumps(rec))
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save(state, step, {"eval_loss": eval_loss} if eval_loss is not None else {})
-            if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes and step < cfg.steps:
-                save(state, step, {})
-                stopped = True
-                log(f"stopped after {max_minutes} minutes at step {step}; --resume continues")
-                break
-    except KeyboardInterrupt:
-        save(state, step, {})
-        stopped = True
-        log(f"interrupted at step {step}; saved; --resume continues")
-    finally:
-        ckpt.close()
-        metrics_f.close()
-    return LMResult(step, train_loss, eval_loss, step * cfg.batch_size * cfg.seq_len,
-                    wall0 + time.perf_counter() - t0, stopped)
+    """Trains (or resumes) a target in ``output_dir`` (``config.json``, ``metrics.jsonl``, ``checkpoints/``)
+    through the one training loop (:func:`.fit.fit`: run lock, resume, metrics, eval, stopping)."""
+    r = fit(LMTask(tokens, heldout), cfg, output_dir, resume=resume, force_resume=force_resume,
+            max_minutes=max_minutes, log=log)
+    train = [h for h in r.history if h["split"] == "train"]
+    return LMResult(r.step, train[-1]["loss"] if train else None,
+                    None if r.last_eval is None else r.last_eval["loss"], r.tokens_seen, r.wall_s, r.stopped_early)
 
 
 def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: str = "bfloat16",
@@ -293,7 +264,7 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
 
     ``special_ids`` (``eos_token_id``, ``pad_token_id``, ``bos_token_id``) go into ``config.json``
     and ``generation_config.json``."""
-    from ..convert import atomic_dir, save_target
+    from ..convert import save_target
 
     if overwrite:  # only a folder sparkjax wrote, or an empty one (checked before any work)
         check_overwritable(out, "export folder")
@@ -301,8 +272,7 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
         raise CheckpointError(f"{tokenizer}: tokenizer folder not found")
     cfg = LMConfig.from_dict(read_json(os.path.join(run_dir, "config.json"), TrainingError, "run config"),
                              source=os.path.join(run_dir, "config.json"))
-    tx = make_optimizer(cfg.optim())
-    graphdef, state, rest = _new_state(cfg, tx)
+    graphdef, state, rest = _new_state(cfg)
     ckpt = TrainCheckpointer(os.path.join(run_dir, "checkpoints"), keep_last=2, keep_best=0)
     try:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
@@ -312,10 +282,7 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
     model = nnx.merge(graphdef, state["params"], rest)
     ids = {k: int(v) for k, v in (special_ids or {}).items() if v is not None}
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_target(model, os.path.join(tmp, "model"), dtype=dtype)
-        for name in os.listdir(os.path.join(tmp, "model")):
-            os.replace(os.path.join(tmp, "model", name), os.path.join(tmp, name))
-        os.rmdir(os.path.join(tmp, "model"))
+        save_into(tmp, save_target, model, dtype=dtype)
         config = read_json(os.path.join(tmp, "config.json"), CheckpointError, "config")
         config.update(ids)
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -1,6 +1,7 @@
-"""The training loop: models and data from a :class:`TrainConfig`, steps, metrics, eval, checkpoints.
+"""The drafter's training task: models and data from a :class:`TrainConfig`, steps, eval, exports.
 
-Output folder layout::
+:func:`train` runs a :class:`DrafterTask` through the one training loop (:func:`.fit.fit`: the run
+lock, resume, checkpoints, metrics, eval, stopping, exports). Output folder layout::
 
     OUT/config.json           the resolved config of the run
     OUT/metrics.jsonl         one JSON object per logged step ("split": "train") and per eval ("eval")
@@ -24,45 +25,26 @@ would have produced.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from ..checkpoint import TrainCheckpointer
-from ..convert import atomic_file, load_target
+from ..convert import load_target
 from ..errors import ArgumentError, CheckpointError
 from ..sharding import make_mesh
 from . import data as data_lib
-from .config import TrainConfig, config_diff
+from .config import OPERATIONAL, TrainConfig
 from .errors import TrainingError
+from .fit import LoopSettings, RunResult, Task, _stderr, fit
 from .models import init_drafter, load_drafter_for_training, new_drafter_config
-from .outdir import RunLock, check_overwritable, drop_metrics_after, export_drafter, prepare_output
+from .outdir import check_overwritable, export_drafter
 from .trainer import Trainer, to_host
 
-FORMAT_VERSION = 1
-
-
-@dataclasses.dataclass
-class RunResult:
-    output_dir: str
-    step: int
-    history: list[dict[str, Any]]
-    last_eval: dict[str, Any] | None
-    drafter_dir: str | None
-    best_dir: str | None
-    resumed_from: int | None
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+__all__ = ["DrafterTask", "RunResult", "build_data", "build_models", "export_run", "make_run_mesh", "train"]
 
 
 # ----------------------------------------------------------------------------- models and data
@@ -83,16 +65,6 @@ def build_models(cfg: TrainConfig, log: Callable[[str], None] = _stderr):
         log(f"drafter: new, {dcfg.num_hidden_layers} layers, block {dcfg.block_size}, "
             f"target layers {list(dcfg.target_layer_ids)}")
     return target, drafter
-
-
-def _load_tokenizer(cfg: TrainConfig):
-    folder = cfg.tokenizer or cfg.target
-    from ..eval.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(folder, what="tokenizer")
-    except Exception as e:  # noqa: BLE001 - reported as a DataError naming the folder
-        raise data_lib.DataError(f"tokenizer: {e}") from None
 
 
 def build_data(cfg: TrainConfig, target, drafter, output_dir: str | None,
@@ -140,7 +112,7 @@ def build_data(cfg: TrainConfig, target, drafter, output_dir: str | None,
         tok = None
         needs_tok = _has_chat_records(cfg.data) or (cfg.eval_data is not None and _has_chat_records(cfg.eval_data))
         if needs_tok:
-            tok = _load_tokenizer(cfg)
+            tok = data_lib.load_tokenizer(cfg.tokenizer or cfg.target)
         kw = dict(block_size=block, vocab_size=vocab, tokenizer=tok, tokenizer_source=cfg.tokenizer or cfg.target,
                   packing=cfg.packing, assistant_header=cfg.assistant_header, end_of_turn=cfg.end_of_turn)
         train = data_lib.load_jsonl(cfg.data, cfg.seq_len, **kw)
@@ -178,72 +150,85 @@ def make_run_mesh(cfg: TrainConfig):
     return make_mesh(data=n, model=1) if n > 1 else None
 
 
-# ----------------------------------------------------------------------------- metrics output
+# ----------------------------------------------------------------------------- the task
 
 
-class MetricsWriter:
-    """Appends JSON lines to ``metrics.jsonl`` (and TensorBoard scalars when available)."""
+class DrafterTask(Task):
+    """A DSpark drafter trained against its (frozen) Qwen3 target with the DSpark objective."""
 
-    def __init__(self, output_dir: str, *, resume_step: int | None, tensorboard: bool):
-        self.path = os.path.join(output_dir, "metrics.jsonl")
-        # a resumed run drops the lines past its checkpoint (written before an interruption); a new run
-        # starts the file afresh (step 0)
-        drop_metrics_after(self.path, resume_step or 0)
-        self._tb = None
-        if tensorboard:
-            self._tb = _tensorboard_writer(os.path.join(output_dir, "tensorboard"))
+    best = ("eval_tau", "tau_probabilistic", "max")  # best_drafter/ is the checkpoint of the best held-out tau
 
-    def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            prefix = record.get("split", "train")
-            for k, v in record.items():
-                if isinstance(v, int | float) and k != "step":
-                    self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
-                elif isinstance(v, list) and k == "accept_rate":
-                    for i, x in enumerate(v):
-                        self._tb.add_scalar(f"{prefix}/accept_rate@{i}", x, record["step"])
+    def settings(self, cfg: TrainConfig) -> LoopSettings:
+        return LoopSettings(steps=cfg.steps, log_every=cfg.log_every, eval_every=cfg.eval_every,
+                            checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
+                            async_checkpoint=cfg.async_checkpoint, tensorboard=cfg.tensorboard,
+                            tokens_per_step=cfg.batch_size * cfg.seq_len, operational=OPERATIONAL)
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def export_paths(self, cfg: TrainConfig, output_dir: str) -> list[str]:
+        return [os.path.join(output_dir, "drafter"), os.path.join(output_dir, "best_drafter")]
 
+    def build(self, cfg: TrainConfig, output_dir: str, log) -> None:
+        self.cfg = cfg
+        target, drafter = build_models(cfg, log)
+        self.train_data, held = build_data(cfg, target, drafter, output_dir, log)
+        self.trainer = Trainer(
+            drafter, None if cfg.precompute_features else target, optim=cfg.optim, objective=cfg.objective,
+            num_anchors=cfg.num_anchors, seed=cfg.seed, compute_dtype=cfg.compute_dtype, freeze=cfg.freeze,
+            mesh=make_run_mesh(cfg),
+        )
+        self.drafter_cfg = drafter.config.to_hf_dict()
+        self.stream = data_lib.BatchStream(self.train_data, cfg.batch_size, cfg.data_seed)
+        self.eval_batches = _eval_batches(cfg, held, self.trainer.data_parallel)
+        self.cursor = 0
 
-def _tensorboard_writer(folder: str):
-    try:
-        from tensorboardX import SummaryWriter  # type: ignore[import-not-found]
-    except ImportError:
-        try:
-            import tensorboard  # noqa: F401  # type: ignore[import-not-found]
-            from torch.utils.tensorboard import SummaryWriter  # type: ignore[import-not-found]
-        except ImportError:
+    def abstract_state(self):
+        tr = self.trainer
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tr.state,
+                            tr.state_shardings())
+
+    def restore(self, step, state, meta, where, force_resume, log) -> str:
+        if meta.get("data_fingerprint") != self.train_data.fingerprint():
+            msg = (f"{where}: the training data differ from the data the checkpoint was written with "
+                   f"({meta.get('data_rows')} rows then, {len(self.train_data)} now)")
+            if not force_resume:
+                raise TrainingError(msg + "; pass --force-resume to continue anyway")
+            log(f"warning: {msg}; continuing because of --force-resume")
+        self.trainer.set_state(state)
+        self.cursor = int(meta.get("data_cursor", step))
+        return f"resume: step {step} from {where} (data cursor {self.cursor})"
+
+    def step(self, index: int):
+        out = self.trainer.step(self.stream.batch(self.cursor))
+        self.cursor += 1
+        return out
+
+    def train_metrics(self, outputs) -> dict[str, Any]:
+        sums, info = outputs[-1]  # the logged step's own metrics
+        info = to_host(info)
+        return {**to_host(sums.metrics(self.cfg.objective, self.trainer.has_confidence)), "lr": info["lr"],
+                "grad_norm": info["grad_norm"], "epoch": self.cursor / self.stream.batches_per_epoch}
+
+    def evaluate(self):
+        if not self.eval_batches:
             return None
-    return SummaryWriter(folder)
+        return self.trainer.evaluate(self.eval_batches, seed=self.cfg.seed + 1)
 
+    def checkpoint(self):
+        return self.trainer.state, {"drafter_config": self.drafter_cfg, "data_cursor": int(self.cursor),
+                                    "data_fingerprint": self.train_data.fingerprint(),
+                                    "data_rows": len(self.train_data)}
 
-def _record(step: int, split: str, metrics: dict[str, Any], **extra) -> dict[str, Any]:
-    rec: dict[str, Any] = {"step": step, "split": split}
-    for k, v in metrics.items():
-        rec[k] = np.asarray(v).tolist() if isinstance(v, np.ndarray) else (float(v) if isinstance(v, float) else v)
-    rec.update(extra)
-    return rec
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-def _meta(cfg: TrainConfig, trainer: Trainer, train: data_lib.TokenData, cursor: int,
-          drafter_cfg: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "format": FORMAT_VERSION,
-        "config": cfg.to_dict(),
-        "drafter_config": drafter_cfg,
-        "data_cursor": int(cursor),
-        "data_fingerprint": train.fingerprint(),
-        "data_rows": len(train),
-        "time": time.time(),
-    }
+    def export(self, ckpt, output_dir, log) -> dict[str, str]:
+        out = {"drafter": os.path.join(output_dir, "drafter")}
+        export_drafter(self.trainer.drafter(), out["drafter"], dtype=self.cfg.export_dtype)
+        log(f"exported the final drafter to {out['drafter']}")
+        best = ckpt.best_step()
+        if best is not None:
+            out["best_drafter"] = os.path.join(output_dir, "best_drafter")
+            export_checkpoint(self.cfg, self.trainer, ckpt, best, out["best_drafter"])
+            log(f"exported the best drafter (step {best}, held-out tau "
+                f"{ckpt.read_meta(best)['metrics']['eval_tau']:.4f}) to {out['best_drafter']}")
+        return out
 
 
 def train(
@@ -256,162 +241,12 @@ def train(
     log: Callable[[str], None] = _stderr,
     on_step: Callable[[int, bool], None] | None = None,
     stop_at: int | None = None,
+    max_minutes: float | None = None,
 ) -> RunResult:
-    """Runs (or resumes) a training run into ``output_dir``; see the module doc for the layout.
-
-    ``on_step(step, saved)`` is called after every step (``saved``: a checkpoint of that step is
-    on disk). ``stop_at`` ends the loop early at that step (after its checkpoint), as an
-    interruption would, without the final export.
-    """
-    output_dir = prepare_output(output_dir)
-    with RunLock(output_dir):  # one run per folder; released on return, on an error, or by the OS on a kill
-        for name in ("drafter", "best_drafter"):  # refused now, not after the whole run
-            check_overwritable(os.path.join(output_dir, name), "export folder")
-        ckpt = TrainCheckpointer(os.path.join(output_dir, "checkpoints"), keep_last=cfg.keep_last,
-                                 keep_best=cfg.keep_best, best_metric="eval_tau", async_save=cfg.async_checkpoint,
-                                 log=log)
-        try:
-            return _train(cfg, output_dir, ckpt, resume, force_resume, progress, log, on_step, stop_at)
-        finally:
-            ckpt.close()
-
-
-def _check_config(meta: dict[str, Any], cfg: TrainConfig, where: str, force: bool, log) -> None:
-    diff = config_diff(meta.get("config") or {}, cfg.to_dict())
-    if diff:
-        msg = f"{where}: the checkpoint was written with a different config ({'; '.join(diff)})"
-        if not force:
-            raise TrainingError(msg + "; pass --force-resume to continue with the new config anyway")
-        log(f"warning: {msg}; continuing because of --force-resume")
-
-
-def _check_resume(cfg: TrainConfig, ckpt: TrainCheckpointer, force: bool, log) -> None:
-    """Refuses early (before loading any model) when the newest checkpoint's config differs."""
-    step = ckpt.latest_step()
-    try:
-        meta = ckpt.read_meta(step)
-    except CheckpointError:
-        return  # damaged: the restore falls back and checks the step it uses
-    _check_config(meta, cfg, ckpt.step_dir(step), force, log)
-
-
-def _train(cfg, output_dir, ckpt, resume, force_resume, progress, log, on_step, stop_at) -> RunResult:
-    existing = ckpt.steps()
-    if existing and not resume:
-        raise TrainingError(
-            f"{output_dir}: holds checkpoints up to step {existing[-1]}; pass --resume to continue "
-            "or choose a new --output"
-        )
-    if resume and existing:
-        _check_resume(cfg, ckpt, force_resume, log)
-    elif resume:
-        log(f"resume: no checkpoint in {ckpt.directory}; starting from step 0")
-
-    target, drafter = build_models(cfg, log)
-    train_data, held = build_data(cfg, target, drafter, output_dir, log)
-    mesh = make_run_mesh(cfg)
-    trainer = Trainer(
-        drafter, None if cfg.precompute_features else target, optim=cfg.optim, objective=cfg.objective,
-        num_anchors=cfg.num_anchors, seed=cfg.seed, compute_dtype=cfg.compute_dtype, freeze=cfg.freeze, mesh=mesh,
-    )
-    drafter_cfg = drafter.config.to_hf_dict()
-    stream = data_lib.BatchStream(train_data, cfg.batch_size, cfg.data_seed)
-    eval_batches = _eval_batches(cfg, held, trainer.data_parallel)
-
-    start, cursor, resumed_from = 0, 0, None
-    best_tau = None
-    if resume and ckpt.steps():
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainer.state,
-                                trainer.state_shardings())
-        start, state, meta = ckpt.restore(abstract)
-        if start != existing[-1]:
-            _check_config(meta, cfg, ckpt.step_dir(start), force_resume, log)
-        if meta.get("data_fingerprint") != train_data.fingerprint():
-            msg = (f"{ckpt.step_dir(start)}: the training data differ from the data the checkpoint was written with "
-                   f"({meta.get('data_rows')} rows then, {len(train_data)} now)")
-            if not force_resume:
-                raise TrainingError(msg + "; pass --force-resume to continue anyway")
-            log(f"warning: {msg}; continuing because of --force-resume")
-        trainer.set_state(state)
-        cursor = int(meta.get("data_cursor", start))
-        resumed_from = start
-        best_tau = (meta.get("metrics") or {}).get("best_eval_tau")
-        log(f"resume: step {start} from {ckpt.step_dir(start)} (data cursor {cursor})")
-    with atomic_file(os.path.join(output_dir, "config.json")) as tmp, open(tmp, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
-
-    writer = MetricsWriter(output_dir, resume_step=start if resumed_from is not None else None,
-                           tensorboard=cfg.tensorboard)
-    history: list[dict[str, Any]] = []
-    last_eval = None
-    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, dynamic_ncols=True, file=sys.stderr)
-    t_window, steps_window = time.perf_counter(), 0
-    try:
-        for step in range(start + 1, end + 1):
-            sums, info = trainer.step(stream.batch(cursor))
-            cursor += 1
-            steps_window += 1
-            if step % cfg.log_every == 0 or step == cfg.steps or step == end:
-                metrics = to_host(sums.metrics(cfg.objective, trainer.has_confidence))
-                info_h = to_host(info)
-                elapsed = time.perf_counter() - t_window
-                rec = _record(step, "train", metrics, lr=info_h["lr"], grad_norm=info_h["grad_norm"],
-                              tokens_per_s=steps_window * tokens_per_step / max(elapsed, 1e-9),
-                              epoch=cursor / stream.batches_per_epoch)
-                if not math.isfinite(rec["loss"]):
-                    raise TrainingError(f"step {step}: the loss is {rec['loss']} (lower the learning rate?)")
-                writer.write(rec)
-                history.append(rec)
-                t_window, steps_window = time.perf_counter(), 0
-                if bar is not None:
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tau=f"{rec['tau_probabilistic']:.3f}",
-                                    lr=f"{rec['lr']:.2e}")
-            eval_metrics = None
-            if eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
-                eval_metrics = trainer.evaluate(eval_batches, seed=cfg.seed + 1)
-                last_eval = _record(step, "eval", eval_metrics)
-                writer.write(last_eval)
-                history.append(last_eval)
-                tau = last_eval["tau_probabilistic"]
-                best_tau = tau if best_tau is None else max(best_tau, tau)
-                log(f"eval step {step}: held-out tau {tau:.4f} (best {best_tau:.4f}), loss {last_eval['loss']:.4f}")
-            saved = False
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == end:
-                metrics = {"best_eval_tau": best_tau} if best_tau is not None else {}
-                if eval_metrics is not None:
-                    metrics["eval_tau"] = last_eval["tau_probabilistic"]
-                ckpt.save(step, trainer.state, _meta(cfg, trainer, train_data, cursor, drafter_cfg), metrics)
-                if not cfg.async_checkpoint:
-                    ckpt.wait()
-                saved = True
-            if bar is not None:
-                bar.update(1)
-            if on_step is not None:
-                on_step(step, saved)
-    finally:
-        if bar is not None:
-            bar.close()
-        writer.close()
-    ckpt.wait()
-    final = end
-    drafter_dir = best_dir = None
-    if end == cfg.steps:
-        drafter_dir = os.path.join(output_dir, "drafter")
-        export_drafter(trainer.drafter(), drafter_dir, dtype=cfg.export_dtype)
-        log(f"exported the final drafter to {drafter_dir}")
-        best = ckpt.best_step()
-        if best is not None:
-            best_dir = os.path.join(output_dir, "best_drafter")
-            export_checkpoint(cfg, trainer, ckpt, best, best_dir)
-            log(f"exported the best drafter (step {best}, held-out tau "
-                f"{ckpt.read_meta(best)['metrics']['eval_tau']:.4f}) to {best_dir}")
-    return RunResult(output_dir, final, history, last_eval, drafter_dir, best_dir, resumed_from)
+    """Runs (or resumes) a drafter training run into ``output_dir``; see the module doc for the layout
+    and :func:`.fit.fit` for ``on_step``, ``stop_at`` and ``max_minutes``."""
+    return fit(DrafterTask(), cfg, output_dir, resume=resume, force_resume=force_resume, max_minutes=max_minutes,
+               stop_at=stop_at, progress=progress, log=log, on_step=on_step)
 
 
 def _eval_batches(cfg: TrainConfig, held, dp: int):

@@ -1,17 +1,24 @@
-"""Optimizer and learning-rate schedule (optax), validated up front.
+"""The optimizer settings (:class:`OptimConfig`) and their optax transformation, validated up front.
+
+:class:`OptimConfig` is the one definition of the optimizer's settings: the drafter's
+:class:`~sparkjax.training.config.TrainConfig` and the target's
+:class:`~sparkjax.training.lm.LMConfig` hold one (read from the flat keys of their recipes with
+:func:`compose`) instead of copies of its fields.
 
 The default is upstream DeepSpec's: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay) with a
 linear warmup ``lr * (step + 1) / warmup`` followed by a cosine decay to ``min_lr_ratio * lr``
-(torch ``CosineAnnealingLR`` after a warmup), and global-norm gradient clipping at 1.0.
+(torch ``CosineAnnealingLR`` after a warmup), and global-norm gradient clipping at 1.0. The
+schedule is optax's own (``linear_schedule`` joined to ``cosine_decay_schedule`` /
+``linear_schedule`` / ``constant_schedule`` by ``join_schedules``); its settings are constants of
+the jitted step, so a run with another learning rate, step count or warmup compiles its own step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 from .errors import TrainingError
@@ -34,7 +41,7 @@ class OptimConfig:
 
     def __post_init__(self):
         def bad(field, value, why):
-            raise TrainingError(f"{field}: {why}, got {value!r}")
+            raise TrainingError(f"key '{field}' {why}, got {value!r}")
 
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             bad("steps", self.steps, "must be a positive integer")
@@ -60,73 +67,51 @@ class OptimConfig:
             bad("grad_clip", self.grad_clip, "must be > 0 (or null for no clipping)")
 
 
+OPTIM_KEYS = tuple(f.name for f in dataclasses.fields(OptimConfig))
+
+
 def _finite(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-HYPER = ("lr", "warmup_steps", "steps", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "grad_clip")
+def compose(values: dict[str, Any], base: OptimConfig, keys=OPTIM_KEYS, source: str = "config") -> OptimConfig:
+    """``base`` with the settings of ``values`` whose names are in ``keys`` (popped from ``values``):
+    how a run config builds its :class:`OptimConfig` from the flat keys of its recipe. A bad value
+    raises :class:`TrainingError` naming ``source`` and the key."""
+    picked = {k: values.pop(k) for k in keys if k in values}
+    try:
+        return dataclasses.replace(base, **picked)
+    except TrainingError as e:
+        raise TrainingError(f"{source}: {e}") from None
 
 
-def hyperparams(cfg: OptimConfig) -> np.ndarray:
-    """The numeric settings as a float32 vector (``HYPER`` order): passed to the jitted step as data,
-    so a new learning rate, step count or warmup does not recompile it."""
-    values = [getattr(cfg, k) for k in HYPER]
-    values[-1] = 0.0 if cfg.grad_clip is None else cfg.grad_clip
-    return np.asarray(values, np.float32)
+def flat(cfg: OptimConfig, keys=OPTIM_KEYS) -> dict[str, Any]:
+    """The settings named in ``keys``, as the flat recipe keys :func:`compose` reads."""
+    return {k: getattr(cfg, k) for k in keys}
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimKind:
-    """What shapes the optimizer's program and state: the schedule family and whether to clip."""
-
-    schedule: str = "cosine"
-    clip: bool = True
-
-
-def optim_kind(cfg: OptimConfig) -> OptimKind:
-    return OptimKind(cfg.schedule, cfg.grad_clip is not None)
-
-
-def schedule_fn(kind: OptimKind, hp):
-    """The schedule of :func:`make_schedule` for an :class:`OptimKind` and a (traced) ``hp`` vector."""
-    h = dict(zip(HYPER, (hp[i] for i in range(len(HYPER))), strict=True))
-    peak, w, total = h["lr"], h["warmup_steps"], h["steps"]
-    floor = peak * h["min_lr_ratio"]
-    span = jnp.maximum(total - w, 1.0)
-
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        t = jnp.clip((step - w) / span, 0.0, 1.0)
-        if kind.schedule == "cosine":
-            decay = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
-        elif kind.schedule == "linear":
-            decay = peak + (floor - peak) * t
-        else:
-            decay = jnp.zeros_like(t) + peak
-        return jnp.where(step < w, peak * (step + 1.0) / jnp.maximum(w, 1.0), decay)
-
-    return schedule
-
-
-def make_schedule(cfg: OptimConfig, hp=None):
-    """``step -> lr`` (jit-able). Warmup ``lr * (step + 1) / W`` for ``step < W``, then the decay over
-    the remaining ``steps - W`` steps (cosine / linear to ``min_lr_ratio * lr``, or constant).
-    ``hp`` (see :func:`hyperparams`) may be traced; it defaults to ``cfg``'s values."""
-    return schedule_fn(optim_kind(cfg), jnp.asarray(hyperparams(cfg) if hp is None else hp))
-
-
-def make_optimizer(cfg: OptimConfig | OptimKind, hp=None) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with :func:`make_schedule`. With an :class:`OptimKind` and a
-    (traced) ``hp`` vector the numbers are data: the same program serves every lr / steps / warmup."""
-    if isinstance(cfg, OptimConfig):
-        kind, hp = optim_kind(cfg), hyperparams(cfg) if hp is None else hp
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """``step -> lr``. Warmup ``lr * (step + 1) / W`` for ``step < W`` (upstream's), then the decay
+    over the remaining ``steps - W`` steps: cosine / linear to ``min_lr_ratio * lr``, or constant."""
+    peak, w = float(cfg.lr), int(cfg.warmup_steps)
+    floor = peak * cfg.min_lr_ratio
+    span = max(cfg.steps - w, 1)
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, span, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(peak, floor, span)
     else:
-        kind = cfg
-        if hp is None:
-            raise TrainingError("make_optimizer: an OptimKind needs the hyperparameter vector hp")
-    hp = jnp.asarray(hp, jnp.float32)
-    h = dict(zip(HYPER, (hp[i] for i in range(len(HYPER))), strict=True))
-    adamw = optax.adamw(schedule_fn(kind, hp), b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=h["weight_decay"])
-    if not kind.clip:
+        decay = optax.constant_schedule(peak)
+    if w == 0:
+        return decay
+    # step 0 -> lr / W, ..., step W - 1 -> lr (a linear ramp over W - 1 transitions), then the decay
+    warmup = optax.linear_schedule(peak / w, peak, w - 1) if w > 1 else optax.constant_schedule(peak)
+    return optax.join_schedules([warmup, decay], [w])
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Global-norm clipping (unless ``grad_clip`` is None), then AdamW with :func:`make_schedule`."""
+    adamw = optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.grad_clip is None:
         return adamw
-    return optax.chain(optax.clip_by_global_norm(h["grad_clip"]), adamw)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)

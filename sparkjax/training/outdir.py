@@ -19,7 +19,7 @@ import contextlib
 import json
 import os
 
-from ..atomic import MARKER, check_destination  # noqa: F401 - MARKER is re-exported for the trainers
+from ..atomic import MARKER, atomic_dir, atomic_file, check_destination  # noqa: F401 - MARKER: for the trainers
 from .errors import TrainingError
 
 LOCK_NAME = ".sparkjax-lock"
@@ -110,17 +110,23 @@ def check_overwritable(path, what: str = "export folder") -> str:
     return check_destination(path, overwrite=True, what=what)
 
 
+def save_into(folder: str, save, model, **kw) -> None:
+    """Writes ``model`` with a sparkjax saver (``save_drafter`` / ``save_target``: each writes a new folder
+    through ``atomic_dir``) into ``folder``, an export being built inside an ``atomic_dir`` of its own."""
+    inner = os.path.join(folder, ".model")
+    save(model, inner, **kw)
+    for name in os.listdir(inner):
+        os.replace(os.path.join(inner, name), os.path.join(folder, name))  # within the export's temp folder
+    os.rmdir(inner)
+
+
 def export_drafter(drafter, out: str, *, dtype=None, what: str = "export folder") -> str:
     """Writes ``drafter`` (DeepSpec format) to ``out`` through ``atomic_dir``, refusing a folder it may not replace."""
-    from ..convert import atomic_dir, save_drafter
+    from ..convert import save_drafter
 
     out = check_overwritable(out, what)
     with atomic_dir(out, overwrite=True) as tmp:
-        inner = os.path.join(tmp, "drafter")
-        save_drafter(drafter, inner, dtype=dtype)
-        for name in os.listdir(inner):
-            os.replace(os.path.join(inner, name), os.path.join(tmp, name))
-        os.rmdir(inner)
+        save_into(tmp, save_drafter, drafter, dtype=dtype)
     return out
 
 
@@ -130,8 +136,6 @@ def export_drafter(drafter, out: str, *, dtype=None, what: str = "export folder"
 def drop_metrics_after(path: str, step: int) -> int:
     """Keeps the lines of ``metrics.jsonl`` with ``step <= step`` (and drops lines cut by a kill);
     returns how many lines were dropped. The file is rewritten atomically."""
-    from ..convert import atomic_file
-
     if not os.path.exists(path):
         return 0
     keep, dropped = [], 0

@@ -37,7 +37,7 @@ from ..sharding import batch_sharding
 from .anchors import sample_anchors
 from .forward import batch_loss, check_pair
 from .loss import LossSums, Objective
-from .optim import OptimConfig, OptimKind, hyperparams, make_optimizer, optim_kind, schedule_fn
+from .optim import OptimConfig, make_optimizer, make_schedule
 
 Array = jax.Array
 
@@ -58,7 +58,7 @@ class StepSpec:
     graphdef: Any
     target_graphdef: Any
     objective: Objective
-    optim: OptimKind
+    optim: OptimConfig  # its settings are constants of the compiled step
     num_anchors: int
     compute_dtype: str
     mesh: Mesh | None = None
@@ -91,18 +91,17 @@ def _replicate(spec: StepSpec, tree):
     return jax.lax.with_sharding_constraint(tree, NamedSharding(spec.mesh, PartitionSpec()))
 
 
-def train_step_fn(state, frozen, target_state, batch, hp, spec: StepSpec):
-    """One optimizer step (pure); ``hp`` is the optimizer's numbers (:func:`~.optim.hyperparams`).
-    Returns ``(new_state, sums, {"grad_norm", "lr"})``."""
+def train_step_fn(state, frozen, target_state, batch, spec: StepSpec):
+    """One optimizer step (pure). Returns ``(new_state, sums, {"grad_norm", "lr"})``."""
     rng, key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
     grad_fn = jax.value_and_grad(functools.partial(_batch_loss, spec), has_aux=True)
     (_, sums), grads = grad_fn(state["params"], frozen, target_state, batch, key)
-    tx = make_optimizer(spec.optim, hp)
+    tx = make_optimizer(spec.optim)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": jax.random.key_data(rng)}
-    info = {"grad_norm": optax.tree.norm(grads), "lr": schedule_fn(spec.optim, hp)(state["step"])}
+    info = {"grad_norm": optax.tree.norm(grads), "lr": make_schedule(spec.optim)(state["step"])}
     return _replicate(spec, new_state), _replicate(spec, sums), info
 
 
@@ -163,9 +162,8 @@ class Trainer:
         target_graphdef, target_state = (None, None) if target is None else nnx.split(target)
         self.mesh = mesh
         objective = Objective() if objective is None else objective
-        self.spec = StepSpec(graphdef, target_graphdef, objective, optim_kind(optim), num_anchors, compute.name, mesh)
+        self.spec = StepSpec(graphdef, target_graphdef, objective, optim, num_anchors, compute.name, mesh)
         self.optim = optim
-        self.hp = jnp.asarray(hyperparams(optim))
         # float32 master copies, never aliasing the module's arrays (the step donates its state)
         params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.float32, copy=True), params)
         state = {
@@ -178,7 +176,6 @@ class Trainer:
         self.state = self._place(state)
         self.frozen = self._place(frozen)
         self.target_state = self._place(target_state)
-        self.hp = self._place(self.hp)
 
     # ------------------------------------------------------------------ placement
     @property
@@ -226,7 +223,7 @@ class Trainer:
     def step(self, batch: dict[str, Any]) -> tuple[LossSums, dict[str, Array]]:
         """One optimizer step on a host or device batch; returns device-side ``(sums, info)``."""
         self.state, sums, info = train_step(self.state, self.frozen, self.target_state, self.put_batch(batch),
-                                            self.hp, spec=self.spec)
+                                            spec=self.spec)
         return sums, info
 
     def loss_and_grads(self, batch: dict[str, Any], key: Array):
