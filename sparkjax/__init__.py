@@ -1,26 +1,41 @@
 """sparkjax: SparklingTree speculative decoding in JAX / Flax NNX.
 
 Public API: :func:`load_target`, :func:`load_drafter`, :func:`generate`, :func:`stream`, the
-configs, the error classes and :mod:`sparkjax.demo` (the bundled trained demo pair). Lower-level
-pieces live in ``sparkjax.nn``, ``sparkjax.cache``,
-``sparkjax.draft``, ``sparkjax.tree``, ``sparkjax.decode`` and ``sparkjax.sampling``.
+configs, the error classes, the method objects (:class:`AR`, :class:`Chain`, :class:`Tree`, read from
+names by :func:`parse_method`), :func:`required_cache_size` and :mod:`sparkjax.demo` (the bundled
+trained demo pair). Lower-level pieces live in ``sparkjax.engine`` (drafting, the round, the jitted
+programs), ``sparkjax.nn``, ``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax.sampling``;
+``sparkjax.decode`` and ``sparkjax.draft`` are deprecated aliases of ``sparkjax.engine``.
 """
 
 from . import _startup
 
 _startup.install()  # Ctrl-C while a ``python -m sparkjax...`` entry point starts: see _startup
 
-from . import demo
+from . import decode, demo, draft  # noqa: F401 - decode, draft: deprecated aliases of sparkjax.engine
 from .config import DrafterConfig, Qwen3Config
 from .convert import load_drafter, load_target, save_drafter, save_target
-from .decode import METHODS, GenerateOutput, NumericalError, generate, stream
+from .engine import (
+    AR,
+    METHODS,
+    Chain,
+    GenerateOutput,
+    NumericalError,
+    Tree,
+    generate,
+    parse_method,
+    required_cache_size,
+    stream,
+)
 from .errors import ArgumentError, CheckpointError, ConfigError, IncompatiblePairError, SparkjaxError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AR",
     "METHODS",
     "ArgumentError",
+    "Chain",
     "CheckpointError",
     "ConfigError",
     "DrafterConfig",
@@ -29,10 +44,13 @@ __all__ = [
     "NumericalError",
     "Qwen3Config",
     "SparkjaxError",
+    "Tree",
     "demo",
     "generate",
     "load_drafter",
     "load_target",
+    "parse_method",
+    "required_cache_size",
     "save_drafter",
     "save_target",
     "stream",

@@ -11,16 +11,16 @@ token prompts instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 import numpy as np
 
-from . import _startup, decode, demo
+from . import _startup, demo, engine
 from .convert import load_drafter, load_target
 from .errors import SparkjaxError
 
-BASELINE_METHODS = ("dflash", "ddtree")
 EXPLANATION = (
     "note: on a CPU with this tiny target, the drafter and the tree cost as much as the target itself, so the "
     "speculative methods' tok/s is below ar's here (speed-ups need a large target, on a GPU); what this demo shows "
@@ -35,13 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparkjax", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="Hugging Face Qwen3 folder (default: the bundled demo target)")
     ap.add_argument("--drafter", help="DeepSpec DSpark or z-lab DFlash folder (default: the demo drafters)")
-    ap.add_argument("--methods", default=",".join(decode.available_methods()),
+    ap.add_argument("--methods", default=",".join(engine.METHODS),
                     help="comma-separated methods (first one must be ar, the reference)")
     ap.add_argument("--budget", type=int, default=16, help="tree size for tree methods")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     args = ap.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
+        methods = [engine.parse_method(m) for m in names]
+        methods = [dataclasses.replace(m, budget=args.budget) if isinstance(m, engine.Tree) else m for m in methods]
         tok = None
         if args.target is None:
             if args.drafter is not None:
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bundled demo pair ({demo.DEMO_DIR}); one prompt per set; {args.max_new_tokens} new tokens; greedy")
         else:
             target = load_target(args.target)
-            drafter = load_drafter(args.drafter, target=target) if any(m != "ar" for m in methods) else None
+            drafter = load_drafter(args.drafter, target=target) if any(m.speculative for m in methods) else None
             drafters = {"main": drafter, "baseline": drafter}
             rng = np.random.default_rng(0)
             prompts = [rng.integers(0, target.config.vocab_size, n).tolist() for n in (24, 17, 30)]
@@ -65,23 +67,23 @@ def main(argv: list[str] | None = None) -> int:
         print(EXPLANATION if args.target is None else EXPLANATION_OTHER)
         reference = None
         for method in methods:
-            kw = {"budget": args.budget} if method in decode.TREE_METHODS else {}
-            drafter = drafters["baseline" if method in BASELINE_METHODS else "main"]
-            run = dict(method=method, max_new_tokens=args.max_new_tokens, eos_token_ids=eos, **kw)
-            label = f"{method}@{args.budget}" if kw else method
+            # dflash and ddtree (no Markov head) run with the baseline drafter when there is one
+            drafter = drafters["baseline" if method.speculative and not method.needs_markov else "main"]
+            run = dict(method=method, max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+            label = method.label
             print(f"  compiling {label} ...", end="", flush=True)
             t0 = time.perf_counter()
-            decode.generate(target, drafter, prompts, **run)  # compile (and run once)
+            engine.generate(target, drafter, prompts, **run)  # compile (and run once)
             print(f" {time.perf_counter() - t0:.1f} s", flush=True)
             t0 = time.perf_counter()
-            out = decode.generate(target, drafter, prompts, **run)
+            out = engine.generate(target, drafter, prompts, **run)
             dt = time.perf_counter() - t0
             reference = out.tokens if reference is None else reference
             acc = [a for row in out.acceptance_lengths for a in row]
             tau = sum(acc) / max(len(acc), 1)
             n_tok = sum(len(t) for t in out.tokens)
             print(f"  {label:<20} tau {tau:5.2f}  {n_tok / dt:8.1f} tok/s  "
-                  f"same tokens as {methods[0]}: {out.tokens == reference}")
+                  f"same tokens as {methods[0].label}: {out.tokens == reference}")
         if tok is not None:
             print("first prompt + continuation:\n" + tok.decode(prompts[0] + reference[0]))
         else:

@@ -20,6 +20,7 @@ from flax import nnx
 import sparkjax
 from sparkjax import decode
 from sparkjax.decode import generate, launch, stream
+from sparkjax.engine import api
 
 P = [[1, 2, 3], [4, 5, 6]]  # the shape of every run in this file
 RUN = dict(max_new_tokens=2)
@@ -189,7 +190,7 @@ def test_device_memory_stats_are_used_when_present(pair, monkeypatch):
                                      (dict(prompt_width=2**24), "prompt_width")])
 def test_huge_caches_and_buffers_are_refused_before_compiling(pair, kw, name, monkeypatch):
     target, drafter = pair
-    monkeypatch.setattr(decode, "available_memory", lambda: (2**31, "this test device has 2.0 GiB"))
+    monkeypatch.setattr(api, "available_memory", lambda: (2**31, "this test device has 2.0 GiB"))
     for method in ("ar", "dspark"):
         with pytest.raises(sparkjax.ArgumentError) as info:
             launch(target, drafter, P, method=method, **kw, **RUN)
@@ -203,7 +204,7 @@ def test_a_big_batch_names_the_prompts_and_scales_with_the_batch(pair, monkeypat
     one = sum(decode.estimate_memory(target, drafter, plan, 1, 16, 256, 32).values())
     many = sum(decode.estimate_memory(target, drafter, plan, 64, 16, 256, 32).values())
     assert many == 64 * one
-    monkeypatch.setattr(decode, "available_memory", lambda: (one * 8, "this test device has a little"))
+    monkeypatch.setattr(api, "available_memory", lambda: (one * 8, "this test device has a little"))
     generate_args = dict(method="sparklingtree", budget=64, **RUN)
     with pytest.raises(sparkjax.ArgumentError, match="needs about .*this test device has a little"):
         launch(target, drafter, [[1, 2, 3]] * 64, **generate_args)

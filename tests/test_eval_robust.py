@@ -469,7 +469,7 @@ def test_no_pytorch_advisory_where_only_the_tokenizer_is_used():
     eval_tok = NO_TORCH + f"from sparkjax.eval.tokenizer import load_tokenizer\nload_tokenizer({str(TOKENIZER)!r})\n"
     demo_main = NO_TORCH + (
         "import sparkjax.__main__ as m, types\n"
-        "m.decode.generate = lambda *a, **k: types.SimpleNamespace(tokens=[[1, 2]] * 3,"
+        "m.engine.generate = lambda *a, **k: types.SimpleNamespace(tokens=[[1, 2]] * 3,"
         " acceptance_lengths=[[1]] * 3)\n"
         "sys.exit(m.main(['--methods', 'ar,dspark', '--max-new-tokens', '4']))\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,

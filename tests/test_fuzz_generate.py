@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 
 import sparkjax
 from sparkjax import decode
+from sparkjax.engine import api
 
 VOCAB = 320  # the fixture pair's
 HANG_SECONDS = 120  # a first compile on a loaded 2-core machine takes well under this
@@ -160,9 +161,9 @@ def stubbed_programs():
         return decode.GenerateOutput([[0]] * args[0].shape[0], [[1]] * args[0].shape[0])
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "_ar_program", ar)
-        mp.setattr(decode, "_spec_program", spec)
-        mp.setattr(decode, "_instrumented", instrumented)
+        mp.setattr(api, "ar_program", ar)
+        mp.setattr(api, "spec_program", spec)
+        mp.setattr(api, "_instrumented", instrumented)
         yield
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .. import _startup, decode
+from .. import _startup, engine
 from . import datasets as ds
 from .errors import EvalError
 from .harness import BASELINE_METHODS, DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS
@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default: the checkpoint's own; float32 for the bundled demo pair)")
     g = p.add_argument_group("runs")
-    g.add_argument("--methods", type=_csv(str), default=decode.METHODS, metavar="LIST",
-                   help=f"comma-separated methods out of {','.join(decode.METHODS)} (default: all); ar is always run, "
+    g.add_argument("--methods", type=_csv(str), default=engine.METHODS, metavar="LIST",
+                   help=f"comma-separated methods out of {','.join(engine.METHODS)} (default: all); ar is always run, "
                         "as the speedup reference")
     g.add_argument("--budgets", type=_csv(int), metavar="LIST",
                    help="tree sizes (nodes per round) for ddtree / sparklingtree / sparklingtree-beam; each tree "

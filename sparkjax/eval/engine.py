@@ -2,7 +2,7 @@
 
 Every batch of a run is padded to one prompt width (the power of two above the longest prompt of
 the whole run), one cache size and one output capacity (``prompt_width``, ``cache_size`` and
-``capacity`` of :func:`sparkjax.decode.launch`). So each method compiles once per run, and the
+``capacity`` of :func:`sparkjax.engine.launch`). So each method compiles once per run, and the
 *prefill-only* run (``max_new_tokens = 1``, which stops before the first round) reuses the very
 same compiled program as the timed run: ``max_new_tokens`` is a traced value in the engine.
 """
@@ -10,11 +10,14 @@ same compiled program as the timed run: ``max_new_tokens`` is a traced value in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
 
-from .. import decode
+from .. import engine as core
+from ..engine.api import check_temperature
+from ..engine.methods import Method, parse_method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +32,14 @@ class MethodConfig:
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget}"
 
+    @functools.cached_property
+    def spec(self) -> Method:
+        """The method object (:func:`sparkjax.engine.parse_method` of the name, budget and top-c)."""
+        return parse_method(self.method, budget=self.budget, top_c=self.top_c)
+
     @property
     def speculative(self) -> bool:
-        return self.method != "ar"
+        return self.spec.speculative
 
 
 @dataclasses.dataclass
@@ -49,7 +57,7 @@ class Engine:
                  cache_size: int, prompt_width: int):
         self.target, self.drafter = target, drafter
         self.eos_ids = list(eos)
-        self.temperature = decode.check_temperature(temperature)
+        self.temperature = check_temperature(temperature)
         self.max_new_tokens = int(max_new_tokens)
         self.cache_size = int(cache_size)
         self.prompt_width = int(prompt_width)
@@ -62,11 +70,7 @@ class Engine:
     def plan(self, mc: MethodConfig):
         """The engine's static plan for ``mc`` (None for ``ar``); raises ArgumentError when it does not apply."""
         if mc not in self._plans:
-            if mc.method == "ar":
-                self._plans[mc] = None
-            else:
-                self._plans[mc] = decode.make_plan(self.target, self.drafter, mc.method, mc.budget, mc.top_c,
-                                                   None, "fast", self.temperature > 0)
+            self._plans[mc] = mc.spec.plan(self.target, self.drafter, self.temperature > 0)
         return self._plans[mc]
 
     def depth(self, mc: MethodConfig) -> int:
@@ -85,10 +89,9 @@ class Engine:
         return (mc, len(batch), self.prompt_width)
 
     def _kwargs(self, mc: MethodConfig, max_new: int, seed: int) -> dict[str, Any]:
-        kw = {"budget": mc.budget, "top_c": mc.top_c} if mc.method in decode.TREE_METHODS else {}
-        return dict(method=mc.method, max_new_tokens=max_new, eos_token_ids=self.eos_ids or None,
+        return dict(method=mc.spec, max_new_tokens=max_new, eos_token_ids=self.eos_ids or None,
                     temperature=self.temperature, seed=seed, cache_size=self.cache_size,
-                    prompt_width=self.prompt_width, capacity=self.max_new_tokens, **kw)
+                    prompt_width=self.prompt_width, capacity=self.max_new_tokens)
 
     # ------------------------------------------------------------------ runs
 
@@ -96,11 +99,11 @@ class Engine:
         """Dispatches one generation without waiting; ``prefill_only`` stops before the first round."""
         max_new = 1 if prefill_only else self.max_new_tokens
         drafter = self.drafter if mc.speculative else None
-        return decode.launch(self.target, drafter, batch, report_nonfinite=True, **self._kwargs(mc, max_new, seed))
+        return core.launch(self.target, drafter, batch, report_nonfinite=True, **self._kwargs(mc, max_new, seed))
 
     def instrumented(self, mc: MethodConfig, batch: list[list[int]], seed: int) -> BatchOutput:
         """The engine's instrumented mode (each stage its own jitted call, synced and timed)."""
-        out = decode.generate(self.target, self.drafter, batch, instrument=True,
+        out = core.generate(self.target, self.drafter, batch, instrument=True,
                               **self._kwargs(mc, self.max_new_tokens, seed))
         return BatchOutput([list(t) for t in out.tokens], [list(a) for a in out.acceptance_lengths],
                            [list(h) for h in out.accepted_per_depth], dict(out.stage_seconds or {}))
@@ -109,7 +112,7 @@ class Engine:
     def outputs(res) -> BatchOutput:
         """Host copies of a finished launch's arrays; raises NumericalError if the target's logits were not finite."""
         arrays = [np.asarray(x) for x in res]
-        decode.raise_if_nonfinite(arrays.pop())  # the target's logits must stay finite (NumericalError)
+        core.raise_if_nonfinite(arrays.pop())  # the target's logits must stay finite (NumericalError)
         out, n = arrays[0], arrays[1]
         tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
         if len(arrays) == 2:  # ar: one token per step

@@ -57,8 +57,10 @@ from typing import Any
 
 import jax
 
-from .. import decode
+from .. import engine as core
 from ..config import read_json
+from ..engine.api import check_temperature
+from ..errors import ArgumentError
 from . import datasets as ds
 from . import demo, metrics
 from .engine import BatchOutput, Engine, MethodConfig
@@ -72,10 +74,11 @@ SPREAD_WARNING = 0.25  # the table warns when a row's timing spread ((max - min)
 MAX_SEED = 2**63  # seeds are int64 on the device: [0, 2**63)
 # The files EvalResults.save writes; a re-run into the same folder replaces or removes exactly these.
 OUTPUT_FILES = ("results.json", "results.csv", "acceptance_per_depth.png", "tau_speedup.png", "stage_time.png")
-STAGES = ("draft", "tree", "verify", "commit")
+STAGES = core.STAGES
 DEFAULT_PAIR_NOTE = demo.NOTE
 # The methods that use no Markov head: with a baseline drafter they run with it (the DFlash / DDTree baseline).
-BASELINE_METHODS = tuple(m for m in decode.METHODS if m != "ar" and m not in decode.MARKOV_METHODS)
+BASELINE_METHODS = tuple(m for m in core.METHODS
+                         if core.parse_method(m).speculative and not core.parse_method(m).needs_markov)
 
 
 @dataclasses.dataclass
@@ -97,7 +100,7 @@ class EvalConfig:
     baseline_drafter: str | None = None
     tokenizer: str | None = None
     dtype: str | None = None
-    methods: tuple[str, ...] = decode.METHODS
+    methods: tuple[str, ...] = core.METHODS
     budgets: tuple[int, ...] | None = None
     top_c: int | None = None
     temperature: float = 0.0
@@ -127,19 +130,24 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
     methods = [m.strip() for m in cfg.methods]
     if not methods or any(not m for m in methods):
         raise EvalError("--methods: empty method name")
+    specs = {}
     for m in methods:
-        if m not in decode.METHODS:
-            raise EvalError(f"--methods: unknown method {m!r}; choose from {', '.join(decode.METHODS)}")
+        try:
+            specs[m] = core.parse_method(m)
+            if m not in core.METHODS:  # a plain name: budgets come from --budgets
+                raise ArgumentError(m)
+        except ArgumentError:
+            raise EvalError(f"--methods: unknown method {m!r}; choose from {', '.join(core.METHODS)}") from None
     dupes = sorted({m for m in methods if methods.count(m) > 1})
     if dupes:
         raise EvalError(f"--methods: {dupes[0]!r} is listed twice")
-    trees = [m for m in methods if m in decode.TREE_METHODS]
+    trees = [m for m in methods if isinstance(specs[m], core.Tree)]
     for flag, value in (("--budgets", cfg.budgets), ("--top-c", cfg.top_c)):
         if value is not None and not trees:
             given = ",".join(str(v) for v in value) if isinstance(value, tuple | list) else str(value)
             raise EvalError(
                 f"{flag}: {given} given, but none of --methods ({','.join(methods)}) builds a tree; "
-                f"{flag} applies only to {', '.join(decode.TREE_METHODS)}"
+                f"{flag} applies only to {', '.join(core.TREE_METHODS)}"
             )
     budgets = tuple(cfg.budgets) if cfg.budgets is not None else DEFAULT_BUDGETS
     if cfg.budgets is not None and not budgets:
@@ -149,16 +157,17 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
     if len(set(budgets)) != len(budgets):
         raise EvalError(f"--budgets: duplicate budget in {list(budgets)}")
     _positive("--top-c", cfg.top_c, allow_none=True)
-    if "ar" not in methods:
-        methods.insert(0, "ar")
+    if not any(isinstance(spec, core.AR) for spec in specs.values()):
+        methods.insert(0, core.AR().label)
+        specs[methods[0]] = core.AR()
         notes.append("ar was added to --methods: it is the reference every speedup is measured against")
     out: list[MethodConfig] = []
     for m in methods:
-        if m in decode.TREE_METHODS:
+        if isinstance(specs[m], core.Tree):
             out += [MethodConfig(m, int(b), cfg.top_c) for b in budgets]
         else:
             out.append(MethodConfig(m))
-    out.sort(key=lambda mc: mc.method != "ar")  # ar first
+    out.sort(key=lambda mc: mc.speculative)  # ar first
     return out, notes
 
 
@@ -167,7 +176,7 @@ def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[list[Metho
     ``target_given``: a target was passed to :func:`run` directly (not through ``cfg.target``)."""
     mcs, notes = method_configs(cfg)
     try:
-        decode.check_temperature(cfg.temperature)
+        check_temperature(cfg.temperature)
     except Exception as e:  # ArgumentError
         raise EvalError(f"--temperature: {e}") from None
     _positive("--max-samples", cfg.max_samples, allow_none=True)
@@ -458,7 +467,7 @@ def _environment() -> dict[str, Any]:
 
 def uses_baseline(mc: MethodConfig) -> bool:
     """Whether ``mc`` runs with the baseline drafter when there is one (dflash, ddtree: no Markov head)."""
-    return mc.method in BASELINE_METHODS
+    return mc.speculative and not mc.spec.needs_markov
 
 
 @dataclasses.dataclass
@@ -501,7 +510,7 @@ def resolve_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=No
     Defaults: the bundled demo target; with it and no drafter given, the demo's ``dspark_b16`` and (unless
     a baseline drafter is given) ``dflash_b16`` as the baseline. Without a baseline drafter, every method
     uses the drafter."""
-    mcs = list(mcs) if mcs is not None else [MethodConfig(m) for m in decode.METHODS]
+    mcs = list(mcs) if mcs is not None else [MethodConfig(m) for m in core.METHODS]
     t_src = target if target is not None else cfg.target
     t_dir = str(t_src) if _is_path(t_src) else (_source(t_src) if t_src is not None else str(demo.target_dir()))
     default = t_dir is not None and demo.is_target(t_dir)
@@ -855,7 +864,7 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
 
     # ---- shapes: one prompt width and one cache size for the whole run
     longest = max(len(ids) for rows in selected.values() for _, _, ids in rows)
-    width = decode.bucket(longest)
+    width = core.bucket(longest)
     # one engine per drafter, sharing the target, the cache size and the prompt width
     engine = Engine(target, pair.drafter, eos=eos, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                     cache_size=1, prompt_width=width)
@@ -868,13 +877,9 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     drafter_of = {mc: (pair.baseline_dir if use_base[mc] else pair.drafter_dir) if mc.speculative else None
                   for mc in mcs}
     role_of = {mc: ("baseline" if use_base[mc] else "drafter") if mc.speculative else None for mc in mcs}
-    extra = 0
-    plans = {}
-    for mc in mcs:
-        plans[mc] = p = engines[mc].plan(mc)  # validates budget / top_c against the pair (ArgumentError)
-        if p is not None:
-            extra = max(extra, p.depth + p.nodes + 2)
-    engine.cache_size = base_engine.cache_size = max(width, decode.bucket(longest + cfg.max_new_tokens + extra))
+    plans = {mc: engines[mc].plan(mc) for mc in mcs}  # validates budget / top_c against the pair (ArgumentError)
+    engine.cache_size = base_engine.cache_size = core.required_cache_size(
+        longest, cfg.max_new_tokens, plans.values(), prompt_width=width)
     for mc in mcs:  # a budget whose verify cannot fit: refused now, not after minutes of compiling
         check_memory(target, mc, plans[mc], cfg.batch_size, engine.cache_size)
     early_stop()

@@ -8,7 +8,8 @@ import pathlib
 
 import numpy as np
 
-STAGES = ("draft", "tree", "verify", "commit")
+from ..engine.round import STAGES
+
 STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
 
 # One colour per method family; the budget of a tree method sets the shade (lighter for smaller trees), the

@@ -9,7 +9,7 @@ import os
 import pathlib
 from typing import Any
 
-STAGES = ("draft", "tree", "verify", "commit")
+from ..engine.round import STAGES
 
 
 def _num(x, fmt: str, none: str = "-") -> str:

@@ -1,0 +1,590 @@
+"""The public entry points: argument validation, :func:`generate`, :func:`launch` and :func:`stream`.
+
+Every argument is checked here, before anything is compiled (an :class:`~sparkjax.errors.ArgumentError`
+naming the argument); the run then goes to one jitted program of :mod:`sparkjax.engine.programs`.
+Prompt buffers and cache sizes are bucketed to powers of two so that a new prompt length rarely
+recompiles; :func:`required_cache_size` is that rule for the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..errors import ArgumentError, SparkjaxError
+from .checks import MAX_SLOTS, bucket, check_int, check_models, describe, is_int
+from .methods import Method, Plan, parse_method
+from .programs import ar_program, spec_program, spec_start, spec_step, split_pair, stage_call
+from .round import STAGES, spec_round
+from .state import DeviceArgs
+
+Array = jax.Array
+
+MAX_SEED = 2**63  # seeds are Python / numpy ints in [0, MAX_SEED)
+MIN_TEMPERATURE = 1e-6  # a positive temperature below this overflows logits / T in float32
+MAX_TEMPERATURE = 1e4  # above this every distribution is uniform to float32 precision
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """Right-padded prompt tokens ``[B, P_bucket]`` (int32) and their lengths ``[B]``."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+
+def check_seed(seed: Any) -> int:
+    """A seed is an int (Python or numpy, not a bool) in ``[0, 2**63)``."""
+    if not is_int(seed):
+        raise ArgumentError(f"seed: expected an integer in [0, 2**63), got {describe(seed)}")
+    s = int(seed)
+    if not 0 <= s < MAX_SEED:
+        raise ArgumentError(f"seed: {s} is outside [0, 2**63)")
+    return s
+
+
+def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) -> Prompts:
+    """Validates prompts (an int array ``[B, P]``, one list of ids, or a list of lists) and pads them
+    to a power of two, or to ``width`` when given (so that runs of different prompts share a program)."""
+    if width is not None:
+        width = check_int("prompt_width", width, maximum=MAX_SLOTS, unit="number of prompt slots (or None)")
+    if isinstance(prompt_ids, np.ndarray | jax.Array):
+        arr = np.asarray(prompt_ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise ArgumentError(f"prompt_ids: expected shape [B, P], got {list(arr.shape)}")
+        rows = list(arr)
+    elif isinstance(prompt_ids, str | bytes) or is_int(prompt_ids) or not hasattr(prompt_ids, "__iter__"):
+        raise ArgumentError(
+            f"prompt_ids: expected token ids (an int array [B, P], a list of ids or a list of lists), "
+            f"got {describe(prompt_ids)}"
+        )
+    else:
+        rows = list(prompt_ids)
+        if rows and all(is_int(x) for x in rows):
+            rows = [rows]
+    if not rows:
+        raise ArgumentError("prompt_ids: empty batch")
+    seqs = []
+    for b, row in enumerate(rows):
+        if isinstance(row, str | bytes):
+            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got {describe(row)}")
+        try:
+            r = np.asarray(row)
+        except (TypeError, ValueError, OverflowError):
+            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids") from None
+        if r.size == 0:
+            raise ArgumentError(f"prompt_ids[{b}]: empty prompt")
+        if r.ndim != 1 or not np.issubdtype(r.dtype, np.integer):
+            raise ArgumentError(
+                f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got shape {list(r.shape)} "
+                f"of {r.dtype}"
+            )
+        if r.min() < 0 or r.max() >= vocab_size:
+            raise ArgumentError(f"prompt_ids[{b}]: token id outside [0, {vocab_size}) (vocab of the target)")
+        seqs.append(r.astype(np.int32))
+    lengths = np.array([len(s) for s in seqs], np.int32)
+    if width is not None and width < lengths.max():
+        raise ArgumentError(f"prompt_width: {width} is shorter than the longest prompt ({lengths.max()} tokens)")
+    tokens = np.zeros((len(seqs), bucket(lengths.max()) if width is None else width), np.int32)
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s)] = s
+    return Prompts(tokens, lengths)
+
+
+def eos_array(eos_token_ids: int | Sequence[int] | None, vocab_size: int) -> np.ndarray:
+    """EOS ids as an int32 array (``-1`` when there is none, which never matches).
+
+    ``eos_token_ids`` is None, one int, or a flat sequence / integer array of ints (not a string,
+    and no None, float or bool entries)."""
+    name = "eos_token_ids"
+    if eos_token_ids is None:
+        ids: list[int] = []
+    elif is_int(eos_token_ids):
+        ids = [int(eos_token_ids)]
+    elif isinstance(eos_token_ids, str | bytes):
+        raise ArgumentError(
+            f"{name}: expected an int or a sequence of ints, got a string {eos_token_ids!r} "
+            f"(a string is not a list of ids; pass [105], not '105')"
+        )
+    elif isinstance(eos_token_ids, np.ndarray | jax.Array):
+        arr = np.asarray(eos_token_ids)
+        if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ArgumentError(f"{name}: expected a flat integer array, got shape {list(arr.shape)} of {arr.dtype}")
+        ids = [int(i) for i in arr.reshape(-1)]
+    else:
+        if not hasattr(eos_token_ids, "__iter__"):
+            raise ArgumentError(f"{name}: expected an int or a sequence of ints, got {describe(eos_token_ids)}")
+        ids = []
+        for j, x in enumerate(eos_token_ids):
+            if not is_int(x):
+                raise ArgumentError(f"{name}[{j}]: expected an integer token id, got {describe(x)}")
+            ids.append(int(x))
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ArgumentError(f"{name}: {i} is outside [0, {vocab_size})")
+    return np.array(ids or [-1], np.int32)
+
+
+def required_cache_size(prompt_length: int, max_new_tokens: int, plans: Iterable[Plan | None] = (), *,
+                        prompt_width: int = 0) -> int:
+    """The cache slots a run gets by default (``cache_size=None``): the longest prompt + ``max_new_tokens``
+    + the scratch rows of the largest round among ``plans`` (a round may overshoot by its depth D and
+    verifies M + 1 rows: ``D + M + 2``; none for ``ar``), rounded up to a power of two, and at least
+    ``prompt_width`` (the padded prompt buffer). Runs that share one cache size share one compiled program."""
+    extra = max((p.scratch for p in plans if p is not None), default=0)
+    return max(bucket(prompt_length + max_new_tokens + extra), prompt_width)
+
+
+def check_lengths(
+    prompts: Prompts, max_new_tokens: int, max_positions: int, cache_size: int | None, plan: Plan | None = None
+) -> int:
+    """Validates the budget of positions and returns the cache size (:func:`required_cache_size` by default).
+
+    ``plan``'s scratch rows are the room a round needs past the committed tokens (a verify window).
+    """
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens)
+    if cache_size is not None:
+        cache_size = check_int("cache_size", cache_size, unit="number of cache slots (or None)")
+    longest = int(prompts.lengths.max())
+    width = prompts.tokens.shape[1]
+    if longest + max_new_tokens > max_positions:
+        raise ArgumentError(
+            f"max_new_tokens: prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the target's "
+            f"max_position_embeddings ({max_positions})"
+        )
+    extra = plan.scratch if plan is not None else 0
+    need = longest + max_new_tokens + extra
+    if cache_size is None:
+        size = required_cache_size(longest, max_new_tokens, [plan], prompt_width=width)
+        if size > MAX_SLOTS:
+            raise ArgumentError(
+                f"max_new_tokens: a cache of {size} slots is needed, more than {MAX_SLOTS} (int32 positions)"
+            )
+        return size
+    if cache_size > MAX_SLOTS:
+        raise ArgumentError(f"cache_size: {cache_size} slots exceed {MAX_SLOTS} (positions are int32 on device)")
+    if cache_size < longest + 1:
+        raise ArgumentError(f"cache_size: the prompt ({longest} tokens) is longer than the cache ({cache_size} slots)")
+    if cache_size < width:
+        raise ArgumentError(
+            f"cache_size: {cache_size} slots cannot hold the prompt buffer, which is padded to {width} slots "
+            f"(the longest prompt has {longest} tokens); pass prompt_width (at least {longest}) to pad less, "
+            f"or a cache_size of at least {width}"
+        )
+    if cache_size < need:
+        raise ArgumentError(
+            f"cache_size: {cache_size} slots cannot hold prompt {longest} + max_new_tokens {max_new_tokens}"
+            + (f" + {extra} scratch rows" if extra else "")
+        )
+    return cache_size
+
+
+def check_temperature(temperature: float) -> float:
+    """0 (greedy) or a real number in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]`` (finite in float32)."""
+    if isinstance(temperature, bool | np.bool_) or not isinstance(temperature, int | float | np.integer | np.floating):
+        raise ArgumentError(f"temperature: expected a real number, got {describe(temperature)}")
+    try:
+        t = float(temperature)
+    except OverflowError:
+        raise ArgumentError(f"temperature: {temperature!r} is not finite in float32") from None
+    if not np.isfinite(t) or t < 0:
+        raise ArgumentError(f"temperature: must be finite and >= 0, got {temperature!r}")
+    if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise ArgumentError(
+            f"temperature: {t!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (or 0 for greedy): "
+            "logits / temperature would overflow or underflow in float32"
+        )
+    return t
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """What :func:`generate` returns.
+
+    ``tokens``: generated ids per sequence (prompt excluded, cut after EOS).
+    ``acceptance_lengths``: per sequence, the tokens each round committed (accepted drafts + 1,
+    the bonus / correction token included); tau = their mean. For ``ar`` every entry is 1.
+    ``accepted_per_depth``: per sequence, how many rounds accepted a draft at depth d + 1.
+    ``stage_seconds``: per-stage wall time summed over rounds (instrumented mode only).
+    """
+
+    tokens: list[list[int]]
+    acceptance_lengths: list[list[int]]
+    accepted_per_depth: list[list[int]] = dataclasses.field(default_factory=list)
+    stage_seconds: dict[str, float] | None = None
+
+    @property
+    def rounds(self) -> list[int]:
+        return [len(a) for a in self.acceptance_lengths]
+
+
+class NumericalError(SparkjaxError, FloatingPointError):
+    """The target produced non-finite logits (NaN or Inf) during a generation: its output is garbage."""
+
+
+def raise_if_nonfinite(nonfinite: Any) -> None:
+    """Raises :class:`NumericalError` if any entry of a run's ``nonfinite`` flags (``[B]`` int32: the first
+    round whose target logits were not finite, 0 for the prefill; -1 when all were finite) is set."""
+    flags = np.asarray(nonfinite).reshape(-1)
+    bad = np.flatnonzero(flags >= 0)
+    if bad.size == 0:
+        return
+    b = int(bad[np.argmin(flags[bad])])
+    r = int(flags[b])
+    where = "the prefill (round 0)" if r == 0 else f"round {r}"
+    raise NumericalError(
+        f"generate: the target's logits are not finite (NaN or Inf) in {where} of sequence {b} "
+        f"({bad.size} of {flags.size} sequence(s) affected); the generated tokens are garbage. "
+        "Check the target's weights for NaN/Inf or use a wider dtype (float32)"
+    )
+
+
+def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, stage_seconds=None) -> GenerateOutput:
+    out, n = np.asarray(out), np.asarray(n)
+    tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
+    if accept_lens is None:
+        return GenerateOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
+    accept_lens, rounds, depth_hits = np.asarray(accept_lens), np.asarray(rounds), np.asarray(depth_hits)
+    lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
+    return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds)
+
+
+def _itemsize(model) -> int:
+    try:
+        return int(np.dtype(model.dtype).itemsize)
+    except (AttributeError, TypeError):
+        return 4
+
+
+def estimate_memory(target, drafter, plan: Plan | None, batch: int, prompt_width: int, cache_size: int,
+                    buf_len: int) -> dict[str, int]:
+    """A rough count of the bytes a generation holds on device, by what they grow with.
+
+    ``cache``: the target's KV cache ``[layers, 2, B, S, K, H]`` and the drafter's context;
+    ``verify``: a round's tree arrays (candidates, tables, the ``[B, M + 1, M + 1]`` ancestor mask),
+    the visibility mask ``[B, M + 1, S]``, one layer's attention scores and probabilities
+    ``[B, heads, M + 1, S]`` float32, the MLP activations and the logits ``[B, M + 1, V]`` float32;
+    ``prefill``: the same for the ``P`` prompt rows; ``output``: the output buffers ``[B, capacity]``.
+    The model weights are not counted (they are already resident).
+    """
+    tc = target.config
+    b, s, p = batch, cache_size, prompt_width
+    it = _itemsize(target)
+    ffn = max(tc.intermediate_size, tc.hidden_size)
+
+    def forward(t: int, hidden_feats: int) -> int:
+        mask = b * t * s
+        scores = 2 * b * tc.num_attention_heads * t * s * 4
+        acts = b * t * (3 * ffn + 4 * tc.hidden_size) * 4
+        return mask + scores + acts + b * t * hidden_feats * 4
+
+    cache = tc.num_hidden_layers * 2 * b * s * tc.num_key_value_heads * tc.head_dim * it
+    out = {"cache": cache, "output": 2 * b * buf_len * 4, "prefill": forward(p, 0) + b * tc.vocab_size * 4,
+           "verify": 0}
+    if plan is None:
+        out["verify"] = forward(1, 0) + b * tc.vocab_size * 4
+        return out
+    dc = drafter.config
+    out["cache"] += dc.num_hidden_layers * 2 * b * s * dc.num_key_value_heads * dc.head_dim * _itemsize(drafter)
+    feats = len(plan.layer_ids) * tc.hidden_size
+    out["prefill"] += b * p * feats * 4
+    t = plan.nodes + 1
+    d, c, v = plan.depth, max(plan.top_c, 1), tc.vocab_size
+    tree_arrays = b * d * v * 4 * 2 + b * d * c * c * 4 * 2 + b * t * t + b * t * 16
+    out["verify"] = tree_arrays + forward(t, feats) + b * t * v * 4 * 2
+    return out
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes the default device can still allocate, and how that was found."""
+    dev = jax.devices()[0]
+    stats = None
+    try:
+        stats = dev.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return free, f"this {dev.platform} device has {_gib(free)} free of {_gib(int(stats['bytes_limit']))}"
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0, "unknown"
+    return int(total), f"this {dev.platform} host has {_gib(int(total))} of memory"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n < 2**40 else f"{n / 2**30:,.0f} GiB"
+
+
+def check_memory(target, drafter, plan: Plan | None, prompts: Prompts, size: int, buf_len: int, *,
+                 cache_size: Any, capacity: Any, prompt_width: Any) -> None:
+    """Refuses a run whose estimated memory (:func:`estimate_memory`) exceeds what the device has,
+    naming the argument that makes it large and the figures."""
+    b, p = prompts.tokens.shape
+    est = estimate_memory(target, drafter, plan, b, p, size, buf_len)
+    total = sum(est.values())
+    limit, where = available_memory()
+    if limit <= 0 or total <= limit:
+        return
+    part = max(est, key=est.get)
+    if part == "verify" and plan is not None:
+        head = f"budget: a {plan.nodes}-node verify of {b} sequence(s) over a {size}-slot cache"
+    elif part == "verify":
+        head = f"prompt_ids: a decode step of {b} sequences over a {size}-slot cache"
+    elif part == "cache":
+        arg = "cache_size" if cache_size is not None else "max_new_tokens"
+        head = f"{arg}: a KV cache of {b} sequence(s) x {size} slots"
+    elif part == "output":
+        arg = "capacity" if capacity is not None else "max_new_tokens"
+        head = f"{arg}: an output buffer of {b} sequence(s) x {buf_len} tokens"
+    else:
+        arg = "prompt_width" if prompt_width is not None else "prompt_ids"
+        head = f"{arg}: a prefill of {b} sequence(s) x {p} prompt slots"
+    detail = ", ".join(f"{k} {_gib(v)}" for k, v in est.items())
+    raise ArgumentError(
+        f"{head} needs about {_gib(total)} of memory ({detail}); {where}. "
+        "Lower budget, max_new_tokens, cache_size or the batch"
+    )
+
+
+def _buf_len(max_new_tokens: int, capacity: int | None, plan: Plan | None) -> int:
+    """Output-buffer length: room for ``capacity`` tokens plus a round's overshoot, as a power of two."""
+    if capacity is not None and capacity < max_new_tokens:
+        raise ArgumentError(f"capacity: {capacity!r} is smaller than max_new_tokens ({max_new_tokens})")
+    n = max_new_tokens if capacity is None else int(capacity)
+    size = bucket(n + (plan.depth + 1 if plan is not None else 0), 1)
+    if size > MAX_SLOTS:
+        raise ArgumentError(f"capacity: an output buffer of {size} tokens exceeds {MAX_SLOTS} (int32 positions)")
+    return size
+
+
+def _key(seed: int) -> Array:
+    """The PRNG key of a checked seed. Seeds below 2**32 give ``jax.random.key(seed)``; larger ones fold
+    in their high 32 bits (``jax.random.key`` alone would wrap them onto small seeds without 64-bit mode)."""
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    key = jax.random.key(lo)
+    return key if hi == 0 else jax.random.fold_in(key, hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A validated generation: the method, the padded prompts, the EOS ids, the temperature, the static
+    plan (None for ``ar``), the cache size, the output-buffer length, the seed and ``max_new_tokens``."""
+
+    method: Method
+    prompts: Prompts
+    eos: np.ndarray
+    temperature: float
+    plan: Plan | None
+    cache_size: int
+    buf_len: int
+    seed: int
+    max_new_tokens: int
+
+    def device_args(self) -> DeviceArgs:
+        """The run's traced inputs, on device."""
+        return _device_args(self.prompts, self.max_new_tokens, self.eos, self.temperature, self.seed)
+
+
+def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, temperature: float, seed: int) -> DeviceArgs:
+    return DeviceArgs(jnp.asarray(prompts.tokens), jnp.asarray(prompts.lengths), jnp.int32(max_new_tokens),
+                      jnp.asarray(eos), jnp.float32(temperature), _key(seed))
+
+
+def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
+             normalization="fast", max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
+             cache_size=None, prompt_width=None, capacity=None) -> Run:
+    """Validates every argument of a generation (those of :func:`generate`) and returns the :class:`Run`."""
+    check_models(target, drafter)
+    method = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    if prompt_ids is None:
+        raise ArgumentError("prompt_ids: required")
+    seed = check_seed(seed)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens)
+    if capacity is not None:
+        capacity = check_int("capacity", capacity, maximum=MAX_SLOTS, unit="number of output tokens (or None)")
+    cfg = target.config
+    prompts = prepare_prompts(prompt_ids, cfg.vocab_size, prompt_width)
+    eos = eos_array(eos_token_ids, cfg.vocab_size)
+    temperature = check_temperature(temperature)
+    plan = method.plan(target, drafter, temperature > 0)
+    size = check_lengths(prompts, max_new_tokens, cfg.max_position_embeddings, cache_size, plan)
+    buf_len = _buf_len(max_new_tokens, capacity, plan)
+    check_memory(target, drafter, plan, prompts, size, buf_len, cache_size=cache_size, capacity=capacity,
+                 prompt_width=prompt_width)
+    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens)
+
+
+def generate(
+    target,
+    drafter=None,
+    prompt_ids: Any = None,
+    *,
+    method: str | Method = "ar",
+    budget: int | None = None,
+    top_c: int | None = None,
+    widths: Sequence[int] | None = None,
+    normalization: str = "fast",
+    max_new_tokens: int = 128,
+    eos_token_ids: int | Sequence[int] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    cache_size: int | None = None,
+    prompt_width: int | None = None,
+    capacity: int | None = None,
+    instrument: bool = False,
+) -> GenerateOutput:
+    """Generates continuations of ``prompt_ids`` (``[B, P]`` ints or a list of lists).
+
+    ``method``: a method object (:class:`~sparkjax.engine.AR`, :class:`~sparkjax.engine.Chain`,
+    :class:`~sparkjax.engine.Tree`) or its name: ``ar`` (target alone), ``dflash`` (argmax chain),
+    ``dspark`` (Markov chain), ``ddtree`` (best-first over independent marginals), ``sparklingtree``
+    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), or ``name@budget``
+    for a tree. With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
+    candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (default even),
+    ``normalization`` the Markov tables' (``fast`` or ``exact``); a method object carries its own.
+    Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else
+    lossless sampling seeded by ``seed``. The whole generation is one jitted program with no host
+    sync; ``instrument=True`` instead runs each stage of the same round as its own jitted call and times it.
+
+    Shapes (what decides recompilation): prompts are padded to a power of two, or to
+    ``prompt_width``; the cache has ``cache_size`` slots (default: :func:`required_cache_size`); the
+    output buffer holds ``capacity`` tokens (default ``max_new_tokens``, which is otherwise a traced
+    value: runs that differ only in ``max_new_tokens <= capacity`` share one compiled program).
+
+    Argument rules: counts (``max_new_tokens``, ``budget``, ``top_c``, ``cache_size``,
+    ``prompt_width``, ``capacity``, ``widths`` entries) are ints, never bools or floats; ``seed`` is an
+    int in ``[0, 2**63)``; ``temperature`` is 0 or in ``[1e-6, 1e4]``; ``eos_token_ids`` is an int or
+    a flat sequence of ints (not a string). A run whose estimated memory (:func:`estimate_memory`)
+    exceeds the device's (or, on CPU, the host's) is refused before anything is compiled. Any
+    violation raises :class:`~sparkjax.errors.ArgumentError` (a mismatched pair
+    :class:`~sparkjax.errors.IncompatiblePairError`). If the target's logits turn non-finite (NaN
+    or Inf weights, an overflow), :class:`NumericalError` names the first such round and sequence.
+    """
+    if not isinstance(instrument, bool | np.bool_):
+        raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
+    options = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
+                   max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature, seed=seed,
+                   cache_size=cache_size, prompt_width=prompt_width, capacity=capacity)
+    if instrument:
+        run = validate(target, drafter, prompt_ids, **options)
+        if run.plan is None:
+            raise ArgumentError("instrument: the instrumented mode times speculative rounds; method 'ar' has none")
+        return _instrumented(target, drafter, run.device_args(), run.plan, run.cache_size, run.buf_len)
+    *res, nonfinite = launch(target, drafter, prompt_ids, report_nonfinite=True, **options)
+    raise_if_nonfinite(nonfinite)
+    return _outputs(*res)
+
+
+def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget=None, top_c=None,
+           widths=None, normalization="fast", max_new_tokens: int = 128, eos_token_ids=None,
+           temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
+           capacity: int | None = None, report_nonfinite: bool = False) -> tuple[Array, ...]:
+    """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
+
+    Returns device arrays: ``(out [B, buf], n [B])`` for ``ar``, plus ``(accept_lens [B, R],
+    rounds [B], depth_hits [B, D])`` for speculative methods. Nothing is copied to the host.
+    ``max_new_tokens=1`` stops after the prefill and its first token (no round), in the same
+    compiled program as a longer run of the same shapes: that is how to time prefill alone.
+
+    ``launch`` never syncs, so it cannot raise on non-finite logits itself: with
+    ``report_nonfinite=True`` it appends the ``nonfinite [B]`` int32 flags (the first round whose
+    target logits held a NaN or an Inf, 0 for the prefill; -1 when all were finite), which
+    :func:`raise_if_nonfinite` checks once the caller syncs.
+    """
+    if not isinstance(report_nonfinite, bool | np.bool_):
+        raise ArgumentError(f"report_nonfinite: expected True or False, got {describe(report_nonfinite)}")
+    run = validate(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
+                   normalization=normalization, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                   temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
+                   capacity=capacity)
+    args = run.device_args()
+    if run.plan is None:
+        gdef, state = nnx.split(target)
+        res = ar_program(gdef, state, *args, buf_len=run.buf_len, cache_size=run.cache_size)
+    else:
+        graphdefs, states = split_pair(target, drafter)
+        res = spec_program(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    return tuple(res) if report_nonfinite else tuple(res[:-1])
+
+
+def stream(
+    target,
+    drafter=None,
+    prompt_ids: Any = None,
+    *,
+    method: str | Method = "sparklingtree",
+    budget: int | None = None,
+    top_c: int | None = None,
+    widths: Sequence[int] | None = None,
+    normalization: str = "fast",
+    max_new_tokens: int = 128,
+    eos_token_ids: int | Sequence[int] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    cache_size: int | None = None,
+):
+    """Like :func:`generate`, but yields each round's new tokens: a list per sequence (possibly empty).
+
+    Runs the same jitted round as :func:`generate`, one call per round, so it syncs with the host
+    once per round by design (for notebooks). The concatenated yields equal ``generate(...).tokens``.
+    The arguments are validated when ``stream`` is called, before it returns the generator; a round
+    whose target logits are not finite raises :class:`NumericalError` instead of yielding.
+    """
+    check_models(target, drafter)
+    spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    if not spec.speculative:
+        raise ArgumentError("method: stream() runs speculative rounds; use generate(method='ar') for the target alone")
+    run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
+                   eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size)
+    return _stream_rounds(target, drafter, run)
+
+
+def _stream_rounds(target, drafter, run: Run):
+    graphdefs, states = split_pair(target, drafter)
+    args = run.device_args()
+    state = spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    batch = run.prompts.batch
+    seen = np.zeros(batch, np.int64)
+    while True:
+        n, out, done, bad = (np.asarray(x) for x in (state.n, state.out, state.done, state.nonfinite))
+        raise_if_nonfinite(bad)
+        yield [out[b, seen[b] : n[b]].tolist() for b in range(batch)]
+        seen = n
+        if done.all():
+            return
+        state = spec_step(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan)
+
+
+def _instrumented(target, drafter, args: DeviceArgs, plan: Plan, size: int, buf_len: int) -> GenerateOutput:
+    """Runs the round of :func:`~sparkjax.engine.round.spec_round` with each stage as its own jitted call,
+    blocking after each, and sums the wall time of each stage."""
+    graphdefs, states = split_pair(target, drafter)
+    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf_len)
+    times = dict.fromkeys(STAGES, 0.0)
+
+    def timed(fn, *stage_args, plan):
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(stage_call(graphdefs, states, stage_args, fn=fn, plan=plan))
+        times[fn.stage] += time.perf_counter() - t0
+        return res
+
+    while not bool(np.asarray(state.done).all()):
+        state = spec_round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
+    raise_if_nonfinite(state.nonfinite)
+    return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, times)

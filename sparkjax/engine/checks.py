@@ -1,0 +1,117 @@
+"""Argument-check primitives shared by the engine's modules (counts, descriptions, the model types).
+
+Every user mistake raises :class:`~sparkjax.errors.ArgumentError` whose message starts with the
+argument's name (a mismatched target / drafter pair: :class:`~sparkjax.errors.IncompatiblePairError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..config import validate_pair
+from ..convert import source_of
+from ..errors import ArgumentError, IncompatiblePairError
+from ..nn.drafter import Drafter
+from ..nn.qwen3 import Qwen3
+
+MAX_SLOTS = 2**30  # cache slots, prompt width and output capacity are int32 positions on device
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def is_int(x: Any) -> bool:
+    """An int or numpy integer, not a bool (True is not a count)."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def describe(x: Any) -> str:
+    """``type value`` for a short plain value, the type alone for anything else (a model, an array)."""
+    if not isinstance(x, int | float | complex | str | bytes | list | tuple | np.generic | type(None)):
+        shape = getattr(x, "shape", None)
+        return type(x).__name__ + (f" of shape {list(shape)}" if shape is not None else "")
+    try:
+        r = repr(x)
+    except Exception:  # noqa: BLE001 - an object whose repr fails
+        return type(x).__name__
+    if len(r) > 60:
+        r = r[:57] + "..."
+    return f"{type(x).__name__} {r}"
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None, unit: str = "") -> int:
+    """``value`` as an int; ArgumentError naming ``name`` for another type (a bool, a float, a string)
+    or a value outside ``[minimum, maximum]``."""
+    if not is_int(value):
+        what = f"an integer{' ' + unit if unit else ''}"
+        raise ArgumentError(f"{name}: expected {what}, got {describe(value)} (a type problem, not a size)")
+    v = int(value)
+    if v < minimum:
+        raise ArgumentError(f"{name}: must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ArgumentError(f"{name}: must be <= {maximum}, got {v}")
+    return v
+
+
+def check_int_list(name: str, values: Any) -> tuple[int, ...]:
+    """A flat list / tuple / integer array of non-negative ints as a tuple of Python ints."""
+    if isinstance(values, np.ndarray | jax.Array):
+        arr = np.asarray(values)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ArgumentError(f"{name}: expected a flat sequence of ints, got shape {list(arr.shape)} of {arr.dtype}")
+        items = arr.tolist()
+    elif isinstance(values, list | tuple):
+        items = list(values)
+    else:
+        raise ArgumentError(f"{name}: expected a list or tuple of ints (one per depth), got {describe(values)}")
+    out = []
+    for i, x in enumerate(items):
+        if not is_int(x):
+            raise ArgumentError(f"{name}[{i}]: expected an integer, got {describe(x)}")
+        if x < 0:
+            raise ArgumentError(f"{name}[{i}]: must be >= 0, got {int(x)}")
+        out.append(int(x))
+    return tuple(out)
+
+
+def check_models(target: Any, drafter: Any) -> None:
+    """``target`` must be a Qwen3 model and ``drafter`` a Drafter (or None)."""
+    if not isinstance(target, Qwen3):
+        hint = " (the drafter was passed as the target?)" if isinstance(target, Drafter) else ""
+        raise ArgumentError(
+            f"target: expected a sparkjax.nn.qwen3.Qwen3 model (sparkjax.load_target), got {describe(target)}{hint}"
+        )
+    if drafter is not None and not isinstance(drafter, Drafter):
+        hint = " (the target was passed as the drafter?)" if isinstance(drafter, Qwen3) else ""
+        raise ArgumentError(
+            f"drafter: expected a sparkjax.nn.drafter.Drafter (sparkjax.load_drafter) or None, "
+            f"got {describe(drafter)}{hint}"
+        )
+
+
+def check_drafter(target, drafter, method) -> None:
+    """The drafter fits the target (the same pair check as ``load_drafter(target=)``) and the method
+    (a :class:`~sparkjax.engine.methods.Method`: its ``name`` and whether it needs a Markov head)."""
+    if drafter is None:
+        raise ArgumentError(f"drafter: method {method.name!r} needs a drafter (use method='ar' without one)")
+    dc, tc = drafter.config, target.config
+    d_src, t_src = source_of(drafter), source_of(target)
+    d_src = f"{d_src}/config.json" if d_src else "<drafter model>"
+    t_src = f"{t_src}/config.json" if t_src else "<target model>"
+    if dc.vocab_size != tc.vocab_size or dc.hidden_size != tc.hidden_size:
+        raise IncompatiblePairError(
+            f"drafter {d_src} does not fit target {t_src}: vocab/hidden {dc.vocab_size}/{dc.hidden_size} do not "
+            f"match the target's {tc.vocab_size}/{tc.hidden_size}"
+        )
+    validate_pair(dc, tc, drafter_source=d_src, target_source=t_src)
+    if method.needs_markov and not dc.has_markov:
+        raise ArgumentError(
+            f"method: {method.name!r} needs a drafter with a Markov head; this {dc.kind} drafter has none "
+            "(use 'dflash' or 'ddtree')"
+        )

@@ -1,0 +1,264 @@
+"""The draft stage: DSpark / DFlash drafting as pure, batch-first functions with static shapes.
+
+Every function takes the drafter module (and, for DFlash, the target) plus plain
+arrays, so it runs unchanged inside ``jax.jit`` over ``nnx.split`` state
+(``nnx.merge(graphdef, state)`` inside the jitted function). Shapes depend only
+on the config and the arguments' shapes; lengths, starts and counts are traced.
+
+Alignment (DESIGN.md section 5). A round drafts from ``start``, the index of the
+last committed token ``x_start`` (not yet seen by the target); the block input is
+``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``.
+
+* DSpark: slot ``i`` predicts the token at ``start + i + 1`` -> ``G`` drafts; tree
+  depth ``d`` (1-based) reads slot ``d - 1``.
+* DFlash: slot ``i`` predicts the token at ``start + i``; slot 0 is unused ->
+  ``G - 1`` drafts; depth ``d`` reads slot ``d``.
+
+:func:`aligned_logits` turns base logits into per-depth logits for either kind.
+
+One round of the engine::
+
+    # prefill: feats = concat of target hidden states at drafter.config.target_layer_ids  [B, P, F]
+    ctx = drafter.init_context(B, size)                   # size >= max total length + G + 1
+    ctx = append_context(drafter, ctx, feats, prompt_len) # slots 0..P-1
+    # round (ctx.lengths == start):
+    blk = draft_block(drafter, ctx, x_start, start, target)        # base logits [B, G, V], hidden [B, G, D]
+    chain = markov_chain(drafter, blk.logits, blk.hidden, x_start, T, key)   # DSpark: G drafts
+    chain = argmax_chain(drafter, blk.logits)                                # DFlash: G - 1 drafts
+    # verify [x_start, drafts] with the target; n drafts accepted ->
+    ctx = append_context(drafter, ctx, verify_feats[:, : G + 1], n + 1)     # positions start .. start + n
+    x_start, start = bonus, start + n + 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..cache import ContextCache
+from ..errors import ArgumentError
+from ..nn.drafter import Drafter
+from ..sampling import pick
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftBlock:
+    """``logits`` base logits ``[B, G, V]`` (float32), ``hidden`` block hidden states ``[B, G, D]``,
+    ``layers`` each layer's (pre-norm) output ``[L, B, G, D]`` when asked for, else None."""
+
+    logits: Array
+    hidden: Array
+    layers: Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftChain:
+    """Drafted ``tokens`` ``[B, n]`` and the ``logits`` ``[B, n, V]`` (float32) they were drawn from.
+
+    ``softmax(logits / T)`` is the draft distribution q of each position (T > 0), the one the
+    tokens were sampled from: speculative sampling must use exactly that. At T = 0 the tokens are
+    the first-max argmax of ``logits``. For DSpark ``n = G`` and token j sits at ``start + j + 1``;
+    for DFlash ``n = G - 1`` (slots 1..G-1) with the same placement.
+    """
+
+    tokens: Array
+    logits: Array
+
+
+def features_from_hidden(hidden: Sequence[Array]) -> Array:
+    """Concatenates the target hidden states of ``target_layer_ids`` (in order) into ``[B, T, F]``.
+
+    ``hidden`` is ``target(..., hidden_layers=drafter.config.target_layer_ids).hidden``.
+    """
+    return jnp.concatenate(list(hidden), axis=-1)
+
+
+def append_context(drafter: Drafter, ctx: ContextCache, features: Array, count: Array) -> ContextCache:
+    """Adds newly committed positions to the drafter's context.
+
+    ``features`` ``[B, A, F]`` are the target features of positions ``ctx.lengths[b] + j``;
+    row j gets that position's RoPE and is written at slot ``ctx.lengths[b] + j``. ``count``
+    ``[B]`` (or a scalar, ``<= A``) of them are committed: ``lengths`` advances by ``count``
+    and rows past it stay invisible scratch. Prefill appends the prompt (A = prompt bucket,
+    count = prompt length); each round appends the verify features of the accepted path
+    (A = G + 1, count = accepted drafts + 1).
+    """
+    if features.ndim != 3 or features.shape[-1] != drafter.config.feature_size:
+        raise ArgumentError(
+            f"features: expected [B, A, {drafter.config.feature_size}] "
+            f"({len(drafter.config.target_layer_ids)} target layers x hidden {drafter.config.hidden_size}), "
+            f"got {tuple(features.shape)}"
+        )
+    a = features.shape[1]
+    positions = ctx.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
+    k, v = drafter.context_kv(features, positions)
+    return ctx.append(k, v, count)
+
+
+def block_tokens(drafter: Drafter, x_start: Array) -> Array:
+    """The block input ``[x_start, MASK x (G - 1)]`` ``[B, G]``."""
+    c = drafter.config
+    x_start = jnp.asarray(x_start, jnp.int32)
+    masks = jnp.full((x_start.shape[0], c.block_size - 1), c.mask_token_id, jnp.int32)
+    return jnp.concatenate([x_start[:, None], masks], axis=1)
+
+
+def draft_block(
+    drafter: Drafter,
+    ctx: ContextCache,
+    x_start: Array,
+    start: Array,
+    target=None,
+    *,
+    return_layers: bool = False,
+) -> DraftBlock:
+    """Runs one block ``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``.
+
+    Each block query sees context slots ``< ctx.lengths`` (which should equal ``start``) and
+    every slot of the block. The context cache is read, not written. ``target`` is required for
+    DFlash drafters (embedding and LM head) and ignored by DSpark ones.
+    """
+    c = drafter.config
+    g = c.block_size
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (x_start.shape[0],))
+    tokens = block_tokens(drafter, x_start)
+    positions = start[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
+    x = drafter.embed(tokens, target)
+    block_mask = jnp.ones((1, g, g), bool)
+    out = drafter.run_block(
+        x, positions, ctx.k, ctx.v, ctx.visible(g), block_mask, return_layers=return_layers
+    )
+    return DraftBlock(drafter.logits(out.hidden, target), out.hidden, out.layers)
+
+
+def aligned_logits(drafter: Drafter, base_logits: Array) -> Array:
+    """Per-depth logits ``[B, n, V]``: depth ``d = 1..n`` predicts the token at ``start + d``.
+
+    DSpark: all ``G`` slots (depth d <- slot d - 1). DFlash: slots ``1..G-1`` (depth d <- slot d).
+    """
+    return base_logits[:, drafter.config.first_draft_slot :]
+
+
+def _static_greedy(temperature, key, what: str) -> bool:
+    if isinstance(temperature, int | float):
+        if temperature < 0:
+            raise ArgumentError(f"{what}: temperature must be >= 0, got {temperature}")
+        if temperature == 0:
+            return True
+    if key is None:
+        raise ArgumentError(f"{what}: a PRNG key is required when temperature may be > 0")
+    return False
+
+
+def argmax_chain(drafter: Drafter, base_logits: Array) -> DraftChain:
+    """The chain of per-position argmaxes of the base logits (no Markov correction).
+
+    DFlash: slots ``1..G-1`` -> ``G - 1`` drafts (slot 0 unused). DSpark: all ``G`` slots.
+    """
+    logits = aligned_logits(drafter, base_logits).astype(jnp.float32)
+    return DraftChain(jnp.argmax(logits, axis=-1).astype(jnp.int32), logits)
+
+
+def sample_chain(drafter: Drafter, base_logits: Array, temperature, key: Array | None = None) -> DraftChain:
+    """Like :func:`argmax_chain`, but each position is drawn independently from ``softmax(logits / T)``."""
+    if _static_greedy(temperature, key, "sample_chain"):
+        return argmax_chain(drafter, base_logits)
+    logits = aligned_logits(drafter, base_logits).astype(jnp.float32)
+    keys = jax.random.split(key, logits.shape[1])
+    tokens = jax.vmap(lambda lg, k: pick(lg, temperature, k), in_axes=(1, 0), out_axes=1)(logits, keys)
+    return DraftChain(tokens, logits)
+
+
+def _require_markov(drafter: Drafter, what: str):
+    if drafter.markov_head is None:
+        raise ArgumentError(f"{what}: the drafter has no Markov head (markov_rank is 0 or it is a DFlash drafter)")
+
+
+def markov_w2(drafter: Drafter) -> Array:
+    """The Markov output matrix ``W2`` ``[V, R]`` (torch layout: ``bias = W2 @ f``)."""
+    _require_markov(drafter, "markov_w2")
+    return drafter.markov_head.markov_w2.weight[...]
+
+
+def markov_features(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Array:
+    """Rank-R parent features ``f(prev)`` ``[B, G, C, R]`` for prev ids ``[B, G, C]``.
+
+    Position g's candidates ``prev_tokens[:, g]`` are the possible tokens right before the one
+    slot g predicts (depth g for DSpark, ``x_start`` at g = 0). Vanilla: ``W1[prev]``; gated:
+    ``W1[prev] * sigmoid(gate_proj([h_g ; W1[prev]]))`` with slot g's hidden ``h_g``. The Markov
+    bias of a candidate is ``f @ markov_w2(drafter).T`` (float32).
+    """
+    _require_markov(drafter, "markov_features")
+    return drafter.markov_head.features(block_hidden, prev_tokens)
+
+
+def markov_bias(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Array:
+    """Teacher-forced Markov bias ``[B, G, V]`` (float32) for one prev id per slot ``[B, G]``."""
+    feats = markov_features(drafter, block_hidden, prev_tokens[..., None])[..., 0, :]
+    return drafter.markov_head.bias(feats)
+
+
+def markov_chain(
+    drafter: Drafter,
+    base_logits: Array,
+    block_hidden: Array,
+    x_start: Array,
+    temperature=0.0,
+    key: Array | None = None,
+) -> DraftChain:
+    """DSpark's left-to-right Markov-corrected chain (``lax.scan`` over the G slots).
+
+    Slot g's logits are ``base[g] + W2 . f(prev_g)`` with ``prev_0 = x_start`` and ``prev_g`` the
+    token chosen at slot g - 1; the token is the first-max argmax at T = 0, else a draw from
+    ``softmax(logits / T)``. ``temperature`` may be a Python number or a traced scalar (then
+    ``key`` is required; T <= 0 still means greedy). Without a Markov head the chain is the
+    per-slot choice on the base logits. Returns ``G`` tokens and the corrected logits.
+    """
+    c = drafter.config
+    if c.kind != "dspark":
+        raise ArgumentError("markov_chain: DFlash drafters have no Markov head; use argmax_chain / sample_chain")
+    greedy = _static_greedy(temperature, key, "markov_chain")
+    base = base_logits.astype(jnp.float32)
+    g = base.shape[1]
+    keys = jax.random.split(key, g) if not greedy else jnp.zeros((g,), jnp.uint32)
+    head = drafter.markov_head
+
+    def step(prev, inp):
+        logits, h, k = inp
+        if head is not None:
+            logits = logits + head.bias(head.features(h, prev[:, None])[:, 0])
+        tok = pick(logits, temperature, None if greedy else k)
+        return tok, (tok, logits)
+
+    x0 = jnp.asarray(x_start, jnp.int32)
+    _, (tokens, logits) = jax.lax.scan(
+        step, x0, (jnp.swapaxes(base, 0, 1), jnp.swapaxes(block_hidden, 0, 1), keys)
+    )
+    return DraftChain(jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(logits, 0, 1))
+
+
+def chain_prev(x_start: Array, tokens: Array) -> Array:
+    """Markov / confidence prev ids of a DSpark chain: ``[x_start, tokens[:, :-1]]`` ``[B, G]``."""
+    return jnp.concatenate([jnp.asarray(x_start, tokens.dtype)[:, None], tokens[:, :-1]], axis=1)
+
+
+def confidence(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Array:
+    """Confidence logits ``[B, G]`` (float32; read through a sigmoid) for a chain.
+
+    ``prev_tokens`` ``[B, G]`` are the chain's prev ids (:func:`chain_prev`), used only when the head
+    takes the Markov input ``[h ; W1[prev]]``; otherwise the head reads ``h`` alone.
+    """
+    if drafter.confidence_head is None:
+        raise ArgumentError("confidence: the drafter has no confidence head (enable_confidence_head is false)")
+    h = block_hidden
+    if drafter.config.confidence_head_with_markov:
+        e = drafter.markov_head.prev_embeddings(prev_tokens).astype(h.dtype)
+        h = jnp.concatenate([h, e], axis=-1)
+    return drafter.confidence_head(h)

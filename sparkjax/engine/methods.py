@@ -1,0 +1,343 @@
+"""Decoding methods as objects: :class:`AR`, :class:`Chain` and :class:`Tree`.
+
+A method validates itself when it is built (an :class:`~sparkjax.errors.ArgumentError` naming the
+argument), knows its depth and node count for a drafter, whether it needs a Markov head, resolves
+into the static :class:`Plan` of a compiled program, and builds a round's proposal (the draft ->
+chain or draft -> tree step). Method *names* (``"sparklingtree"``, ``"sparklingtree@64"``) are read
+in exactly one place, :func:`parse_method`, from the one table of names at the end of this module:
+a new method is one new class plus one entry there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from .. import tree
+from ..errors import ArgumentError
+from . import drafting
+from .checks import MAX_SLOTS, check_drafter, check_int, check_int_list, describe
+from .state import Proposal
+
+Array = jax.Array
+
+DEFAULT_BUDGET = 64  # tree nodes verified per round when no budget is given
+NORMALIZATIONS = ("fast", "exact")  # how the Markov tables are normalized (see sparkjax.tree.markov_tables)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static shape of a speculative program (anything that changes it recompiles).
+
+    ``method``: the method with every default resolved for this pair (a tree's ``top_c`` and
+    ``widths``); ``depth`` D: drafted depths per round; ``nodes`` M: nodes verified per round (D for
+    chains); ``sampling``: temperature > 0; ``layer_ids``: the target layers the drafter reads.
+    """
+
+    method: Chain | Tree
+    depth: int
+    nodes: int
+    sampling: bool = False
+    layer_ids: tuple[int, ...] = ()
+
+    @property
+    def is_chain(self) -> bool:
+        return isinstance(self.method, Chain)
+
+    @property
+    def top_c(self) -> int:
+        """Candidates per depth (trees; 0 for a chain)."""
+        return 0 if self.is_chain else self.method.top_c
+
+    @property
+    def widths(self) -> tuple[int, ...] | None:
+        """The beam's nodes per depth (sparklingtree-beam), else None."""
+        return None if self.is_chain else self.method.widths
+
+    @property
+    def normalization(self) -> str:
+        return "fast" if self.is_chain else self.method.normalization
+
+    @property
+    def scratch(self) -> int:
+        """Cache rows a round needs past the committed tokens: it may overshoot by D and verifies M + 1 rows."""
+        return self.depth + self.nodes + 2
+
+
+class Method:
+    """What every method answers. Subclasses are frozen dataclasses (hashable: a method is part of the
+    static plan of a jitted program)."""
+
+    speculative: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        """The method's name in the table of :func:`parse_method`."""
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        """The string :func:`parse_method` reads back into this method (defaults aside)."""
+        return self.name
+
+    def __str__(self) -> str:
+        return self.label
+
+    @property
+    def needs_markov(self) -> bool:
+        """Whether the method reads the drafter's Markov head."""
+        return _entry(self.name).markov
+
+    def depth(self, drafter) -> int:
+        """Drafted depths per round with ``drafter`` (0 for ``ar``)."""
+        return drafter.config.block_size - drafter.config.first_draft_slot
+
+    def nodes(self, drafter) -> int:
+        """Nodes the target verifies per round with ``drafter`` (0 for ``ar``)."""
+        raise NotImplementedError
+
+    def plan(self, target, drafter, sampling: bool) -> Plan | None:
+        """Checks the method against the pair and returns the static :class:`Plan` (None for ``ar``)."""
+        raise NotImplementedError
+
+    def propose(self, drafter, x_start: Array, blk: drafting.DraftBlock, plan: Plan, temperature, key) -> Proposal:
+        """The round's proposal (a chain or a tree of ``plan.nodes`` nodes) from the drafter's block."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_options(cls, name: str, *, budget: Any, top_c: Any, widths: Any, normalization: Any) -> Method:
+        """The method named ``name`` (a name of this class in the table) with the keyword options of
+        :func:`~sparkjax.engine.generate`; an option the method does not take is an ArgumentError."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class AR(Method):
+    """The target alone, one token per step (the reference every method must equal at temperature 0)."""
+
+    speculative: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return "ar"
+
+    def depth(self, drafter) -> int:
+        return 0
+
+    def nodes(self, drafter) -> int:
+        return 0
+
+    def plan(self, target, drafter, sampling: bool) -> None:
+        return None
+
+    @classmethod
+    def from_options(cls, name, *, budget, top_c, widths, normalization) -> AR:
+        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
+            if value is not None:
+                raise ArgumentError(f"{arg}: does not apply to method {name!r}")
+        return cls()
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain(Method):
+    """One drafted node per depth: ``dflash`` (the drafter's per-position choice) or ``dspark`` (the
+    Markov-corrected chain, which needs a Markov head)."""
+
+    kind: str = "dflash"
+
+    def __post_init__(self):
+        _entry(self.kind, Chain, "kind")
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def nodes(self, drafter) -> int:
+        return self.depth(drafter)
+
+    def plan(self, target, drafter, sampling: bool) -> Plan:
+        check_drafter(target, drafter, self)
+        d = self.depth(drafter)
+        return Plan(self, d, d, bool(sampling), tuple(drafter.config.target_layer_ids))
+
+    def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
+        b, d = x_start.shape[0], plan.depth
+        k, temp = (key, temperature) if plan.sampling else (None, 0.0)
+        if self.needs_markov:
+            chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x_start, temp, k)
+        elif plan.sampling:
+            chain = drafting.sample_chain(drafter, blk.logits, temp, k)
+        else:
+            chain = drafting.argmax_chain(drafter, blk.logits)
+        tokens = chain.tokens[:, :d]
+        parents = jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32), (b, d))
+        depths = jnp.broadcast_to(jnp.arange(1, d + 1, dtype=jnp.int32), (b, d))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((d + 1, d + 1), bool)), (b, d + 1, d + 1))
+        return Proposal(tokens, parents, depths, mask, chain.logits[:, :d])
+
+    @classmethod
+    def from_options(cls, name, *, budget, top_c, widths, normalization) -> Chain:
+        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
+            if value is not None:
+                raise ArgumentError(f"{arg}: chain method {name!r} drafts one node per depth; {arg} does not apply")
+        return cls(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree(Method):
+    """A draft tree of ``budget`` nodes verified at once: ``ddtree`` (best-first over independent
+    marginals), ``sparklingtree`` (best-first over Markov tables) or ``sparklingtree-beam`` (``widths``
+    nodes per depth, default even). ``top_c``: candidates per depth (default ``max(budget, 32)``, at
+    most the vocabulary); ``normalization``: the Markov tables' (``fast`` or ``exact``)."""
+
+    kind: str = "sparklingtree"
+    budget: int = DEFAULT_BUDGET
+    top_c: int | None = None
+    widths: tuple[int, ...] | None = None
+    normalization: str = "fast"
+
+    def __post_init__(self):
+        beam = _entry(self.kind, Tree, "kind").beam
+        if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
+            raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
+        budget = check_int("budget", self.budget, unit="number of tree nodes")
+        if budget > MAX_SLOTS:
+            raise ArgumentError(f"budget: {budget} nodes exceed {MAX_SLOTS} (node indices are int32 on device)")
+        object.__setattr__(self, "budget", budget)
+        if self.top_c is not None:
+            object.__setattr__(self, "top_c", check_int("top_c", self.top_c))
+        if self.widths is not None:
+            if not beam:
+                raise ArgumentError(f"widths: only 'sparklingtree-beam' takes a width profile, not {self.kind!r}")
+            object.__setattr__(self, "widths", check_int_list("widths", self.widths))
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}@{self.budget}"
+
+    @property
+    def beam(self) -> bool:
+        """Fixed nodes per depth (a beam) rather than best-first."""
+        return _entry(self.kind).beam
+
+    def nodes(self, drafter) -> int:
+        return self.budget
+
+    def plan(self, target, drafter, sampling: bool) -> Plan:
+        check_drafter(target, drafter, self)
+        depth = self.depth(drafter)
+        budget, v = self.budget, target.config.vocab_size
+        c = min(min(v, max(budget, 32)) if self.top_c is None else self.top_c, v)
+        reachable = sum(c**k for k in range(1, depth + 1))
+        if budget > reachable:
+            raise ArgumentError(
+                f"budget: {budget} nodes exceed the reachable tree size {reachable} (top_c={c}, depth={depth})"
+            )
+        w = None
+        if self.beam:
+            w = tree.even_widths(budget, depth) if self.widths is None else self.widths
+            if len(w) != depth or sum(w) != budget:
+                raise ArgumentError(f"widths: need {depth} per-depth widths summing to budget={budget}, got {w}")
+            if any(x > c ** (i + 1) for i, x in enumerate(w)):
+                raise ArgumentError(f"widths: {w} asks for more nodes at some depth than top_c={c} allows")
+            first_zero = w.index(0) if 0 in w else depth
+            if any(w[first_zero:]):
+                raise ArgumentError(f"widths: zeros may only come at the end (deepest depths), got {w}")
+        resolved = dataclasses.replace(self, top_c=c, widths=w)
+        return Plan(resolved, depth, budget, bool(sampling), tuple(drafter.config.target_layer_ids))
+
+    def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
+        b, d = x_start.shape[0], plan.depth
+        # per-depth base logits [B, D, V] and the block hidden states of the same slots [B, D, Dm]
+        logits = drafting.aligned_logits(drafter, blk.logits).astype(jnp.float32)
+        hidden = blk.hidden[:, drafter.config.first_draft_slot :]
+        cand_tokens, cand_logp = jax.vmap(tree.candidates, in_axes=(0, None))(logits, plan.top_c)
+        if not self.needs_markov:
+            tables = jax.vmap(tree.ddtree_tables)(cand_logp)
+        else:
+            c = cand_tokens.shape[-1]
+            prev = jnp.concatenate([jnp.broadcast_to(x_start[:, None, None], (b, 1, c)), cand_tokens[:, :-1]], axis=1)
+            feats = drafting.markov_features(drafter, hidden, prev)
+            w2 = drafting.markov_w2(drafter)
+            tables = jax.vmap(tree.markov_tables, in_axes=(0, 0, 0, None, None))(
+                logits, cand_tokens, feats, w2, plan.normalization
+            )
+        if self.beam:
+            t = jax.vmap(tree.beam, in_axes=(0, 0, None))(tables, cand_tokens, plan.widths)
+        else:
+            t = jax.vmap(tree.best_first, in_axes=(0, 0, None))(tables, cand_tokens, plan.nodes)
+        mask = jax.vmap(tree.visibility, in_axes=(0, None))(t.parents, d)
+        return Proposal(t.tokens, t.parents, t.depths, mask, None)
+
+    @classmethod
+    def from_options(cls, name, *, budget, top_c, widths, normalization) -> Tree:
+        return cls(name, DEFAULT_BUDGET if budget is None else budget, top_c, widths, normalization)
+
+
+# ============================================================================= the parser: the one table of names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    cls: type[Method]
+    markov: bool = False  # needs the drafter's Markov head
+    beam: bool = False  # trees: fixed nodes per depth
+
+
+_TABLE: dict[str, _Entry] = {
+    "ar": _Entry(AR),
+    "dflash": _Entry(Chain),
+    "dspark": _Entry(Chain, markov=True),
+    "ddtree": _Entry(Tree),
+    "sparklingtree": _Entry(Tree, markov=True),
+    "sparklingtree-beam": _Entry(Tree, markov=True, beam=True),
+}
+
+METHODS: tuple[str, ...] = tuple(_TABLE)
+CHAIN_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.cls is Chain)
+TREE_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.cls is Tree)
+MARKOV_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.markov)
+
+
+def available_methods() -> tuple[str, ...]:
+    """The method names :func:`parse_method` (and so :func:`~sparkjax.engine.generate`) reads."""
+    return METHODS
+
+
+def _entry(name: Any, cls: type[Method] | None = None, arg: str = "method") -> _Entry:
+    """The table entry of a method name (of class ``cls`` when given); ArgumentError naming ``arg`` otherwise."""
+    entry = _TABLE.get(name) if isinstance(name, str) else None
+    if entry is None or (cls is not None and entry.cls is not cls):
+        names = METHODS if cls is None else tuple(n for n, e in _TABLE.items() if e.cls is cls)
+        what = "unknown method" if cls is None else f"not a {cls.__name__} kind:"
+        raise ArgumentError(f"{arg}: {what} {describe(name)}; expected one of {', '.join(names)}")
+    return entry
+
+
+def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
+                 widths: Sequence[int] | None = None, normalization: Any = "fast") -> Method:
+    """The method object of ``method``: a :class:`Method` (returned as is; then the keyword options must
+    be left unset), a name out of :data:`METHODS` (with the keyword options, which only the methods that
+    take them accept), or ``"name@budget"`` (a tree and its budget, as the eval labels them)."""
+    if isinstance(method, Method):
+        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
+            if value is not None:
+                raise ArgumentError(f"{arg}: given beside the method object {method!r}; set it on the object")
+        return method
+    name, at, text = method.partition("@") if isinstance(method, str) else (method, "", "")
+    entry = _entry(name)
+    if at:
+        if not (text.isascii() and text.isdigit()):
+            raise ArgumentError(f"method: {method!r}: expected 'name@budget' with an integer budget")
+        if budget is not None:
+            raise ArgumentError(f"budget: given twice, in method={method!r} and as budget={budget!r}")
+        budget = int(text)
+    return entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)

@@ -1,0 +1,154 @@
+"""One speculative round: draft -> expand (tree) -> verify -> accept -> commit, one function each.
+
+Every stage is a pure function of the models and named dataclasses (:mod:`sparkjax.engine.state`)
+and runs under :func:`jax.named_scope` of its stage name, so a profile reads by stage. The fused
+round (:func:`spec_round`, the body of the generation's ``while_loop``) and the instrumented mode
+(``generate(instrument=True)``, which jits and times each stage) run these same functions: the
+instrumented mode passes :func:`spec_round` a ``call`` that runs each stage as its own jitted call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .. import sampling, tree
+from . import drafting
+from .methods import Plan
+from .state import Acceptance, Proposal, SpecState, Verified  # noqa: F401 - Verified is re-exported
+
+Array = jax.Array
+
+# The stage names, defined once: the instrumented mode's timings, the eval's tables and plots, and the
+# named scopes of a profile. "commit" times accept + commit (the accepted path is chosen and written).
+DRAFT, TREE, VERIFY, COMMIT = STAGES = ("draft", "tree", "verify", "commit")
+
+
+def stage(name: str):
+    """Marks a function as the round's stage ``name``: it runs under ``jax.named_scope(name)``."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def scoped(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+
+        scoped.stage = name
+        return scoped
+
+    return wrap
+
+
+def flag_nonfinite(flags: Array, logits: Array, active: Array, round_index: Array) -> Array:
+    """Records, per sequence, the first round whose target logits hold a NaN or an Inf.
+
+    ``flags`` ``[B]`` int32 is -1 while every logit so far was finite; ``logits`` is ``[B, ..., V]``;
+    only ``active`` sequences are checked. One reduction, no host sync.
+    """
+    finite = jnp.isfinite(logits).reshape(logits.shape[0], -1).all(axis=1)
+    return jnp.where((flags < 0) & active & ~finite, round_index, flags)
+
+
+@stage(DRAFT)
+def draft(target, drafter, state: SpecState, *, plan: Plan) -> drafting.DraftBlock:
+    """The drafter's block from ``x_start`` at the committed length (every stage takes ``plan``)."""
+    return drafting.draft_block(drafter, state.ctx, state.x_start, state.cache.lengths, target)
+
+
+@stage(TREE)
+def expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, temperature, key, *, plan: Plan) -> Proposal:
+    """Turns the drafter's block into the method's chain or tree of ``plan.nodes`` nodes, on device."""
+    return plan.method.propose(drafter, state.x_start, blk, plan, temperature, key)
+
+
+@stage(VERIFY)
+def verify(target, drafter, state: SpecState, prop: Proposal, *, plan: Plan) -> Verified:
+    """The target over ``[x_start] + nodes`` at ``start + depth`` with the tree mask."""
+    start = state.cache.lengths
+    tokens = jnp.concatenate([state.x_start[:, None], jnp.maximum(prop.tokens, 0)], axis=1)
+    zero = jnp.zeros_like(prop.depths[:, :1])
+    positions = start[:, None] + jnp.concatenate([zero, prop.depths], axis=1)
+    out = target(tokens, positions, cache=state.cache, mask=prop.mask, hidden_layers=plan.layer_ids)
+    feats = jnp.concatenate(out.hidden, axis=-1)
+    return Verified(out.logits.astype(jnp.float32), feats, out.cache, tokens)
+
+
+def accept(prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Acceptance:
+    """The accepted path: speculative sampling along a chain, else the tree walk over the target's posterior."""
+    d = plan.depth
+    if plan.sampling and plan.is_chain:
+        n_acc, nxt = sampling.speculative_chain(ver.logits, prop.draft_logits, prop.tokens, temperature, key)
+        j = jnp.arange(d + 1, dtype=jnp.int32)
+        return Acceptance(jnp.where(j[None] <= n_acc[:, None], j[None], -1), n_acc + 1, nxt)
+    post = sampling.posterior(ver.logits, temperature, key if plan.sampling else None)
+    acc = jax.vmap(tree.accept, in_axes=(0, 0, 0, None))(prop.parents, prop.tokens, post, d)
+    return Acceptance(acc.indices, acc.length, acc.bonus)
+
+
+def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, eos, *, plan: Plan) -> SpecState:
+    """Writes the accepted tokens, compacts the target cache and extends the drafter context."""
+    b = ver.tokens.shape[0]
+    d = plan.depth
+    start = state.cache.lengths
+    length, bonus = acc.length, acc.bonus
+    idx = jnp.maximum(acc.indices, 0)
+    path = jnp.take_along_axis(ver.tokens, idx, axis=1)  # [B, D+1]: root, accepted drafts, padding
+    j = jnp.arange(d + 1, dtype=jnp.int32)[None]
+    emitted = jnp.where(j < length[:, None] - 1, jnp.roll(path, -1, axis=1), bonus[:, None])
+    live = j < length[:, None]
+    hit_eos = jnp.isin(emitted, eos) & live
+    first_eos = jnp.where(jnp.any(hit_eos, axis=1), jnp.argmax(hit_eos, axis=1), d + 1)
+    active = ~state.done
+    keep = jnp.minimum(jnp.minimum(length, first_eos + 1), max_new - state.n)
+    keep = jnp.where(active, keep, 0)
+    cols = jnp.where(j < keep[:, None], state.n[:, None] + j, state.out.shape[1])
+    out = state.out.at[jnp.arange(b)[:, None], cols].set(emitted, mode="drop")
+    n = state.n + keep
+    done = state.done | (active & ((first_eos < length) | (n >= max_new)))
+    count = jnp.where(active, length, 0)
+    cache = ver.cache.compact(start, idx, count)
+    acc_feats = jnp.take_along_axis(ver.features, idx[..., None], axis=1)
+    ctx = drafting.append_context(drafter, state.ctx, acc_feats, count)
+    r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
+    accept_lens = state.accept_lens.at[jnp.arange(b), r].set(length, mode="drop")
+    hits = (jnp.arange(d)[None] < (length - 1)[:, None]) & active[:, None]
+    return SpecState(
+        cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,
+        key=state.key, accept_lens=accept_lens, rounds=state.rounds + active.astype(jnp.int32),
+        depth_hits=state.depth_hits + hits.astype(jnp.int32),
+        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, state.rounds + 1),
+    )
+
+
+@stage(COMMIT)
+def accept_and_commit(target, drafter, state: SpecState, prop: Proposal, ver: Verified, max_new, eos, temperature,
+                      key, *, plan: Plan) -> SpecState:
+    """The round's last stage: :func:`accept` a path, then :func:`commit` it."""
+    acc = accept(prop, ver, temperature, key, plan=plan)
+    return commit(drafter, state, ver, acc, max_new, eos, plan=plan)
+
+
+Call = Callable[..., object]
+
+
+def spec_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
+               call: Call | None = None) -> SpecState:
+    """One round: draft, expand, verify, accept and commit. A pure function of the state.
+
+    ``call(stage_fn, *args, plan=plan)`` runs each stage (default: directly, with ``target, drafter``
+    first); the instrumented mode passes one that runs the stage as its own jitted, timed call.
+    """
+    if call is None:
+        def call(fn, *args, **kwargs):
+            return fn(target, drafter, *args, **kwargs)
+
+    key, k_expand, k_accept = jax.random.split(state.key, 3)
+    state = dataclasses.replace(state, key=key)
+    blk = call(draft, state, plan=plan)
+    prop = call(expand, state, blk, temperature, k_expand, plan=plan)
+    ver = call(verify, state, prop, plan=plan)
+    return call(accept_and_commit, state, prop, ver, max_new, eos, temperature, k_accept, plan=plan)

@@ -1,0 +1,51 @@
+"""Method objects and the one parser of method names (sparkjax.engine.methods)."""
+
+import pytest
+
+import sparkjax
+from sparkjax.engine import AR, METHODS, TREE_METHODS, Chain, Tree, parse_method
+
+
+def test_the_parser_round_trips_every_method_string():
+    for name in METHODS:
+        m = parse_method(name)
+        assert m.name == name
+        assert parse_method(m.label) == m and parse_method(str(m)) == m
+        assert parse_method(m) is m
+    for name in TREE_METHODS:
+        m = parse_method(f"{name}@16")
+        assert m == Tree(name, budget=16) and m.label == f"{name}@16"
+    assert parse_method("ar") == AR() and parse_method("dspark") == Chain("dspark")
+    assert parse_method("sparklingtree", budget=8, top_c=4, normalization="exact") == Tree(
+        "sparklingtree", 8, 4, None, "exact")
+
+
+@pytest.mark.parametrize("bad,name", [
+    (lambda: Tree("sparklingtree", budget=0), "budget"),
+    (lambda: Tree("sparklingtree", budget=True), "budget"),
+    (lambda: Tree("ddtree", top_c=2.5), "top_c"),
+    (lambda: Tree("sparklingtree", widths=(4, 4)), "widths"),
+    (lambda: Tree("sparklingtree-beam", widths=[4, -1]), "widths[1]"),
+    (lambda: Tree("sparklingtree", normalization="slow"), "normalization"),
+    (lambda: Tree("dspark"), "kind"),
+    (lambda: Chain("ddtree"), "kind"),
+    (lambda: parse_method("nope"), "method"),
+    (lambda: parse_method(3), "method"),
+    (lambda: parse_method("ddtree@x"), "method"),
+    (lambda: parse_method("ddtree@8", budget=8), "budget"),
+    (lambda: parse_method("ar", budget=8), "budget"),
+    (lambda: parse_method("dflash", top_c=8), "top_c"),
+    (lambda: parse_method(Tree(), budget=8), "budget"),
+])
+def test_method_objects_validate_themselves(bad, name):
+    with pytest.raises(sparkjax.ArgumentError) as info:
+        bad()
+    assert str(info.value).startswith(f"{name}:")
+
+
+def test_methods_know_what_they_need():
+    assert not AR().speculative and Chain().speculative and Tree().speculative
+    assert Chain("dspark").needs_markov and not Chain("dflash").needs_markov
+    assert not Tree("ddtree").needs_markov and Tree("sparklingtree-beam").needs_markov
+    assert Tree("sparklingtree-beam", budget=8, widths=[4, 4]).widths == (4, 4)
+    assert hash(Tree()) == hash(Tree("sparklingtree", 64))
