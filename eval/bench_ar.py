@@ -19,7 +19,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from sparkjax.convert import load_target
-from sparkjax.decode import generate
+from sparkjax.engine import generate
 
 
 def main() -> None:

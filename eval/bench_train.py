@@ -84,7 +84,7 @@ def memory(devices: int, batch_per_device: int, precomputed: bool = False) -> di
     from sparkjax.nn.qwen3 import Qwen3
     from sparkjax.sharding import batch_sharding, make_mesh
     from sparkjax.training.loss import Objective
-    from sparkjax.training.optim import OptimConfig, hyperparams, make_optimizer, optim_kind
+    from sparkjax.training.optim import OptimConfig, make_optimizer
     from sparkjax.training.trainer import DEFAULT_FREEZE, StepSpec, train_step_fn, trainable_filter
 
     if jax.device_count() < devices:
@@ -103,7 +103,7 @@ def memory(devices: int, batch_per_device: int, precomputed: bool = False) -> di
     optim = OptimConfig(lr=6e-4, steps=600, warmup_steps=24)
     if precomputed:  # features and final hidden states come with the batch: no target in the step
         tgdef, tstate = None, None
-    spec = StepSpec(gdef, tgdef, Objective(), optim_kind(optim), anchors, "bfloat16", mesh)
+    spec = StepSpec(gdef, tgdef, Objective(), optim, anchors, "bfloat16", mesh)
     rep = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
 
     def sds(x, dtype=None, sharding=rep):
@@ -122,14 +122,13 @@ def memory(devices: int, batch_per_device: int, precomputed: bool = False) -> di
     if precomputed:
         batch["features"] = jax.ShapeDtypeStruct((b, seq, dcfg.feature_size), bf16, sharding=bs(3))
         batch["last_hidden"] = jax.ShapeDtypeStruct((b, seq, tcfg.hidden_size), bf16, sharding=bs(3))
-    hp = sds(jax.ShapeDtypeStruct((len(hyperparams(optim)),), jnp.float32))
 
     def nbytes(tree):
         return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
     t0 = time.perf_counter()
     lowered = jax.jit(train_step_fn, static_argnames=("spec",), donate_argnames=("state",)).lower(
-        state, frozen, tstate, batch, hp, spec=spec)
+        state, frozen, tstate, batch, spec=spec)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     m = compiled.memory_analysis()

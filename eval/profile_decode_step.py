@@ -20,7 +20,7 @@ from flax import nnx
 
 import sparkjax.nn.qwen3 as qwen3
 from sparkjax.config import Qwen3Config
-from sparkjax.decode import generate
+from sparkjax.engine import generate
 
 
 def step_ms(model, prompt) -> float:

@@ -11,11 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..config import validate_pair
-from ..convert import source_of
-from ..errors import ArgumentError, IncompatiblePairError
+from ..errors import ArgumentError
 from ..nn.drafter import Drafter
 from ..nn.qwen3 import Qwen3
+from ..pairing import check_pair
 
 MAX_SLOTS = 2**30  # cache slots, prompt width and output capacity are int32 positions on device
 
@@ -100,16 +99,8 @@ def check_drafter(target, drafter, method) -> None:
     (a :class:`~sparkjax.engine.methods.Method`: its ``name`` and whether it needs a Markov head)."""
     if drafter is None:
         raise ArgumentError(f"drafter: method {method.name!r} needs a drafter (use method='ar' without one)")
-    dc, tc = drafter.config, target.config
-    d_src, t_src = source_of(drafter), source_of(target)
-    d_src = f"{d_src}/config.json" if d_src else "<drafter model>"
-    t_src = f"{t_src}/config.json" if t_src else "<target model>"
-    if dc.vocab_size != tc.vocab_size or dc.hidden_size != tc.hidden_size:
-        raise IncompatiblePairError(
-            f"drafter {d_src} does not fit target {t_src}: vocab/hidden {dc.vocab_size}/{dc.hidden_size} do not "
-            f"match the target's {tc.vocab_size}/{tc.hidden_size}"
-        )
-    validate_pair(dc, tc, drafter_source=d_src, target_source=t_src)
+    check_pair(target, drafter)
+    dc = drafter.config
     if method.needs_markov and not dc.has_markov:
         raise ArgumentError(
             f"method: {method.name!r} needs a drafter with a Markov head; this {dc.kind} drafter has none "

@@ -329,9 +329,9 @@ def synthetic_data(
     batch: int = 64,
 ) -> TokenData:
     """Target-greedy continuations of random prompts: ``prompt_len`` ids uniform in ``[0, vocab_high)``
-    then ``seq_len - prompt_len`` tokens of :func:`sparkjax.decode.generate` (method ``ar``,
+    then ``seq_len - prompt_len`` tokens of :func:`sparkjax.generate` (method ``ar``,
     temperature 0), ``batch`` prompts per call. The loss mask is 0 on the prompt and 1 on the continuation."""
-    from ..decode import generate
+    from ..engine import generate
 
     if not 0 < prompt_len < seq_len:
         raise DataError(f"synthetic.prompt_len: must be in [1, seq_len) = [1, {seq_len}), got {prompt_len}")

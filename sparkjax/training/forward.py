@@ -11,8 +11,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .. import draft
-from ..errors import ArgumentError, IncompatiblePairError
+from .. import pairing
+from ..engine import drafting
+from ..errors import ArgumentError
 from .anchors import Blocks, build_blocks
 from .loss import LossSums, Objective, dspark_loss_sums
 
@@ -20,7 +21,8 @@ Array = jax.Array
 
 
 def check_pair(drafter, target) -> None:
-    """A DSpark drafter that the target can feed: same hidden size and vocabulary, layer ids in range."""
+    """A DSpark drafter (training needs its own tables and heads) that fits the target (the one pair check,
+    :func:`sparkjax.pairing.check_pair`)."""
     dc = drafter.config
     if dc.kind != "dspark":
         raise ArgumentError(
@@ -28,19 +30,7 @@ def check_pair(drafter, target) -> None:
         )
     if target is None:
         return
-    tc = target.config
-    if dc.hidden_size != tc.hidden_size or dc.vocab_size != tc.vocab_size:
-        raise IncompatiblePairError(
-            f"drafter/target: hidden_size {dc.hidden_size} vs {tc.hidden_size}, vocab_size {dc.vocab_size} "
-            f"vs {tc.vocab_size}: the drafter does not fit this target"
-        )
-    n = tc.num_hidden_layers
-    bad = [lid for lid in dc.target_layer_ids if not -1 <= lid < n - 1]
-    if bad:
-        raise IncompatiblePairError(
-            f"drafter/target: target_layer_ids {list(dc.target_layer_ids)} contain {bad[0]}, outside [-1, {n - 2}] "
-            f"for a target with {n} layers (the final layer is final-normed and not allowed)"
-        )
+    pairing.check_pair(target, drafter)
 
 
 def target_features(target, input_ids: Array, layer_ids: tuple[int, ...]) -> tuple[Array, Array]:
@@ -50,7 +40,7 @@ def target_features(target, input_ids: Array, layer_ids: tuple[int, ...]) -> tup
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
     last = target.config.num_hidden_layers - 1
     out = target(input_ids.astype(jnp.int32), positions, hidden_layers=(*layer_ids, last), compute_logits=False)
-    feats = draft.features_from_hidden(out.hidden[:-1])
+    feats = drafting.features_from_hidden(out.hidden[:-1])
     return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(out.hidden[-1])
 
 
@@ -82,10 +72,10 @@ def drafter_outputs(drafter, blocks: Blocks, features: Array, last_hidden: Array
     prev = blocks.prev_ids.reshape(b * a, g)
     corrected = base
     if drafter.markov_head is not None:
-        corrected = base + draft.markov_bias(drafter, flat, prev).reshape(base.shape)
+        corrected = base + drafting.markov_bias(drafter, flat, prev).reshape(base.shape)
     conf = None
     if drafter.confidence_head is not None:
-        conf = draft.confidence(drafter, flat, prev).reshape(b, a, g)
+        conf = drafting.confidence(drafter, flat, prev).reshape(b, a, g)
     aligned = jnp.take_along_axis(last_hidden, blocks.aligned_index.reshape(b, a * g)[..., None], axis=1)
     aligned = jax.lax.stop_gradient(aligned).reshape(b, a, g, -1)
     if target is not None:
