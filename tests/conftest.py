@@ -22,6 +22,34 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
+_STATIC = (bool, int, float, str, tuple, type(None))
+
+
+def jit_call(model, *args, **kwargs):
+    """``model(*args, **kwargs)`` as one compiled program per shape (keyword arguments that are plain Python
+    values are static). An eager call dispatches the model op by op, compiling each op for each new shape:
+    three to five times slower than this for the tiny test models. The result is the same computation."""
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, _STATIC)))
+    dynamic = {k: v for k, v in kwargs.items() if not isinstance(v, _STATIC)}
+    return _jitted_call(model, args, dynamic, static=static)
+
+
+def _call(model, args, dynamic, static):
+    return model(*args, **dynamic, **dict(static))
+
+
+_jitted = None  # built on first use: conftest does not import flax at collection time
+
+
+def _jitted_call(model, args, dynamic, *, static):
+    global _jitted
+    if _jitted is None:
+        from flax import nnx
+
+        _jitted = nnx.jit(_call, static_argnames=("static",))
+    return _jitted(model, args, dynamic, static=static)
+
+
 @pytest.fixture(scope="session")
 def fixture_dir() -> pathlib.Path:
     return FIXTURE

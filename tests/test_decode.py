@@ -17,6 +17,7 @@ from sparkjax.convert import load_drafter
 from sparkjax.decode import generate, launch, stream
 from sparkjax.nn.drafter import Drafter
 from sparkjax.nn.qwen3 import Qwen3
+from tests.conftest import jit_call
 
 TREES = ("ddtree", "sparklingtree", "sparklingtree-beam")
 
@@ -38,12 +39,15 @@ def ar3(pair, prompts3):
     return generate(pair[0], None, prompts3, max_new_tokens=40).tokens
 
 
+SLOW = pytest.mark.slow
+# every method at one tree budget by default; the smallest and largest budgets in the slow run
 CASES = [("dflash", None), ("dspark", None)] + [
-    (m, b) for m in TREES for b in (1, 8, 64) if not (m == "sparklingtree-beam" and b == 1)
+    pytest.param(m, b, id=f"{m}-{b}", marks=() if b == 8 else SLOW)
+    for m in TREES for b in (1, 8, 64) if not (m == "sparklingtree-beam" and b == 1)
 ]
 
 
-@pytest.mark.parametrize("method,budget", CASES, ids=[f"{m}-{b}" for m, b in CASES])
+@pytest.mark.parametrize("method,budget", CASES)
 def test_greedy_equals_ar_on_fixture_pair(pair, prompts3, ar3, method, budget):
     target, drafter = pair
     kw = {} if budget is None else {"budget": budget}
@@ -163,7 +167,7 @@ def _exact_joint(target, prompt, vocab, temperature):
     grid = np.array(list(itertools.product(range(vocab), repeat=2)), np.int32)  # [V^2, 2]
     seqs = np.concatenate([np.broadcast_to(p, (len(grid), len(p))), grid], axis=1)
     pos = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
-    logits = np.asarray(target(jnp.asarray(seqs), jnp.asarray(pos)).logits, np.float64) / temperature
+    logits = np.asarray(jit_call(target, jnp.asarray(seqs), jnp.asarray(pos)).logits, np.float64) / temperature
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     n = len(p)
@@ -186,8 +190,8 @@ def _chi2_pvalue(counts, probs):
 
 
 @pytest.mark.parametrize(
-    "method,temperature", [("sparklingtree", 1.0), ("ddtree", 1.0), ("dspark", 1.0), ("dflash", 1.0),
-                           ("sparklingtree-beam", 1.0), ("dspark", 0.6)]
+    "method,temperature", [("sparklingtree", 1.0), ("dspark", 0.6)] + [
+        pytest.param(m, 1.0, marks=SLOW) for m in ("ddtree", "dspark", "dflash", "sparklingtree-beam")]
 )
 def test_sampling_is_lossless(random_pair, method, temperature):
     target, drafter = random_pair

@@ -92,6 +92,7 @@ def test_drafters_differ_only_in_the_markov_head(pair):
                                                                        b.hidden_size)
 
 
+@pytest.mark.slow
 def test_every_method_emits_exactly_the_greedy_tokens(outputs, prompt_ids):
     ar = outputs["ar"].tokens
     assert all(len(t) > 0 for t in ar)

@@ -154,6 +154,7 @@ def _params(run_dir):
     return load_target(run_dir)
 
 
+@pytest.mark.slow
 def test_lm_pretraining_learns_resumes_exactly_and_exports(tmp_path, token_files):
     import jax
     from flax import nnx

@@ -107,6 +107,7 @@ def e2e(tmp_path_factory):
     return rc, out, buf.getvalue()
 
 
+@pytest.mark.slow
 def test_end_to_end_writes_table_json_csv_pngs(e2e):
     rc, out, stdout = e2e
     assert rc == 0
@@ -489,6 +490,7 @@ def baseline_run(standin, tmp_path_factory):
     return res, json.loads((out / "results.json").read_text()), batches
 
 
+@pytest.mark.slow
 def test_baseline_drafter_runs_dflash_and_ddtree(baseline_run, standin):
     res, js, _ = baseline_run
     main_d, base_d = str(standin / "dspark_b16"), str(standin / "dflash_b16")

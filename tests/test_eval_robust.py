@@ -432,6 +432,7 @@ def _check_files(out, rc):
     return res
 
 
+@pytest.mark.slow
 def test_sigint_subprocess_at_several_moments(small, tmp_path, xla_cache):
     assert small.rc == 0  # the cache is warm
     # 1. during Python's start-up (importing jax, before any sparkjax code runs, so before the harness can

@@ -15,6 +15,7 @@ import torch
 import sparkjax
 from sparkjax.convert import load_target, save_target
 from sparkjax.decode import _ar_program, generate
+from tests.conftest import jit_call
 
 
 def _hf_outputs(model, ids):
@@ -31,7 +32,7 @@ def _run(target, ids_rows):
     for b, r in enumerate(ids_rows):
         tokens[b, : len(r)] = r
     pos = np.broadcast_to(np.arange(width), tokens.shape)
-    out = target(jnp.asarray(tokens), jnp.asarray(pos), hidden_layers=tuple(range(-1, n_layers)))
+    out = jit_call(target, jnp.asarray(tokens), jnp.asarray(pos), hidden_layers=tuple(range(-1, n_layers)))
     return np.asarray(out.logits), [np.asarray(h) for h in out.hidden]
 
 
@@ -91,19 +92,20 @@ def test_prefill_then_cached_steps_equal_full_forward(fixture_target):
     rows = [rng.integers(0, 300, 20), rng.integers(0, 300, 20)]
     tokens = jnp.asarray(np.stack(rows), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
-    full = fixture_target(tokens, pos, hidden_layers=(1, 3))
+    full = jit_call(fixture_target, tokens, pos, hidden_layers=(1, 3))
     # prefill 12 tokens for row 0 and 9 for row 1, then feed the rest one at a time
     lengths = np.array([12, 9])
     cache = fixture_target.init_cache(2, 32)
-    out = fixture_target(tokens[:, :12], pos[:, :12], cache=cache)
-    fresh = fixture_target(tokens[:, :12], pos[:, :12], cache=cache, fresh_cache=True)
-    np.testing.assert_allclose(np.asarray(fresh.logits), np.asarray(out.logits), atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(fresh.cache.k), np.asarray(out.cache.k))
+    out = jit_call(fixture_target, tokens[:, :12], pos[:, :12], cache=cache)
+    fresh = jit_call(fixture_target, tokens[:, :12], pos[:, :12], cache=cache, fresh_cache=True)
+    np.testing.assert_allclose(np.asarray(fresh.logits), np.asarray(out.logits), atol=1e-4, rtol=1e-4)
+    # two compiled programs: equal up to float rounding (XLA fuses them differently)
+    np.testing.assert_allclose(np.asarray(fresh.cache.k), np.asarray(out.cache.k), atol=1e-4, rtol=1e-4)
     cache = out.cache.with_lengths(lengths)
     got = {b: [] for b in range(2)}
     for _ in range(8):
         cur = jnp.take_along_axis(tokens, cache.lengths[:, None], axis=1)
-        step = fixture_target(cur, cache.lengths[:, None], cache=cache, hidden_layers=(1, 3))
+        step = jit_call(fixture_target, cur, cache.lengths[:, None], cache=cache, hidden_layers=(1, 3))
         for b in range(2):
             got[b].append((int(cache.lengths[b]), np.asarray(step.logits[b, 0]), np.asarray(step.hidden[1][b, 0])))
         cache = step.cache.with_lengths(cache.lengths + 1)
@@ -128,15 +130,20 @@ def test_tree_mask_block_equals_per_path_causal(fixture_target):
             vis[i, j] = True
             j = parents[j]
     cache = fixture_target.init_cache(1, 32)
-    pre = fixture_target(jnp.asarray(prefix[None], jnp.int32), jnp.arange(10)[None], cache=cache)
+    pre = jit_call(fixture_target, jnp.asarray(prefix[None], jnp.int32), jnp.arange(10)[None], cache=cache)
     cache = pre.cache.with_lengths(jnp.array([10]))
-    out = fixture_target(jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(10 + np.array(depth))[None],
+    out = jit_call(fixture_target, jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(10 + np.array(depth))[None],
                          cache=cache, mask=jnp.asarray(vis))
-    for i in range(5):
-        path = [j for j in range(5) if vis[i, j]]  # ancestors in order of depth (indices increase with depth here)
-        seq = np.concatenate([prefix, node_tok[path]])
-        ref = fixture_target(jnp.asarray(seq[None], jnp.int32), jnp.arange(len(seq))[None])
-        np.testing.assert_allclose(np.asarray(out.logits[0, i]), np.asarray(ref.logits[0, -1]), atol=1e-4, rtol=1e-4)
+    # the reference: each node's root-to-node path after the prefix as its own causal sequence, right-padded
+    # into one batch (causal attention: the padding after a row's last token does not change its logits)
+    seqs = [np.concatenate([prefix, node_tok[[j for j in range(5) if vis[i, j]]]]) for i in range(5)]
+    rows = np.zeros((5, max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        rows[i, : len(seq)] = seq
+    ref = jit_call(fixture_target, jnp.asarray(rows), jnp.broadcast_to(jnp.arange(rows.shape[1]), rows.shape))
+    for i, seq in enumerate(seqs):
+        np.testing.assert_allclose(np.asarray(out.logits[0, i]), np.asarray(ref.logits[i, len(seq) - 1]),
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_compact_moves_selected_rows(fixture_target):
@@ -230,13 +237,15 @@ def test_bf16_safetensors_round_trip(tmp_path, fixture_target):
     assert (tmp_path / "perm" / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_round_trip(tmp_path, fixture_target):
     from sparkjax.checkpoint import restore_model, save_model
 
     save_model(fixture_target, tmp_path / "ck")
     back = restore_model(tmp_path / "ck")
     ids = jnp.arange(12)[None]
-    np.testing.assert_array_equal(np.asarray(back(ids, ids).logits), np.asarray(fixture_target(ids, ids).logits))
+    np.testing.assert_array_equal(np.asarray(jit_call(back, ids, ids).logits),
+                                  np.asarray(jit_call(fixture_target, ids, ids).logits))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -357,6 +366,7 @@ def test_generate_bad_arguments(fixture_target):
         generate(fixture_target, None, [[1, 2]], method="beam-search")
 
 
+@pytest.mark.slow
 def test_sharded_forward_on_8_cpu_devices():
     """Tensor + data parallel over a (2, 4) mesh of virtual CPU devices equals the single-device forward."""
     import subprocess

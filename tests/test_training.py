@@ -207,6 +207,7 @@ def test_loss_matches_reference(ref, target, drafter, summary):
     close(sums_head.losses(Objective())["loss"], ref["e.total_loss"][0], loss_tol)
 
 
+@pytest.mark.slow
 def test_on_the_fly_target_features_match_reference(ref, target, drafter):
     total, sums, _, outs = run_loss(drafter, target, *reference_batch(ref, precomputed=False))
     close(outs.draft_logits, ref["e.draft_logits"], what="draft logits, features on the fly")
@@ -224,6 +225,7 @@ def test_on_the_fly_target_features_match_reference(ref, target, drafter):
         assert cached[k] == pytest.approx(live[k], rel=1e-4), k
 
 
+@pytest.mark.slow
 def test_trainer_step_matches_a_plain_optax_step(target, drafter, tiny_data):
     """The jitted step = value_and_grad of the loss + clip + AdamW, on the trainable params only."""
     import optax
@@ -283,6 +285,7 @@ def tiny_data(target):
     return synthetic_data(target, num_sequences=72, seq_len=48, prompt_len=16, seed=3, vocab_high=300)
 
 
+@pytest.mark.slow
 def test_learning_reduces_loss_and_raises_heldout_tau(target, tiny_data):
     cfg = run_config(steps=40, warmup_steps=5)
     data = tiny_data
@@ -358,6 +361,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_reproduces_the_straight_run(tmp_path, straight_run, compile_cache):
     out = str(tmp_path / "killed")
     shutil.copytree(os.path.join(straight_run, "data"), os.path.join(out, "data"))  # same seed, same data
@@ -517,6 +521,7 @@ DP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_data_parallel_on_8_cpu_devices_matches_one_device(compile_cache):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_COMPILATION_CACHE_DIR": compile_cache}

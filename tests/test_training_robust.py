@@ -306,6 +306,7 @@ RESUME = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_fallback_prints_one_line(tmp_path, run, jax_cache):
     out = str(tmp_path / "damaged")
     shutil.copytree(run, out)

@@ -433,6 +433,7 @@ KILLS = [
 ]
 
 
+@pytest.mark.slow
 def test_writer_killed_at_any_point_leaves_old_or_new(tmp_path, target):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
