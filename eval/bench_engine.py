@@ -25,9 +25,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sparkjax import decode
+from sparkjax import engine
 from sparkjax.config import DrafterConfig, Qwen3Config
 from sparkjax.convert import load_drafter, load_target
+from sparkjax.engine import AR, TREE_METHODS, Chain, Tree, api, programs
 from sparkjax.nn.drafter import Drafter
 from sparkjax.nn.qwen3 import Qwen3
 
@@ -61,16 +62,15 @@ def timed(fn, reps):
     return statistics.median(ts)
 
 
-def python_loop(target, drafter, prompts, method, max_new, **kw):
+def python_loop(target, drafter, prompts, method, max_new):
     """The same jitted round driven from Python, reading the done flags back every round."""
-    p, eos, temp, plan, size = decode._prepare(target, drafter, prompts, method, max_new, None, 0.0, None,
-                                               kw.get("budget"), None, None, "fast")
-    buf = decode.bucket(max_new + plan.depth + 1, 1)
-    graphdefs, states = decode._split_pair(target, drafter)
-    args = decode._device_args(p, max_new, eos, temp, 0)
-    state = decode._spec_start(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf)
+    run = api.validate(target, drafter, prompts, method=method, max_new_tokens=max_new)
+    graphdefs, states = programs.split_pair(target, drafter)
+    args = api._device_args(run.prompts, max_new, run.eos, run.temperature, run.seed)
+    state = programs.spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size,
+                                buf_len=run.buf_len)
     while not bool(np.asarray(state.done).all()):  # a host sync per round
-        state = decode._spec_step(graphdefs, states, state, args[2], args[3], args[4], plan=plan)
+        state = programs.spec_step(graphdefs, states, state, args[2], args[3], args[4], plan=run.plan)
     return np.asarray(state.out)
 
 
@@ -93,42 +93,40 @@ def main() -> None:
 def bench_pair(name, target, drafter, args, budgets) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, min(300, target.config.vocab_size), 24).tolist() for _ in range(args.prompts)]
-    runs = [("ar", {})] + [("dflash", {}), ("dspark", {})] + [
-        (m, {"budget": b}) for m in ("ddtree", "sparklingtree", "sparklingtree-beam") for b in budgets
+    runs = [AR(), Chain("dflash"), Chain("dspark")] + [
+        Tree(m, budget=b) for m in TREE_METHODS for b in budgets
     ]
-    ref = decode.generate(target, None, prompts, max_new_tokens=args.new).tokens
+    ref = engine.generate(target, None, prompts, max_new_tokens=args.new).tokens
     print(f"\n== pair: {name} (target {target.config.num_hidden_layers} layers d={target.config.hidden_size} "
           f"V={target.config.vocab_size}; drafter block {drafter.config.block_size}) ==")
     print(f"{'method':<22}{'budget':>7}{'tok/s':>9}{'speedup':>9}{'tau':>7}  exact  "
           "stage share (draft/tree/verify/commit)")
     t_ar = None
-    for method, kw in runs:
-        def run(method=method, kw=kw):
-            return decode.generate(target, drafter if method != "ar" else None, prompts, method=method,
-                                   max_new_tokens=args.new, **kw)
+    for method in runs:
+        def run(method=method):
+            return engine.generate(target, drafter if method.speculative else None, prompts, method=method,
+                                   max_new_tokens=args.new)
         out = run()
         dt = timed(run, args.reps)
         n_tok = sum(len(t) for t in out.tokens)
-        t_ar = dt if method == "ar" else t_ar
+        t_ar = t_ar if method.speculative else dt
         tau = np.mean([a for lens in out.acceptance_lengths for a in lens])
         share = ""
-        if method != "ar":
-            inst = decode.generate(target, drafter, prompts, method=method, max_new_tokens=args.new,
-                                   instrument=True, **kw)
-            inst = decode.generate(target, drafter, prompts, method=method, max_new_tokens=args.new,
-                                   instrument=True, **kw)  # second pass: compiled
+        if method.speculative:
+            inst = engine.generate(target, drafter, prompts, method=method, max_new_tokens=args.new,
+                                   instrument=True)
+            inst = engine.generate(target, drafter, prompts, method=method, max_new_tokens=args.new,
+                                   instrument=True)  # second pass: compiled
             tot = sum(inst.stage_seconds.values())
             share = " / ".join(f"{100 * v / tot:4.1f}%" for v in inst.stage_seconds.values())
-        print(f"{method:<22}{kw.get('budget', '-')!s:>7}{n_tok / dt:9.1f}{t_ar / dt:8.2f}x{tau:7.2f}  "
+        print(f"{method.name:<22}{getattr(method, 'budget', '-')!s:>7}{n_tok / dt:9.1f}{t_ar / dt:8.2f}x{tau:7.2f}  "
               f"{str(out.tokens == ref):<5}  {share}")
-    for method, kw in (("dspark", {}), ("sparklingtree", {"budget": budgets[0]})):
-        fused = timed(lambda method=method, kw=kw: decode.generate(
-            target, drafter, prompts, method=method, max_new_tokens=args.new, **kw), args.reps)
-        loop = timed(lambda method=method, kw=kw: python_loop(
-            target, drafter, prompts, method, args.new, **kw), args.reps)
-        print(f"on-device loop vs Python loop over the same round ({method}): {fused * 1e3:.1f} ms vs "
+    for method in (Chain("dspark"), Tree("sparklingtree", budget=budgets[0])):
+        fused = timed(lambda method=method: engine.generate(
+            target, drafter, prompts, method=method, max_new_tokens=args.new), args.reps)
+        loop = timed(lambda method=method: python_loop(target, drafter, prompts, method, args.new), args.reps)
+        print(f"on-device loop vs Python loop over the same round ({method.label}): {fused * 1e3:.1f} ms vs "
               f"{loop * 1e3:.1f} ms -> {loop / fused:.2f}x")
-
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ from flax import nnx
 import sparkjax
 from sparkjax import decode
 from sparkjax.decode import generate, launch, stream
-from sparkjax.engine import api
+from sparkjax.engine import api, parse_method, programs
 
 P = [[1, 2, 3], [4, 5, 6]]  # the shape of every run in this file
 RUN = dict(max_new_tokens=2)
@@ -84,7 +84,7 @@ def test_widths_as_a_numpy_array_are_fine(pair):
     target, drafter = pair
     depth = drafter.config.block_size - drafter.config.first_draft_slot
     w = np.array([4, 4] + [0] * (depth - 2), np.int64)
-    plan = decode.make_plan(target, drafter, "sparklingtree-beam", 8, None, w, "fast", False)
+    plan = parse_method("sparklingtree-beam", budget=8, widths=w).plan(target, drafter, False)
     assert plan.widths == tuple(int(x) for x in w) and all(type(x) is int for x in plan.widths)
 
 
@@ -158,8 +158,8 @@ def test_a_million_node_budget_is_refused_with_the_figure(pair, method):
         generate(target, drafter, P, method=method, budget=1_000_000, **RUN)
     msg = str(info.value)
     assert msg.startswith("budget: a 1000000-node verify")
-    est = decode.estimate_memory(target, drafter, decode.make_plan(target, drafter, method, 1_000_000, None, None,
-                                                                   "fast", False), 2, 16, 2**20, 32)
+    plan = parse_method(method, budget=1_000_000).plan(target, drafter, False)
+    est = decode.estimate_memory(target, drafter, plan, 2, 16, 2**20, 32)
     assert sum(est.values()) > 2 * 10**12  # the [B, M + 1, M + 1] ancestor mask alone is 2 TB
     assert f"{sum(est.values()) / 2**30:,.0f} GiB" in msg
     limit, where = decode.available_memory()
@@ -200,7 +200,7 @@ def test_huge_caches_and_buffers_are_refused_before_compiling(pair, kw, name, mo
 
 def test_a_big_batch_names_the_prompts_and_scales_with_the_batch(pair, monkeypatch):
     target, drafter = pair
-    plan = decode.make_plan(target, drafter, "sparklingtree", 64, None, None, "fast", False)
+    plan = parse_method("sparklingtree", budget=64).plan(target, drafter, False)
     one = sum(decode.estimate_memory(target, drafter, plan, 1, 16, 256, 32).values())
     many = sum(decode.estimate_memory(target, drafter, plan, 64, 16, 256, 32).values())
     assert many == 64 * one
@@ -354,14 +354,14 @@ def test_the_flag_records_the_first_bad_round(pair):
     """Rounds after the prefill: a good prefill, then a round with poisoned weights is round 1 (and stays
     the recorded one after more bad rounds); the same compiled start/step functions as stream()."""
     target, drafter = pair
-    prompts, eos, temp, plan, size, buf_len, seed = decode._validate(
-        target, drafter, P, "dspark", 2, None, 0.0, None, None, None, None, "fast")
-    args = decode._device_args(prompts, 2, eos, temp, seed)
-    g_good, s_good = decode._split_pair(target, drafter)
-    _, s_bad = decode._split_pair(_poisoned(target), drafter)
-    state = decode._spec_start(g_good, s_good, *args, plan=plan, cache_size=size, buf_len=buf_len)
+    run = api.validate(target, drafter, P, method="dspark", max_new_tokens=2)
+    plan = run.plan
+    args = api._device_args(run.prompts, 2, run.eos, run.temperature, run.seed)
+    g_good, s_good = programs.split_pair(target, drafter)
+    _, s_bad = programs.split_pair(_poisoned(target), drafter)
+    state = programs.spec_start(g_good, s_good, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
     assert np.asarray(state.nonfinite).tolist() == [-1, -1]
-    state = decode._spec_step(g_good, s_bad, state, args[2], args[3], args[4], plan=plan)
+    state = programs.spec_step(g_good, s_bad, state, args[2], args[3], args[4], plan=plan)
     assert np.asarray(state.nonfinite).tolist() == [1, 1]
     with pytest.raises(sparkjax.NumericalError, match="round 1 of sequence 0"):
         decode.raise_if_nonfinite(state.nonfinite)

@@ -22,6 +22,7 @@ from .api import (
 from .checks import bucket
 from .methods import (
     AR,
+    AR_LABEL,
     CHAIN_METHODS,
     MARKOV_METHODS,
     METHODS,
@@ -37,6 +38,7 @@ from .round import STAGES
 
 __all__ = [
     "AR",
+    "AR_LABEL",
     "CHAIN_METHODS",
     "MARKOV_METHODS",
     "METHODS",

@@ -305,6 +305,7 @@ METHODS: tuple[str, ...] = tuple(_TABLE)
 CHAIN_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.cls is Chain)
 TREE_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.cls is Tree)
 MARKOV_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.markov)
+AR_LABEL: str = AR().label  # the reference row of every result table
 
 
 def available_methods() -> tuple[str, ...]:

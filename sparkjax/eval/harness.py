@@ -75,6 +75,7 @@ MAX_SEED = 2**63  # seeds are int64 on the device: [0, 2**63)
 # The files EvalResults.save writes; a re-run into the same folder replaces or removes exactly these.
 OUTPUT_FILES = ("results.json", "results.csv", "acceptance_per_depth.png", "tau_speedup.png", "stage_time.png")
 STAGES = core.STAGES
+AR_LABEL = core.AR_LABEL
 DEFAULT_PAIR_NOTE = demo.NOTE
 # The methods that use no Markov head: with a baseline drafter they run with it (the DFlash / DDTree baseline).
 BASELINE_METHODS = tuple(m for m in core.METHODS
@@ -339,7 +340,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
               dataset_names: list[str], temperature: float) -> list[dict[str, Any]]:
     """Summary rows per (dataset, method) and pooled over all datasets (``dataset == "all"``)."""
     rows: list[dict[str, Any]] = []
-    ar_outputs = {(r["dataset"], s["index"]): s["output_ids"] for r in records if r["label"] == "ar"
+    ar_outputs = {(r["dataset"], s["index"]): s["output_ids"] for r in records if r["label"] == AR_LABEL
                   for s in r["samples"]}
     groups = [(name, [r for r in records if r["dataset"] == name]) for name in dataset_names]
     groups = [(name, recs) for name, recs in groups if recs]
@@ -364,7 +365,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
             tp = metrics.mean_tpot([r["decode_seconds"] for r in measured], [r["output_tokens"] for r in measured])
             best = [r for r in timed if _measured(r.get("decode_seconds_min"))]
             tp_best = metrics.mean_tpot([r["decode_seconds_min"] for r in best], [r["output_tokens"] for r in best])
-            if label == "ar":
+            if label == AR_LABEL:
                 ar_tpot, ar_best = tp, tp_best
             spreads = [r["run_spread"] for r in timed if _measured(r.get("run_spread"), allow_zero=True)]
             staged = [r for r in rr if r.get("stage")]
@@ -374,7 +375,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
                                                    [r["stage"]["rounds"] for r in staged])
                 stage["total"] = sum(stage[k] for k in STAGES if k in stage)
             same = None
-            if temperature == 0 and label != "ar":
+            if temperature == 0 and label != AR_LABEL:
                 pairs = [(s["output_ids"], ar_outputs.get((r["dataset"], s["index"])))
                          for r in rr for s in r["samples"]]
                 pairs = [(a, b) for a, b in pairs if b is not None]
@@ -981,7 +982,7 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
         notes.append(f"decode time not measured for {len(unmeasured)} batch(es) ({', '.join(unmeasured[:6])}"
                      f"{', ...' if len(unmeasured) > 6 else ''}): the prefill-only runs took at least as long as the "
                      "full runs (a busy machine?); they are left out of TPOT, tok/s and speedup")
-    ended = [(r["dataset"], s["index"]) for r in records if r["label"] == "ar" for s in r["samples"]
+    ended = [(r["dataset"], s["index"]) for r in records if r["label"] == AR_LABEL for s in r["samples"]
              if s["output_tokens"] <= 1]
     if ended:
         notes.append(f"{len(ended)} response(s) ended at their first token ({', '.join(f'{d}#{i}' for d, i in ended)}):"

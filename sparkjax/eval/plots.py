@@ -8,6 +8,7 @@ import pathlib
 
 import numpy as np
 
+from ..engine.methods import AR_LABEL
 from ..engine.round import STAGES
 
 STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
@@ -86,7 +87,7 @@ def acceptance_plot(results, path) -> pathlib.Path:
     cols = min(n, 3)
     rows = math.ceil(n / cols)
     fig = _figure(4.6 * cols, 3.4 * rows + 0.6)
-    labels = [lab for lab in results.setup["labels"] if lab != "ar"]
+    labels = [lab for lab in results.setup["labels"] if lab != AR_LABEL]
     for i, name in enumerate(sets):
         ax = fig.add_subplot(rows, cols, i + 1)
         for label in labels:
@@ -153,7 +154,7 @@ def stage_plot(results, path) -> pathlib.Path:
     fused = [_val(r.get("round_ms")) for r in rows]
     if rows and any(v == v for v in fused):
         ax.plot(x, fused, "kD", ms=5, label="same round in the fused loop (timed pass)")
-    ar = next((r for r in results.rows(scope) if r["label"] == "ar"), None)
+    ar = next((r for r in results.rows(scope) if r["label"] == AR_LABEL), None)
     if ar and _val(ar.get("round_ms")) == _val(ar.get("round_ms")):
         ax.axhline(ar["round_ms"], color="k", ls="--", lw=1,
                    label=f"ar: ms per token, fused loop ({ar['round_ms']:.2f})")
