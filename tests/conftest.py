@@ -57,6 +57,13 @@ def _jitted_call(model, args, dynamic, *, static):
 
 
 @pytest.fixture(scope="session")
+def xla_cache() -> str:
+    """The session's persistent XLA cache folder (set above): a subprocess started with this environment
+    reuses what the session compiled."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
+@pytest.fixture(scope="session")
 def fixture_dir() -> pathlib.Path:
     return FIXTURE
 

@@ -168,24 +168,6 @@ def test_methods_and_repetitions_are_interleaved():
 # ----------------------------------------------------------------------------- one small real run
 
 
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """A persistent XLA cache: the SIGINT subprocesses reuse what the in-process run compiled."""
-    import jax
-
-    folder = str(tmp_path_factory.mktemp("jax_cache"))
-    old = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", folder)
-    yield folder
-    jax.config.update("jax_compilation_cache_dir", old)
-    try:
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
-    except (ImportError, AttributeError):  # only the speed of later compiles is at stake
-        pass
-
-
 OLD_FILES = {"tau_speedup.png": b"old plot", "stage_time.png": b"old plot", "acceptance_per_depth.png": b"old",
              "results.csv": "dataset\nold\n"}
 

@@ -82,22 +82,6 @@ def summary():
         return json.load(f)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """A persistent XLA cache for this module: the subprocesses reuse what this process compiled."""
-    folder = str(tmp_path_factory.mktemp("jax_cache"))
-    old = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", folder)
-    yield folder
-    jax.config.update("jax_compilation_cache_dir", old)
-    try:
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
-    except (ImportError, AttributeError):  # only the speed of later compiles is at stake
-        pass
-
-
 def split_pair(drafter, target=None):
     (gd, sd), (gt, st) = nnx.split(drafter), ((None, None) if target is None else nnx.split(target))
     return (gd, gt), (sd, st)
@@ -362,12 +346,12 @@ KILL_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_reproduces_the_straight_run(tmp_path, straight_run, compile_cache):
+def test_resume_after_sigkill_reproduces_the_straight_run(tmp_path, straight_run, xla_cache):
     out = str(tmp_path / "killed")
     shutil.copytree(os.path.join(straight_run, "data"), os.path.join(out, "data"))  # same seed, same data
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, json.dumps(run_config().to_dict()), out, str(N)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
-                            env={**os.environ, "JAX_COMPILATION_CACHE_DIR": compile_cache})
+                            env={**os.environ, "JAX_COMPILATION_CACHE_DIR": xla_cache})
     try:
         deadline = time.time() + 240
         line = ""
@@ -522,9 +506,9 @@ DP_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_data_parallel_on_8_cpu_devices_matches_one_device(compile_cache):
+def test_data_parallel_on_8_cpu_devices_matches_one_device(xla_cache):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_COMPILATION_CACHE_DIR": compile_cache}
+           "JAX_COMPILATION_CACHE_DIR": xla_cache}
     proc = subprocess.run([sys.executable, "-c", DP_SCRIPT, FIX], capture_output=True, text=True, env=env,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

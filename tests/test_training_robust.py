@@ -89,25 +89,7 @@ def survives(folder: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """A persistent XLA cache: the subprocess reuses what this process compiled."""
-    import jax
-
-    folder = str(tmp_path_factory.mktemp("jax_cache"))
-    old = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", folder)
-    yield folder
-    jax.config.update("jax_compilation_cache_dir", old)
-    try:
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
-    except (ImportError, AttributeError):
-        pass
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, jax_cache):
+def run(tmp_path_factory, xla_cache):
     out = str(tmp_path_factory.mktemp("run"))
     result = train(cfg(), out, progress=False, log=lambda m: None)
     assert result.step == 4 and os.path.isfile(os.path.join(out, "drafter", MARKER))
@@ -307,7 +289,7 @@ RESUME = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_damaged_checkpoint_fallback_prints_one_line(tmp_path, run, jax_cache):
+def test_damaged_checkpoint_fallback_prints_one_line(tmp_path, run, xla_cache):
     out = str(tmp_path / "damaged")
     shutil.copytree(run, out)
     zeroed = 0
@@ -322,7 +304,7 @@ def test_damaged_checkpoint_fallback_prints_one_line(tmp_path, run, jax_cache):
     proc = subprocess.run(
         [sys.executable, "-c", RESUME, "--recipe", RECIPE, "--output", out, *cli_sets(), "--resume", "--no-progress"],
         capture_output=True, text=True, cwd=ROOT, timeout=400,
-        env={**os.environ, "JAX_COMPILATION_CACHE_DIR": jax_cache,
+        env={**os.environ, "JAX_COMPILATION_CACHE_DIR": xla_cache,
              "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[0])["resumed_from"] == 2

@@ -177,11 +177,15 @@ def save_target(model, path: PathLike, *, overwrite: bool = False, dtype: Any = 
     _require_model(model, Qwen3, "save_target", "a Qwen3 target", "save_drafter")
     check_destination(path, overwrite=overwrite)  # before the export, so a refusal costs nothing
     cfg: Qwen3Config = model.config
-    tensors = export_tensors(model, QWEN3_KEYS)
+    return _write_hf_folder(path, cfg.to_hf_dict(), export_tensors(model, QWEN3_KEYS), dtype, overwrite)
+
+
+def _write_hf_folder(path: PathLike, config: dict, tensors: dict, dtype: Any, overwrite: bool) -> str:
+    """``config.json`` (with the tensors' ``dtype``) and ``model.safetensors`` into ``path``, atomically;
+    ``dtype`` (None: as exported) converts the tensors first."""
     if dtype is not None:
         dt = resolve_dtype(dtype, None)
         tensors = {k: v.astype(dt) for k, v in tensors.items()}
-    config = cfg.to_hf_dict()
     config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
     with atomic_dir(path, overwrite=overwrite) as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -251,15 +255,5 @@ def save_drafter(drafter, path: PathLike, *, overwrite: bool = False, dtype: Any
 
     _require_model(drafter, Drafter, "save_drafter", "a drafter", "save_target")
     check_destination(path, overwrite=overwrite)
-    tensors = export_tensors(drafter, DRAFTER_KEYS)
-    if dtype is not None:
-        dt = resolve_dtype(dtype, None)
-        tensors = {k: v.astype(dt) for k, v in tensors.items()}
-    tensors = dict(sorted(tensors.items()))
-    config = drafter.config.to_hf_dict()
-    config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
-    with atomic_dir(path, overwrite=overwrite) as tmp:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
-    return str(path)
+    tensors = dict(sorted(export_tensors(drafter, DRAFTER_KEYS).items()))
+    return _write_hf_folder(path, drafter.config.to_hf_dict(), tensors, dtype, overwrite)
