@@ -577,14 +577,3 @@ def _dflash_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
     if f.data.get("num_target_layers") is not None:
         out["num_target_layers"] = f.positive("num_target_layers")
     return out
-
-
-def validate_pair(drafter: DrafterConfig, target: Qwen3Config, *, drafter_source: str, target_source: str) -> None:
-    """Checks that a drafter fits its target; raises IncompatiblePairError naming both files and the field.
-
-    The same check as :func:`sparkjax.pairing.check_pair` (which this calls), with the arguments in
-    the order its older callers use.
-    """
-    from .pairing import check_pair
-
-    check_pair(target, drafter, target_source=target_source, drafter_source=drafter_source)

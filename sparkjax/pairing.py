@@ -1,9 +1,9 @@
 """The one target/drafter compatibility check.
 
 :func:`check_pair` is what every entry point runs before a drafter is used with a target:
-``load_drafter(target=)``, :func:`sparkjax.config.validate_pair` (kept for its callers), the
-decoders and the trainer. Every mismatch raises :class:`~sparkjax.errors.IncompatiblePairError`
-whose message reads ``drafter SRC does not fit target SRC: FIELD: detail``.
+``load_drafter(target=)``, the decoders, the eval (drafter objects) and the trainer. Every mismatch
+raises :class:`~sparkjax.errors.IncompatiblePairError` whose message reads
+``drafter SRC does not fit target SRC: FIELD: detail``.
 """
 
 from __future__ import annotations

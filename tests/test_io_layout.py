@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import sparkjax
-from sparkjax.config import DrafterConfig, Qwen3Config, validate_pair
+from sparkjax.config import DrafterConfig, Qwen3Config
 from sparkjax.errors import ArgumentError, IncompatiblePairError
 from sparkjax.pairing import check_pair
 
@@ -69,8 +69,6 @@ def test_check_pair_names_the_field_and_both_sources(change, pattern):
     with pytest.raises(IncompatiblePairError, match=pattern) as info:
         check_pair(TARGET, bad, target_source="t/config.json", drafter_source="d/config.json")
     assert str(info.value).startswith("drafter d/config.json does not fit target t/config.json: ")
-    with pytest.raises(IncompatiblePairError, match=pattern):  # the older entry point is the same check
-        validate_pair(bad, TARGET, drafter_source="d", target_source="t")
     check_pair(TARGET, DRAFTER)  # the unchanged pair fits
 
 

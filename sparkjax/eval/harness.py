@@ -61,6 +61,7 @@ from .. import engine as core
 from ..config import read_json
 from ..engine.api import check_temperature
 from ..errors import ArgumentError
+from ..pairing import check_pair
 from . import datasets as ds
 from . import demo, metrics
 from .engine import BatchOutput, Engine, MethodConfig
@@ -556,11 +557,9 @@ def load_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
     def take(src, flag: str):
         if _is_path(src):
             return load_drafter(str(src), target=target, dtype=dtype), str(src)
-        from ..config import validate_pair
-
         d_dir = _source(src)
-        validate_pair(src.config, target.config, drafter_source=str(d_dir or f"<{flag} object>"),
-                      target_source=str(t_dir or "<target>"))
+        check_pair(target.config, src.config, target_source=str(t_dir or "<target>"),
+                   drafter_source=str(d_dir or f"<{flag} object>"))
         return src, d_dir
 
     drafter_m, d_dir = take(d_src, "drafter") if need_drafter else (None, None)

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..config import DrafterConfig, Qwen3Config, read_json, validate_pair
+from ..config import DrafterConfig, Qwen3Config, read_json
 from ..convert import DRAFTER_KEYS, WeightFiles, load_into, resolve_dtype, source_of
 from ..errors import CheckpointError, ConfigError
+from ..pairing import check_pair
 
 NEW_DRAFTER_DEFAULTS: dict[str, Any] = {
     "block_size": 16,
@@ -73,7 +74,7 @@ def init_drafter(target, config: DrafterConfig, *, seed: int = 0, dtype: Any = N
     """A new drafter with random weights and the target's embedding / LM head (copied)."""
     from ..nn.drafter import Drafter
 
-    validate_pair(config, target.config, drafter_source="drafter settings", target_source=_target_source(target))
+    check_pair(target.config, config, target_source=_target_source(target), drafter_source="drafter settings")
     dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
     drafter = Drafter(config, rngs=nnx.Rngs(seed), dtype=dt)
     embed = target.embed_tokens.embedding[...]
@@ -103,7 +104,7 @@ def load_drafter_for_training(path: str, target, overrides: dict[str, Any] | Non
     cfg = DrafterConfig.from_hf_config({**raw, **overrides}, source=source)
     if cfg.kind != "dspark":
         raise ConfigError(f"{config_path}: training continues DSpark drafters, this is a {cfg.kind} checkpoint")
-    validate_pair(cfg, target.config, drafter_source=config_path, target_source=_target_source(target))
+    check_pair(target.config, cfg, target_source=_target_source(target), drafter_source=config_path)
     files = WeightFiles(folder)
     dt = resolve_dtype(dtype, files.dtype())
     try:
