@@ -147,7 +147,7 @@ def arguments(draw):
 def stubbed_programs():
     """The jitted programs replaced by stubs returning arrays of their output shapes."""
 
-    def ar(gdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size):
+    def ar(gdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size, sampling):
         b = tokens.shape[0]
         return jnp.zeros((b, buf_len), jnp.int32), jnp.ones((b,), jnp.int32), jnp.full((b,), -1, jnp.int32)
 

@@ -190,6 +190,25 @@ def test_prompt_buckets_share_one_compilation(fixture_target):
     assert _ar_program._cache_size() == before
 
 
+def test_greedy_ar_program_draws_no_random_bits(fixture_target):
+    """At temperature 0 the AR baseline is a plain argmax loop: its program splits no key (it used to run
+    the sampling branch on every step and throw it away); at temperature > 0 it does draw."""
+    from flax import nnx
+
+    from sparkjax.engine import api, programs
+
+    gdef, state = nnx.split(fixture_target)
+    texts = {}
+    for temperature in (0.0, 0.7):
+        run = api.validate(fixture_target, None, [[1, 2, 3]], max_new_tokens=4, temperature=temperature)
+        texts[temperature] = programs.ar_program.lower(gdef, state, *run.device_args(), buf_len=run.buf_len,
+                                                       cache_size=run.cache_size,
+                                                       sampling=run.temperature > 0).as_text()
+    assert "threefry" not in texts[0.0] and "threefry" in texts[0.7]
+    greedy = generate(fixture_target, None, [[1, 2, 3]], max_new_tokens=6).tokens
+    assert generate(fixture_target, None, [[1, 2, 3]], max_new_tokens=6, seed=5).tokens == greedy  # key unused
+
+
 def test_qwen3_4b_parameter_count_matches_transformers(fixture_dir):
     from flax import nnx
     from transformers import AutoModelForCausalLM

@@ -516,7 +516,8 @@ def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     args = run.device_args()
     if run.plan is None:
         gdef, state = nnx.split(target)
-        res = ar_program(gdef, state, *args, buf_len=run.buf_len, cache_size=run.cache_size)
+        res = ar_program(gdef, state, *args, buf_len=run.buf_len, cache_size=run.cache_size,
+                         sampling=run.temperature > 0)
     else:
         graphdefs, states = split_pair(target, drafter)
         res = spec_program(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)

@@ -41,13 +41,19 @@ def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, .
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "buf_len", "cache_size"))
-def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size):
-    """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite)``."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "buf_len", "cache_size", "sampling"))
+def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size,
+               sampling=True):
+    """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite)``.
+
+    ``sampling`` (static) is False for a greedy run (temperature 0): the program is then a plain argmax loop
+    with no key splitting and no sampling branch, the baseline every speculative method is measured against."""
     model = nnx.merge(graphdef, state)
     b = tokens.shape[0]
     cache, logits, _ = prefill(model, tokens, lengths, cache_size)
-    key, sub = jax.random.split(key)
+    sub = None
+    if sampling:
+        key, sub = jax.random.split(key)
     first = pick(logits, temperature, sub)
     out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
     n = jnp.ones((b,), jnp.int32)
@@ -62,7 +68,9 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
         cur = jnp.take_along_axis(out, (n - 1)[:, None], axis=1)
         step = model(cur, cache.lengths[:, None], cache=cache)
         cache = step.cache.with_lengths(cache.lengths + (~done).astype(jnp.int32))
-        key, sub = jax.random.split(key)
+        sub = None
+        if sampling:
+            key, sub = jax.random.split(key)
         nxt = pick(step.logits[:, 0], temperature, sub)
         bad = flag_nonfinite(bad, step.logits, ~done, n)  # step n makes token n + 1
         write = jnp.where(done, buf_len, n)  # out of range -> dropped
