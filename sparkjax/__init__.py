@@ -10,7 +10,7 @@ programs), ``sparkjax.nn``, ``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax
 
 from . import _startup
 
-_startup.install()  # Ctrl-C while a ``python -m sparkjax...`` entry point starts: see _startup
+_startup.install()  # Ctrl-C while a ``python -m sparkjax...`` entry point imports: see _startup
 
 from . import decode, demo, draft  # noqa: F401 - decode, draft: deprecated aliases of sparkjax.engine
 from .config import DrafterConfig, Qwen3Config
@@ -55,3 +55,5 @@ __all__ = [
     "save_target",
     "stream",
 ]
+
+_startup.release()  # a Ctrl-C that came during the imports ends the process here (exit 130)

@@ -1,12 +1,17 @@
 """Ctrl-C while ``python -m sparkjax[.eval|.training]`` starts.
 
-Importing jax and loading models takes seconds, and a Ctrl-C in that window could be swallowed: a
-KeyboardInterrupt raised inside a garbage-collection callback is only printed, and the run went on
-(and wrote its results). :func:`install` (called by the package's ``__init__`` only when a ``-m`` entry
-point is starting and Python's own handler is in place) routes SIGINT to :func:`handler`, which behaves
-exactly like Python's (it raises KeyboardInterrupt) but also remembers the signal. Each CLI calls
-:func:`check` before its work: a remembered Ctrl-C ends the process with exit code 130 and one line,
-before anything is written. Library imports (``import sparkjax``) are untouched.
+Importing jax takes seconds, and a Ctrl-C in that window used to be swallowed (a KeyboardInterrupt raised
+inside a garbage-collection callback is only printed; the run went on and wrote its results) or, landing
+inside jaxlib's extension initialisation, to crash the process (SIGSEGV) or fail the import.
+
+When a ``-m`` entry point is starting (and Python's own handler is in place), :func:`install` (the first
+thing the package's ``__init__`` does) routes SIGINT to :func:`handler` and blocks SIGINT in the main
+thread, so no signal is handled in the middle of an import; the threads jax starts inherit the mask.
+:func:`release` (the last thing ``__init__`` does) unblocks it: a Ctrl-C that came during the imports is
+delivered there, at a safe point, and ends the process with one line and exit code 130. After that,
+:func:`handler` behaves like Python's (it raises KeyboardInterrupt) but remembers the signal, and each CLI
+calls :func:`check` before its work, so a Ctrl-C that a library swallowed still ends the run (130, nothing
+written). ``import sparkjax`` as a library changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import signal
 import sys
 
 pending = False
+_blocked = False
 
 
 def handler(signum, frame) -> None:
@@ -24,8 +30,26 @@ def handler(signum, frame) -> None:
 
 
 def install() -> None:
-    if sys.argv[:1] == ["-m"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, handler)
+    global _blocked
+    if sys.argv[:1] != ["-m"] or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    signal.signal(signal.SIGINT, handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        _blocked = True
+
+
+def release() -> None:
+    """Unblocks SIGINT; a Ctrl-C that arrived while it was blocked is handled here (exit 130)."""
+    global _blocked
+    if not _blocked:
+        return
+    _blocked = False
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # runs a pending handler before returning
+    except KeyboardInterrupt:
+        pass
+    check()
 
 
 def check() -> None:
