@@ -364,6 +364,10 @@ def _interrupt(tmp_path, name, when, cache, extra=()):
     (exit code, stderr, stdout, out folder)."""
     out = tmp_path / name
     cmd = [sys.executable, "-m", "sparkjax.eval", *TINY, "--repeats", "3", "--no-plots", "--out", str(out), *extra]
+    # the child must start as from a shell, with SIGINT at its default (an earlier test in this process may
+    # have left it ignored, which a child inherits and Python then respects): a Python-level handler here is
+    # reset to the default by exec
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if when is None else None
     try:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "JAX_COMPILATION_CACHE_DIR": cache},
@@ -371,6 +375,8 @@ def _interrupt(tmp_path, name, when, cache, extra=()):
     finally:
         if previous is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
+    _interrupt.handler_before = handler  # reported by the test when the child did not stop
     err: list[str] = []
     seen = threading.Event()
 
@@ -429,7 +435,7 @@ def test_sigint_subprocess_at_several_moments(small, tmp_path, xla_cache):
     #    written, no traceback. (Landing inside jaxlib's initialisation it used to crash the process (-11), fail
     #    the import, or be swallowed so that the run completed.)
     rc, err, _, out = _interrupt(tmp_path, "early", None, xla_cache)
-    assert rc == 130, (rc, err[:3000])
+    assert rc == 130, (rc, _interrupt.handler_before, err[:3000])
     assert "interrupted during start-up; nothing was written" in err and "Traceback" not in err
     assert _check_files(out, rc) is None and not (out.exists() and list(out.iterdir()))
     # 2. while compiling: stops after the current warm-up; partial (empty) results, exit 130
