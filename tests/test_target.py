@@ -96,11 +96,12 @@ def test_prefill_then_cached_steps_equal_full_forward(fixture_target):
     # prefill 12 tokens for row 0 and 9 for row 1, then feed the rest one at a time
     lengths = np.array([12, 9])
     cache = fixture_target.init_cache(2, 32)
-    out = jit_call(fixture_target, tokens[:, :12], pos[:, :12], cache=cache)
-    fresh = jit_call(fixture_target, tokens[:, :12], pos[:, :12], cache=cache, fresh_cache=True)
-    np.testing.assert_allclose(np.asarray(fresh.logits), np.asarray(out.logits), atol=1e-4, rtol=1e-4)
-    # two compiled programs: equal up to float rounding (XLA fuses them differently)
-    np.testing.assert_allclose(np.asarray(fresh.cache.k), np.asarray(out.cache.k), atol=1e-4, rtol=1e-4)
+    # eager, op by op: the two prefill paths run the same ops, so the cache they write is bit-identical
+    # (as two separately compiled programs they would differ by XLA's fusion rounding)
+    out = fixture_target(tokens[:, :12], pos[:, :12], cache=cache)
+    fresh = fixture_target(tokens[:, :12], pos[:, :12], cache=cache, fresh_cache=True)
+    np.testing.assert_allclose(np.asarray(fresh.logits), np.asarray(out.logits), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(fresh.cache.k), np.asarray(out.cache.k))
     cache = out.cache.with_lengths(lengths)
     got = {b: [] for b in range(2)}
     for _ in range(8):
