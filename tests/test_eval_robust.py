@@ -496,6 +496,29 @@ def test_every_default_method_has_its_own_stable_style():
     assert len({tuple(sorted(method_style(m).items())) for m in decode.METHODS}) == len(decode.METHODS)
 
 
+def test_drafter_objects_get_the_one_pair_check(fixture_target):
+    """A drafter passed as an object goes through the same pair check as a folder (its tables included);
+    something that is not a drafter is an ArgumentError naming the argument."""
+    import dataclasses
+
+    from flax import nnx
+
+    import sparkjax
+    from sparkjax.convert import load_drafter
+    from sparkjax.nn.drafter import Drafter
+
+    cfg = harness.EvalConfig(tokenizer=str(TOKENIZER), methods=("ar", "dspark"), datasets=("mbpp",))
+    mcs, _ = harness.method_configs(cfg)
+    good = load_drafter(FIXTURE / "drafter", target=fixture_target)
+    pair = harness.load_pair(cfg, target=fixture_target, drafter=good, mcs=mcs)
+    assert pair.drafter is good
+    bad = Drafter(dataclasses.replace(good.config, vocab_size=256, mask_token_id=255), rngs=nnx.Rngs(0))
+    with pytest.raises(sparkjax.IncompatiblePairError, match="<drafter object> does not fit .*vocab_size"):
+        harness.load_pair(cfg, target=fixture_target, drafter=bad, mcs=mcs)
+    with pytest.raises(sparkjax.ArgumentError, match="drafter"):
+        harness.load_pair(cfg, target=fixture_target, drafter=fixture_target, mcs=mcs)
+
+
 def test_eval_reports_non_finite_target_logits():
     """The eval launches with the non-finite flags and raises NumericalError instead of timing garbage."""
     import numpy as np

@@ -558,7 +558,7 @@ def load_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
         if _is_path(src):
             return load_drafter(str(src), target=target, dtype=dtype), str(src)
         d_dir = _source(src)
-        check_pair(target.config, src.config, target_source=str(t_dir or "<target>"),
+        check_pair(target, src, target_source=str(t_dir or "<target>"),  # models: their tables are checked too
                    drafter_source=str(d_dir or f"<{flag} object>"))
         return src, d_dir
 
