@@ -60,6 +60,7 @@ __all__ = [
     "Accepted",
     "Tree",
     "accept",
+    "accept_walk",
     "beam",
     "best_first",
     "build_ddtree",
@@ -486,24 +487,7 @@ def tree_positions(depths: jax.Array, start: jax.Array | int) -> jax.Array:
     return jnp.asarray(start, jnp.int32) + d
 
 
-def accept(
-    parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max_depth: int | None = None
-) -> Accepted:
-    """Walk a verified tree (upstream ``follow_verified_tree``).
-
-    Starting at the root, while ``posterior[current]`` equals the token of one of ``current``'s children,
-    move to that child (children have distinct tokens; if not, the lowest-index child wins). A chain is
-    the tree ``parents = [0, 1, ..., M-1]``.
-
-    Args:
-      parents: int[M] parent of node ``i + 1`` (:attr:`Tree.parents`).
-      tokens: int[M] token of node ``i + 1`` (padding -1 never matches).
-      posterior: int[M + 1] target token at each of ``[root] + nodes`` (argmax, or a sample).
-      max_depth: static number of walk steps (the tree's depth ``D``); defaults to ``M``.
-
-    Returns:
-      :class:`Accepted` with indices padded to ``max_depth + 1``.
-    """
+def _check_accept_args(parents, tokens, posterior, max_depth) -> tuple[int, int]:
     _check_ndim("parents", parents, 1, "M")
     _check_ndim("tokens", tokens, 1, "M")
     _check_ndim("posterior", posterior, 1, "M + 1")
@@ -514,6 +498,74 @@ def accept(
             f"{tuple(tokens.shape)}, {tuple(posterior.shape)}"
         )
     steps = m if max_depth is None else _check_int("max_depth", max_depth, 1)
+    return m, steps
+
+
+def accept(
+    parents: jax.Array,
+    tokens: jax.Array,
+    posterior: jax.Array,
+    max_depth: int | None = None,
+    *,
+    mask: jax.Array | None = None,
+) -> Accepted:
+    """Walk a verified tree (upstream ``follow_verified_tree``), all depths at once.
+
+    The walk starts at the root and, while ``posterior[current]`` equals the token of one of ``current``'s
+    children, moves to that child (children have distinct tokens; if not, the lowest-index child wins),
+    for at most ``max_depth`` steps. A chain is the tree ``parents = [0, 1, ..., M-1]``.
+
+    No loop: a node is *good* if its token equals the posterior at its parent and no lower-index sibling
+    has the same token; the walk reaches a node iff it and all its ancestors are good (read from the
+    ancestor mask) and its depth is at most ``max_depth``. The reached nodes form the accepted path, one
+    per depth. :func:`accept_walk` is the step-by-step walk, kept as the reference.
+
+    Args:
+      parents: int[M] parent of node ``i + 1`` (:attr:`Tree.parents`); parents precede their children.
+      tokens: int[M] token of node ``i + 1`` (padding -1 never matches).
+      posterior: int[M + 1] target token at each of ``[root] + nodes`` (argmax, or a sample).
+      max_depth: static number of walk steps (the tree's depth ``D``); defaults to ``M``.
+      mask: optional bool[M + 1, M + 1] ancestor mask of the tree (:func:`visibility`), e.g. the one the
+        verify step already used; its rows must be complete for every node of depth ``<= max_depth``, which
+        ``visibility(parents, max_depth)`` is when no node is deeper than ``max_depth`` (true for the
+        builders' trees and chains of ``max_depth`` nodes). Computed here when None.
+
+    Returns:
+      :class:`Accepted` with indices padded to ``max_depth + 1``.
+    """
+    m, steps = _check_accept_args(parents, tokens, posterior, max_depth)
+    parents = jnp.asarray(parents, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    posterior = jnp.asarray(posterior, jnp.int32)
+    if mask is None:
+        # one more level than the walk can reach: a deeper node then has more than max_depth + 1 ancestors
+        # in its (truncated) row, so it reads as deeper than max_depth
+        mask = visibility(parents, max_depth=steps + 1)
+    elif tuple(jnp.shape(mask)) != (m + 1, m + 1):
+        raise ArgumentError(f"mask must have shape [M + 1, M + 1] = {(m + 1, m + 1)}, got {tuple(jnp.shape(mask))}")
+    mask = jnp.asarray(mask, bool)
+    match = tokens == posterior[parents]
+    node = jnp.arange(m, dtype=jnp.int32)
+    # an earlier sibling with the same token (hence also matching) takes precedence
+    shadowed = jnp.any((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
+                       & (node[None, :] < node[:, None]), axis=1)
+    good = jnp.concatenate([jnp.ones((1,), bool), match & ~shadowed])  # [M + 1], the root is always reached
+    depth = jnp.sum(mask, axis=1, dtype=jnp.int32) - 1
+    reached = ~jnp.any(mask & ~good[None, :], axis=1) & (depth <= steps)
+    length = jnp.sum(reached, dtype=jnp.int32)
+    q = jnp.arange(m + 1, dtype=jnp.int32)
+    level = jnp.arange(steps + 1, dtype=jnp.int32)
+    at = reached[None, :] & (depth[None, :] == level[:, None])  # [max_depth + 1, M + 1], one per row < length
+    indices = jnp.where(level < length, jnp.max(jnp.where(at, q[None, :], 0), axis=1), -1)
+    last = jnp.max(jnp.where(reached, q, 0))  # path indices increase with depth
+    return Accepted(indices=indices, length=length, bonus=posterior[last])
+
+
+def accept_walk(
+    parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max_depth: int | None = None
+) -> Accepted:
+    """The step-by-step walk of :func:`accept` (one ``fori_loop`` step per depth); the reference it equals."""
+    m, steps = _check_accept_args(parents, tokens, posterior, max_depth)
     parents = jnp.asarray(parents, jnp.int32)
     tokens = jnp.asarray(tokens, jnp.int32)
     posterior = jnp.asarray(posterior, jnp.int32)

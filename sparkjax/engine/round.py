@@ -85,7 +85,8 @@ def accept(prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Ac
         j = jnp.arange(d + 1, dtype=jnp.int32)
         return Acceptance(jnp.where(j[None] <= n_acc[:, None], j[None], -1), n_acc + 1, nxt)
     post = sampling.posterior(ver.logits, temperature, key if plan.sampling else None)
-    acc = jax.vmap(tree.accept, in_axes=(0, 0, 0, None))(prop.parents, prop.tokens, post, d)
+    # all depths at once, reusing the verify step's ancestor mask (complete: no node is deeper than D)
+    acc = jax.vmap(lambda p, t, q, m: tree.accept(p, t, q, d, mask=m))(prop.parents, prop.tokens, post, prop.mask)
     return Acceptance(acc.indices, acc.length, acc.bonus)
 
 

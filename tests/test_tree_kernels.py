@@ -1,0 +1,113 @@
+"""The loop-free kernels of :mod:`sparkjax.tree` against their step-by-step references.
+
+* :func:`sparkjax.tree.accept` (all depths at once) equals :func:`sparkjax.tree.accept_walk` (the
+  ``fori_loop`` walk) and the NumPy walk of :mod:`sparkjax.reference` on random trees with duplicate
+  sibling tokens, padding and truncated walks.
+
+Jitted functions are module-level with fixed shapes, so hypothesis examples do not recompile.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparkjax import reference as ref
+from sparkjax import tree
+
+M = 24  # nodes of the random trees
+DEPTHS = (1, 3, 6, M)  # walk lengths (max_depth) tried on every tree
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@jax.jit
+def accept_all(parents, tokens, posterior):
+    """Every variant at every walk length: (vectorised, vectorised with the verify mask, walk) per depth."""
+    out = []
+    full = tree.visibility(parents)  # complete rows at any depth
+    for d in DEPTHS:
+        out.append((
+            tree.accept(parents, tokens, posterior, max_depth=d),
+            tree.accept(parents, tokens, posterior, max_depth=d, mask=full),
+            tree.accept_walk(parents, tokens, posterior, max_depth=d),
+        ))
+    return out
+
+
+def random_tree(rng: np.random.Generator, shape: str) -> tuple[np.ndarray, np.ndarray]:
+    """parents (parent index < child index) and tokens over a tiny alphabet with duplicates and -1."""
+    if shape == "chain":
+        parents = np.arange(M, dtype=np.int32)
+    elif shape == "bushy":
+        parents = np.array([rng.integers(0, min(i, 3) + 1) for i in range(M)], np.int32)
+    else:
+        parents = np.array([rng.integers(max(0, i - rng.integers(1, 6)), i + 1) for i in range(M)], np.int32)
+    tokens = rng.integers(-1, 4, size=M).astype(np.int32)
+    return parents, tokens
+
+
+def follow(rng, parents, tokens, posterior, p_follow: float) -> None:
+    """Make the posterior follow a random root-to-node path, up to a random point (in place)."""
+    node = int(rng.integers(1, M + 1))
+    path = [node]
+    while path[-1]:
+        path.append(int(parents[path[-1] - 1]))
+    for child, parent in zip(path[:-1], path[1:], strict=True):
+        if rng.random() < p_follow and tokens[child - 1] >= 0:
+            posterior[parent] = tokens[child - 1]
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1), shape=st.sampled_from(["chain", "bushy", "deep"]), p_follow=st.floats(0, 1))
+def test_accept_equals_walk(seed, shape, p_follow):
+    rng = np.random.default_rng(seed)
+    parents, tokens = random_tree(rng, shape)
+    posterior = rng.integers(0, 4, size=M + 1).astype(np.int32)
+    follow(rng, parents, tokens, posterior, p_follow)
+    results = jax.tree.map(np.asarray, accept_all(parents, tokens, posterior))
+    want_path, want_bonus = ref.accept_walk(parents, tokens, posterior)
+    for d, (vec, vec_mask, walk) in zip(DEPTHS, results, strict=True):
+        for got in (vec, vec_mask):
+            np.testing.assert_array_equal(got.indices, walk.indices, err_msg=f"max_depth={d}")
+            assert int(got.length) == int(walk.length) and int(got.bonus) == int(walk.bonus), d
+        if d >= len(want_path) - 1:  # the walk was not cut short: the NumPy walk agrees
+            assert int(walk.length) == len(want_path) and int(walk.bonus) == want_bonus
+            np.testing.assert_array_equal(walk.indices[: len(want_path)], want_path)
+
+
+def test_accept_duplicate_siblings_lowest_index_wins():
+    # root has children 1, 2, 3 with tokens 5, 7, 7; node 2 has child 4, node 3 has child 5 (both token 9)
+    parents = np.array([0, 0, 0, 2, 3], np.int32)
+    tokens = np.array([5, 7, 7, 9, 9], np.int32)
+    posterior = np.array([7, 0, 9, 9, 0, 0], np.int32)
+    acc = jax.tree.map(np.asarray, tree.accept(parents, tokens, posterior, max_depth=2))
+    np.testing.assert_array_equal(acc.indices, [0, 2, 4])
+    assert int(acc.length) == 3 and int(acc.bonus) == posterior[4]
+    # padding (-1) never matches a posterior token
+    acc = jax.tree.map(np.asarray, tree.accept(parents, np.full(5, -1, np.int32), posterior, max_depth=2))
+    np.testing.assert_array_equal(acc.indices, [0, -1, -1])
+    assert int(acc.length) == 1 and int(acc.bonus) == posterior[0]
+
+
+def test_accept_batched_like_the_engine():
+    """vmap over a batch with the verify mask, as engine/round.py calls it, equals per-sequence walks."""
+    rng = np.random.default_rng(0)
+    trees = [random_tree(rng, s) for s in ("chain", "bushy", "deep", "bushy")]
+    parents = np.stack([p for p, _ in trees])
+    tokens = np.stack([t for _, t in trees])
+    posterior = rng.integers(0, 4, size=(4, M + 1)).astype(np.int32)
+    for b in range(4):
+        follow(rng, parents[b], tokens[b], posterior[b], 1.0)
+    masks = jax.vmap(tree.visibility, in_axes=(0, None))(jnp.asarray(parents), M)
+    got = jax.vmap(lambda p, t, q, m: tree.accept(p, t, q, M, mask=m))(parents, tokens, posterior, masks)
+    lengths = []
+    for b in range(4):
+        want = tree.accept_walk(parents[b], tokens[b], posterior[b], max_depth=M)
+        for field in tree.Accepted._fields:
+            np.testing.assert_array_equal(np.asarray(getattr(got, field))[b], np.asarray(getattr(want, field)))
+        lengths.append(int(want.length))
+    assert max(lengths) > 1  # the posteriors follow paths, so something is accepted
