@@ -327,36 +327,38 @@ def _expand(tables: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, jax.
     return out
 
 
-def _preorder(valid: jax.Array, parent_slot: jax.Array) -> jax.Array:
-    """Depth-first preorder rank (root = 0) of every beam entry in the trie of all kept entries.
+def _path_keys(parent_slot: jax.Array) -> list[jax.Array]:
+    """Sort keys of every beam entry that order entries like their candidate-index paths (a prefix first).
 
-    Comparing preorder ranks is comparing candidate-index paths lexicographically (a prefix first), so
-    the global merge needs one integer key instead of D. Each level is in lexicographic order with its
-    valid entries first, so the children of a slot are contiguous and ordered like their parents:
-    ``pre(x) = pre(parent) + 1 + (subtree sizes of the earlier siblings)``. Subtree sizes are summed
-    bottom-up, ranks assigned top-down: 2 D vectorised steps.
+    Each level of the beams is in lexicographic path order, so comparing two entries' paths is comparing
+    the tuples of their ancestors' slots, level by level, with "no entry at this level" (a shorter path)
+    first. The ancestor slot of every entry at every level comes from pointer doubling over the flat
+    parent pointers (``ceil(log2 D)`` vectorised gathers, no loop); the tuples (slot + 1, 0 past the
+    entry's own level) are packed a few levels per int32, most significant first, into ``ceil(D / per)``
+    keys for ``jax.lax.sort``. Entries that are not kept get keys too; they sort last by score anyway.
     """
-    k = valid.shape[1]
-    ones = valid.astype(jnp.int32)
-
-    def up(below, xs):  # below[s] = total size of the subtrees of the children of slot s
-        v, parent = xs
-        size = v + below
-        return jnp.zeros((k,), jnp.int32).at[parent].add(jnp.where(v > 0, size, 0)), size
-
-    _, sizes = jax.lax.scan(up, jnp.zeros((k,), jnp.int32), (ones, parent_slot), reverse=True)
-
-    def down(carry, xs):
-        pre_parent, first_child_offset = carry
-        size, v, parent = xs
-        earlier = jnp.cumsum(size) - size  # sizes of the earlier entries of this level
-        pre = pre_parent[parent] + 1 + earlier - first_child_offset[parent]
-        children = size - v  # total size of the subtrees below each entry
-        return (pre, jnp.cumsum(children) - children), pre
-
-    zeros = jnp.zeros((k,), jnp.int32)
-    _, pre = jax.lax.scan(down, (zeros, zeros), (sizes, ones, parent_slot))
-    return pre
+    d, k = parent_slot.shape
+    n = d * k
+    level = jnp.repeat(jnp.arange(d, dtype=jnp.int32), k)  # [n]
+    parent_flat = jnp.where(level > 0, (level - 1) * k + parent_slot.reshape(n), n)  # depth 1 -> root
+    jump = jnp.concatenate([parent_flat, jnp.full((1,), n, jnp.int32)])  # the root (index n) is its own parent
+    dist = level[:, None] - jnp.arange(d, dtype=jnp.int32)[None, :]  # [n, D]: levels up to the ancestor
+    cur = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, d))
+    for bit in range(max(d - 1, 1).bit_length()):
+        cur = jnp.where((dist > 0) & (((dist >> bit) & 1) == 1), jump[cur], cur)
+        jump = jump[jump]
+    slot1 = jnp.where(dist >= 0, cur % k + 1, 0)  # [n, D] in 0..k
+    bits = k.bit_length()
+    per = max(31 // bits, 1)
+    keys = []
+    for g in range(0, d, per):
+        key = jnp.zeros((n,), jnp.int32)
+        for i in range(per):
+            key = key << bits
+            if g + i < d:
+                key = key | slot1[:, g + i]
+        keys.append(key)
+    return keys
 
 
 def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array, m: int) -> Tree:
@@ -365,8 +367,8 @@ def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array
     d, k = scores.shape
     n = d * k
     s = scores.reshape(n)
-    pre = _preorder(scores > -jnp.inf, parent_slot).reshape(n)
-    *_, order = jax.lax.sort((-s, pre, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
+    keys = _path_keys(parent_slot)
+    *_, order = jax.lax.sort((-s, *keys, jnp.arange(n, dtype=jnp.int32)), num_keys=1 + len(keys))
     sel = order[:m]
     valid = s[sel] > -jnp.inf
     level = sel // k
