@@ -111,3 +111,30 @@ def test_accept_batched_like_the_engine():
             np.testing.assert_array_equal(np.asarray(getattr(got, field))[b], np.asarray(getattr(want, field)))
         lengths.append(int(want.length))
     assert max(lengths) > 1  # the posteriors follow paths, so something is accepted
+
+
+@jax.jit
+def beam_keys(tables):
+    scores, parent_slot, cand = tree._expand(tables, (5, 7, 9, 9, 4, 2, 1))
+    return scores, parent_slot, cand, tree._path_keys(parent_slot)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_path_keys_order_paths_lexicographically(seed):
+    """Sorting the kept beam entries by the packed keys is sorting their candidate-index paths (prefix first)."""
+    rng = np.random.default_rng(seed)
+    tables = -rng.integers(0, 3, size=(7, 4, 4)).astype(np.float32)  # many exact ties
+    tables = np.where(rng.random(tables.shape) < 0.2, -np.inf, tables).astype(np.float32)
+    scores, parent_slot, cand, keys = jax.tree.map(np.asarray, beam_keys(tables))
+    paths = {}
+    for lv in range(scores.shape[0]):
+        for s in range(scores.shape[1]):
+            if scores[lv, s] > -np.inf:
+                up = paths[(lv - 1, int(parent_slot[lv, s]))] if lv else ()
+                paths[(lv, s)] = up + (int(cand[lv, s]),)
+    kept = list(paths)
+    k = scores.shape[1]
+    by_keys = sorted(kept, key=lambda e: tuple(int(key[e[0] * k + e[1]]) for key in keys))
+    assert by_keys == sorted(kept, key=lambda e: paths[e])
+    assert len({paths[e] for e in kept}) == len(kept) > 1
