@@ -299,32 +299,39 @@ def _expand(tables: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, jax.
     """Per-depth beams: at depth ``d`` keep the best ``widths[d]`` extensions of the previous beam.
 
     "Best" is the tree order (score descending, candidate-index path ascending). Each beam is stored in
-    lexicographic path order, kept entries first, so the flat index ``b * C + j`` of a child in the
-    ``[K, C]`` matrix of extensions is increasing in its path; ``jax.lax.top_k`` prefers lower indices
-    among equal values, so it breaks ties exactly by the path. Returns per depth (stacked,
-    ``K = max(widths)``): scores [D, K] (``-inf`` = empty slot), parent slot [D, K], candidate index [D, K].
+    lexicographic path order of its kept entries (empty ``-inf`` slots may sit in between, or at the end),
+    so the flat index ``b * C + j`` of a child in the ``[K, C]`` matrix of extensions is increasing in its
+    path; ``jax.lax.top_k`` prefers lower indices among equal values, so it breaks ties exactly by the
+    path. One step per depth: a gather-add, a top-k and a sort of ``K`` keys carrying their scores. Returns
+    per depth (stacked, ``K = max(widths)``): scores [D, K] (``-inf`` = empty slot), parent slot [D, K],
+    candidate index [D, K] (both 0 for an empty slot).
     """
     d, c, _ = tables.shape
     k = max(widths)
     t = jnp.minimum(jnp.asarray(tables, jnp.float32), 0.0)
     slots = jnp.arange(k, dtype=jnp.int32)
-    init = (jnp.full((k,), -jnp.inf, jnp.float32).at[0].set(0.0), jnp.zeros((k,), jnp.int32))  # slot 0 = root
+    # carry: scores and flat keys b * C + j of the beam (slot 0 = the root, key 0 = candidate row 0)
+    init = (jnp.full((k,), -jnp.inf, jnp.float32).at[0].set(0.0), jnp.zeros((k,), jnp.int32))
+    full = all(w == k for w in widths)  # best_first: every depth keeps K, no per-depth limit
 
     def step(carry, xs):
-        scores, cand = carry
+        scores, key = carry
         table, limit = xs
-        child = (scores[:, None] + table[cand]).reshape(-1)  # [K * C], row-major = lexicographic
+        child = (scores[:, None] + table[key % c]).reshape(-1)  # [K * C], row-major = lexicographic
         top, idx = jax.lax.top_k(child, k)
-        keep = (slots < limit) & (top > -jnp.inf)
-        key = jnp.sort(jnp.where(keep, idx, k * c + slots))  # back to lexicographic order, empties last
-        keep = key < k * c
-        idx = jnp.where(keep, key, 0)
-        new_scores = jnp.where(keep, child[idx], -jnp.inf)
-        parent, j = idx // c, idx % c
-        return (new_scores, j), (new_scores, parent, j)
+        if not full:  # slots past this depth's width become empty (sorted last: keys past every child)
+            keep = slots < limit
+            idx, top = jnp.where(keep, idx, k * c + slots), jnp.where(keep, top, -jnp.inf)
+        # back to lexicographic order; the scores ride along with the keys. An empty (-inf) entry may sit
+        # between kept ones: it is never extended (its children are -inf too), and its outputs are masked.
+        key, new_scores = jax.lax.sort((idx, top))
+        # one output array per step: the scores' bits and the keys
+        return (new_scores, key), jnp.stack([jax.lax.bitcast_convert_type(new_scores, jnp.int32), key])
 
     _, out = jax.lax.scan(step, init, (t, jnp.asarray(widths, jnp.int32)))
-    return out
+    scores, key = jax.lax.bitcast_convert_type(out[:, 0], jnp.float32), out[:, 1]
+    key = jnp.where(scores > -jnp.inf, key, 0)
+    return scores, key // c, key % c
 
 
 def _path_keys(parent_slot: jax.Array) -> list[jax.Array]:
