@@ -138,3 +138,52 @@ def test_path_keys_order_paths_lexicographically(seed):
     by_keys = sorted(kept, key=lambda e: tuple(int(key[e[0] * k + e[1]]) for key in keys))
     assert by_keys == sorted(kept, key=lambda e: paths[e])
     assert len({paths[e] for e in kept}) == len(kept) > 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# two-stage top-k
+
+TOPK_KS = (1, 5, 8)
+
+
+@jax.jit
+def topk_both(x):
+    """(lax.top_k, chunked_top_k with chunk 8) for every k in TOPK_KS, on [3, 37] rows."""
+    return [(jax.lax.top_k(x, k), tree.chunked_top_k(x, k, chunk=8)) for k in TOPK_KS]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), nan=st.booleans())
+def test_chunked_top_k_equals_lax_top_k(seed, nan):
+    rng = np.random.default_rng(seed)
+    # a tiny alphabet of values: many exact ties, infinities, and optionally NaN
+    alphabet = np.array([-np.inf, -2.0, -1.0, -1.0, 0.0, 0.5, 3.0, np.inf] + ([np.nan] if nan else []), np.float32)
+    x = rng.choice(alphabet, size=(3, 37)).astype(np.float32)
+    for (want_v, want_i), (got_v, got_i) in topk_both(x):
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))  # NaN == NaN here
+
+
+def test_chunked_top_k_real_vocabulary():
+    """[16, 151936], k = 128 (a DSpark-b16 block over the Qwen3 vocabulary): ties, -inf rows and padding."""
+    rng = np.random.default_rng(1)
+    x = np.round(rng.normal(size=(16, 151936)) * 4).astype(np.float32)  # ~40 distinct values: ties everywhere
+    x[3] = -np.inf  # a row of nothing but -inf: the lowest indices win
+    x[5, 1000:] = -np.inf
+    x[7, -5:] = 100.0  # the maximum in the last, padded chunk
+    want_v, want_i = jax.jit(lambda y: jax.lax.top_k(y, 128))(x)
+    got_v, got_i = jax.jit(lambda y: tree.chunked_top_k(y, 128))(x)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(got_i)[3], np.arange(128))
+    assert set(np.asarray(got_i)[7, :5].tolist()) == set(range(151936 - 5, 151936))
+
+
+def test_candidates_stage_out_the_chunked_top_k_for_accelerators():
+    """On CPU candidates run lax.top_k (faster there); lowered for GPU they run the two-stage top-k."""
+    x = jax.ShapeDtypeStruct((16, 151936), jnp.float32)
+    fn = jax.jit(lambda y: tree.candidates(y, 64))
+    gpu = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    cpu = fn.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    assert "tensor<16x38x4096xf32>" in gpu and gpu.count("chlo.top_k") == 2
+    assert cpu.count("chlo.top_k") == 1 and "38x4096" not in cpu
