@@ -607,16 +607,17 @@ def accept(
     # an earlier sibling with the same token (hence also matching) takes precedence
     shadowed = jnp.any((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
                        & (node[None, :] < node[:, None]), axis=1)
-    good = jnp.concatenate([jnp.ones((1,), bool), match & ~shadowed])  # [M + 1], the root is always reached
-    depth = jnp.sum(mask, axis=1, dtype=jnp.int32) - 1
-    reached = ~jnp.any(mask & ~good[None, :], axis=1) & (depth <= steps)
-    length = jnp.sum(reached, dtype=jnp.int32)
+    bad = jnp.concatenate([jnp.zeros((1,), bool), ~match | shadowed])  # [M + 1]; the root is always reached
+    # one reduction per row: (number of ancestors-or-self) + big * (number of bad ones)
+    big = max(m, steps) + 2
+    count = jnp.sum(jnp.where(mask, jnp.where(bad, big + 1, 1)[None, :], 0), axis=1, dtype=jnp.int32)
+    depth1 = jnp.where(count <= steps + 1, count, 0)  # depth + 1 of a reached node (no bad one, shallow enough)
     q = jnp.arange(m + 1, dtype=jnp.int32)
-    level = jnp.arange(steps + 1, dtype=jnp.int32)
-    at = reached[None, :] & (depth[None, :] == level[:, None])  # [max_depth + 1, M + 1], one per row < length
-    indices = jnp.where(level < length, jnp.max(jnp.where(at, q[None, :], 0), axis=1), -1)
-    last = jnp.max(jnp.where(reached, q, 0))  # path indices increase with depth
-    return Accepted(indices=indices, length=length, bonus=posterior[last])
+    level1 = jnp.arange(1, steps + 2, dtype=jnp.int32)
+    # [max_depth + 1, M + 1]: the reached node of each depth (one per depth < length; path indices increase)
+    indices = jnp.max(jnp.where(depth1[None, :] == level1[:, None], q[None, :], -1), axis=1)
+    length = jnp.sum(indices >= 0, dtype=jnp.int32)
+    return Accepted(indices=indices, length=length, bonus=posterior[indices[length - 1]])
 
 
 def accept_walk(
