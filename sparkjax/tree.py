@@ -353,7 +353,8 @@ def _expand(tables: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, jax.
     path; ``jax.lax.top_k`` prefers lower indices among equal values, so it breaks ties exactly by the
     path. One step per depth: a gather-add, a top-k and a sort of ``K`` keys carrying their scores. Returns
     per depth (stacked, ``K = max(widths)``): scores [D, K] (``-inf`` = empty slot), parent slot [D, K],
-    candidate index [D, K] (both 0 for an empty slot).
+    candidate index [D, K]. Every level, empty slots included, is sorted by (parent slot, candidate); a
+    slot emptied by a beam width has a parent slot ``>= K`` (so it sorts past every real parent).
     """
     d, c, _ = tables.shape
     k = max(widths)
@@ -379,42 +380,51 @@ def _expand(tables: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, jax.
 
     _, out = jax.lax.scan(step, init, (t, jnp.asarray(widths, jnp.int32)))
     scores, key = jax.lax.bitcast_convert_type(out[:, 0], jnp.float32), out[:, 1]
-    key = jnp.where(scores > -jnp.inf, key, 0)
     return scores, key // c, key % c
 
 
-def _path_keys(parent_slot: jax.Array) -> list[jax.Array]:
-    """Sort keys of every beam entry that order entries like their candidate-index paths (a prefix first).
+def _preorder(parent_slot: jax.Array) -> jax.Array:
+    """Depth-first preorder rank of every beam entry in the trie of all entries, in closed form (no loop).
 
-    Each level of the beams is in lexicographic path order, so comparing two entries' paths is comparing
-    the tuples of their ancestors' slots, level by level, with "no entry at this level" (a shorter path)
-    first. The ancestor slot of every entry at every level comes from pointer doubling over the flat
-    parent pointers (``ceil(log2 D)`` vectorised gathers, no loop); the tuples (slot + 1, 0 past the
-    entry's own level) are packed a few levels per int32, most significant first, into ``ceil(D / per)``
-    keys for ``jax.lax.sort``. Entries that are not kept get keys too; they sort last by score anyway.
+    Comparing preorder ranks is comparing candidate-index paths lexicographically (a prefix first), so the
+    global merge needs one integer key instead of D. Every level is sorted by (parent slot, candidate),
+    so the descendants at any deeper level of the first ``s`` entries of a level are a prefix of that
+    level. For an entry ``x`` at level ``u``, slot ``s``, the entries before it are: at each shallower
+    level ``t``, the slots up to its ancestor's (``slot + 1`` of each ancestor); at level ``u``, ``s``
+    entries; at each deeper level ``t``, ``lo_t(s)`` entries, the descendants of the first ``s``. With
+    ``F_t(r)`` = number of level-``t`` entries whose parent slot is below ``r``, ``lo_t = F_t o ... o
+    F_{u+1}``. Both sums come from pointer doubling (``ceil(log2 D)`` vectorised steps each): over the flat
+    parent pointers for the first, over the per-level tables ``F`` (composition and running sum) for the
+    last. Empty slots are entries too (their ranks are never compared: they sort last by score); a
+    parent slot ``>= K`` (beam slots past a depth's width) sorts past every real parent.
     """
     d, k = parent_slot.shape
     n = d * k
-    level = jnp.repeat(jnp.arange(d, dtype=jnp.int32), k)  # [n]
-    parent_flat = jnp.where(level > 0, (level - 1) * k + parent_slot.reshape(n), n)  # depth 1 -> root
-    jump = jnp.concatenate([parent_flat, jnp.full((1,), n, jnp.int32)])  # the root (index n) is its own parent
-    dist = level[:, None] - jnp.arange(d, dtype=jnp.int32)[None, :]  # [n, D]: levels up to the ancestor
-    cur = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, d))
-    for bit in range(max(d - 1, 1).bit_length()):
-        cur = jnp.where((dist > 0) & (((dist >> bit) & 1) == 1), jump[cur], cur)
+    steps = max(d - 1, 1).bit_length()
+    parent_slot = jnp.asarray(parent_slot, jnp.int32)
+    level = jnp.repeat(jnp.arange(d, dtype=jnp.int32), k)
+    slot = jnp.tile(jnp.arange(k, dtype=jnp.int32), d)
+    flat_parent = parent_slot.reshape(n)
+    # shallower levels: sum of (slot + 1) over the ancestors; the root (index n) is its own parent, worth 0
+    jump = jnp.where(level > 0, (level - 1) * k + jnp.minimum(flat_parent, k - 1), n)
+    jump = jnp.concatenate([jump, jnp.full((1,), n, jnp.int32)])
+    above = jnp.concatenate([jnp.where(level > 0, flat_parent + 1, 0), jnp.zeros((1,), jnp.int32)])
+    for _ in range(steps):
+        above = above + above[jump]
         jump = jump[jump]
-    slot1 = jnp.where(dist >= 0, cur % k + 1, 0)  # [n, D] in 0..k
-    bits = k.bit_length()
-    per = max(31 // bits, 1)
-    keys = []
-    for g in range(0, d, per):
-        key = jnp.zeros((n,), jnp.int32)
-        for i in range(per):
-            key = key << bits
-            if g + i < d:
-                key = key | slot1[:, g + i]
-        keys.append(key)
-    return keys
+    # deeper levels: g[u, r] = F_{u+1}(r), then doubling of (composition, sum over the levels covered)
+    r = jnp.arange(k + 1, dtype=jnp.int32)
+    f = jnp.sum(parent_slot[:, :, None] < r[None, None, :], axis=1, dtype=jnp.int32)  # [D, K + 1]
+    g = jnp.concatenate([f[1:], jnp.zeros((1, k + 1), jnp.int32)])  # level u -> u + 1 (none below the last)
+    below = g
+    for b in range(steps):
+        shift = 1 << b
+        zeros = jnp.zeros((min(shift, d), k + 1), jnp.int32)
+        g_next = jnp.concatenate([g[shift:], zeros])[:d]  # the map from level u + shift on (zero past the end)
+        below_next = jnp.concatenate([below[shift:], zeros])[:d]
+        below = below + jnp.take_along_axis(below_next, g, axis=1)
+        g = jnp.take_along_axis(g_next, g, axis=1)
+    return above[:n] + slot + below[level, slot]
 
 
 def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array, m: int) -> Tree:
@@ -423,8 +433,8 @@ def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array
     d, k = scores.shape
     n = d * k
     s = scores.reshape(n)
-    keys = _path_keys(parent_slot)
-    *_, order = jax.lax.sort((-s, *keys, jnp.arange(n, dtype=jnp.int32)), num_keys=1 + len(keys))
+    pre = _preorder(parent_slot)
+    *_, order = jax.lax.sort((-s, pre, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
     sel = order[:m]
     valid = s[sel] > -jnp.inf
     level = sel // k

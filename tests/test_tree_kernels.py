@@ -114,30 +114,36 @@ def test_accept_batched_like_the_engine():
 
 
 @jax.jit
-def beam_keys(tables):
-    scores, parent_slot, cand = tree._expand(tables, (5, 7, 9, 9, 4, 2, 1))
-    return scores, parent_slot, cand, tree._path_keys(parent_slot)
+def beams_and_preorder(tables):
+    """The beams of a width profile (slots emptied past a depth's width) and of best_first, and their ranks."""
+    out = []
+    for widths in ((5, 7, 9, 9, 4, 2, 1), (9,) * 7):
+        scores, parent_slot, cand = tree._expand(tables, widths)
+        out.append((scores, parent_slot, cand, tree._preorder(parent_slot)))
+    return out
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_path_keys_order_paths_lexicographically(seed):
-    """Sorting the kept beam entries by the packed keys is sorting their candidate-index paths (prefix first)."""
+def test_preorder_ranks_paths_lexicographically(seed):
+    """Sorting the kept beam entries by the closed-form preorder rank is sorting their candidate-index
+    paths (a prefix first); with full-width beams the ranks are a permutation (empty slots included)."""
     rng = np.random.default_rng(seed)
     tables = -rng.integers(0, 3, size=(7, 4, 4)).astype(np.float32)  # many exact ties
-    tables = np.where(rng.random(tables.shape) < 0.2, -np.inf, tables).astype(np.float32)
-    scores, parent_slot, cand, keys = jax.tree.map(np.asarray, beam_keys(tables))
-    paths = {}
-    for lv in range(scores.shape[0]):
-        for s in range(scores.shape[1]):
-            if scores[lv, s] > -np.inf:
-                up = paths[(lv - 1, int(parent_slot[lv, s]))] if lv else ()
-                paths[(lv, s)] = up + (int(cand[lv, s]),)
-    kept = list(paths)
-    k = scores.shape[1]
-    by_keys = sorted(kept, key=lambda e: tuple(int(key[e[0] * k + e[1]]) for key in keys))
-    assert by_keys == sorted(kept, key=lambda e: paths[e])
-    assert len({paths[e] for e in kept}) == len(kept) > 1
+    tables = np.where(rng.random(tables.shape) < 0.3, -np.inf, tables).astype(np.float32)
+    for i, (scores, parent_slot, cand, pre) in enumerate(jax.tree.map(np.asarray, beams_and_preorder(tables))):
+        k = scores.shape[1]
+        paths = {}
+        for lv in range(scores.shape[0]):
+            for s in range(k):
+                if scores[lv, s] > -np.inf:
+                    up = paths[(lv - 1, int(parent_slot[lv, s]))] if lv else ()
+                    paths[(lv, s)] = up + (int(cand[lv, s]),)
+        kept = list(paths)
+        assert sorted(kept, key=lambda e: int(pre[e[0] * k + e[1]])) == sorted(kept, key=lambda e: paths[e])
+        assert len({paths[e] for e in kept}) == len(kept) > 1
+        if i == 1:
+            assert sorted(pre.tolist()) == list(range(pre.size))
 
 
 # ----------------------------------------------------------------------------------------------------------
