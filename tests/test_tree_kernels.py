@@ -131,6 +131,7 @@ def test_preorder_ranks_paths_lexicographically(seed):
     rng = np.random.default_rng(seed)
     tables = -rng.integers(0, 3, size=(7, 4, 4)).astype(np.float32)  # many exact ties
     tables = np.where(rng.random(tables.shape) < 0.3, -np.inf, tables).astype(np.float32)
+    tables[..., 0] = np.maximum(tables[..., 0], -2.0)  # every row keeps a possible child: the beams are not empty
     for i, (scores, parent_slot, cand, pre) in enumerate(jax.tree.map(np.asarray, beams_and_preorder(tables))):
         k = scores.shape[1]
         paths = {}
