@@ -23,7 +23,7 @@ One round of the engine::
     ctx = append_context(drafter, ctx, feats, prompt_len) # slots 0..P-1
     # round (ctx.lengths == start):
     blk = draft_block(drafter, ctx, x_start, start, target)        # base logits [B, G, V], hidden [B, G, D]
-    chain = markov_chain(drafter, blk.logits, blk.hidden, x_start, T, key)   # DSpark: G drafts
+    chain = markov_chain(drafter, blk.logits, blk.hidden, x_start, T, key)   # DSpark: G drafts (fixed point)
     chain = argmax_chain(drafter, blk.logits)                                # DFlash: G - 1 drafts
     # verify [x_start, drafts] with the target; n drafts accepted ->
     ctx = append_context(drafter, ctx, verify_feats[:, : G + 1], n + 1)     # positions start .. start + n
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from ..cache import ContextCache
 from ..errors import ArgumentError
 from ..nn.drafter import Drafter
-from ..sampling import pick
+from ..sampling import first_argmax, pick
 
 Array = jax.Array
 
@@ -163,7 +163,7 @@ def argmax_chain(drafter: Drafter, base_logits: Array) -> DraftChain:
     DFlash: slots ``1..G-1`` -> ``G - 1`` drafts (slot 0 unused). DSpark: all ``G`` slots.
     """
     logits = aligned_logits(drafter, base_logits).astype(jnp.float32)
-    return DraftChain(jnp.argmax(logits, axis=-1).astype(jnp.int32), logits)
+    return DraftChain(first_argmax(logits, axis=-1), logits)
 
 
 def sample_chain(drafter: Drafter, base_logits: Array, temperature, key: Array | None = None) -> DraftChain:
@@ -205,6 +205,9 @@ def markov_bias(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Ar
     return drafter.markov_head.bias(feats)
 
 
+CHAIN_MODES = ("fixed_point", "scan")
+
+
 def markov_chain(
     drafter: Drafter,
     base_logits: Array,
@@ -212,15 +215,28 @@ def markov_chain(
     x_start: Array,
     temperature=0.0,
     key: Array | None = None,
+    *,
+    mode: str = "fixed_point",
 ) -> DraftChain:
-    """DSpark's left-to-right Markov-corrected chain (``lax.scan`` over the G slots).
+    """DSpark's left-to-right Markov-corrected chain.
 
     Slot g's logits are ``base[g] + W2 . f(prev_g)`` with ``prev_0 = x_start`` and ``prev_g`` the
     token chosen at slot g - 1; the token is the first-max argmax at T = 0, else a draw from
-    ``softmax(logits / T)``. ``temperature`` may be a Python number or a traced scalar (then
-    ``key`` is required; T <= 0 still means greedy). Without a Markov head the chain is the
-    per-slot choice on the base logits. Returns ``G`` tokens and the corrected logits.
+    ``softmax(logits / T)`` with slot g's key (``jax.random.split(key, G)[g]``). ``temperature`` may
+    be a Python number or a traced scalar (then ``key`` is required; T <= 0 still means greedy).
+    Without a Markov head the chain is the per-slot choice on the base logits. Returns ``G`` tokens
+    and the corrected logits they were chosen from.
+
+    ``mode`` (static) says how the chain is computed; both give the same tokens:
+
+    * ``"fixed_point"`` (default): :func:`markov_chain_fixed_point`, the whole block's Markov bias in one
+      batched product per pass, usually 1-3 passes over ``W2`` instead of ``G``;
+    * ``"scan"``: the reference, a ``lax.scan`` over the G slots, one mat-vec over ``W2`` per slot.
     """
+    if mode == "fixed_point":
+        return markov_chain_fixed_point(drafter, base_logits, block_hidden, x_start, temperature, key)[0]
+    if mode != "scan":
+        raise ArgumentError(f"mode: expected one of {CHAIN_MODES}, got {mode!r}")
     c = drafter.config
     if c.kind != "dspark":
         raise ArgumentError("markov_chain: DFlash drafters have no Markov head; use argmax_chain / sample_chain")
@@ -242,6 +258,82 @@ def markov_chain(
         step, x0, (jnp.swapaxes(base, 0, 1), jnp.swapaxes(block_hidden, 0, 1), keys)
     )
     return DraftChain(jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(logits, 0, 1))
+
+
+def markov_chain_fixed_point(
+    drafter: Drafter,
+    base_logits: Array,
+    block_hidden: Array,
+    x_start: Array,
+    temperature=0.0,
+    key: Array | None = None,
+) -> tuple[DraftChain, Array]:
+    """The Markov chain of :func:`markov_chain` by fixed-point (Jacobi) iteration; also returns the number
+    of passes over ``W2`` (an int32 scalar, ``1 <= passes <= G``).
+
+    Start from a guess of every slot's prev id: ``[x_start, c_0 .. c_{G-2}]`` with ``c_g`` slot g's choice
+    on its base logits (same rule, same key). A pass computes all G slots' corrected logits from the
+    current prevs in one batched product (``W2`` read once for the G rows), chooses every slot's token
+    with exactly the sequential chain's rule and key, and sets the prevs from the choices. It stops when
+    the prevs no longer change for any sequence of the batch. Slot g's choice depends only on the
+    choices before it, so after i passes the first i choices are final: at most G passes, and the fixed
+    point is the sequential chain (``prev_0 = x_start`` forces each later prev in turn). The returned
+    logits are those of the final prevs, i.e. the ones the returned tokens were chosen from. The loop is
+    a ``lax.while_loop``: no host round trip in the compiled program.
+
+    Exactness: the tokens equal the scan's whenever the batched product rounds each row as the scan's
+    mat-vec does (bit-identical on XLA:CPU in the tests); a different summation order could only flip a
+    choice between logits within float rounding of each other.
+    """
+    c = drafter.config
+    if c.kind != "dspark":
+        raise ArgumentError("markov_chain: DFlash drafters have no Markov head; use argmax_chain / sample_chain")
+    greedy = _static_greedy(temperature, key, "markov_chain")
+    base = base_logits.astype(jnp.float32)
+    b, g = base.shape[:2]
+    head = drafter.markov_head
+    x0 = jnp.asarray(x_start, jnp.int32)
+
+    if greedy:
+
+        def choose(logits):
+            return first_argmax(logits, axis=-1)
+
+    else:
+        keys = jax.random.split(key, g)
+
+        def choose(logits):  # slot g: pick(logits[:, g], T, keys[g]), as in the scan
+            return jax.vmap(lambda lg, k: pick(lg, temperature, k), in_axes=(1, 0), out_axes=1)(logits, keys)
+
+    if head is None:
+        return DraftChain(choose(base), base), jnp.zeros((), jnp.int32)
+
+    def prevs(tokens):
+        return jnp.concatenate([x0[:, None], tokens[:, :-1]], axis=1)
+
+    def corrected(prev):  # [B, G] -> [B, G, V]: one pass over W2 for all G slots
+        return base + head.bias(head.features(block_hidden, prev[..., None])[..., 0, :])
+
+    def cond(state):
+        _, _, _, passes, done = state
+        return jnp.logical_and(jnp.logical_not(done), passes < g)
+
+    def body(state):
+        prev, _, _, passes, _ = state
+        logits = corrected(prev)
+        tokens = choose(logits)
+        nxt = prevs(tokens)
+        return nxt, tokens, logits, passes + 1, jnp.all(nxt == prev)
+
+    init = (
+        prevs(choose(base)),
+        jnp.zeros((b, g), jnp.int32),
+        jnp.zeros_like(base),
+        jnp.zeros((), jnp.int32),
+        jnp.zeros((), bool),
+    )
+    _, tokens, logits, passes, _ = jax.lax.while_loop(cond, body, init)
+    return DraftChain(tokens, logits), passes
 
 
 def chain_prev(x_start: Array, tokens: Array) -> Array:
