@@ -190,11 +190,13 @@ def test_markov_chain_modes_and_errors(ref, fixture_target):
     base = jnp.asarray(ref["b.base_logits"])
     hidden = jnp.asarray(ref["b.block_hidden"])
     x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
-    scan = drafting.markov_chain(drafter, base, hidden, x0, mode="scan")
-    fixed = drafting.markov_chain(drafter, base, hidden, x0)  # the default
-    np.testing.assert_array_equal(np.asarray(fixed.tokens), ref["b.draft_tokens"])
-    np.testing.assert_array_equal(np.asarray(scan.tokens), ref["b.draft_tokens"])
-    np.testing.assert_allclose(np.asarray(fixed.logits), ref["b.corrected_logits"], rtol=1e-4, atol=1e-4)
+    for mode in drafting.CHAIN_MODES:
+        chain = drafting.markov_chain(drafter, base, hidden, x0, mode=mode)
+        np.testing.assert_array_equal(np.asarray(chain.tokens), ref["b.draft_tokens"], err_msg=mode)
+        np.testing.assert_allclose(np.asarray(chain.logits), ref["b.corrected_logits"], rtol=1e-4, atol=1e-4)
+    # auto: the scan on the CPU backend, the fixed point on accelerators
+    assert drafting.chain_mode() == ("scan" if jax.default_backend() == "cpu" else "fixed_point")
+    assert drafting.chain_mode("fixed_point") == "fixed_point" and drafting.chain_mode("scan") == "scan"
     with pytest.raises(ArgumentError, match="^mode:.*'jacobi'"):
         drafting.markov_chain(drafter, base, hidden, x0, mode="jacobi")
     with pytest.raises(ArgumentError, match="key"):
@@ -212,7 +214,7 @@ def test_fixed_point_loop_stays_on_device(ref, fixture_target):
 
     drafter = load_drafter(os.path.join(FIX, "drafter"), target=fixture_target)
     gd, state = nnx.split(drafter)
-    fn = jax.jit(lambda s, b, h, x, t, k: drafting.markov_chain(nnx.merge(gd, s), b, h, x, t, k))
+    fn = jax.jit(lambda s, b, h, x, t, k: drafting.markov_chain(nnx.merge(gd, s), b, h, x, t, k, mode="fixed_point"))
     args = (state, jnp.asarray(ref["b.base_logits"]), jnp.asarray(ref["b.block_hidden"]),
             jnp.asarray(ref["b.first_token"], jnp.int32), jnp.float32(1.0), jax.random.key(0))
     hlo = fn.lower(*args).compile().as_text()
