@@ -223,6 +223,58 @@ def test_fixed_point_loop_stays_on_device(ref, fixture_target):
         assert op not in hlo.lower(), op
 
 
+def _program_with_chain_mode(mode):
+    """A fresh jit of the speculative program in which markov_chain runs in ``mode`` (a copy: the shared
+    program's compiled cache is not touched)."""
+    import functools
+
+    from sparkjax.engine import programs
+
+    chain = functools.partial(drafting.markov_chain, mode=mode)
+    original = drafting.markov_chain
+
+    def program(*args, **kwargs):
+        drafting.markov_chain = chain  # read by Chain.propose while tracing
+        try:
+            return programs.spec_program.__wrapped__(*args, **kwargs)
+        finally:
+            drafting.markov_chain = original
+
+    return jax.jit(program, static_argnames=programs._STATIC)
+
+
+@pytest.mark.slow  # about a minute: seven generation programs are compiled
+def test_generation_with_the_fixed_point_chain(ref, fixture_target, monkeypatch):
+    """Inside the jitted generation loop the fixed-point chain reproduces DeepSpec's rounds on the fixture,
+    greedy output equals ar at batch 3, and a sampled run equals the scan's draw for draw (same seed)."""
+    from sparkjax import generate
+    from sparkjax.convert import load_drafter
+    from sparkjax.engine import api
+
+    target = fixture_target
+    drafter = load_drafter(os.path.join(FIX, "drafter"), target=target)
+    progs = {m: _program_with_chain_mode(m) for m in ("fixed_point", "scan")}
+    prompt = ref["a.prompt_ids"]
+
+    def run(mode, *args, **kwargs):
+        monkeypatch.setattr(api, "spec_program", progs[mode])
+        return generate(target, drafter, *args, method="dspark", **kwargs)
+
+    out = run("fixed_point", prompt, max_new_tokens=64)
+    assert out.tokens[0] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
+    assert out.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()[:-1]
+    p = prompt[0].tolist()
+    prompts3 = [p, np.random.default_rng(7).integers(0, 300, 13).tolist(), p[:19]]
+    ar = generate(target, None, prompts3, max_new_tokens=24).tokens
+    fixed = run("fixed_point", prompts3, max_new_tokens=24)
+    assert fixed.tokens == ar
+    assert fixed.acceptance_lengths == run("scan", prompts3, max_new_tokens=24).acceptance_lengths
+    a = run("fixed_point", prompts3, max_new_tokens=24, temperature=1.0, seed=5)
+    b = run("scan", prompts3, max_new_tokens=24, temperature=1.0, seed=5)
+    assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+    assert a.tokens != ar  # really sampled
+
+
 # ----------------------------------------------------------------------------- first_argmax / categorical
 
 
