@@ -1,7 +1,7 @@
 """The attention paths of ``sparkjax.nn.layers.attend`` against the einsum reference.
 
-``dpa`` (jax.nn.dot_product_attention) and ``blocked`` (chunked online softmax bounded by the live
-length) must agree with ``einsum`` within float tolerances on GQA shapes, tree masks over a cache,
+``dpa`` (jax.nn.dot_product_attention), ``blocked`` (chunked online softmax bounded by the live
+length) and ``prefix`` (the reference over a power-of-two prefix holding the live slots) must agree with ``einsum`` within float tolerances on GQA shapes, tree masks over a cache,
 two-part (drafter) attention and fully masked rows (zeros).
 """
 
@@ -48,14 +48,14 @@ def _tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
     return vis
 
 
-def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32):
+def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32, lengths=None):
     """Queries ``[B, T, N, H]``, a heads-major cache ``[B, K, S, H]`` with random live lengths, and a
     tree mask over the T new slots written at those lengths (the target's verify pattern)."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
     k = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
     v = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
-    lengths = jnp.asarray(rng.integers(0, s - t + 1, b), jnp.int32)
+    lengths = jnp.asarray(rng.integers(0, s - t + 1, b) if lengths is None else lengths, jnp.int32)
     block = jnp.asarray(np.stack([_tree_mask(rng, t) for _ in range(b)]))
     return q, k, v, attention_mask(lengths, block, s), lengths
 
@@ -64,7 +64,7 @@ def _close(a, b, tol):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("impl", ["dpa", "blocked"])
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
 @pytest.mark.parametrize("n,kh", [(4, 2), (4, 1), (2, 2)])  # GQA, MQA, MHA
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1))
@@ -76,7 +76,7 @@ def test_paths_match_reference_on_tree_masks(impl, n, kh, seed):
     _close(got, ref, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["dpa", "blocked"])
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
 def test_fully_masked_rows_are_zero(impl):
     q, k, v, mask, _ = _case(1, b=2, t=4, n=4, kh=2, s=32)
     mask = mask.at[0, 2].set(False).at[1].set(False)  # one query row of sequence 0, all of sequence 1
@@ -89,7 +89,7 @@ def test_fully_masked_rows_are_zero(impl):
     _close(got, ref, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["dpa", "blocked"])
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1))
 def test_two_part_context_and_block(impl, seed):
@@ -106,16 +106,17 @@ def test_two_part_context_and_block(impl, seed):
     _close(_attend(q, parts, impl, block=16), ref, 1e-5)
 
 
-def test_blocked_reads_only_live_chunks():
-    """Chunks past the last visible slot are never read: garbage (NaN) there leaves the result intact,
-    while the reference, which reads the whole bucket, is poisoned by it."""
-    q, k, v, mask, lengths = _case(2, b=2, t=3, n=4, kh=2, s=128)
+@pytest.mark.parametrize("impl", ["blocked", "prefix"])
+def test_bounded_paths_read_only_live_slots(impl):
+    """Slots past the live length (rounded up to a chunk / a power of two) are never read: garbage (NaN)
+    there leaves the result intact, while the reference, which reads the whole bucket, is poisoned by it."""
+    q, k, v, mask, lengths = _case(2, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37])
     last = int(jnp.max(lengths)) + 3  # slots [0, last) can be visible
-    cut = -(-last // 16) * 16  # the end of the last chunk the loop needs
-    assert cut < 128
+    cut = -(-last // 16) * 16 if impl == "blocked" else max(16, 1 << (last - 1).bit_length())
+    assert cut < 128, cut
     clean = _attend(q, [(k, v, mask)], "einsum")
     k_bad, v_bad = k.at[:, :, cut:].set(jnp.nan), v.at[:, :, cut:].set(jnp.nan)
-    got = _attend(q, [(k_bad, v_bad, mask)], "blocked", block=16)
+    got = _attend(q, [(k_bad, v_bad, mask)], impl, block=16)
     _close(got, clean, 1e-5)
     assert np.isnan(np.asarray(_attend(q, [(k_bad, v_bad, mask)], "einsum"))).any()
 
@@ -123,7 +124,7 @@ def test_blocked_reads_only_live_chunks():
 def test_bfloat16_paths_agree():
     q, k, v, mask, _ = _case(3, b=2, t=5, n=4, kh=2, s=64, dtype=jnp.bfloat16)
     ref = _attend(q, [(k, v, mask)], "einsum")
-    for impl in ("dpa", "blocked"):
+    for impl in ("dpa", "blocked", "prefix"):
         got = _attend(q, [(k, v, mask)], impl, block=16)
         assert got.dtype == ref.dtype == jnp.bfloat16
         _close(got, ref, 2e-2)
@@ -135,7 +136,7 @@ def test_unknown_impl_is_an_argument_error():
         layers.attend(q, [(k, v, mask)], impl="flash")
 
 
-@pytest.mark.parametrize("impl", ["dpa", "blocked"])
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
 def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl):
     """A whole Qwen3 tree-verification step over a cache gives the reference's logits with each path."""
     rng = np.random.default_rng(6)

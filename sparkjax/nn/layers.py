@@ -121,7 +121,7 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 # Which attention implementation :func:`attend` runs when none is passed (see :func:`attend`).
-ATTENTION_IMPLS = ("einsum", "dpa", "blocked")
+ATTENTION_IMPLS = ("einsum", "dpa", "blocked", "prefix")
 ATTENTION_IMPL = "einsum"
 BLOCK_SLOTS = 128  # cache slots per chunk of the blocked path
 
@@ -145,6 +145,10 @@ def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str | Non
     - ``"blocked"``: the first part in chunks of :data:`BLOCK_SLOTS` slots with an online softmax,
       stopping after the last chunk any query can see (a dynamic trip count: reads grow with the
       live length, not the cache bucket), then the other parts; never materialises the full scores.
+    - ``"prefix"``: the reference over the shortest power-of-two prefix (at least
+      :data:`BLOCK_SLOTS` slots) of the first part that holds every visible slot, picked at run
+      time by one ``lax.switch``: reads bounded by the live length with no loop (the same kernels
+      as the reference, once).
     """
     impl = ATTENTION_IMPL if impl is None else impl
     if impl not in ATTENTION_IMPLS:
@@ -153,9 +157,36 @@ def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str | Non
     parts = [(k, v, jnp.broadcast_to(m, (b, t, k.shape[2]))) for k, v, m in parts]
     if impl == "dpa":
         return _attend_dpa(q, parts)
-    if impl == "blocked" and parts[0][0].shape[2] > BLOCK_SLOTS and parts[0][0].shape[2] % BLOCK_SLOTS == 0:
+    size = parts[0][0].shape[2]
+    if impl == "blocked" and size > BLOCK_SLOTS and size % BLOCK_SLOTS == 0:
         return _attend_blocked(q, parts)
+    if impl == "prefix" and size > BLOCK_SLOTS:
+        return _attend_prefix(q, parts)
     return _attend_einsum(q, parts)
+
+
+def _live_slots(mask: Array) -> Array:
+    """One past the last slot any query of ``mask [B, T, S]`` sees (0 if none)."""
+    cols = jnp.any(mask, axis=(0, 1))
+    return jnp.max(jnp.where(cols, jnp.arange(cols.shape[0], dtype=jnp.int32) + 1, 0))
+
+
+def _attend_prefix(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+    (k0, v0, m0), rest = parts[0], parts[1:]
+    size = k0.shape[2]
+    sizes = []
+    n = size
+    while n > BLOCK_SLOTS // 2 and (not sizes or n < sizes[-1]):
+        sizes.append(n)
+        n = n // 2
+    sizes = sizes[::-1]  # ascending, ending with the whole first part
+    live = _live_slots(m0)
+    index = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < live)  # the first size that holds ``live``
+
+    def branch(n: int):
+        return lambda q, k0, v0, m0, rest: _attend_einsum(q, [(k0[:, :, :n], v0[:, :, :n], m0[..., :n]), *rest])
+
+    return jax.lax.switch(index, [branch(n) for n in sizes], q, k0, v0, m0, rest)
 
 
 def _ungrouped(out: Array) -> Array:
@@ -229,9 +260,7 @@ def _attend_blocked(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
 
     c = BLOCK_SLOTS
     # chunks past the last slot any query sees are skipped: the trip count follows the live length
-    cols = jnp.any(m0, axis=(0, 1))  # [S]
-    last = jnp.max(jnp.where(cols, jnp.arange(cols.shape[0], dtype=jnp.int32) + 1, 0))
-    trips = (last + c - 1) // c
+    trips = (_live_slots(m0) + c - 1) // c
 
     def body(state):
         i, carry = state
