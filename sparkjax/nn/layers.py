@@ -120,7 +120,12 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
-# Which attention implementation :func:`attend` runs when none is passed (see :func:`attend`).
+# Which attention implementation :func:`attend` runs when none is passed (see :func:`attend`). Read at
+# trace time: set it before the first call of a jitted program (or clear jax's caches after a change).
+# "einsum" stays the default: it is the exact reference, "dpa" is slower on CPU (it transposes the
+# heads-major cache back to token-major for jax.nn.dot_product_attention), and the bounded paths
+# ("blocked", "prefix") win on this CPU when the cache bucket is much larger than the live context
+# but add a loop / a conditional per layer, which costs sequential kernels on a GPU (issue 14, finding 3).
 ATTENTION_IMPLS = ("einsum", "dpa", "blocked", "prefix")
 ATTENTION_IMPL = "einsum"
 BLOCK_SLOTS = 128  # cache slots per chunk of the blocked path
