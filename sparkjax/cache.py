@@ -1,7 +1,7 @@
 """Fixed-shape KV caches as registered-dataclass pytrees.
 
 A :class:`KVCache` holds, for every layer, keys and values of shape
-``[B, S, K, H]`` (one array per layer) plus the committed length of each
+``[B, K, S, H]`` (heads-major, one array per layer) plus the committed length of each
 sequence ``lengths[B]``. Slots ``[0, lengths[b])`` hold sequence ``b``'s
 committed prefix; anything after that is scratch that masks never expose. New
 rows are written at traced per-sequence offsets, so one compiled program serves
@@ -12,6 +12,12 @@ One array per layer, not one stacked ``[L, ...]`` array: a decode step writes a
 layer's rows and then reads that layer for attention, and with a stacked buffer
 XLA inserts a copy of the whole cache for every layer of every step (measured
 here: 4.4 ms against 1.0 ms per step for 8 layers and 256 slots).
+
+Heads-major, not ``[B, S, K, H]``: attention contracts each kv head's ``[S, H]`` keys with its
+queries, a batched matmul over ``(B, K)``; with the slot axis outside the head axis XLA
+transposes every layer's whole K and V cache on every step to bring ``(B, K)`` to the front
+(measured on this CPU: see issue 14). Writes take token-major rows ``[B, T, K, H]`` (what the
+projections produce) and move the small block instead.
 """
 
 from __future__ import annotations
@@ -28,23 +34,25 @@ from .sharding import DEFAULT_RULES, logical_to_spec
 Array = jax.Array
 
 # Logical axes of the cache arrays (mapped onto a mesh by the rules of :mod:`sparkjax.sharding`):
-# keys / values ``[B, S, K, H]`` split over the batch and the kv heads, lengths ``[B]`` over the batch.
-KV_AXES: tuple[str | None, ...] = ("batch", None, "kv_heads", None)
+# keys / values ``[B, K, S, H]`` split over the batch and the kv heads, lengths ``[B]`` over the batch.
+KV_AXES: tuple[str | None, ...] = ("batch", "kv_heads", None, None)
 LENGTHS_AXES: tuple[str | None, ...] = ("batch",)
 
 
 def _scatter_block(buf: Array, rows: Array, offsets: Array) -> Array:
-    """``buf[b, offsets[b] + j] = rows[b, j]``; buf ``[B, S, ...]``, rows ``[B, T, ...]``; overflow dropped."""
+    """``buf[b, :, offsets[b] + j] = rows[b, j]``; buf ``[B, K, S, H]`` (heads-major), rows
+    ``[B, T, K, H]`` (token-major); rows past the end are dropped."""
     b, t = rows.shape[:2]
     batch = jnp.arange(b, dtype=jnp.int32)[:, None]
-    slots = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return buf.at[batch, slots].set(rows.astype(buf.dtype), mode="drop")
+    slots = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    # advanced indices (batch, slot) around a slice: the update's shape is [B, T, K, H], the rows as given
+    return buf.at[batch, :, slots].set(rows.astype(buf.dtype), mode="drop")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer keys/values (tuples of ``[B, S, K, H]``) and committed lengths ``[B]`` (int32)."""
+    """Per-layer keys/values (tuples of ``[B, K, S, H]``, heads-major) and committed lengths ``[B]`` (int32)."""
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
@@ -52,7 +60,7 @@ class KVCache:
 
     @classmethod
     def zeros(cls, layers: int, batch: int, size: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
-        shape = (batch, size, kv_heads, head_dim)
+        shape = (batch, kv_heads, size, head_dim)
         return cls(
             tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
             tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
@@ -61,14 +69,15 @@ class KVCache:
 
     @property
     def size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     def shardings(self, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
         """A KVCache of NamedShardings matching this cache (for ``jax.device_put`` / ``out_shardings``)."""
         return kv_cache_shardings(mesh, len(self.k), rules)
 
     def write_layer(self, layer: int, k: Array, v: Array) -> KVCache:
-        """Writes one layer's new rows ``[B, T, K, H]`` at ``lengths`` (lengths unchanged)."""
+        """Writes one layer's new rows ``[B, T, K, H]`` (token-major, as the projections make them) at
+        ``lengths`` (lengths unchanged)."""
         new_k = _replace_at(self.k, layer, _scatter_block(self.k[layer], k, self.lengths))
         new_v = _replace_at(self.v, layer, _scatter_block(self.v[layer], v, self.lengths))
         return dataclasses.replace(self, k=new_k, v=new_v)
@@ -83,13 +92,20 @@ class KVCache:
         ``start[b] + indices[b, j]`` for ``j < count[b]`` move to ``start[b] + j``
         and the committed length becomes ``start[b] + count[b]``. ``indices``
         is ``[B, A]`` (padding past ``count`` is ignored; any in-window value is fine).
+
+        Two ops per array, both touching only the ``A`` moved rows: one gather of the kept rows
+        (all heads at once) and one in-place scatter of them to ``start + j`` (rows past the end
+        dropped); the slot indices are computed once and shared by every layer.
         """
-        per_seq = jax.vmap(_compact_rows, in_axes=(0, 0, 0))  # over batch
         start = jnp.asarray(start, jnp.int32)
-        indices = jnp.asarray(indices, jnp.int32)
-        k = tuple(per_seq(buf, start, indices) for buf in self.k)
-        v = tuple(per_seq(buf, start, indices) for buf in self.v)
-        return KVCache(k, v, start + jnp.asarray(count, jnp.int32))
+        src = start[:, None] + jnp.asarray(indices, jnp.int32)  # [B, A]
+        batch = jnp.arange(src.shape[0], dtype=jnp.int32)[:, None]
+
+        def move(buf: Array) -> Array:
+            rows = buf.at[batch, :, src].get(mode="clip")  # [B, A, K, H]
+            return _scatter_block(buf, rows, start)
+
+        return KVCache(tuple(map(move, self.k)), tuple(map(move, self.v)), start + jnp.asarray(count, jnp.int32))
 
 
 def kv_cache_shardings(mesh: Mesh, layers: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
@@ -102,12 +118,6 @@ def kv_cache_shardings(mesh: Mesh, layers: int, rules: Mapping[str, str | None] 
 
 def _replace_at(items: tuple, index: int, value) -> tuple:
     return items[:index] + (value,) + items[index + 1 :]
-
-
-def _compact_rows(buf: Array, start: Array, idx: Array) -> Array:
-    """``buf[start + j] = buf[start + idx[j]]`` for all j (gather first, then write)."""
-    rows = jnp.take(buf, start + idx, axis=0, mode="clip")
-    return jax.lax.dynamic_update_slice_in_dim(buf, rows, start, axis=0)
 
 
 def attention_mask(lengths: Array, block_mask: Array, size: int) -> Array:
@@ -138,7 +148,7 @@ def causal_block(t: int) -> Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ContextCache:
-    """A drafter's context keys/values ``[L, B, S, K, H]`` and context lengths ``[B]`` (int32).
+    """A drafter's context keys/values ``[L, B, K, S, H]`` (heads-major) and context lengths ``[B]`` (int32).
 
     Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed
     positions whose target features the drafter has seen (so ``lengths[b]`` equals the
@@ -152,15 +162,15 @@ class ContextCache:
 
     @classmethod
     def zeros(cls, layers: int, batch: int, size: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> ContextCache:
-        shape = (layers, batch, size, kv_heads, head_dim)
+        shape = (layers, batch, kv_heads, size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def append(self, k: Array, v: Array, count: Array) -> ContextCache:
-        """Writes rows ``[L, B, A, K, H]`` at slots ``lengths[b] .. lengths[b] + A`` and advances
+        """Writes token-major rows ``[L, B, A, K, H]`` (as :meth:`Drafter.context_kv` makes them) at slots ``lengths[b] .. lengths[b] + A`` and advances
         ``lengths`` by ``count[b]`` (``<= A``). Rows past ``count`` are scratch beyond the new length;
         rows past the end of the cache are dropped (size the cache for ``max length + A``)."""
         per_layer = jax.vmap(_scatter_block, in_axes=(0, 0, None))

@@ -116,12 +116,12 @@ mesh = S.make_mesh(2, 4)
 cache = KVCache.zeros(3, 4, 16, 4, 8)
 sh = cache.shardings(mesh)
 assert len(sh.k) == len(sh.v) == 3
-assert tuple(sh.k[0].spec) == ("data", None, "model", None), sh.k[0].spec
+assert tuple(sh.k[0].spec) == ("data", "model", None, None), sh.k[0].spec
 assert tuple(sh.lengths.spec) == ("data",), sh.lengths.spec
 assert jax.tree.structure(sh) == jax.tree.structure(S.cache_sharding(mesh, 3))
 placed = jax.device_put(cache, sh)
 shard = placed.k[1].addressable_shards[0].data.shape
-assert shard == (2, 16, 1, 8), shard
+assert shard == (2, 1, 16, 8), shard
 assert len(placed.lengths.sharding.device_set) == 8
 rules = {**S.DEFAULT_RULES, "kv_heads": None}
 assert tuple(cache.shardings(mesh, rules).v[2].spec) == ("data", None, None, None)

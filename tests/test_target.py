@@ -155,9 +155,11 @@ def test_compact_moves_selected_rows(fixture_target):
         cache = cache.write_layer(layer, k, -k)
     out = cache.compact(jnp.array([3, 5]), jnp.array([[0, 2, 5], [1, 0, 0]]), jnp.array([3, 1]))
     np.testing.assert_array_equal(out.lengths, [6, 6])
-    np.testing.assert_array_equal(out.k[0][0, 3:6], k[0, jnp.array([0, 2, 5])])
-    np.testing.assert_array_equal(out.v[2][1, 5], -k[1, 1])
-    np.testing.assert_array_equal(out.k[1][0, :3], cache.k[1][0, :3])  # the committed prefix is untouched
+    # heads-major [B, K, S, H] cache, token-major [B, T, K, H] rows
+    np.testing.assert_array_equal(out.k[0][0, :, 3:6], jnp.swapaxes(k[0, jnp.array([0, 2, 5])], 0, 1))
+    np.testing.assert_array_equal(out.v[2][1, :, 5], -k[1, 1])
+    np.testing.assert_array_equal(out.k[1][0, :, :3], cache.k[1][0, :, :3])  # the committed prefix is untouched
+    np.testing.assert_array_equal(out.k[1][1, :, 8:11], cache.k[1][1, :, 8:11])  # rows past the moved window untouched
 
 
 def test_greedy_equals_transformers_generate_with_eos(hf_factory):

@@ -136,7 +136,7 @@ class DrafterLayer(DecoderLayer):
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
-        attn = attend(q, [(ctx_k, ctx_v, ctx_mask), (k, v, block_mask)])
+        attn = attend(q, [(ctx_k, ctx_v, ctx_mask), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), block_mask)])
         x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -199,7 +199,7 @@ class Drafter(nnx.Module):
         return self.hidden_norm(self.fc(features.astype(self.dtype)))
 
     def context_kv(self, features: Array, positions: Array) -> tuple[Array, Array]:
-        """Per-layer context keys/values ``[L, B, S, K, H]`` of features ``[B, S, F]`` at ``positions [B, S]``."""
+        """Per-layer context keys/values ``[L, B, S, K, H]`` (token-major rows) of features ``[B, S, F]`` at ``positions [B, S]``."""
         ctx = self.project_context(features)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
@@ -223,7 +223,7 @@ class Drafter(nnx.Module):
     ) -> BlockOutput:
         """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``.
 
-        ``ctx_k``/``ctx_v`` ``[L, B, S, K, H]`` are the context rows, ``ctx_mask`` ``[B, Q, S]`` and
+        ``ctx_k``/``ctx_v`` ``[L, B, K, S, H]`` (heads-major, as :class:`ContextCache` holds them) are the context rows, ``ctx_mask`` ``[B, Q, S]`` and
         ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say which context rows / block slots each
         query sees.
         """
@@ -256,5 +256,6 @@ class Drafter(nnx.Module):
                 f"mask: last axis has {mask.shape[-1]} columns, expected S + Q = {s} + {tokens.shape[1]}"
             )
         k, v = self.context_kv(features, feature_positions)
+        k, v = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)  # heads-major, as run_block takes them
         x = self.embed(tokens, target)
         return self.run_block(x, positions, k, v, mask[..., :s], mask[..., s:], return_layers=return_layers)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import ArgumentError
+
 Array = jax.Array
 
 
@@ -118,32 +120,172 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
-def attend(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+# Which attention implementation :func:`attend` runs when none is passed (see :func:`attend`). Read at
+# trace time: set it before the first call of a jitted program (or clear jax's caches after a change).
+# "einsum" stays the default: it is the exact reference, "dpa" is slower on CPU (it transposes the
+# heads-major cache back to token-major for jax.nn.dot_product_attention), and the bounded paths
+# ("blocked", "prefix") win on this CPU when the cache bucket is much larger than the live context
+# but add a loop / a conditional per layer, which costs sequential kernels on a GPU (issue 14, finding 3).
+ATTENTION_IMPLS = ("einsum", "dpa", "blocked", "prefix")
+ATTENTION_IMPL = "einsum"
+BLOCK_SLOTS = 128  # cache slots per chunk of the blocked path
+
+
+def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str | None = None) -> Array:
     """Grouped-query attention over one or several key/value sets sharing one softmax.
 
-    ``q`` ``[B, T, N, H]``; each part is ``(k [B, S_i, K, H], v [B, S_i, K, H], mask [B, T, S_i])``
-    (mask broadcastable, True = visible). The target passes one part (its cache or the new
-    tokens); a drafter passes its context rows and its block, which is attention over the
-    concatenated keys without copying the (possibly large) context keys/values. Scores and softmax
-    in float32, scale ``H ** -0.5``; a fully masked row returns zeros.
+    ``q`` ``[B, T, N, H]``; each part is ``(k [B, K, S_i, H], v [B, K, S_i, H], mask [B, T, S_i])``:
+    keys and values heads-major, as :class:`~sparkjax.cache.KVCache` stores them (mask
+    broadcastable, True = visible). The target passes one part (its cache or the new tokens); a
+    drafter passes its context rows and its block, which is attention over the concatenated keys
+    without copying the (possibly large) context keys/values. Scores and softmax in float32, scale
+    ``H ** -0.5``; a fully masked row returns zeros.
+
+    ``impl`` (default: the module's :data:`ATTENTION_IMPL`):
+
+    - ``"einsum"``: the reference. Full ``[B, N, T, S]`` float32 scores, one softmax.
+    - ``"dpa"``: :func:`jax.nn.dot_product_attention` (cuDNN on a GPU for bfloat16 / float16,
+      XLA elsewhere) over the parts concatenated token-major (that API takes ``[B, S, K, H]``
+      keys, so this path transposes the keys and values).
+    - ``"blocked"``: the first part in chunks of :data:`BLOCK_SLOTS` slots with an online softmax,
+      stopping after the last chunk any query can see (a dynamic trip count: reads grow with the
+      live length, not the cache bucket), then the other parts; never materialises the full scores.
+    - ``"prefix"``: the reference over the shortest power-of-two prefix (at least
+      :data:`BLOCK_SLOTS` slots) of the first part that holds every visible slot, picked at run
+      time by one ``lax.switch``: reads bounded by the live length with no loop (the same kernels
+      as the reference, once).
     """
+    impl = ATTENTION_IMPL if impl is None else impl
+    if impl not in ATTENTION_IMPLS:
+        raise ArgumentError(f"attend: impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    b, t = q.shape[:2]
+    parts = [(k, v, jnp.broadcast_to(m, (b, t, k.shape[2]))) for k, v, m in parts]
+    if impl == "dpa":
+        return _attend_dpa(q, parts)
+    size = parts[0][0].shape[2]
+    if impl == "blocked" and size > BLOCK_SLOTS and size % BLOCK_SLOTS == 0:
+        return _attend_blocked(q, parts)
+    if impl == "prefix" and size > BLOCK_SLOTS:
+        return _attend_prefix(q, parts)
+    return _attend_einsum(q, parts)
+
+
+def _live_slots(mask: Array) -> Array:
+    """One past the last slot any query of ``mask [B, T, S]`` sees (0 if none)."""
+    cols = jnp.any(mask, axis=(0, 1))
+    return jnp.max(jnp.where(cols, jnp.arange(cols.shape[0], dtype=jnp.int32) + 1, 0))
+
+
+def _attend_prefix(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+    (k0, v0, m0), rest = parts[0], parts[1:]
+    size = k0.shape[2]
+    sizes = []
+    n = size
+    while n > BLOCK_SLOTS // 2 and (not sizes or n < sizes[-1]):
+        sizes.append(n)
+        n = n // 2
+    sizes = sizes[::-1]  # ascending, ending with the whole first part
+    live = _live_slots(m0)
+    index = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < live)  # the first size that holds ``live``
+
+    def branch(n: int):
+        return lambda q, k0, v0, m0, rest: _attend_einsum(q, [(k0[:, :, :n], v0[:, :, :n], m0[..., :n]), *rest])
+
+    return jax.lax.switch(index, [branch(n) for n in sizes], q, k0, v0, m0, rest)
+
+
+def _ungrouped(out: Array) -> Array:
+    """``[B, K, G, T, H] -> [B, T, N, H]``."""
+    b, kh, g, t, h = out.shape
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, kh * g, h)
+
+
+def _attend_einsum(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
     b, t, n, h = q.shape
-    kh = parts[0][0].shape[2]
+    kh = parts[0][0].shape[1]
+    # q stays token-major [B, T, K, G, H]: XLA moves the (small) queries, never the cache; written as
+    # ``bkgth`` instead, XLA:CPU picks another dot blocking whose rounding then depends on S
     qg = q.reshape(b, t, kh, n // kh, h)
-    scores = [jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
+    scores = [jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
     scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)) * (h**-0.5)
-    masks = [jnp.broadcast_to(m, (b, t, k.shape[1])) for k, _, m in parts]
+    masks = [m for _, _, m in parts]
     m = (masks[0] if len(masks) == 1 else jnp.concatenate(masks, axis=-1))[:, None, None, :, :]
     scores = jnp.where(m, scores, jnp.finfo(jnp.float32).min)
     probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
     out = None
     offset = 0
     for k, v, _ in parts:
-        s = k.shape[1]
-        term = jnp.einsum("bkgts,bskh->btkgh", probs[..., offset : offset + s].astype(v.dtype), v)
+        s = k.shape[2]
+        term = jnp.einsum("bkgts,bksh->btkgh", probs[..., offset : offset + s].astype(v.dtype), v)
         out = term if out is None else out + term
         offset += s
     return out.reshape(b, t, n, h)
+
+
+def _dpa_implementation(dtype) -> str:
+    """cuDNN's fused kernel on a GPU for the half-precision dtypes it takes; XLA's otherwise."""
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "cudnn"
+    return "xla"
+
+
+def _attend_dpa(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+    k = jnp.concatenate([jnp.swapaxes(k, 1, 2) for k, _, _ in parts], axis=1)  # [B, S, K, H]
+    v = jnp.concatenate([jnp.swapaxes(v, 1, 2) for _, v, _ in parts], axis=1)
+    mask = jnp.concatenate([m for _, _, m in parts], axis=-1)  # [B, T, S]
+    out = jax.nn.dot_product_attention(
+        q.astype(k.dtype), k, v, mask=mask[:, None], implementation=_dpa_implementation(k.dtype)
+    )
+    # a fully masked row gets a uniform average of the values there: the reference returns zeros
+    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _attend_blocked(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+    h = q.shape[-1]
+    (k0, v0, m0), rest = parts[0], parts[1:]
+    b, t, n, _ = q.shape
+    kh = k0.shape[1]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, h)
+    scale = h**-0.5
+    neg = jnp.float32(-jnp.inf)
+
+    def update(carry, k, v, mask):
+        mx, l, acc = carry
+        s = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        vis = mask[:, None, None, :, :]
+        s = jnp.where(vis, s, neg)
+        new = jnp.maximum(mx, jnp.max(s, axis=-1))
+        safe = jnp.where(new == neg, 0.0, new)  # rows with nothing visible yet: every term is 0
+        p = jnp.exp(s - safe[..., None])
+        corr = jnp.exp(mx - safe)
+        l = l * corr + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return new, l, acc * corr[..., None] + pv
+
+    c = BLOCK_SLOTS
+    # chunks past the last slot any query sees are skipped: the trip count follows the live length
+    trips = (_live_slots(m0) + c - 1) // c
+
+    def body(state):
+        i, carry = state
+        at = i * c
+        k = jax.lax.dynamic_slice_in_dim(k0, at, c, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(v0, at, c, axis=2)
+        m = jax.lax.dynamic_slice_in_dim(m0, at, c, axis=2)
+        return i + 1, update(carry, k, v, m)
+
+    init = (
+        jnp.full((b, kh, g, t), neg, jnp.float32),
+        jnp.zeros((b, kh, g, t), jnp.float32),
+        jnp.zeros((b, kh, g, t, h), jnp.float32),
+    )
+    _, carry = jax.lax.while_loop(lambda st: st[0] < trips, body, (jnp.int32(0), init))
+    for k, v, m in rest:
+        carry = update(carry, k, v, m)
+    _, l, acc = carry
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return _ungrouped(out.astype(v0.dtype))
 
 
 class AttentionProjections(nnx.Module):

@@ -54,8 +54,10 @@ class DecoderLayer(nnx.Module):
         k, v = self.self_attn.keys_values(h, cos, sin)
         if cache is not None:
             cache = cache.write_layer(index, k, v)
-            if not fresh:  # a fresh cache holds nothing before the block: attend to the block alone
-                k, v = cache.k[index], cache.v[index]
+        if cache is not None and not fresh:
+            k, v = cache.k[index], cache.v[index]  # heads-major [B, K, S, H]
+        else:  # no cache, or a fresh one holding nothing before the block: attend to the block alone
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         x = x + self.self_attn.o_proj(attend(q, [(k, v, mask)]))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache

@@ -1,0 +1,161 @@
+"""The attention paths of ``sparkjax.nn.layers.attend`` against the einsum reference.
+
+``dpa`` (jax.nn.dot_product_attention), ``blocked`` (chunked online softmax bounded by the live
+length) and ``prefix`` (the reference over a power-of-two prefix holding the live slots) must agree with ``einsum`` within float tolerances on GQA shapes, tree masks over a cache,
+two-part (drafter) attention and fully masked rows (zeros).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparkjax.cache import attention_mask
+from sparkjax.errors import ArgumentError
+from sparkjax.nn import layers
+from tests.conftest import jit_call
+
+SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "block"))
+def _attend(q, parts, impl, block=None):
+    if block is None:
+        return layers.attend(q, parts, impl=impl)
+    old = layers.BLOCK_SLOTS
+    layers.BLOCK_SLOTS = block  # read at trace time
+    try:
+        return layers.attend(q, parts, impl=impl)
+    finally:
+        layers.BLOCK_SLOTS = old
+
+
+def _tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
+    """Ancestor mask of a random tree over t nodes (node 0 the root, parents before children)."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+    vis = np.zeros((t, t), bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    return vis
+
+
+def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32, lengths=None):
+    """Queries ``[B, T, N, H]``, a heads-major cache ``[B, K, S, H]`` with random live lengths, and a
+    tree mask over the T new slots written at those lengths (the target's verify pattern)."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
+    lengths = jnp.asarray(rng.integers(0, s - t + 1, b) if lengths is None else lengths, jnp.int32)
+    block = jnp.asarray(np.stack([_tree_mask(rng, t) for _ in range(b)]))
+    return q, k, v, attention_mask(lengths, block, s), lengths
+
+
+def _close(a, b, tol):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
+@pytest.mark.parametrize("n,kh", [(4, 2), (4, 1), (2, 2)])  # GQA, MQA, MHA
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1))
+def test_paths_match_reference_on_tree_masks(impl, n, kh, seed):
+    q, k, v, mask, _ = _case(seed, b=3, t=5, n=n, kh=kh, s=64)
+    ref = _attend(q, [(k, v, mask)], "einsum")
+    got = _attend(q, [(k, v, mask)], impl, block=16)
+    assert got.shape == ref.shape == q.shape
+    _close(got, ref, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
+def test_fully_masked_rows_are_zero(impl):
+    q, k, v, mask, _ = _case(1, b=2, t=4, n=4, kh=2, s=32)
+    mask = mask.at[0, 2].set(False).at[1].set(False)  # one query row of sequence 0, all of sequence 1
+    ref = _attend(q, [(k, v, mask)], "einsum")
+    got = _attend(q, [(k, v, mask)], impl, block=8)
+    np.testing.assert_array_equal(np.asarray(ref[0, 2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(got[0, 2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
+    assert np.abs(np.asarray(got[0, 1])).max() > 0  # visible rows are not zeroed
+    _close(got, ref, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1))
+def test_two_part_context_and_block(impl, seed):
+    """The drafter's pattern: context rows visible below each sequence's length, plus a dense block."""
+    rng = np.random.default_rng(seed)
+    b, g, n, kh, s, h = 2, 4, 4, 2, 48, 8
+    q = jnp.asarray(rng.normal(size=(b, g, n, h)), jnp.float32)
+    ck, cv = (jnp.asarray(rng.normal(size=(b, kh, s, h)), jnp.float32) for _ in range(2))
+    bk, bv = (jnp.asarray(rng.normal(size=(b, kh, g, h)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+    ctx_mask = jnp.broadcast_to((jnp.arange(s)[None, :] < lengths[:, None])[:, None, :], (b, g, s))
+    parts = [(ck, cv, ctx_mask), (bk, bv, jnp.ones((1, g, g), bool))]
+    ref = _attend(q, parts, "einsum")
+    _close(_attend(q, parts, impl, block=16), ref, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "prefix"])
+def test_bounded_paths_read_only_live_slots(impl):
+    """Slots past the live length (rounded up to a chunk / a power of two) are never read: garbage (NaN)
+    there leaves the result intact, while the reference, which reads the whole bucket, is poisoned by it."""
+    q, k, v, mask, lengths = _case(2, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37])
+    last = int(jnp.max(lengths)) + 3  # slots [0, last) can be visible
+    cut = -(-last // 16) * 16 if impl == "blocked" else max(16, 1 << (last - 1).bit_length())
+    assert cut < 128, cut
+    clean = _attend(q, [(k, v, mask)], "einsum")
+    k_bad, v_bad = k.at[:, :, cut:].set(jnp.nan), v.at[:, :, cut:].set(jnp.nan)
+    got = _attend(q, [(k_bad, v_bad, mask)], impl, block=16)
+    _close(got, clean, 1e-5)
+    assert np.isnan(np.asarray(_attend(q, [(k_bad, v_bad, mask)], "einsum"))).any()
+
+
+def test_bfloat16_paths_agree():
+    q, k, v, mask, _ = _case(3, b=2, t=5, n=4, kh=2, s=64, dtype=jnp.bfloat16)
+    ref = _attend(q, [(k, v, mask)], "einsum")
+    for impl in ("dpa", "blocked", "prefix"):
+        got = _attend(q, [(k, v, mask)], impl, block=16)
+        assert got.dtype == ref.dtype == jnp.bfloat16
+        _close(got, ref, 2e-2)
+
+
+def test_unknown_impl_is_an_argument_error():
+    q, k, v, mask, _ = _case(4, b=1, t=2, n=2, kh=1, s=16)
+    with pytest.raises(ArgumentError, match="impl='flash'"):
+        layers.attend(q, [(k, v, mask)], impl="flash")
+
+
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
+def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl):
+    """A whole Qwen3 tree-verification step over a cache gives the reference's logits with each path."""
+    rng = np.random.default_rng(6)
+    prefix = jnp.asarray(rng.integers(0, 300, (2, 40)), jnp.int32)
+    tree = jnp.asarray(_tree_mask(rng, 6))
+    nodes = jnp.asarray(rng.integers(0, 300, (2, 6)), jnp.int32)
+    pos = 40 + jnp.asarray(tree.sum(-1) - 1)[None].repeat(2, 0)
+
+    def run():
+        cache = fixture_target.init_cache(2, 64)
+        pre = jit_call(fixture_target, prefix, jnp.broadcast_to(jnp.arange(40), (2, 40)), cache=cache)
+        return jit_call(fixture_target, nodes, pos, cache=pre.cache.with_lengths(jnp.array([40, 33])), mask=tree)
+
+    ref = run()
+    monkeypatch.setattr(layers, "ATTENTION_IMPL", impl)
+    monkeypatch.setattr(layers, "BLOCK_SLOTS", 16)
+    jax.clear_caches()  # the setting is read at trace time
+    got = run()
+    jax.clear_caches()
+    _close(got.logits, ref.logits, 1e-4)
+    for a, b in zip(got.cache.k, ref.cache.k):
+        _close(a, b, 1e-4)
