@@ -241,6 +241,19 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
 
 # ============================================================================= the counter
 
+STAGES = ("draft", "tree", "verify", "commit")  # sparkjax.engine.round.STAGES: the round's named scopes
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def stage_of(attrs: str) -> str:
+    """The round stage named in an instruction's metadata (``.../while/body/verify/...``), else "other"."""
+    m = _OP_NAME.search(attrs)
+    if not m:
+        return "other"
+    parts = m.group(1).split("/")
+    return next((p for p in parts if p in STAGES), "other")
+
+
 
 @dataclasses.dataclass
 class Kernel:
@@ -250,6 +263,7 @@ class Kernel:
     bytes: float  # per execution
     flops: float  # per execution
     sequential: bool
+    stage: str = "other"  # the round's stage (named scope) it runs in, from the HLO metadata
 
 
 @dataclasses.dataclass
@@ -278,6 +292,16 @@ class Tally:
         """Per-kernel roofline ``max(bytes / BW, flops / peak)`` summed, plus ``launch`` per sequential kernel."""
         t = sum(k.count * max(k.bytes / bandwidth, k.flops / peak) for k in self.kernels)
         return t + launch * self.sequential_kernels
+
+    def by_stage(self) -> dict[str, dict[str, float]]:
+        """Per stage: kernels, sequential kernels and bytes executed."""
+        out: dict[str, dict[str, float]] = {}
+        for k in self.kernels:
+            d = out.setdefault(k.stage, {"kernels": 0, "sequential_kernels": 0, "bytes": 0.0})
+            d["kernels"] += int(k.count)
+            d["sequential_kernels"] += int(k.count) if k.sequential else 0
+            d["bytes"] += k.count * k.bytes
+        return out
 
     def extend(self, other: Tally) -> None:
         self.kernels += other.kernels
@@ -436,6 +460,16 @@ class HloCounter:
                 total += shape_bytes(r.shape)
         return total
 
+    def stage(self, ins: Instr) -> str:
+        """The stage in the kernel's metadata, else the most common one inside its fused computation."""
+        st = stage_of(ins.attrs)
+        body = self.comps.get(ins.attr_comp("calls") or "") if ins.op == "fusion" else None
+        if st != "other" or body is None:
+            return st
+        inner = [stage_of(i.attrs) for i in body.instrs]
+        inner = [x for x in inner if x != "other"]
+        return max(set(inner), key=inner.count) if inner else st
+
     def dot_flops(self, comp: Computation, ins: Instr) -> float:
         if ins.op == "dot":
             lhs = comp.by_name.get(ins.operands[0])
@@ -516,7 +550,7 @@ class HloCounter:
                 continue
             else:
                 b, f = self.kernel_cost(comp, ins, elided)
-                tally.kernels.append(Kernel(ins.name, ins.op, mult, b, f, in_loop))
+                tally.kernels.append(Kernel(ins.name, ins.op, mult, b, f, in_loop, self.stage(ins)))
         return tally
 
     def generation_loop(self) -> Instr:
@@ -699,7 +733,7 @@ def make_row(method: str, batch: int, preset: str, context: int, tally: Tally, a
         "unknown_loops": tally.unknown_loops, "bytes": tally.bytes, "flops": tally.flops,
         "ar_kernels": ar.total_kernels, "ar_bytes": ar.bytes, "ar_flops": ar.flops,
         "bytes_over_ar": tally.bytes / ar.bytes if ar.bytes else None,
-        "compile_s": round(compile_s, 1), "projection": True,
+        "compile_s": round(compile_s, 1), "projection": True, "stages": tally.by_stage(),
     }
     for dev in DEVICES:
         ar_t = {us: ar.seconds(dev.bandwidth, dev.peak, us * 1e-6) for us in LAUNCH_US}
@@ -719,7 +753,7 @@ def ar_row(batch: int, preset: str, context: int, ar: Tally, compile_s: float) -
            "kernels": ar.total_kernels, "sequential_kernels": ar.sequential_kernels,
            "unknown_loops": ar.unknown_loops, "bytes": ar.bytes, "flops": ar.flops,
            "ar_kernels": ar.total_kernels, "ar_bytes": ar.bytes, "ar_flops": ar.flops, "bytes_over_ar": 1.0,
-           "compile_s": round(compile_s, 1), "projection": True}
+           "compile_s": round(compile_s, 1), "projection": True, "stages": ar.by_stage()}
     for dev in DEVICES:
         for us in LAUNCH_US:
             row[f"{dev.name.lower()}_ar_steps_at_{us:g}us"] = 1.0
@@ -744,6 +778,19 @@ def format_table(rows: Sequence[dict]) -> str:
             f"{r['preset']:6} {r['batch']:>2} {label:24} {r['kernels']:>7} {r['sequential_kernels']:>5} "
             f"{r['bytes'] / 1e6:>9.1f} {r['flops'] / 1e9:>8.2f} {r['bytes_over_ar']:>6.2f} | {proj} | "
             f"{r['round_ar_steps_at_2us']:>8.2f} {spd:>7} {r['compile_s']:>6.0f}s{unk}")
+    lines += ["", "Per stage (named scopes of the round): kernels / sequential kernels / MB"]
+    names = (*STAGES, "other")
+    head2 = f"{'preset':6} {'B':>2} {'method':24} " + " ".join(f"{n:>20}" for n in names)
+    lines += [head2, "-" * len(head2)]
+    for r in rows:
+        label = r["method"] + (f"@{r['budget']}" if r["budget"] else "")
+        st = r.get("stages", {})
+        cells = []
+        for n in names:
+            d = st.get(n)
+            cells.append(f"{'-':>20}" if not d else
+                         f"{d['kernels']:>6}/{d['sequential_kernels']:>4}/{d['bytes'] / 1e6:>8.1f}")
+        lines.append(f"{r['preset']:6} {r['batch']:>2} {label:24} " + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -215,7 +215,7 @@ def run_timing(args: argparse.Namespace, out: Tee) -> None:
             for name, ts in times.items():
                 out(f"{vocab:>7} {budget:>4} | {name:<34} | {_cell(ts)} | {len(ts):>2}")
 
-            def ratio(host, dev):
+            def ratio(host, dev, times=times):
                 return (statistics.median(times[host]) / statistics.median(times[dev]),
                         min(times[host]) / min(times[dev]))
 
@@ -225,7 +225,8 @@ def run_timing(args: argparse.Namespace, out: Tee) -> None:
             diff = ratio("host naive exact heap  (a)", "device bf-fast build")
             out(f"{vocab:>7} {budget:>4} | host/device (median, min): (a) exact {a[0]:.2f}x {a[1]:.2f}x; "
                 f"(b) same tables {b[0]:.2f}x {b[1]:.2f}x; ddtree {dd[0]:.2f}x {dd[1]:.2f}x; "
-                f"[different work: naive exact / device fast {diff[0]:.1f}x {diff[1]:.1f}x]; compile {compile_s:.1f} s; "
+                f"[different work: naive exact / device fast {diff[0]:.1f}x {diff[1]:.1f}x]; "
+                f"compile {compile_s:.1f} s; "
                 f"load {load_average()}")
             summary_rows.append((vocab, budget, a, b, dd, diff, times))
     out("")

@@ -54,7 +54,7 @@ HAND_HLO = """HloModule hand, is_scheduled=true
   %so = f32[4]{0} sort(%d), dimensions={0}, to_apply=%cmp
   %zero = s32[] constant(0)
   %it = (s32[], f32[4]{0}) tuple(%zero, %so)
-  %w2 = (s32[], f32[4]{0}) while(%it), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  %w2 = (s32[], f32[4]{0}) while(%it), condition=%inner_cond, body=%inner_body, backend_config=INNER
   %o = f32[4]{0} get-tuple-element(%w2), index=1
   ROOT %t2 = (s32[], f32[4]{0}, f32[4,4]{1,0}) tuple(%i.2, %o, %m)
 }
@@ -72,10 +72,12 @@ ENTRY %main (a: f32[4], b: f32[4,4]) -> f32[4] {
   %e = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_add
   %z = s32[] constant(0)
   %init = (s32[], f32[4]{0}, f32[4,4]{1,0}) tuple(%z, %e, %b)
-  %w = (s32[], f32[4]{0}, f32[4,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_init_step":{"init":"0","step":"1"}}
+  %w = (s32[], f32[4]{0}, f32[4,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config=OUTER
   ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
 }
 """
+OUTER = '{"known_init_step":{"init":"0","step":"1"}}'  # the trip count comes from the condition (i < 5)
+HAND_HLO = HAND_HLO.replace("INNER", '{"known_trip_count":{"n":"3"}}').replace("OUTER", OUTER)
 
 
 def test_hand_written_hlo_counts_trip_counts_and_nesting():
@@ -93,7 +95,7 @@ def test_hand_written_hlo_counts_trip_counts_and_nesting():
 
 
 def test_unknown_trip_count_is_counted_once_and_reported():
-    text = HAND_HLO.replace('backend_config={"known_init_step":{"init":"0","step":"1"}}', "")
+    text = HAND_HLO.replace(f"backend_config={OUTER}", "")
     t = bench_round.count_hlo(text)
     assert t.unknown_loops == 1
     assert t.sequential_kernels == 1 * (3 + 3 + 4) + 2 * 1
