@@ -687,7 +687,10 @@ def compile_ar(preset: str, batch: int, context: int) -> tuple[str, float]:
     target = abstract_models(preset)[0]
     g, st = nnx.split(target)
     t0 = time.perf_counter()
-    lowered = ar_program.lower(g, st, *_args(batch, 16), buf_len=64, cache_size=context, sampling=False)
+    import inspect
+
+    greedy = {"sampling": False} if "sampling" in inspect.signature(ar_program).parameters else {}
+    lowered = ar_program.lower(g, st, *_args(batch, 16), buf_len=64, cache_size=context, **greedy)
     text = lowered.compile().as_text()
     return text, time.perf_counter() - t0
 

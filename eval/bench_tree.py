@@ -22,7 +22,7 @@ Examples::
 
     python eval/bench_tree.py                       # full run (~10 minutes on 2 cores)
     python eval/bench_tree.py --quick               # small vocabulary and budgets only
-    python eval/bench_tree.py --budgets 16 64 --reps 5 --skip-agreement   # the reduced timing run
+    OPENBLAS_NUM_THREADS=1 python eval/bench_tree.py --budgets 16 64 256 --reps 5   # single-threaded host BLAS
     python eval/bench_tree.py --vocab 4096 --budgets 64 --skip-agreement
     python eval/bench_tree.py --out eval/results/tree_bench.txt
 """
@@ -400,6 +400,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
         f"python {platform.python_version()}"
     )
+    threads = {k: os.environ.get(k, "unset") for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    out(f"host BLAS threads: {threads} (on a loaded machine a multi-threaded OpenBLAS spins and slows the host "
+        "heaps several-fold; OPENBLAS_NUM_THREADS=1 is steadier)")
     out(f"load average before: {load_average()} (other processes share these cores; timings are noisy)")
     t0 = time.perf_counter()
     if not args.skip_timing:
