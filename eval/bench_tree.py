@@ -20,7 +20,7 @@ Two parts:
 
 Examples::
 
-    python eval/bench_tree.py                       # full run (~10 minutes on 2 cores)
+    python eval/bench_tree.py                       # full run (a few minutes on 2 cores)
     python eval/bench_tree.py --quick               # small vocabulary and budgets only
     OPENBLAS_NUM_THREADS=1 python eval/bench_tree.py --budgets 16 64 256 --reps 5   # single-threaded host BLAS
     python eval/bench_tree.py --vocab 4096 --budgets 64 --skip-agreement
