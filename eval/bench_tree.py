@@ -2,18 +2,27 @@
 
 Two parts:
 
-1. **Timing** on this machine, medians after a warm-up (``block_until_ready``), inputs already on device:
-   the whole jitted build (candidates + Markov tables (fast / exact) + best-first or beam + visibility,
-   and on-device DDTree), next to the NumPy reference pipelines (DDTree heap + ancestor mask, naive
-   SparklingTree heap that runs the full-vocabulary Markov head at every pop + ancestor mask).
+1. **Timing** on this machine after a warm-up (``block_until_ready``), inputs already on device, every
+   measurement interleaved with the others (A B A B ...), reported as median, min and spread. Two
+   same-work comparisons of the host (NumPy reference) and the device builds:
+
+   (a) *exact*: the naive SparklingTree heap, which runs the exact full-vocabulary Markov head at every
+       pop, against the device build over EXACT tables (candidates + exact ``markov_tables`` +
+       ``best_first`` + visibility); both give the same tree;
+   (b) *same tables*: the host heap over precomputed Markov tables (``reference.table_heap``) against
+       device ``best_first`` over the same tables (+ ancestor mask / visibility on each side).
+
+   The DDTree heap against the device DDTree build is also the same work. The naive exact heap against
+   the device FAST build (approximate tables) is different work and is printed only for reference.
 2. **Agreement**: how often best-first over exact / fast Markov tables gives the same tree (the same set
    of root-to-node token paths) as the naive SparklingTree reference, on the fixture's 41 rounds of real
    DSpark base logits with the fixture drafter's Markov head, and on random Markov heads.
 
 Examples::
 
-    python eval/bench_tree.py                       # full run (~10 minutes on 2 cores)
+    python eval/bench_tree.py                       # full run (a few minutes on 2 cores)
     python eval/bench_tree.py --quick               # small vocabulary and budgets only
+    OPENBLAS_NUM_THREADS=1 python eval/bench_tree.py --budgets 16 64 256 --reps 5   # single-threaded host BLAS
     python eval/bench_tree.py --vocab 4096 --budgets 64 --skip-agreement
     python eval/bench_tree.py --out eval/results/tree_bench.txt
 """
@@ -63,17 +72,25 @@ def load_average() -> str:
 # timing
 
 
-def time_it(fn: Callable[[], object], reps: int, max_seconds: float, block: bool) -> float:
-    """Median seconds of ``reps`` calls (fewer if ``max_seconds`` runs out, at least 1); no warm-up here."""
-    times: list[float] = []
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, max_seconds: float) -> dict[str, list[float]]:
+    """Seconds of each call, measured interleaved (A B C A B C ...): ``reps`` rounds, fewer (at least 2) once
+    ``max_seconds`` have passed. Device results are blocked on (``block_until_ready``); no warm-up here."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
     start = time.perf_counter()
-    while len(times) < reps and (not times or time.perf_counter() - start < max_seconds):
-        t0 = time.perf_counter()
-        out = fn()
-        if block:
-            jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    for r in range(reps):
+        if r >= 2 and time.perf_counter() - start > max_seconds:
+            break
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summary(ts: list[float]) -> tuple[float, float, float]:
+    """(median, min, spread = (max - min) / median) of a list of seconds."""
+    med = statistics.median(ts)
+    return med, min(ts), (max(ts) - min(ts)) / med
 
 
 def device_builders(depth: int, top_c: int, budget: int) -> dict[str, Callable]:
@@ -99,8 +116,25 @@ def device_builders(depth: int, top_c: int, budget: int) -> dict[str, Callable]:
         "bf-fast": sparkling("fast", beam=False),
         "bf-exact": sparkling("exact", beam=False),
         "beam-fast": sparkling("fast", beam=True),
-        "beam-exact": sparkling("exact", beam=True),
     }
+
+
+@functools.partial(jax.jit, static_argnames=("top_c", "normalization"))
+def fast_tables(base, x_start, w1, w2, *, top_c: int, normalization: str = "fast"):
+    """The candidates and Markov tables the device build computes (its steps before best-first)."""
+    cand_tokens, _ = tree.candidates(base, top_c)
+    feats = tree.vanilla_parent_feats(w1, x_start, cand_tokens)
+    return tree.markov_tables(base, cand_tokens, feats, w2, normalization), cand_tokens
+
+
+def device_best_first(depth: int, budget: int) -> Callable:
+    """Device ``best_first`` + visibility over given tables (the same work as :func:`ref_table_pipeline`)."""
+
+    def build(tables, cand_tokens):
+        t = tree.best_first(tables, cand_tokens, budget)
+        return t, tree.visibility(t.parents, max_depth=depth)
+
+    return jax.jit(build)
 
 
 def random_inputs(rng: np.random.Generator, depth: int, vocab: int, rank: int, bias_std: float = 1.0):
@@ -125,50 +159,86 @@ def ref_naive_pipeline(
     return ref.ancestor_mask(t.parents)
 
 
+def ref_table_pipeline(tables: np.ndarray, cand_tokens: np.ndarray, budget: int) -> np.ndarray:
+    """Host heap over precomputed ``[D, C, C]`` tables (reference.table_heap) + brute-force ancestor mask."""
+    return ref.ancestor_mask(ref.table_heap(tables, cand_tokens, budget).parents)
+
+
+def _cell(ts: list[float]) -> str:
+    med, lo, spread = summary(ts)
+    return f"{med * 1e3:9.2f} {lo * 1e3:9.2f} {100 * spread:4.0f}%"
+
+
 def run_timing(args: argparse.Namespace, out: Tee) -> None:
     d, c, r = args.depth, args.top_c, args.rank
-    out(f"## Timing: D={d}, C={c}, R={r}; medians in ms (device: up to {args.reps} reps after warm-up)")
+    out(f"## Timing: D={d}, C={c}, R={r}; ms per build, interleaved (A B A B ...): median, min, spread "
+        f"((max - min) / median); up to {args.reps} rounds (>= 2; fewer once {args.max_seconds:g} s pass)")
+    out("Same-work comparisons (host / device: > 1 means the device build is faster):")
+    out("  (a) EXACT: naive host heap with exact full-vocabulary Markov mat-vecs (reference.naive_sparkling_tree,")
+    out("      restricted to the base top-C) vs the device build over EXACT tables (candidates + exact markov_tables")
+    out("      + best_first + visibility): the same tree (100% agreement below).")
+    out("  (b) SAME TABLES: host heap over precomputed fast tables (reference.table_heap + ancestor_mask) vs device")
+    out("      best_first + visibility over the same tables (the tables' cost is in neither).")
+    out("  Different work, for reference only: naive exact host heap vs the device FAST build (approximate tables).")
     header = (
-        f"{'V':>7} {'M':>4} | {'dev ddtree':>10} {'bf-fast':>9} {'bf-exact':>9} {'beam-fast':>9} "
-        f"{'beam-exact':>10} | {'ref heap':>9} {'ref naive':>10} | {'naive/bf-fast':>13} "
-        f"{'naive/bf-exact':>14} {'naive/beam-fast':>15} {'heap/dev':>8} | {'compile s':>9}"
+        f"{'V':>7} {'M':>4} | {'measurement':<34} | {'median':>9} {'min':>9} {'sprd':>5} | {'n':>2}"
     )
-    out(header)
-    out("-" * len(header))
     rng = np.random.default_rng(args.seed)
+    summary_rows = []
     for vocab in args.vocab:
         base, x_start, w1, w2 = random_inputs(rng, d, vocab, r)
         dev_args = jax.device_put((base, np.int32(x_start), w1, w2))
-        ref_reps = args.ref_reps if vocab <= 16384 else max(1, min(args.ref_reps, 2))
+        tables_dev = jax.block_until_ready(fast_tables(*dev_args, top_c=c))
+        tables_np, cands_np = (np.asarray(x) for x in jax.device_get(tables_dev))
         for budget in args.budgets:
-            dev: dict[str, float] = {}
-            compile_s = 0.0
-            for name, fn in device_builders(d, c, budget).items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*dev_args))  # compile + first run
-                compile_s += time.perf_counter() - t0
-                dev[name] = time_it(functools.partial(fn, *dev_args), args.reps, args.max_seconds, block=True)
-            heap = functools.partial(ref_heap_pipeline, base, budget)
-            naive = functools.partial(ref_naive_pipeline, base, x_start, w1, w2, budget, c)
-            ref_heap = time_it(heap, ref_reps, args.max_seconds, block=False)
-            ref_naive = time_it(naive, ref_reps, args.max_seconds, block=False)
-            ms = {k: v * 1e3 for k, v in dev.items()}
-            out(
-                f"{vocab:>7} {budget:>4} | {ms['ddtree']:>10.2f} {ms['bf-fast']:>9.2f} "
-                f"{ms['bf-exact']:>9.2f} {ms['beam-fast']:>9.2f} {ms['beam-exact']:>10.2f} | "
-                f"{ref_heap * 1e3:>9.2f} {ref_naive * 1e3:>10.2f} | "
-                f"{ref_naive / dev['bf-fast']:>12.1f}x {ref_naive / dev['bf-exact']:>13.1f}x "
-                f"{ref_naive / dev['beam-fast']:>14.1f}x {ref_heap / dev['ddtree']:>7.1f}x | "
-                f"{compile_s:>9.1f}"
-            )
-    out(
-        "dev ddtree = candidates(top-min(M,V)) + DDTree tables + best_first + visibility; "
-        "bf-* = candidates(C) + markov_tables(fast|exact) + best_first + visibility; "
-        "beam-* = the same with beam(even_widths(M, D)); ref heap = reference.ddtree_heap + ancestor_mask; "
-        "ref naive = reference.naive_sparkling_tree (restricted to the base top-C, the same problem as "
-        f"bf-exact) + ancestor_mask; ref reps <= {args.ref_reps} (<= 2 at V > 16384); "
-        "compile s = all five device builds."
-    )
+            out("")
+            out(header)
+            out("-" * len(header))
+            builders = device_builders(d, c, budget)
+            bf = device_best_first(d, budget)
+            fns = {
+                "device ddtree build": functools.partial(builders["ddtree"], *dev_args),
+                "host DDTree heap": functools.partial(ref_heap_pipeline, base, budget),
+                "device bf-exact build  (a)": functools.partial(builders["bf-exact"], *dev_args),
+                "host naive exact heap  (a)": functools.partial(ref_naive_pipeline, base, x_start, w1, w2, budget, c),
+                "device best_first, tables (b)": functools.partial(bf, *tables_dev),
+                "host heap, same tables (b)": functools.partial(ref_table_pipeline, tables_np, cands_np, budget),
+                "device bf-fast build": functools.partial(builders["bf-fast"], *dev_args),
+                "device beam-fast build": functools.partial(builders["beam-fast"], *dev_args),
+            }
+            t0 = time.perf_counter()
+            for name, fn in fns.items():
+                if name.startswith("device"):
+                    jax.block_until_ready(fn())  # compile + first run
+            compile_s = time.perf_counter() - t0
+            times = interleaved(fns, args.reps, args.max_seconds)
+            for name, ts in times.items():
+                out(f"{vocab:>7} {budget:>4} | {name:<34} | {_cell(ts)} | {len(ts):>2}")
+
+            def ratio(host, dev, times=times):
+                return (statistics.median(times[host]) / statistics.median(times[dev]),
+                        min(times[host]) / min(times[dev]))
+
+            a = ratio("host naive exact heap  (a)", "device bf-exact build  (a)")
+            b = ratio("host heap, same tables (b)", "device best_first, tables (b)")
+            dd = ratio("host DDTree heap", "device ddtree build")
+            diff = ratio("host naive exact heap  (a)", "device bf-fast build")
+            out(f"{vocab:>7} {budget:>4} | host/device (median, min): (a) exact {a[0]:.2f}x {a[1]:.2f}x; "
+                f"(b) same tables {b[0]:.2f}x {b[1]:.2f}x; ddtree {dd[0]:.2f}x {dd[1]:.2f}x; "
+                f"[different work: naive exact / device fast {diff[0]:.1f}x {diff[1]:.1f}x]; "
+                f"compile {compile_s:.1f} s; "
+                f"load {load_average()}")
+            summary_rows.append((vocab, budget, a, b, dd, diff, times))
+    out("")
+    out("## Summary (host / device ratios of medians; of mins in brackets)")
+    out(f"{'V':>7} {'M':>4} | {'(a) exact':>16} | {'(b) same tables':>16} | {'ddtree':>16} | "
+        f"{'different work':>16}")
+    for vocab, budget, a, b, dd, diff, _ in summary_rows:
+        out(f"{vocab:>7} {budget:>4} | {a[0]:6.2f}x [{a[1]:5.2f}x] | {b[0]:6.2f}x [{b[1]:5.2f}x] | "
+            f"{dd[0]:6.2f}x [{dd[1]:5.2f}x] | {diff[0]:6.1f}x [{diff[1]:5.1f}x]")
+    if max(os.getloadavg()[0], 0) > (os.cpu_count() or 1):
+        out(f"WARNING: load average {load_average()} exceeds the {os.cpu_count()} cores: other processes "
+            "competed for the CPU; compare ratios of interleaved runs, not absolute times")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,9 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-c", type=int, default=128)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--rank", type=int, default=256, help="Markov rank R (Qwen3-4B DSpark: 256)")
-    p.add_argument("--reps", type=int, default=10, help="device repetitions per measurement")
-    p.add_argument("--ref-reps", type=int, default=3, help="reference repetitions (<= 2 at V > 16384)")
-    p.add_argument("--max-seconds", type=float, default=6.0, help="stop repeating a measurement after this")
+    p.add_argument("--reps", type=int, default=7, help="interleaved rounds per configuration")
+    p.add_argument("--max-seconds", type=float, default=15.0,
+                   help="stop adding interleaved rounds (after the second) once a configuration took this long")
     p.add_argument("--agreement-budgets", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--trials", type=int, default=40, help="random Markov heads: rounds per setting")
     p.add_argument("--bias-std", type=float, nargs="+", default=[0.5, 2.0, 5.0])
@@ -320,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="also write the output to this file (the command line comes first)")
     args = p.parse_args(argv)
     if args.quick:
-        args.vocab, args.budgets, args.reps, args.ref_reps = [4096], [16, 64], 5, 1
+        args.vocab, args.budgets, args.reps = [4096], [16, 64], 5
         args.agreement_budgets, args.trials, args.bias_std = [64], 10, [2.0]
 
     out = Tee(args.out)
@@ -330,6 +400,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
         f"python {platform.python_version()}"
     )
+    threads = {k: os.environ.get(k, "unset") for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    out(f"host BLAS threads: {threads} (on a loaded machine a multi-threaded OpenBLAS spins and slows the host "
+        "heaps several-fold; OPENBLAS_NUM_THREADS=1 is steadier)")
     out(f"load average before: {load_average()} (other processes share these cores; timings are noisy)")
     t0 = time.perf_counter()
     if not args.skip_timing:
