@@ -865,10 +865,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the table here")
     ap.add_argument("--json", help="write one JSON record per row here")
     ap.add_argument("--dump-hlo", metavar="DIR", help="also write each compiled program's HLO text into DIR")
+    ap.add_argument("--chain", default="fixed_point", choices=("fixed_point", "scan"),
+                    help="the DSpark chain formulation compiled (default: the GPU's, fixed_point; XLA:CPU's own "
+                         "default is the scan)")
     a = ap.parse_args(argv)
     from sparkjax.errors import ArgumentError, SparkjaxError
 
     try:
+        from sparkjax.engine import drafting
+
+        drafting.AUTO_CHAIN_MODE = a.chain  # what mode="auto" means while these programs are traced
         if a.quick:
             presets, batches, labels = ["real"], [1], ["ar", "dspark", "sparklingtree@64"]
         else:
@@ -893,6 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = (
             f"# python eval/bench_round.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
             f"# PROJECTIONS from the optimised XLA:CPU HLO (abstract bf16 weights; nothing measured on a GPU).\n"
+            f"# DSpark chain compiled as: {a.chain}.\n"
             f"# S = {a.context} cache slots. kernels / seq: executed per round (loop trips counted) / inside "
             "loops. MB, GFLOP: own byte model, matmul FLOPs.\n"
             f"# xAR MB: round bytes over AR-step bytes. DEV@Nus: projected round cost in AR steps (per-kernel "

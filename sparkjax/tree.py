@@ -171,7 +171,7 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK) -> tuple[jax.Ar
     return top, jnp.take_along_axis(idx.reshape(*lead, n * k), pos, axis=-1)
 
 
-def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k`` over the last axis; two-stage (:func:`chunked_top_k`) for a large vocabulary on
     accelerators. XLA:CPU's own top-k is faster there (measured at [16, 151936], k = 64), so CPU keeps it."""
     if x.shape[-1] <= 2 * TOPK_CHUNK or k > TOPK_CHUNK:
@@ -200,7 +200,7 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     x = jnp.asarray(logits, jnp.float32)
     logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
     c = min(top_c, x.shape[-1])
-    cand_logp, cand_tokens = _top_k(logp, c)
+    cand_logp, cand_tokens = top_k(logp, c)
     # The barrier keeps XLA from folding later slices of the result into the top-k, which turns it into a
     # full sort of the vocabulary on CPU (100x slower at V = 152k).
     cand_tokens, cand_logp = jax.lax.optimization_barrier((cand_tokens.astype(jnp.int32), cand_logp))

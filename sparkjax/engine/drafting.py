@@ -42,6 +42,7 @@ from ..cache import ContextCache
 from ..errors import ArgumentError
 from ..nn.drafter import Drafter
 from ..sampling import first_argmax, pick
+from ..tree import top_k
 
 Array = jax.Array
 
@@ -208,12 +209,19 @@ def markov_bias(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Ar
 CHAIN_MODES = ("auto", "fixed_point", "scan")
 
 
+# What ``mode="auto"`` resolves to; None: by backend. Set at trace time, e.g. by ``eval/bench_round.py``,
+# which compiles for XLA:CPU but projects the GPU program, so it asks for the GPU's chain.
+AUTO_CHAIN_MODE: str | None = None
+
+
 def chain_mode(mode: str = "auto") -> str:
     """The chain formulation ``mode`` resolves to: ``auto`` is ``scan`` on the CPU backend, ``fixed_point``
     elsewhere (GPU / TPU, where the chain's cost is reading ``W2``)."""
     if mode not in CHAIN_MODES:
         raise ArgumentError(f"mode: expected one of {CHAIN_MODES}, got {mode!r}")
     if mode == "auto":
+        if AUTO_CHAIN_MODE is not None:
+            return AUTO_CHAIN_MODE
         return "scan" if jax.default_backend() == "cpu" else "fixed_point"
     return mode
 
@@ -355,7 +363,7 @@ def markov_chain_fixed_point(
         # candidates: each slot's k best tokens on its (noisy) base logits, and the exact Markov scores
         # between the candidates of slot g - 1 (as prev) and those of slot g (as next), built once
         rank = base / scale if noise is None else jnp.where(t > 0, noise + base / scale, base)
-        cand = jax.lax.top_k(rank, k)[1].astype(jnp.int32)  # [B, G, k]
+        cand = top_k(rank, k)[1].astype(jnp.int32)  # [B, G, k] (two-stage on accelerators)
         cand_rank = jnp.take_along_axis(rank, cand, axis=-1)  # [B, G, k]
         w2_cand = jnp.take(head.markov_w2.weight[...], cand, axis=0)  # [B, G, k, R]
         prev_cand = jnp.concatenate([jnp.broadcast_to(x0[:, None, None], (b, 1, k)), cand[:, :-1]], axis=1)
