@@ -868,13 +868,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chain", default="fixed_point", choices=("fixed_point", "scan"),
                     help="the DSpark chain formulation compiled (default: the GPU's, fixed_point; XLA:CPU's own "
                          "default is the scan)")
+    ap.add_argument("--attention", default="einsum", choices=("einsum", "dpa", "blocked", "prefix"),
+                    help="the attention path compiled (default: what accelerators run, einsum; XLA:CPU's own "
+                         "default is blocked)")
     a = ap.parse_args(argv)
     from sparkjax.errors import ArgumentError, SparkjaxError
 
+    saved = None
     try:
         from sparkjax.engine import drafting
+        from sparkjax.nn import layers
 
-        drafting.AUTO_CHAIN_MODE = a.chain  # what mode="auto" means while these programs are traced
+        # what mode="auto" / the default attention mean while these programs are traced (restored below)
+        saved = drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL
+        drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL = a.chain, a.attention
         if a.quick:
             presets, batches, labels = ["real"], [1], ["ar", "dspark", "sparklingtree@64"]
         else:
@@ -899,7 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = (
             f"# python eval/bench_round.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
             f"# PROJECTIONS from the optimised XLA:CPU HLO (abstract bf16 weights; nothing measured on a GPU).\n"
-            f"# DSpark chain compiled as: {a.chain}.\n"
+            f"# DSpark chain compiled as: {a.chain}; attention as: {a.attention}.\n"
             f"# S = {a.context} cache slots. kernels / seq: executed per round (loop trips counted) / inside "
             "loops. MB, GFLOP: own byte model, matmul FLOPs.\n"
             f"# xAR MB: round bytes over AR-step bytes. DEV@Nus: projected round cost in AR steps (per-kernel "
@@ -917,6 +924,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SparkjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if saved is not None:
+            drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL = saved
     return 0
 
 

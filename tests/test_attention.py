@@ -136,6 +136,7 @@ def test_unknown_impl_is_an_argument_error():
         layers.attend(q, [(k, v, mask)], impl="flash")
 
 
+@pytest.mark.slow  # over 5 s; CI runs it in its slow step
 @pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
 def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl):
     """A whole Qwen3 tree-verification step over a cache gives the reference's logits with each path."""
@@ -150,6 +151,8 @@ def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl)
         pre = jit_call(fixture_target, prefix, jnp.broadcast_to(jnp.arange(40), (2, 40)), cache=cache)
         return jit_call(fixture_target, nodes, pos, cache=pre.cache.with_lengths(jnp.array([40, 33])), mask=tree)
 
+    monkeypatch.setattr(layers, "ATTENTION_IMPL", "einsum")
+    jax.clear_caches()
     ref = run()
     monkeypatch.setattr(layers, "ATTENTION_IMPL", impl)
     monkeypatch.setattr(layers, "BLOCK_SLOTS", 16)
@@ -159,3 +162,17 @@ def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl)
     _close(got.logits, ref.logits, 1e-4)
     for a, b in zip(got.cache.k, ref.cache.k):
         _close(a, b, 1e-4)
+
+
+def test_auto_resolves_by_backend(monkeypatch):
+    """The default "auto" runs the blocked path on the CPU backend and the einsum reference elsewhere."""
+    seen = []
+    monkeypatch.setattr(layers, "_attend_blocked", lambda q, parts: seen.append("blocked") or q)
+    monkeypatch.setattr(layers, "_attend_einsum", lambda q, parts: seen.append("einsum") or q)
+    q = jnp.zeros((1, 1, 2, 4))
+    k = jnp.zeros((1, 1, 2 * layers.BLOCK_SLOTS, 4))
+    layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))], impl="auto")
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))], impl="auto")
+    assert seen == ["blocked", "einsum"]
+    assert layers.ATTENTION_IMPL == "auto"

@@ -153,6 +153,7 @@ def test_roofline_and_launch_projection():
     assert t.seconds(bw, peak, 2e-6) == pytest.approx(want + 10 * 2e-6)
 
 
+@pytest.mark.slow  # over 5 s; CI runs it in its slow step
 def test_smoke_run_on_the_tiny_preset(tmp_path, capsys):
     out, js = tmp_path / "round.txt", tmp_path / "round.json"
     rc = bench_round.main(["--preset", "tiny", "--batches", "1", "--methods", "ar,dspark", "--context", "64",
@@ -192,3 +193,13 @@ def test_hoisted_bf16_upcast_of_a_loop_invariant_weight_is_charged_at_bf16():
     assert sum(kk.flops for kk in dots) == 2 * n * k * k
     # the weight is read at 2 bytes an element in every trip, though XLA:CPU carries an f32 copy of it
     assert sum(kk.bytes for kk in dots) <= (n * k * 2 + k * k) * 2 + n * k * 4
+
+
+def test_main_restores_the_engine_settings(tmp_path):
+    """bench_round compiles with the accelerator's choices but leaves the process's defaults as they were."""
+    from sparkjax.engine import drafting
+    from sparkjax.nn import layers
+
+    before = drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL
+    assert bench_round.main(["--preset", "nosuch"]) == 2  # fails after the settings were switched
+    assert (drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL) == before

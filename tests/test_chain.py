@@ -85,6 +85,7 @@ def check_chain(ref, fp, passes, forced, g, exact):
     assert 1 <= int(passes) <= g
 
 
+@pytest.mark.slow  # over 5 s; CI runs it in its slow step
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
