@@ -116,6 +116,7 @@ def test_fixed_point_equals_scan(runners, seed, batch, integer, head, temperatur
     check_chain(*out, G, exact=integer and kind == "vanilla")
 
 
+@pytest.mark.slow  # about 20 s on a loaded machine; CI runs it in its slow step
 def test_pass_counts_best_and_worst_case():
     """W2 = 0: the base choices are the chain, one pass. A Markov head that forces ``next = prev + 1``:
     with every token a candidate the restricted chain is the chain (one pass); plain Jacobi (0 candidates)
@@ -150,6 +151,7 @@ def test_pass_counts_best_and_worst_case():
         np.testing.assert_array_equal(np.asarray(fp.tokens), want)
 
 
+@pytest.mark.slow  # about 20 s on a loaded machine; CI runs it in its slow step
 def test_fixture_rounds_both_formulations(ref, fixture_target):
     """Every round of the upstream fixture's generation (its base logits, its x_start): the fixed-point chain
     equals the scan (batch 1 per round and all 41 rounds as one batch, greedy and sampled), and equals
