@@ -76,7 +76,6 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 
@@ -797,18 +796,12 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_atomic(path: pathlib.Path, text: str) -> None:
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def write_atomic(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through the project's crash-safe writer (no half-written file)."""
+    from sparkjax.io.atomic import atomic_file
+
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
 
 
 def run(presets: Iterable[str], batches: Iterable[int], methods: Sequence[str], context: int, tau: float,
@@ -817,7 +810,8 @@ def run(presets: Iterable[str], batches: Iterable[int], methods: Sequence[str], 
 
     def save(name, text):
         if dump:
-            write_atomic(pathlib.Path(dump) / f"{name}.hlo.txt", text)
+            os.makedirs(dump, exist_ok=True)
+            write_atomic(os.path.join(dump, f"{name}.hlo.txt"), text)
 
     for preset in presets:
         log(describe_configs(preset))
@@ -918,9 +912,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(text, end="")
         if a.out:
-            write_atomic(pathlib.Path(a.out), text)
+            write_atomic(a.out, text)
         if a.json:
-            write_atomic(pathlib.Path(a.json), json.dumps(rows, indent=1) + "\n")
+            write_atomic(a.json, json.dumps(rows, indent=1) + "\n")
     except SparkjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
