@@ -55,6 +55,18 @@ after each stage, so they include per-call overhead the fused loop does not pay;
 batches every method had finished, marked ``interrupted``; :func:`run` restores the previous SIGINT
 handler when it returns.
 
+**Batch-size sweep** (:mod:`sparkjax.eval.sweep`; ``--batch-sizes 1,4,16,64``, or ``run(batch_sizes=...)``).
+Instead of the per-set table, every method runs at every batch size on the pool of selected prompts (the sets
+taken in turn), cycled to fill each batch (size B: ``ceil(N / B)`` batches of exactly B sequences, slot i of
+batch j holding prompt ``(j * B + i) mod N``). Each batch is timed with the protocol above (no stage pass).
+Per (method, batch size): tokens/s = output tokens / decode seconds summed over the batches (median and
+best case, with the spread), the speedup over ``ar`` at the same size, and two greedy checks: outputs equal
+``ar``'s, and equal the same prompt's output at the smallest size (the batch changes the speed only).
+Written to ``results.json`` (its ``sweep`` object: rows and raw records), ``batch_sweep.csv`` and
+``throughput_vs_batch.png`` (tokens/s against batch size, log2 axis, one line per method, ``ar``
+included; below it the speedup over ``ar``). ``--batch-size`` and ``--batch-sizes`` exclude each other.
+Every size is checked against the device's memory before anything is compiled.
+
 **Output** in ``--out``: ``results.json`` (config, package versions, setup, summary rows and every
 raw number: per-round acceptance lengths, per-depth counts, output ids, timings),
 ``results.csv`` (the summary rows, flat), ``acceptance_per_depth.png``, ``tau_speedup.png`` and

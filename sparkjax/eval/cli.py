@@ -36,6 +36,16 @@ The table shows the median and the best case, the spread (max - min) / median of
 and warns when a spread exceeds 25% or the load average exceeded the CPU count. Per-stage times
 come from a separate, synced pass of the engine's instrumented mode.
 
+batch-size sweep (--batch-sizes 1,4,16,64): instead of the per-set table, every method runs at
+every batch size on the pool of selected prompts (--max-samples per set, the sets taken in turn),
+cycled to fill each batch: size B runs ceil(N / B) batches of exactly B sequences, slot i of batch
+j holding prompt (j * B + i) mod N, so a size above N repeats prompts. Each batch is timed as
+above (warm-up of the new shape, then interleaved repetitions; no stage pass). tok/s = output
+tokens / decode seconds summed over a size's batches (median and best case, with the spread),
+speedup = tok/s over ar's at the same size. Writes results.json (its "sweep" object),
+batch_sweep.csv and throughput_vs_batch.png (tok/s against batch size per method, ar included).
+--batch-size and --batch-sizes exclude each other.
+
 examples:
   python -m sparkjax.eval
   python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16,64 --datasets stdlib_code,my.jsonl
@@ -43,10 +53,11 @@ examples:
       --datasets gsm8k,mt-bench --max-new-tokens 256 --out runs/q4b
   python -m sparkjax.eval --target tests/fixtures/tiny_dspark_b16/target \
       --drafter tests/fixtures/tiny_dspark_b16/drafter --tokenizer eval/default_pair/tokenizer
+  python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16 --batch-sizes 1,4,16,64 --max-samples 2
   python -m sparkjax.eval --compare runs/a/results.json runs/b/results.json
 
 --out is created and tested for writing before any work. Each results file is written atomically;
-outputs an earlier run left in the same folder (results.json, results.csv, the three PNGs) are
+outputs an earlier run left in the same folder (results.json, results.csv, batch_sweep.csv, the PNGs) are
 replaced or removed, and no other file is touched.
 
 Ctrl-C stops the run after the current step (a timed run, a warm-up, a stage pass; a compilation
@@ -70,6 +81,18 @@ def _csv(kind):
         return tuple(items)
 
     return parse
+
+
+def _batch_sizes(text: str):
+    """--batch-sizes: comma-separated integers; an empty entry or a non-integer is refused here, a size below 1 or
+    a duplicate by the harness's check (the same for the Python API)."""
+    items = [x.strip() for x in text.split(",")]
+    if any(not x for x in items):
+        raise argparse.ArgumentTypeError(f"empty entry in {text!r}; expected comma-separated positive integers")
+    try:
+        return tuple(int(x) for x in items)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
 
 
 def _count_or_all(text: str):
@@ -128,7 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_MAX_SAMPLES}; 0 = all)")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                    help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
-    g.add_argument("--batch-size", type=int, default=1, metavar="B", help="prompts decoded together (default: 1)")
+    batch = g.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=int, metavar="B",
+                       help="prompts decoded together in the per-set run (default: 1)")
+    batch.add_argument("--batch-sizes", type=_batch_sizes, metavar="LIST",
+                       help="run the batch-size sweep instead: every method at each of these batch sizes (e.g. "
+                            "1,4,16,64; positive, no duplicates), the selected prompts cycled to fill each batch; "
+                            "writes batch_sweep.csv and throughput_vs_batch.png (see below); not with --batch-size")
     g.add_argument("--seed", type=int, default=0,
                    help="sampling seed of the first batch, in [0, 2**63); batch i uses seed + i")
     g.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
@@ -158,7 +187,8 @@ def config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         methods=tuple(args.methods), budgets=args.budgets, top_c=args.top_c, temperature=args.temperature,
         datasets=tuple(args.datasets), max_samples=None if args.max_samples == 0 else args.max_samples,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, repeats=args.repeats,
+        max_new_tokens=args.max_new_tokens, batch_size=1 if args.batch_size is None else args.batch_size,
+        batch_sizes=args.batch_sizes, seed=args.seed, repeats=args.repeats,
         stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out, plots=not args.no_plots,
     )
 

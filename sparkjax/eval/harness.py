@@ -74,7 +74,8 @@ DEFAULT_REPEATS = 3
 SPREAD_WARNING = 0.25  # the table warns when a row's timing spread ((max - min) / median) is above this
 MAX_SEED = 2**63  # seeds are int64 on the device: [0, 2**63)
 # The files EvalResults.save writes; a re-run into the same folder replaces or removes exactly these.
-OUTPUT_FILES = ("results.json", "results.csv", "acceptance_per_depth.png", "tau_speedup.png", "stage_time.png")
+OUTPUT_FILES = ("results.json", "results.csv", "acceptance_per_depth.png", "tau_speedup.png", "stage_time.png",
+                "batch_sweep.csv", "throughput_vs_batch.png")
 STAGES = core.STAGES
 AR_LABEL = core.AR_LABEL
 DEFAULT_PAIR_NOTE = demo.NOTE
@@ -94,7 +95,9 @@ class EvalConfig:
     tree methods (None: 16, 32 and 64 when a tree method is asked for). ``max_samples``: prompts per
     set (None: all). ``stage_samples``: prompts per set (the first ones) that also get the
     instrumented stage pass (None: all of them, 0: none). ``out``: where to write results.json,
-    results.csv and the plots (None: nowhere).
+    results.csv and the plots (None: nowhere). ``batch_sizes``: run the batch-size sweep
+    (:mod:`sparkjax.eval.sweep`) at these sizes instead of the per-set batches of ``batch_size``, which must
+    then stay 1 (None: no sweep).
     """
 
     target: str | None = None
@@ -110,6 +113,7 @@ class EvalConfig:
     max_samples: int | None = DEFAULT_MAX_SAMPLES
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 1
+    batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
     repeats: int = DEFAULT_REPEATS
     stage_samples: int | None = 1
@@ -184,6 +188,14 @@ def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[list[Metho
     _positive("--max-samples", cfg.max_samples, allow_none=True)
     _positive("--max-new-tokens", cfg.max_new_tokens)
     _positive("--batch-size", cfg.batch_size)
+    if cfg.batch_sizes is not None:
+        from .sweep import check_batch_sizes
+
+        cfg.batch_sizes = check_batch_sizes(cfg.batch_sizes)
+        if cfg.batch_size != 1:
+            raise EvalError(f"--batch-size {cfg.batch_size} and --batch-sizes {','.join(map(str, cfg.batch_sizes))}: "
+                            "give one of them (--batch-sizes runs the batch-size sweep; --batch-size batches the "
+                            "per-set run)")
     _positive("--repeats", cfg.repeats)
     seed = cfg.seed
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED:
@@ -215,6 +227,12 @@ class EvalResults:
     interrupted: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     wall_seconds: float = 0.0
+    sweep: dict[str, Any] | None = None  # the batch-size sweep (--batch-sizes; sparkjax.eval.sweep), else None
+
+    @property
+    def sweep_rows(self) -> list[dict[str, Any]]:
+        """The sweep's rows, one per (batch size, method); [] without a sweep."""
+        return list((self.sweep or {}).get("rows") or [])
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": "sparkjax.eval/1", **dataclasses.asdict(self)}
@@ -242,6 +260,15 @@ class EvalResults:
         for key, kind in (("setup", dict), ("environment", dict), ("records", list), ("notes", list)):
             if key in d and not isinstance(d[key], kind):
                 raise EvalError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'list'}")
+        sweep = d.get("sweep")  # absent in files written before the batch-size sweep existed
+        if sweep is not None:
+            if not isinstance(sweep, dict) or not isinstance(sweep.get("rows", []), list):
+                raise EvalError(f"{path}: 'sweep' must be a JSON object with a 'rows' list")
+            for i, row in enumerate(sweep.get("rows", [])):
+                if not (isinstance(row, dict) and isinstance(row.get("label"), str)
+                        and isinstance(row.get("batch_size"), int) and not isinstance(row.get("batch_size"), bool)):
+                    raise EvalError(f"{path}: sweep.rows[{i}] is not a sweep row (an object with 'batch_size' and "
+                                    "'label')")
         d.setdefault("setup", {})
         d.setdefault("environment", {})
         d.setdefault("records", [])
@@ -274,13 +301,17 @@ class EvalResults:
         Each file is written atomically (a temp file renamed into place). Outputs of an earlier run in the
         same folder that this run does not write (e.g. its plots, with ``plots=False``) are removed: only
         the file names in :data:`OUTPUT_FILES`, never any other file."""
-        from .report import write_csv, write_json
+        from .report import write_csv, write_json, write_sweep_csv
 
         folder = check_out(out)
         paths: list[pathlib.Path] = []
         try:
-            paths += [write_json(self, folder / "results.json"), write_csv(self, folder / "results.csv")]
-            if plots and self.summary:
+            paths.append(write_json(self, folder / "results.json"))
+            if self.summary or self.sweep is None:  # a sweep run has no per-set summary: batch_sweep.csv instead
+                paths.append(write_csv(self, folder / "results.csv"))
+            if self.sweep is not None:
+                paths.append(write_sweep_csv(self, folder / "batch_sweep.csv"))
+            if plots and (self.summary or self.sweep_rows):
                 try:
                     import matplotlib  # noqa: F401
                 except ImportError:
@@ -719,14 +750,14 @@ def load_average() -> float | None:
         return None
 
 
-def check_memory(target, mc: MethodConfig, plan, batch_size: int, cache_size: int) -> None:
+def check_memory(target, mc: MethodConfig, plan, batch_size: int, cache_size: int, *,
+                 flag: str = "--budgets") -> None:
     """Refuses, before anything is compiled, a method whose verify step cannot fit in memory: a rough lower
     bound of what one round holds at once (the KV cache, the verify's attention scores over the cache for
-    ``budget + 1`` rows, their logits and the tree mask) against the device's memory (the host's RAM on a CPU)."""
-    if plan is None:
-        return
+    ``budget + 1`` rows (ar: 1), their logits and the tree mask) against the device's memory (the host's RAM
+    on a CPU). The EvalError names ``flag`` (``--batch-sizes`` when the batch-size sweep asks for it)."""
     c = target.config
-    rows = int(plan.nodes) + 1
+    rows = 1 if plan is None else int(plan.nodes) + 1  # ar: one token per step
     heads = int(getattr(c, "num_attention_heads", 1) or 1)
     kv = int(getattr(c, "num_key_value_heads", heads) or heads)
     hd = int(getattr(c, "head_dim", None) or (c.hidden_size // heads))
@@ -737,10 +768,11 @@ def check_memory(target, mc: MethodConfig, plan, batch_size: int, cache_size: in
                              + rows * rows)  # tree mask
     limit = _memory_limit()
     if limit and need > limit:
+        hint = "use a smaller budget" if flag == "--budgets" else "use smaller batch sizes (or a smaller budget)"
         raise EvalError(
-            f"--budgets: {mc.label} needs about {need / 2**30:.1f} GiB for one verify step (budget {plan.nodes}: "
+            f"{flag}: {mc.label} needs about {need / 2**30:.1f} GiB for one verify step (budget {rows - 1}: "
             f"{rows} rows against a {cache_size}-slot cache, batch {batch_size}), more than the "
-            f"{limit / 2**30:.1f} GiB this device has; use a smaller budget")
+            f"{limit / 2**30:.1f} GiB this device has; {hint}")
 
 
 def _memory_limit() -> int | None:
@@ -797,6 +829,8 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
             value = (value,)
         if value is not None:
             setattr(cfg, name, tuple(value))
+    if isinstance(cfg.batch_sizes, list):
+        cfg.batch_sizes = tuple(cfg.batch_sizes)
     if cfg.budgets is not None:
         try:
             cfg.budgets = tuple(int(b) if isinstance(b, str) else b for b in cfg.budgets)
@@ -859,6 +893,8 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     if not selected:
         raise EvalError("--datasets: no prompt fits the target's max_position_embeddings; lower --max-new-tokens")
     n_batches = sum(math.ceil(len(rows) / cfg.batch_size) for rows in selected.values())
+    if cfg.batch_sizes:  # the sweep: batch j of every size runs with seed + j
+        n_batches = math.ceil(sum(len(rows) for rows in selected.values()) / min(cfg.batch_sizes))
     if cfg.seed + n_batches - 1 >= MAX_SEED:
         raise EvalError(f"--seed: batch i runs with seed + i, and {cfg.seed} + {n_batches - 1} is not below 2**63")
 
@@ -880,8 +916,10 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     plans = {mc: engines[mc].plan(mc) for mc in mcs}  # validates budget / top_c against the pair (ArgumentError)
     engine.cache_size = base_engine.cache_size = core.required_cache_size(
         longest, cfg.max_new_tokens, plans.values(), prompt_width=width)
-    for mc in mcs:  # a budget whose verify cannot fit: refused now, not after minutes of compiling
-        check_memory(target, mc, plans[mc], cfg.batch_size, engine.cache_size)
+    for size in cfg.batch_sizes or (cfg.batch_size,):  # a verify that cannot fit: refused now, before compiling
+        for mc in mcs:
+            check_memory(target, mc, plans[mc], size, engine.cache_size,
+                         flag="--batch-sizes" if cfg.batch_sizes else "--budgets")
     early_stop()
     depths = {mc.label: engines[mc].depth(mc) for mc in mcs}
     labels = [mc.label for mc in mcs]
@@ -913,11 +951,21 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     from tqdm.auto import tqdm
 
     units = [(engines[mc], mc) for mc in mcs]
+    pool = sweep_records = None
+    if cfg.batch_sizes:
+        from . import sweep as _sweep
+
+        pool, sweep_records = _sweep.prompt_pool(selected), []
     try:
         sample_load()
+        if pool is not None:  # the batch-size sweep replaces the per-set batches (each shape warms up first)
+            _sweep.run_sweep(units, cfg.batch_sizes, pool, seed=cfg.seed, repeats=cfg.repeats, warmed=warmed,
+                             stop=stop, drafter_of=drafter_of, role_of=role_of, records=sweep_records,
+                             after_batch=sample_load, progress=progress)
         first = next(iter(selected.values()))[: cfg.batch_size]
         first_batch = [ids for _, _, ids in first]
-        bar = tqdm(mcs, desc="warm-up (compiling)", unit="method", disable=not progress, leave=False)
+        bar = tqdm(mcs if pool is None else [], desc="warm-up (compiling)", unit="method", disable=not progress,
+                   leave=False)
         for mc in bar:
             stop.check()
             bar.set_postfix_str(mc.label)
@@ -929,7 +977,7 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
         bar.close()
         sample_load()
         batch_no = 0
-        for name, rows in selected.items():
+        for name, rows in selected.items() if pool is None else ():
             bar = tqdm(total=len(rows), desc=f"{name}", unit="sample", disable=not progress)
             staged = 0  # batches of this set that got the stage pass
             try:
@@ -964,7 +1012,12 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     except (Stopped, KeyboardInterrupt):
         interrupted = True
         n = len({(r["dataset"], s["index"]) for r in records for s in r["samples"]})
-        notes.append(f"interrupted (Ctrl-C): the results cover the {n} sample(s) every method had finished")
+        if pool is not None:
+            done = sorted({(r["batch_size"], r["batch"]) for r in sweep_records})
+            notes.append(f"interrupted (Ctrl-C): the sweep covers the {len(done)} batch(es) every method had finished"
+                         f" ({', '.join(f'size {b} #{j}' for b, j in done[:8])}{', ...' if len(done) > 8 else ''})")
+        else:
+            notes.append(f"interrupted (Ctrl-C): the results cover the {n} sample(s) every method had finished")
     cpus = os.cpu_count() or 1
     setup["timing"] = {
         "order": "interleaved: per batch, repetition r runs every method in turn (full run, then prefill-only)",
@@ -992,10 +1045,16 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
         if row["same_as_ar"] is not None and row["same_as_ar"] < 1:
             notes.append(f"{row['dataset']}/{row['label']}: only {100 * row['same_as_ar']:.0f}% of greedy outputs "
                          "equal ar's (greedy speculative decoding should reproduce them exactly)")
+    block = None
+    if pool is not None:
+        block = _sweep.sweep_block(sweep_records, labels, cfg.batch_sizes, pool, cfg.temperature)
+        notes += _sweep.sweep_notes(block["rows"])
+        setup["timing"]["order"] = ("interleaved: per (batch size, batch), repetition r runs every method in turn "
+                                    "(full run, then prefill-only); no stage pass in a batch-size sweep")
     config_dict = dataclasses.asdict(cfg)
     results = EvalResults(config=config_dict, setup=setup, environment=_environment(), summary=summary,
                           records=records, interrupted=interrupted, notes=notes,
-                          wall_seconds=time.perf_counter() - t_start)
+                          wall_seconds=time.perf_counter() - t_start, sweep=block)
     if cfg.out:
         results.setup["files"] = results.save(cfg.out, plots=cfg.plots)
     return results

@@ -73,7 +73,9 @@ def _subtitle(results) -> str:
     if s.get("default_pair"):
         pair = f"bundled demo pair: {pair}"
     part = " [INTERRUPTED: partial results]" if results.interrupted else ""
-    return f"{pair}\n{temp}, {c['max_new_tokens']} new tokens, batch {c['batch_size']}{part}"
+    sizes = c.get("batch_sizes")
+    batch = f"batch sizes {','.join(map(str, sizes))}" if sizes else f"batch {c.get('batch_size', 1)}"
+    return f"{pair}\n{temp}, {c['max_new_tokens']} new tokens, {batch}{part}"
 
 
 def _val(x) -> float:
@@ -171,6 +173,47 @@ def stage_plot(results, path) -> pathlib.Path:
     return _save(fig, path)
 
 
+def throughput_plot(results, path) -> pathlib.Path:
+    """The batch-size sweep: throughput (tokens/s, log scale) against batch size (log2) per method, ar
+    included, with a bar from the median to the best case; below, the speedup over ar at each size."""
+    rows = results.sweep_rows
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    sizes = sorted({int(r["batch_size"]) for r in rows})
+    fig = _figure(8.0, 7.5)
+    top = fig.add_subplot(2, 1, 1)
+    bottom = fig.add_subplot(2, 1, 2, sharex=top)
+    for label in labels:
+        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["batch_size"])
+        xs = np.array([float(r["batch_size"]) for r in mine])
+        med = np.array([_val(r.get("tokens_per_s")) for r in mine])
+        best = np.array([_val(r.get("tokens_per_s_best")) for r in mine])
+        st = method_style(label)
+        kw = dict(color=st["color"], ls=st["linestyle"], marker=st["marker"], ms=5)
+        top.plot(xs, med, label=f"{label} (median)", lw=2.2 if label == AR_LABEL else 1.5, **kw)
+        top.vlines(xs, np.fmin(med, best), np.fmax(med, best), color=st["color"], lw=3, alpha=0.35)
+        if label != AR_LABEL:
+            bottom.plot(xs, [_val(r.get("speedup")) for r in mine], label=label, **kw)
+    top.set_xscale("log", base=2)
+    if any(_val(r.get("tokens_per_s")) > 0 for r in rows):  # NaN (not measured) > 0 is False
+        top.set_yscale("log")
+    top.set_ylabel("throughput (output tokens / s, all sequences)")
+    top.set_title("tokens/s against batch size (line: median runs; bar: up to the fastest runs)", fontsize=9)
+    top.grid(alpha=0.3, which="both")
+    top.legend(fontsize=7)
+    bottom.axhline(1.0, color=method_style(AR_LABEL)["color"], lw=1, ls="--", label="ar")
+    bottom.set_xlabel("batch size (sequences decoded together)")
+    bottom.set_ylabel("speedup over ar (same batch size)")
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=7)
+    if sizes:
+        bottom.set_xticks(sizes, [str(b) for b in sizes])
+        bottom.set_xlim(sizes[0] / 1.4, sizes[-1] * 1.4)
+    fill = (results.sweep or {}).get("fill", "?")
+    fig.suptitle(f"Batch-size sweep: throughput per method (prompts {fill} to fill each batch)\n"
+                 + _subtitle(results), fontsize=9)
+    return _save(fig, path)
+
+
 def _save(fig, path) -> pathlib.Path:
     """Writes the figure atomically (a temp file renamed into place)."""
     from ..convert import atomic_file
@@ -181,10 +224,15 @@ def _save(fig, path) -> pathlib.Path:
 
 
 def make_plots(results, folder, written: list | None = None) -> list[pathlib.Path]:
-    """Writes the three PNGs into ``folder``; each path is appended to ``written`` as soon as it exists."""
+    """Writes the PNGs into ``folder``: the three per-set plots when there is a summary, and
+    ``throughput_vs_batch.png`` when there is a batch-size sweep; each path is appended to ``written`` as soon
+    as it exists."""
     folder = pathlib.Path(folder)
     written = [] if written is None else written
-    for plot, name in ((acceptance_plot, "acceptance_per_depth.png"), (tau_speedup_plot, "tau_speedup.png"),
-                       (stage_plot, "stage_time.png")):
+    plots = [(acceptance_plot, "acceptance_per_depth.png"), (tau_speedup_plot, "tau_speedup.png"),
+             (stage_plot, "stage_time.png")] if results.summary else []
+    if getattr(results, "sweep_rows", None):
+        plots.append((throughput_plot, "throughput_vs_batch.png"))
+    for plot, name in plots:
         written.append(plot(results, folder / name))
     return written

@@ -33,9 +33,10 @@ def timing_warnings(results, threshold: float | None = None) -> list[str]:
     if threshold is None:
         threshold = timing.get("spread_warning", 0.25)
     out = []
-    noisy = [r for r in results.summary if _ok(r.get("timing_spread")) and r["timing_spread"] > threshold]
+    rows = [*results.summary, *_sweep_rows(results)]
+    noisy = [r for r in rows if _ok(r.get("timing_spread")) and r["timing_spread"] > threshold]
     if noisy:
-        shown = ", ".join(f"{r['dataset']}/{r['label']} {100 * r['timing_spread']:.0f}%" for r in noisy[:6])
+        shown = ", ".join(f"{_where(r)}/{r['label']} {100 * r['timing_spread']:.0f}%" for r in noisy[:6])
         more = f" and {len(noisy) - 6} more" if len(noisy) > 6 else ""
         out.append(f"WARNING: timing spread above {100 * threshold:.0f}% ({shown}{more}): these timings are noisy; "
                    "rerun on a quieter machine or with more --repeats")
@@ -43,12 +44,24 @@ def timing_warnings(results, threshold: float | None = None) -> list[str]:
     if _ok(load) and _ok(cpus) and load > cpus:
         out.append(f"WARNING: the load average reached {load:.1f} during the run, above the {cpus} CPU cores: other "
                    "processes competed for the CPU, so tok/s and speedups are unreliable")
-    unmeasured = [r for r in results.summary if r.get("unmeasured_batches")]
+    unmeasured = [r for r in rows if r.get("unmeasured_batches")]
     if unmeasured:
         out.append("WARNING: decode time not measured for some batches (prefill-only took as long as the full run): "
-                   + ", ".join(f"{r['dataset']}/{r['label']} {r['unmeasured_batches']}/{r.get('timed_batches')}"
+                   + ", ".join(f"{_where(r)}/{r['label']} {r['unmeasured_batches']}/{r.get('timed_batches')}"
                                for r in unmeasured[:6]))
     return ([""] + out) if out else []
+
+
+def _sweep_rows(results) -> list[dict[str, Any]]:
+    """The batch-size sweep's rows (none in a normal run or in a file written before the sweep existed)."""
+    sweep = getattr(results, "sweep", None)
+    rows = sweep.get("rows") if isinstance(sweep, dict) else None
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def _where(row: dict[str, Any]) -> str:
+    """The row's scope in messages: its dataset, or ``batch B`` for a sweep row."""
+    return str(row["dataset"]) if "dataset" in row else f"batch {row.get('batch_size')}"
 
 
 def _clean(x):
@@ -105,6 +118,31 @@ def write_csv(results, path: str | os.PathLike) -> pathlib.Path:
     return path
 
 
+def write_sweep_csv(results, path: str | os.PathLike) -> pathlib.Path:
+    """Writes ``batch_sweep.csv`` atomically: one row per (batch size, method) of the batch-size sweep."""
+    from ..io.atomic import atomic_file
+
+    path = pathlib.Path(path)
+    rows = _sweep_rows(results)
+    fields: list[str] = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    with atomic_file(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields or ["batch_size", "label"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v)
+                        for k, v in r.items()})
+    return path
+
+
+def _batch_text(c: dict[str, Any]) -> str:
+    sizes = c.get("batch_sizes")
+    if sizes:
+        return f"batch sizes {','.join(str(b) for b in sizes)} (sweep)"
+    return f"batch {c.get('batch_size', 1)}"
+
+
 def _header(results) -> list[str]:
     c, s, e = results.config, results.setup, results.environment
     temp = "greedy" if not c["temperature"] else f"temperature {c['temperature']}"
@@ -113,7 +151,7 @@ def _header(results) -> list[str]:
         f"sparkjax.eval: target {s['target']}  drafter {s['drafter']}  ({s['dtype']})",
         *([f"  baseline drafter {s['baseline_drafter']} for {', '.join(s['baseline_methods'])}"]
           if s.get("baseline_drafter") and s.get("baseline_methods") else []),
-        f"  {temp}; {c['max_new_tokens']} new tokens; batch {c['batch_size']}; up to {c['max_samples'] or 'all'} "
+        f"  {temp}; {c['max_new_tokens']} new tokens; {_batch_text(c)}; up to {c['max_samples'] or 'all'} "
         f"prompts per set; {runs} per "
         f"prompt and method; {e['backend']} ({e.get('device_kind')}), "
         f"{e['cpu_count']} CPU cores",
@@ -126,6 +164,11 @@ def format_table(results) -> str:
     lines = _header(results)
     if results.interrupted:
         lines.append("  INTERRUPTED: partial results (the samples every method had finished)")
+    if not results.summary and getattr(results, "sweep", None) is not None:
+        lines += format_sweep(results)
+        lines += timing_warnings(results)
+        lines += [f"note: {n}" for n in results.notes]
+        return "\n".join(lines)
     if not results.summary:
         lines.append("\n(no finished sample)")
         lines += [f"note: {n}" for n in results.notes]
@@ -185,6 +228,46 @@ def format_table(results) -> str:
     return "\n".join(lines)
 
 
+def format_sweep(results) -> list[str]:
+    """The batch-size sweep's table: one line per (batch size, method)."""
+    sweep = results.sweep if isinstance(getattr(results, "sweep", None), dict) else {}
+    rows = _sweep_rows(results)
+    per_set = sweep.get("prompts_per_set") or {}
+    sets = ", ".join(f"{k} {v}" for k, v in per_set.items())
+    lines = ["", f"batch-size sweep: {sweep.get('prompts', '?')} prompts ({sets}); "
+             + (sweep.get("fill_text") or f"fill: {sweep.get('fill')}")]
+    if not rows:
+        return [*lines, "(no finished batch)"]
+    mw = max(6, *(len(r["label"]) for r in rows))
+    head = (f"{'batch':>5}  {'method':<{mw}}  {'seqs':>4}  {'tau':>6}  {'tok/s':>9}  {'tok/s':>9}  {'spread':>6}  "
+            f"{'speedup':>7}  {'speedup':>7}  {'same':>5}  {'same':>7}")
+    sub = (f"{'size':>5}  {'':<{mw}}  {'':>4}  {'pooled':>6}  {'median':>9}  {'best':>9}  {'':>6}  "
+           f"{'vs ar':>7}  {'best':>7}  {'as ar':>5}  {'batches':>7}")
+    lines += [head, sub, "-" * len(sub)]
+    prev = None
+    for r in rows:
+        if prev is not None and r["batch_size"] != prev:
+            lines.append("")
+        prev = r["batch_size"]
+        spread, same, across = r.get("timing_spread"), r.get("same_as_ar"), r.get("same_across_batches")
+        lines.append(
+            f"{r['batch_size']:>5}  {r['label']:<{mw}}  {r.get('n_sequences', 0):>4}  "
+            f"{_num(r.get('tau_pooled'), '6.2f'):>6}  {_num(r.get('tokens_per_s'), '9.1f'):>9}  "
+            f"{_num(r.get('tokens_per_s_best'), '9.1f'):>9}  "
+            f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
+            f"{_times(r.get('speedup')):>7}  {_times(r.get('speedup_best')):>7}  "
+            f"{(_num(same, '.2f') if r['label'] != 'ar' else '-'):>5}  {_num(across, '.2f'):>7}"
+        )
+    lines += [
+        "",
+        "tok/s = output tokens / decode seconds, summed over the batches of a size (all sequences; decode = full run -",
+        "prefill-only run, median over the interleaved repetitions; 'best': the fastest runs); speedup = tok/s / ar's",
+        "tok/s at the same batch size; same as ar: outputs equal to ar's at the same slot; same batches: outputs equal",
+        "to the same prompt's output at the smallest batch size (greedy: both 1.00).",
+    ]
+    return lines
+
+
 COMPARED = (("tau_pooled", "tau pooled", ".2f"), ("tau_per_response", "tau resp", ".2f"),
             ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speedup", ".2f"))
 
@@ -193,6 +276,8 @@ def compare(a, b, name_a: str = "A", name_b: str = "B") -> str:
     """Per (dataset, method): each metric in run A, in run B, and B - A (with the relative change)."""
     ia = {(r["dataset"], r["label"]): r for r in a.summary}
     ib = {(r["dataset"], r["label"]): r for r in b.summary}
+    ia.update({(_where(r), r["label"]): r for r in _sweep_rows(a)})  # sweep rows: "batch B" / method
+    ib.update({(_where(r), r["label"]): r for r in _sweep_rows(b)})
     keys = [k for k in ia if k in ib]
     lines = [f"A = {name_a}", f"B = {name_b}", ""]
     dw = max([7, *(len(k[0]) for k in keys)])
