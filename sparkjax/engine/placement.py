@@ -209,6 +209,16 @@ def place_state(state: Any, mesh: Mesh | None) -> Any:
     return jax.tree.map(move, shardings, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def place_model(model, mesh: Mesh | None):
+    """Places ``model``'s weights on ``mesh`` in place (:func:`place_state`; returns the model), so that later
+    generations on that mesh reuse them instead of placing them per call. Multi-process safe."""
+    if mesh is not None:
+        from flax import nnx
+
+        nnx.update(model, place_state(nnx.state(model), mesh))
+    return model
+
+
 def _put_reuse(x, sharding: NamedSharding):
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
@@ -265,17 +275,26 @@ def _specs(shardings: Any) -> Any:
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """How many of each collective op (:data:`COLLECTIVES`, async ``-start`` forms included) a compiled
-    module's text holds: static occurrences (an op inside a loop body counts once)."""
+def collective_ops(hlo_text: str) -> list[tuple[str, str]]:
+    """``(kind, result type)`` of every collective op (:data:`COLLECTIVES`, async ``-start`` forms included)
+    in a compiled module's text, e.g. ``("all-reduce", "f32[4,9,64]{2,1,0}")``: static occurrences (an op
+    inside a loop body is listed once)."""
     import re
 
-    pattern = re.compile(r"= [^=]*? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-    counts = dict.fromkeys(COLLECTIVES, 0)
+    pattern = re.compile(r"= (.*?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+    ops = []
     for line in hlo_text.splitlines():
         m = pattern.search(line)
         if m:
-            counts[m.group(1)] += 1
+            ops.append((m.group(2), m.group(1)))
+    return ops
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective op (:data:`COLLECTIVES`) :func:`collective_ops` finds."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for kind, _ in collective_ops(hlo_text):
+        counts[kind] += 1
     return counts
 
 

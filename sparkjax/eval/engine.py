@@ -60,6 +60,13 @@ class Engine:
         self.cache_size = int(cache_size)
         self.prompt_width = int(prompt_width)
         self.mesh = mesh  # a jax.sharding.Mesh (data x model) or None: one device
+        if mesh is not None:  # place the weights once, not per launch (a launch reuses placed arrays)
+            from ..engine.placement import check_mesh, place_model
+
+            check_mesh(mesh, target, drafter)
+            place_model(target, mesh)
+            if drafter is not None:
+                place_model(drafter, mesh)
         self._plans: dict[MethodConfig, Any] = {}
 
     path = "fixed-shape"  # recorded in results.json: every batch shares one prompt width, cache and capacity
