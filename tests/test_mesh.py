@@ -160,6 +160,12 @@ ROUND_SCRIPT = textwrap.dedent("""
         for b, toks in enumerate(step):
             got[b] += toks
     res["stream_equal"] = got == want
+    # sampling on the mesh draws the same tokens as one device (partitionable threefry keys)
+    kw = dict(method="dspark", max_new_tokens=12, temperature=1.0, seed=3)
+    one = engine.generate(target, drafter, prompts, **kw).tokens
+    res["sampled_equal"] = engine.generate(target, drafter, prompts, mesh=mesh, **kw).tokens == one
+    res["sampled_differs_from_greedy"] = one != engine.generate(target, drafter, prompts, method="dspark",
+                                                               max_new_tokens=12).tokens
     print(json.dumps(res))
 """)
 
@@ -192,6 +198,7 @@ def test_round_collectives_bad_meshes_and_stream_on_8_devices(xla_cache):
     assert errors["batch"] and "batch of 6 sequence(s) does not divide over the mesh's data axis of size 4" \
         in errors["batch"]
     assert res["stream_equal"]
+    assert res["sampled_equal"] and res["sampled_differs_from_greedy"]
 
 
 # ----------------------------------------------------------------------------- two processes
