@@ -23,7 +23,11 @@ depth); engines serving DSpark's Markov head under tensor parallelism found exac
 per-step collectives dominated, and fixed it by replicating the head on every rank. Replicated,
 each model rank builds the same tree from the same (already all-reduced) hidden states, with no
 collective at all: a round's only collectives are the two all-reduces per layer that tensor
-parallelism needs (attention output and MLP down projection) in the target and the drafter.
+parallelism needs (attention output and MLP down projection) in the target and the drafter
+(``eval/mesh_collectives.py`` counts them; CPU's blocked attention over more than 128 cache slots adds
+one boolean all-reduce over ``data``: its trip count is the last slot any sequence sees). The greedy tree
+builder runs per data shard (:func:`per_sequence`); a *sampled* one is left to XLA's partitioner, which
+gathers the block logits over ``data`` for its top-k (correct, with the same random draws as one device).
 
 Multi-process (``jax.distributed.initialize``): the mesh spans every process's devices; inputs are
 assembled with :func:`jax.make_array_from_callback` from the host values every process holds (the
