@@ -41,12 +41,25 @@ LENGTHS_AXES: tuple[str | None, ...] = ("batch",)
 
 def _scatter_block(buf: Array, rows: Array, offsets: Array) -> Array:
     """``buf[b, :, offsets[b] + j] = rows[b, j]``; buf ``[B, K, S, H]`` (heads-major), rows
-    ``[B, T, K, H]`` (token-major); rows past the end are dropped."""
-    b, t = rows.shape[:2]
-    batch = jnp.arange(b, dtype=jnp.int32)[:, None]
-    slots = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    # advanced indices (batch, slot) around a slice: the update's shape is [B, T, K, H], the rows as given
-    return buf.at[batch, :, slots].set(rows.astype(buf.dtype), mode="drop")
+    ``[B, T, K, H]`` (token-major); rows past the end are dropped.
+
+    Written per sequence and vmapped over the batch: the scatter then carries the batch as a
+    *batching* dimension, which XLA's SPMD partitioner keeps local to each shard of a batch-sharded
+    cache (an explicit ``buf.at[arange(B), :, slots]`` index makes it all-gather the rows and indices
+    of the whole batch onto every data shard instead)."""
+    t = rows.shape[1]
+
+    def one(buf_b: Array, rows_b: Array, offset: Array) -> Array:  # [K, S, H], [T, K, H], []
+        slots = offset + jnp.arange(t, dtype=jnp.int32)
+        return buf_b.at[:, slots].set(jnp.swapaxes(rows_b, 0, 1).astype(buf_b.dtype), mode="drop")
+
+    return jax.vmap(one)(buf, rows, offsets)
+
+
+def _gather_rows(buf: Array, src: Array) -> Array:
+    """``buf[b, :, src[b, j]]`` as token-major rows ``[B, A, K, H]`` (indices clipped), per sequence and
+    vmapped over the batch like :func:`_scatter_block`."""
+    return jax.vmap(lambda buf_b, src_b: jnp.swapaxes(buf_b.at[:, src_b].get(mode="clip"), 0, 1))(buf, src)
 
 
 @jax.tree_util.register_dataclass
@@ -99,11 +112,9 @@ class KVCache:
         """
         start = jnp.asarray(start, jnp.int32)
         src = start[:, None] + jnp.asarray(indices, jnp.int32)  # [B, A]
-        batch = jnp.arange(src.shape[0], dtype=jnp.int32)[:, None]
 
         def move(buf: Array) -> Array:
-            rows = buf.at[batch, :, src].get(mode="clip")  # [B, A, K, H]
-            return _scatter_block(buf, rows, start)
+            return _scatter_block(buf, _gather_rows(buf, src), start)
 
         return KVCache(tuple(map(move, self.k)), tuple(map(move, self.v)), start + jnp.asarray(count, jnp.int32))
 
@@ -170,7 +181,8 @@ class ContextCache:
         return self.k.shape[3]
 
     def append(self, k: Array, v: Array, count: Array) -> ContextCache:
-        """Writes token-major rows ``[L, B, A, K, H]`` (as :meth:`Drafter.context_kv` makes them) at slots ``lengths[b] .. lengths[b] + A`` and advances
+        """Writes token-major rows ``[L, B, A, K, H]`` (as :meth:`Drafter.context_kv` makes them) at slots
+        ``lengths[b] .. lengths[b] + A`` and advances
         ``lengths`` by ``count[b]`` (``<= A``). Rows past ``count`` are scratch beyond the new length;
         rows past the end of the cache are dropped (size the cache for ``max length + A``)."""
         per_layer = jax.vmap(_scatter_block, in_axes=(0, 0, None))

@@ -147,18 +147,19 @@ def arguments(draw):
 def stubbed_programs():
     """The jitted programs replaced by stubs returning arrays of their output shapes."""
 
-    def ar(gdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size, sampling):
+    def ar(gdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size, sampling, mesh=None):
         b = tokens.shape[0]
         return jnp.zeros((b, buf_len), jnp.int32), jnp.ones((b,), jnp.int32), jnp.full((b,), -1, jnp.int32)
 
-    def spec(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len):
+    def spec(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
+             mesh=None):
         b = tokens.shape[0]
         z = jnp.zeros((b,), jnp.int32)
         return (jnp.zeros((b, buf_len), jnp.int32), z + 1, jnp.zeros((b, buf_len), jnp.int32), z,
                 jnp.zeros((b, plan.depth), jnp.int32), z - 1)
 
-    def instrumented(target, drafter, args, plan, size, buf_len):
-        return decode.GenerateOutput([[0]] * args[0].shape[0], [[1]] * args[0].shape[0])
+    def instrumented(target, drafter, run):
+        return decode.GenerateOutput([[0]] * run.prompts.batch, [[1]] * run.prompts.batch)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(api, "ar_program", ar)

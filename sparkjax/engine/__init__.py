@@ -6,6 +6,7 @@
 * :mod:`~sparkjax.engine.round`: draft -> expand -> verify -> accept -> commit, one function each;
 * :mod:`~sparkjax.engine.programs`: the jitted prefill, AR and speculative programs;
 * :mod:`~sparkjax.engine.state`: the registered dataclasses passed between them;
+* :mod:`~sparkjax.engine.placement`: a run on a device mesh (``mesh=``): checks, placement, sharding constraints;
 * :mod:`~sparkjax.engine.api`: validation, :func:`generate`, :func:`launch`, :func:`stream`.
 """
 

@@ -22,6 +22,7 @@ from flax import nnx
 from ..errors import ArgumentError, SparkjaxError
 from .checks import MAX_SLOTS, bucket, check_int, check_models, describe, is_int
 from .methods import Method, Plan, parse_method
+from .placement import check_mesh, place_args, place_state, to_host
 from .programs import ar_program, spec_program, spec_start, spec_step, split_pair, stage_call
 from .round import STAGES, spec_round
 from .state import DeviceArgs
@@ -254,11 +255,11 @@ def raise_if_nonfinite(nonfinite: Any) -> None:
 
 
 def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, stage_seconds=None) -> GenerateOutput:
-    out, n = np.asarray(out), np.asarray(n)
+    out, n = to_host(out), to_host(n)
     tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
     if accept_lens is None:
         return GenerateOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
-    accept_lens, rounds, depth_hits = np.asarray(accept_lens), np.asarray(rounds), np.asarray(depth_hits)
+    accept_lens, rounds, depth_hits = to_host(accept_lens), to_host(rounds), to_host(depth_hits)
     lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
     return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds)
 
@@ -384,7 +385,8 @@ def _key(seed: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A validated generation: the method, the padded prompts, the EOS ids, the temperature, the static
-    plan (None for ``ar``), the cache size, the output-buffer length, the seed and ``max_new_tokens``."""
+    plan (None for ``ar``), the cache size, the output-buffer length, the seed, ``max_new_tokens`` and the
+    device mesh (None: one device)."""
 
     method: Method
     prompts: Prompts
@@ -395,10 +397,21 @@ class Run:
     buf_len: int
     seed: int
     max_new_tokens: int
+    mesh: Any = None
 
     def device_args(self) -> DeviceArgs:
-        """The run's traced inputs, on device."""
-        return _device_args(self.prompts, self.max_new_tokens, self.eos, self.temperature, self.seed)
+        """The run's traced inputs, on device (placed on the mesh when there is one)."""
+        args = _device_args(self.prompts, self.max_new_tokens, self.eos, self.temperature, self.seed)
+        return place_args(args, self.mesh)
+
+    def split(self, target, drafter=None):
+        """``(graphdef, state)`` of the target (``ar``), else of the pair (:func:`split_pair`), the states
+        placed on the mesh (a new state; the modules are not modified)."""
+        if drafter is None:
+            gdef, state = nnx.split(target)
+            return gdef, place_state(state, self.mesh)
+        graphdefs, states = split_pair(target, drafter)
+        return graphdefs, tuple(place_state(st, self.mesh) for st in states)
 
 
 def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, temperature: float, seed: int) -> DeviceArgs:
@@ -408,7 +421,7 @@ def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, tempera
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
              normalization="fast", max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
-             cache_size=None, prompt_width=None, capacity=None) -> Run:
+             cache_size=None, prompt_width=None, capacity=None, mesh=None) -> Run:
     """Validates every argument of a generation (those of :func:`generate`) and returns the :class:`Run`."""
     check_models(target, drafter)
     method = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
@@ -423,11 +436,12 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     eos = eos_array(eos_token_ids, cfg.vocab_size)
     temperature = check_temperature(temperature)
     plan = method.plan(target, drafter, temperature > 0)
+    mesh = check_mesh(mesh, target, drafter if plan is not None else None, prompts.batch)
     size = check_lengths(prompts, max_new_tokens, cfg.max_position_embeddings, cache_size, plan)
     buf_len = _buf_len(max_new_tokens, capacity, plan)
     check_memory(target, drafter, plan, prompts, size, buf_len, cache_size=cache_size, capacity=capacity,
                  prompt_width=prompt_width)
-    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens)
+    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh)
 
 
 def generate(
@@ -448,6 +462,7 @@ def generate(
     prompt_width: int | None = None,
     capacity: int | None = None,
     instrument: bool = False,
+    mesh: Any = None,
 ) -> GenerateOutput:
     """Generates continuations of ``prompt_ids`` (``[B, P]`` ints or a list of lists).
 
@@ -475,26 +490,34 @@ def generate(
     violation raises :class:`~sparkjax.errors.ArgumentError` (a mismatched pair
     :class:`~sparkjax.errors.IncompatiblePairError`). If the target's logits turn non-finite (NaN
     or Inf weights, an overflow), :class:`NumericalError` names the first such round and sequence.
+
+    ``mesh``: a :class:`jax.sharding.Mesh` with axes ``("data", "model")`` (or either alone;
+    :func:`sparkjax.sharding.make_mesh` builds one, over the devices of every process after
+    ``jax.distributed.initialize``): tensor parallel over the attention heads and the FFN on ``model``,
+    data parallel over the batch on ``data`` (:mod:`sparkjax.engine.placement` says what is placed
+    where). The modules are not modified: their weights are placed for the run (free when already
+    placed by :func:`sparkjax.sharding.shard_model`). The tokens are the same as on one device. The
+    ``model`` axis must divide the heads, KV heads and FFN width, the ``data`` axis the batch.
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
     options = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
                    max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature, seed=seed,
-                   cache_size=cache_size, prompt_width=prompt_width, capacity=capacity)
+                   cache_size=cache_size, prompt_width=prompt_width, capacity=capacity, mesh=mesh)
     if instrument:
         run = validate(target, drafter, prompt_ids, **options)
         if run.plan is None:
             raise ArgumentError("instrument: the instrumented mode times speculative rounds; method 'ar' has none")
-        return _instrumented(target, drafter, run.device_args(), run.plan, run.cache_size, run.buf_len)
+        return _instrumented(target, drafter, run)
     *res, nonfinite = launch(target, drafter, prompt_ids, report_nonfinite=True, **options)
-    raise_if_nonfinite(nonfinite)
+    raise_if_nonfinite(to_host(nonfinite))
     return _outputs(*res)
 
 
 def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget=None, top_c=None,
            widths=None, normalization="fast", max_new_tokens: int = 128, eos_token_ids=None,
            temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
-           capacity: int | None = None, report_nonfinite: bool = False) -> tuple[Array, ...]:
+           capacity: int | None = None, report_nonfinite: bool = False, mesh: Any = None) -> tuple[Array, ...]:
     """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
 
     Returns device arrays: ``(out [B, buf], n [B])`` for ``ar``, plus ``(accept_lens [B, R],
@@ -506,21 +529,25 @@ def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     ``report_nonfinite=True`` it appends the ``nonfinite [B]`` int32 flags (the first round whose
     target logits held a NaN or an Inf, 0 for the prefill; -1 when all were finite), which
     :func:`raise_if_nonfinite` checks once the caller syncs.
+
+    ``mesh``: as in :func:`generate`; the returned arrays are then global arrays sharded over the
+    batch (:func:`sparkjax.engine.placement.to_host` copies one to the host, across processes too).
     """
     if not isinstance(report_nonfinite, bool | np.bool_):
         raise ArgumentError(f"report_nonfinite: expected True or False, got {describe(report_nonfinite)}")
     run = validate(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
                    normalization=normalization, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
                    temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
-                   capacity=capacity)
+                   capacity=capacity, mesh=mesh)
     args = run.device_args()
     if run.plan is None:
-        gdef, state = nnx.split(target)
+        gdef, state = run.split(target)
         res = ar_program(gdef, state, *args, buf_len=run.buf_len, cache_size=run.cache_size,
-                         sampling=run.temperature > 0)
+                         sampling=run.temperature > 0, mesh=run.mesh)
     else:
-        graphdefs, states = split_pair(target, drafter)
-        res = spec_program(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
+        graphdefs, states = run.split(target, drafter)
+        res = spec_program(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len,
+                           mesh=run.mesh)
     return tuple(res) if report_nonfinite else tuple(res[:-1])
 
 
@@ -539,44 +566,51 @@ def stream(
     temperature: float = 0.0,
     seed: int = 0,
     cache_size: int | None = None,
+    mesh: Any = None,
 ):
     """Like :func:`generate`, but yields each round's new tokens: a list per sequence (possibly empty).
 
     Runs the same jitted round as :func:`generate`, one call per round, so it syncs with the host
     once per round by design (for notebooks). The concatenated yields equal ``generate(...).tokens``.
     The arguments are validated when ``stream`` is called, before it returns the generator; a round
-    whose target logits are not finite raises :class:`NumericalError` instead of yielding.
+    whose target logits are not finite raises :class:`NumericalError` instead of yielding. ``mesh``: as in
+    :func:`generate` (each round's state stays on the mesh, donated from round to round).
     """
     check_models(target, drafter)
     spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
     if not spec.speculative:
         raise ArgumentError("method: stream() runs speculative rounds; use generate(method='ar') for the target alone")
     run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
-                   eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size)
+                   eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
+                   mesh=mesh)
     return _stream_rounds(target, drafter, run)
 
 
 def _stream_rounds(target, drafter, run: Run):
-    graphdefs, states = split_pair(target, drafter)
+    graphdefs, states = run.split(target, drafter)
     args = run.device_args()
-    state = spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    state = spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len,
+                       mesh=run.mesh)
     batch = run.prompts.batch
     seen = np.zeros(batch, np.int64)
     while True:
-        n, out, done, bad = (np.asarray(x) for x in (state.n, state.out, state.done, state.nonfinite))
+        n, out, done, bad = (to_host(x) for x in (state.n, state.out, state.done, state.nonfinite))
         raise_if_nonfinite(bad)
         yield [out[b, seen[b] : n[b]].tolist() for b in range(batch)]
         seen = n
         if done.all():
             return
-        state = spec_step(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan)
+        state = spec_step(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan,
+                          mesh=run.mesh)
 
 
-def _instrumented(target, drafter, args: DeviceArgs, plan: Plan, size: int, buf_len: int) -> GenerateOutput:
+def _instrumented(target, drafter, run: Run) -> GenerateOutput:
     """Runs the round of :func:`~sparkjax.engine.round.spec_round` with each stage as its own jitted call,
     blocking after each, and sums the wall time of each stage."""
-    graphdefs, states = split_pair(target, drafter)
-    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=size, buf_len=buf_len)
+    graphdefs, states = run.split(target, drafter)
+    args, plan = run.device_args(), run.plan
+    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len,
+                       mesh=run.mesh)
     times = dict.fromkeys(STAGES, 0.0)
 
     def timed(fn, *stage_args, plan):
@@ -585,7 +619,7 @@ def _instrumented(target, drafter, args: DeviceArgs, plan: Plan, size: int, buf_
         times[fn.stage] += time.perf_counter() - t0
         return res
 
-    while not bool(np.asarray(state.done).all()):
+    while not bool(to_host(state.done).all()):
         state = spec_round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
-    raise_if_nonfinite(state.nonfinite)
+    raise_if_nonfinite(to_host(state.nonfinite))
     return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, times)

@@ -16,7 +16,8 @@ from flax import nnx
 from ..sampling import pick
 from .drafting import append_context
 from .methods import Plan
-from .round import flag_nonfinite, spec_round
+from .placement import constrain, per_sequence
+from .round import expand, flag_nonfinite, spec_round
 from .state import SpecState
 
 
@@ -41,16 +42,19 @@ def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, .
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "buf_len", "cache_size", "sampling"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh"))
 def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size,
-               sampling=True):
+               sampling=True, mesh=None):
     """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite)``.
 
     ``sampling`` (static) is False for a greedy run (temperature 0): the program is then a plain argmax loop
-    with no key splitting and no sampling branch, the baseline every speculative method is measured against."""
+    with no key splitting and no sampling branch, the baseline every speculative method is measured against.
+    ``mesh`` (static): the carried cache and buffers are pinned to their shardings
+    (:func:`~sparkjax.engine.placement.state_shardings`)."""
     model = nnx.merge(graphdef, state)
     b = tokens.shape[0]
     cache, logits, _ = prefill(model, tokens, lengths, cache_size)
+    cache = constrain(cache, mesh)
     sub = None
     if sampling:
         key, sub = jax.random.split(key)
@@ -74,12 +78,13 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
         nxt = pick(step.logits[:, 0], temperature, sub)
         bad = flag_nonfinite(bad, step.logits, ~done, n)  # step n makes token n + 1
         write = jnp.where(done, buf_len, n)  # out of range -> dropped
-        out = out.at[jnp.arange(b), write].set(nxt, mode="drop")
+        out = jax.vmap(lambda o, w, x: o.at[w].set(x, mode="drop"))(out, write, nxt)  # batch-local on a mesh
         n = n + (~done).astype(jnp.int32)
         done = done | jnp.isin(nxt, eos) | (n >= max_new)
-        return cache, out, n, done, key, bad
+        return constrain((cache, out, n, done, key, bad), mesh)
 
-    _, out, n, _, _, bad = jax.lax.while_loop(cond, body, (cache, out, n, done, key, bad))
+    carry = constrain((cache, out, n, done, key, bad), mesh)
+    _, out, n, _, _, bad = jax.lax.while_loop(cond, body, carry)
     return out, n, bad
 
 
@@ -103,35 +108,56 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
     )
 
 
-_STATIC = ("graphdefs", "plan", "cache_size", "buf_len")
+_STATIC = ("graphdefs", "plan", "cache_size", "buf_len", "mesh")
+
+
+def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, mesh=None) -> SpecState:
+    """:func:`~sparkjax.engine.round.spec_round` with every stage's output pinned to its sharding on
+    ``mesh`` (:func:`~sparkjax.engine.placement.constrain`: the drafter block, the tree arrays and the
+    verify logits batch over ``data`` and replicated over ``model``, caches over ``data`` x KV heads).
+    The greedy tree builder runs per data shard (:func:`~sparkjax.engine.placement.per_sequence`).
+    Without a mesh it is ``spec_round`` itself."""
+    if mesh is None:
+        return spec_round(target, drafter, state, plan, max_new, eos, temperature)
+
+    def call(fn, *args, **kwargs):
+        if fn is expand and not plan.sampling:  # the greedy tree builder: per sequence, no collective
+            return per_sequence(lambda d, *a: fn(target, d, *a, **kwargs), mesh, drafter, *args)
+        return constrain(fn(target, drafter, *args, **kwargs), mesh)
+
+    return spec_round(target, drafter, state, plan, max_new, eos, temperature, call=call)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len):
+def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
+                 mesh=None):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
-    depth_hits, nonfinite)``."""
+    depth_hits, nonfinite)``. ``mesh`` (static): the state and each stage's output are pinned to their
+    shardings (:func:`placed_round`)."""
     target, drafter = merge_pair(graphdefs, states)
     state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len)
     state = jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: spec_round(target, drafter, s, plan, max_new, eos, temperature),
-        state,
+        lambda s: placed_round(target, drafter, s, plan, max_new, eos, temperature, mesh),
+        constrain(state, mesh),
     )
     return state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len):
+def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
+               mesh=None):
     """:func:`spec_prefill` as its own jitted call: the state before the first round."""
     target, drafter = merge_pair(graphdefs, states)
-    return spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len)
+    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len)
+    return constrain(state, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "plan"), donate_argnames=("state",))
-def spec_step(graphdefs, states, state, max_new, eos, temperature, *, plan):
-    """One :func:`~sparkjax.engine.round.spec_round` as its own jitted call."""
+@functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "mesh"), donate_argnames=("state",))
+def spec_step(graphdefs, states, state, max_new, eos, temperature, *, plan, mesh=None):
+    """One :func:`~sparkjax.engine.round.spec_round` as its own jitted call (the state is donated)."""
     target, drafter = merge_pair(graphdefs, states)
-    return spec_round(target, drafter, state, plan, max_new, eos, temperature)
+    return constrain(placed_round(target, drafter, state, plan, max_new, eos, temperature, mesh), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdefs", "fn", "plan"))

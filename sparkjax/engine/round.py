@@ -92,7 +92,6 @@ def accept(prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Ac
 
 def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, eos, *, plan: Plan) -> SpecState:
     """Writes the accepted tokens, compacts the target cache and extends the drafter context."""
-    b = ver.tokens.shape[0]
     d = plan.depth
     start = state.cache.lengths
     length, bonus = acc.length, acc.bonus
@@ -107,7 +106,8 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     keep = jnp.minimum(jnp.minimum(length, first_eos + 1), max_new - state.n)
     keep = jnp.where(active, keep, 0)
     cols = jnp.where(j < keep[:, None], state.n[:, None] + j, state.out.shape[1])
-    out = state.out.at[jnp.arange(b)[:, None], cols].set(emitted, mode="drop")
+    # per-sequence writes vmapped over the batch (a batching dimension XLA keeps local to each data shard)
+    out = jax.vmap(lambda o, c, e: o.at[c].set(e, mode="drop"))(state.out, cols, emitted)
     n = state.n + keep
     done = state.done | (active & ((first_eos < length) | (n >= max_new)))
     count = jnp.where(active, length, 0)
@@ -115,7 +115,7 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     acc_feats = jnp.take_along_axis(ver.features, idx[..., None], axis=1)
     ctx = drafting.append_context(drafter, state.ctx, acc_feats, count)
     r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
-    accept_lens = state.accept_lens.at[jnp.arange(b), r].set(length, mode="drop")
+    accept_lens = jax.vmap(lambda a, i, x: a.at[i].set(x, mode="drop"))(state.accept_lens, r, length)
     hits = (jnp.arange(d)[None] < (length - 1)[:, None]) & active[:, None]
     return SpecState(
         cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,

@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stage-samples", type=_count_or_all, default=1, metavar="N",
                    help="prompts per set (the first N with at least one round) that also get the separate, "
                         "instrumented per-stage pass (default: 1; 0: none; 'all')")
+    g.add_argument("--mesh", metavar="DATAxMODEL", default=None,
+                   help="shard generation over a DATA x MODEL device mesh: data parallel over the batch, tensor "
+                        "parallel over heads / FFN (default: one device)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at EOS (default: stop at the target's generation_config / tokenizer EOS ids)")
     g = p.add_argument_group("output")
@@ -190,6 +193,7 @@ def config_from_args(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, batch_size=1 if args.batch_size is None else args.batch_size,
         batch_sizes=args.batch_sizes, seed=args.seed, repeats=args.repeats,
         stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out, plots=not args.no_plots,
+        mesh=args.mesh,
     )
 
 

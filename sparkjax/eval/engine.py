@@ -13,8 +13,6 @@ import dataclasses
 import functools
 from typing import Any
 
-import numpy as np
-
 from .. import engine as core
 from ..engine.api import check_temperature
 from ..engine.methods import Method, parse_method
@@ -54,13 +52,21 @@ class Engine:
     """Runs one pair with a fixed cache size, EOS set and temperature."""
 
     def __init__(self, target, drafter, *, eos: list[int], temperature: float, max_new_tokens: int,
-                 cache_size: int, prompt_width: int):
+                 cache_size: int, prompt_width: int, mesh=None):
         self.target, self.drafter = target, drafter
         self.eos_ids = list(eos)
         self.temperature = check_temperature(temperature)
         self.max_new_tokens = int(max_new_tokens)
         self.cache_size = int(cache_size)
         self.prompt_width = int(prompt_width)
+        self.mesh = mesh  # a jax.sharding.Mesh (data x model) or None: one device
+        if mesh is not None:  # place the weights once, not per launch (a launch reuses placed arrays)
+            from ..engine.placement import check_mesh, place_model
+
+            check_mesh(mesh, target, drafter)
+            place_model(target, mesh)
+            if drafter is not None:
+                place_model(drafter, mesh)
         self._plans: dict[MethodConfig, Any] = {}
 
     path = "fixed-shape"  # recorded in results.json: every batch shares one prompt width, cache and capacity
@@ -91,7 +97,15 @@ class Engine:
     def _kwargs(self, mc: MethodConfig, max_new: int, seed: int) -> dict[str, Any]:
         return dict(method=mc.spec, max_new_tokens=max_new, eos_token_ids=self.eos_ids or None,
                     temperature=self.temperature, seed=seed, cache_size=self.cache_size,
-                    prompt_width=self.prompt_width, capacity=self.max_new_tokens)
+                    prompt_width=self.prompt_width, capacity=self.max_new_tokens, mesh=self.mesh)
+
+    def padded(self, batch: list[list[int]]) -> list[list[int]]:
+        """``batch`` padded (with copies of its last prompt) to a multiple of the mesh's data axis; the
+        extra rows' outputs are dropped by :meth:`outputs` / :meth:`instrumented`."""
+        from ..engine.placement import axis_size
+
+        d = 1 if self.mesh is None else axis_size(self.mesh, "data")
+        return list(batch) + [batch[-1]] * (-len(batch) % d)
 
     # ------------------------------------------------------------------ runs
 
@@ -99,19 +113,24 @@ class Engine:
         """Dispatches one generation without waiting; ``prefill_only`` stops before the first round."""
         max_new = 1 if prefill_only else self.max_new_tokens
         drafter = self.drafter if mc.speculative else None
-        return core.launch(self.target, drafter, batch, report_nonfinite=True, **self._kwargs(mc, max_new, seed))
+        return core.launch(self.target, drafter, self.padded(batch), report_nonfinite=True,
+                           **self._kwargs(mc, max_new, seed))
 
     def instrumented(self, mc: MethodConfig, batch: list[list[int]], seed: int) -> BatchOutput:
         """The engine's instrumented mode (each stage its own jitted call, synced and timed)."""
-        out = core.generate(self.target, self.drafter, batch, instrument=True,
-                              **self._kwargs(mc, self.max_new_tokens, seed))
-        return BatchOutput([list(t) for t in out.tokens], [list(a) for a in out.acceptance_lengths],
-                           [list(h) for h in out.accepted_per_depth], dict(out.stage_seconds or {}))
+        out = core.generate(self.target, self.drafter, self.padded(batch), instrument=True,
+                            **self._kwargs(mc, self.max_new_tokens, seed))
+        n = len(batch)
+        return BatchOutput([list(t) for t in out.tokens[:n]], [list(a) for a in out.acceptance_lengths[:n]],
+                           [list(h) for h in out.accepted_per_depth[:n]], dict(out.stage_seconds or {}))
 
     @staticmethod
-    def outputs(res) -> BatchOutput:
-        """Host copies of a finished launch's arrays; raises NumericalError if the target's logits were not finite."""
-        arrays = [np.asarray(x) for x in res]
+    def outputs(res, size: int | None = None) -> BatchOutput:
+        """Host copies of a finished launch's arrays (the first ``size`` sequences: the rest pad a batch to
+        the mesh's data axis); raises NumericalError if the target's logits were not finite."""
+        from ..engine.placement import to_host
+
+        arrays = [to_host(x)[:size] for x in res]
         core.raise_if_nonfinite(arrays.pop())  # the target's logits must stay finite (NumericalError)
         out, n = arrays[0], arrays[1]
         tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]

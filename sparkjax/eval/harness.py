@@ -120,6 +120,7 @@ class EvalConfig:
     ignore_eos: bool = False
     out: str | None = None
     plots: bool = True
+    mesh: str | None = None  # "DATAxMODEL": generation sharded over a device mesh (None: one device)
 
 
 def _positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = False):
@@ -705,7 +706,7 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             pre_s[mc].append(time.perf_counter() - t0)
     raws: dict[MethodConfig, dict[str, Any]] = {}
     for eng, mc in units:
-        out: BatchOutput = eng.outputs(res[mc])
+        out: BatchOutput = eng.outputs(res[mc], len(batch))
         n_out = sum(len(t) for t in out.tokens)
         if mc.speculative:
             iterations = max((len(a) for a in out.acceptance_lengths), default=0)
@@ -734,6 +735,22 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             "stage": stage,
         }
     return raws
+
+
+def eval_mesh(text: str | None):
+    """The ``--mesh DATAxMODEL`` device mesh (:func:`sparkjax.sharding.make_mesh`), or None for one device."""
+    if text is None:
+        return None
+    from ..errors import ArgumentError
+    from ..sharding import make_mesh
+
+    parts = str(text).lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise EvalError(f"--mesh: expected DATAxMODEL with positive sizes (such as 2x4), got {text!r}")
+    try:
+        return make_mesh(int(parts[0]), int(parts[1]))
+    except ArgumentError as e:
+        raise EvalError(f"--mesh: {e}") from None
 
 
 def run_batch(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: int, repeats: int,
@@ -902,12 +919,13 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     longest = max(len(ids) for rows in selected.values() for _, _, ids in rows)
     width = core.bucket(longest)
     # one engine per drafter, sharing the target, the cache size and the prompt width
+    mesh = eval_mesh(cfg.mesh)
     engine = Engine(target, pair.drafter, eos=eos, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                    cache_size=1, prompt_width=width)
+                    cache_size=1, prompt_width=width, mesh=mesh)
     base_engine = engine
     if pair.baseline is not None and pair.baseline is not pair.drafter:
         base_engine = Engine(target, pair.baseline, eos=eos, temperature=cfg.temperature,
-                             max_new_tokens=cfg.max_new_tokens, cache_size=1, prompt_width=width)
+                             max_new_tokens=cfg.max_new_tokens, cache_size=1, prompt_width=width, mesh=mesh)
     use_base = {mc: pair.baseline is not None and uses_baseline(mc) for mc in mcs}
     engines = {mc: base_engine if use_base[mc] else engine for mc in mcs}
     drafter_of = {mc: (pair.baseline_dir if use_base[mc] else pair.drafter_dir) if mc.speculative else None
@@ -932,6 +950,7 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
                     for mc in mcs],
         "labels": labels, "depths": depths,
         "eos_token_ids": eos, "cache_size": engine.cache_size, "prompt_width": width, "timing_path": engine.path,
+        "mesh": None if mesh is None else dict(mesh.shape),
         "datasets": [{"name": s.name, "path": s.path, "kind": s.kind, "prompts_in_file": len(s),
                       "used": [i for i, _, _ in selected.get(s.name, [])]} for s in sets],
         "skipped": skipped,

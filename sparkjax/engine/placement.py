@@ -1,0 +1,319 @@
+"""Placing a generation on a device mesh: checks, input placement and in-program sharding constraints.
+
+A generation with ``mesh=`` (a :class:`jax.sharding.Mesh` with axes ``("data", "model")``, or either
+one alone) runs the same jitted programs as a single-device one, with its inputs placed and its
+carried state constrained to explicit shardings:
+
+* **weights**: by the logical-axis rules of :mod:`sparkjax.sharding` (tensor parallel over the
+  attention heads, KV heads and the FFN on ``model``; embeddings, the LM head and every ``vocab``
+  table replicated);
+* **KV cache** ``[B, K, S, H]``: batch over ``data``, KV heads over ``model``
+  (:data:`sparkjax.cache.KV_AXES`); the **drafter context** ``[L, B, K, S, H]`` the same way;
+* **everything else a round carries or passes between stages** (prompts, output buffers, lengths,
+  the drafter's block logits, the tree arrays, the verify logits, the accepted path): batch over
+  ``data``, *replicated over* ``model``; the PRNG key and scalars replicated.
+
+What is replicated over ``model``, and why. The Markov head's factors (``markov_w1`` / ``markov_w2``,
+``vocab x rank`` tables), the drafter's block logits, the tree tables and the tree builder (top-c,
+the best-first / beam expansion, the ancestor mask) are all *per sequence* work that is small
+next to a layer but runs as a long chain of tiny dependent ops (a top-k, a gather, a scan per
+depth). Sharding any of it over ``model`` would put a collective inside each of those steps
+(vocab-sharded logits need an all-reduce / all-gather for every top-k and every softmax of a
+depth); engines serving DSpark's Markov head under tensor parallelism found exactly that
+per-step collectives dominated, and fixed it by replicating the head on every rank. Replicated,
+each model rank builds the same tree from the same (already all-reduced) hidden states, with no
+collective at all: a round's only collectives are the two all-reduces per layer that tensor
+parallelism needs (attention output and MLP down projection) in the target and the drafter
+(``eval/mesh_collectives.py`` counts them; CPU's blocked attention over more than 128 cache slots adds
+one boolean all-reduce over ``data``: its trip count is the last slot any sequence sees). The greedy tree
+builder runs per data shard (:func:`per_sequence`); a *sampled* one is left to XLA's partitioner, which
+gathers the block logits over ``data`` for its top-k (correct, with the same random draws as one device).
+
+Multi-process (``jax.distributed.initialize``): the mesh spans every process's devices; inputs are
+assembled with :func:`jax.make_array_from_callback` from the host values every process holds (the
+same prompts and weights on each), and :func:`to_host` gathers a global output back on every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ..cache import KV_AXES, ContextCache, KVCache
+from ..errors import ArgumentError
+from ..sharding import DEFAULT_RULES, logical_to_spec
+from .checks import describe
+
+MESH_AXES = ("data", "model")  # the axis names a generation mesh may have (a subset, in any order)
+CTX_AXES: tuple[str | None, ...] = (None, *KV_AXES)  # drafter context [L, B, K, S, H]
+
+
+def rules_for(mesh: Mesh) -> dict[str, str | None]:
+    """:data:`~sparkjax.sharding.DEFAULT_RULES` restricted to the axes ``mesh`` has (a missing axis replicates)."""
+    return {k: (v if v in mesh.axis_names else None) for k, v in DEFAULT_RULES.items()}
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+    return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+def _divides(what: str, size: int, axis: int, label: str) -> None:
+    if size % axis:
+        raise ArgumentError(f"mesh: the {label} axis of size {axis} does not divide {what} ({size})")
+
+
+def check_mesh(mesh: Any, target, drafter=None, batch: int | None = None) -> Mesh | None:
+    """Validates a generation mesh against the pair and the batch; returns it (None stays None).
+
+    The mesh's axis names must be among :data:`MESH_AXES` with Auto axis types; its ``model`` axis must
+    divide the attention heads, the KV heads and the FFN width of the target (and of the drafter);
+    its ``data`` axis must divide ``batch``. Each violation is an :class:`ArgumentError` naming the sizes.
+    """
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        raise ArgumentError(f"mesh: expected a jax.sharding.Mesh with axes {MESH_AXES} (or None), got "
+                            f"{describe(mesh)}")
+    names = tuple(mesh.axis_names)
+    unknown = [n for n in names if n not in MESH_AXES]
+    if unknown or len(set(names)) != len(names):
+        raise ArgumentError(
+            f"mesh: axis names {names} (shape {dict(mesh.shape)}) are not among {MESH_AXES}: unknown "
+            f"{tuple(unknown)}; build the mesh with sparkjax.sharding.make_mesh(data, model)"
+        )
+    explicit = [n for n, t in zip(names, mesh.axis_types, strict=True) if t != AxisType.Auto]
+    if explicit:
+        raise ArgumentError(f"mesh: axes {tuple(explicit)} are not AxisType.Auto (sparkjax.sharding.make_mesh "
+                            "builds Auto axes; Explicit axes are not supported)")
+    m = axis_size(mesh, "model")
+    for role, model in (("target", target), ("drafter", drafter)):
+        if model is None or m == 1:
+            continue
+        c = model.config
+        _divides(f"the {role}'s num_attention_heads", c.num_attention_heads, m, "model")
+        _divides(f"the {role}'s num_key_value_heads", c.num_key_value_heads, m, "model")
+        _divides(f"the {role}'s intermediate_size", c.intermediate_size, m, "model")
+    if batch is not None:
+        d = axis_size(mesh, "data")
+        if batch % d:
+            raise ArgumentError(
+                f"prompt_ids: a batch of {batch} sequence(s) does not divide over the mesh's data axis of size {d} "
+                f"(pad the batch to a multiple of {d})"
+            )
+    return mesh
+
+
+# ----------------------------------------------------------------------------- placement (host -> mesh)
+
+
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``x`` on ``sharding``. One process: :func:`jax.device_put`. Several: the global array assembled from
+    the host value each process holds (the same on every process), with no cross-process transfer."""
+    if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        data = put(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=impl)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def batch_spec(x: Any, rules: Mapping[str, str | None]) -> PartitionSpec:
+    """Batch-first arrays: batch over the data axis; scalars and PRNG keys replicated."""
+    if getattr(x, "ndim", 0) == 0:
+        return PartitionSpec()
+    return PartitionSpec(rules.get("batch"), *([None] * (x.ndim - 1)))
+
+
+def state_shardings(tree: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a pytree of a generation's arrays (a :class:`~sparkjax.engine.state.SpecState`,
+    a stage's output, a KV cache, the run's arguments): KV caches by :data:`~sparkjax.cache.KV_AXES`,
+    the drafter context by :data:`CTX_AXES`, a drafter block's per-layer outputs ``[L, B, ...]`` over
+    the batch, every other array batch-first over ``data`` and replicated over ``model``."""
+    rules = rules_for(mesh)
+
+    def named(spec: PartitionSpec) -> NamedSharding:
+        return NamedSharding(mesh, spec)
+
+    def leaf(x):
+        if isinstance(x, KVCache):
+            kv = named(logical_to_spec(KV_AXES, rules))
+            return KVCache((kv,) * len(x.k), (kv,) * len(x.v), named(batch_spec(x.lengths, rules)))
+        if isinstance(x, ContextCache):
+            ctx = named(logical_to_spec(CTX_AXES, rules))
+            return ContextCache(ctx, ctx, named(batch_spec(x.lengths, rules)))
+        if _is_draft_block(x):
+            layers = None if x.layers is None else named(PartitionSpec(None, rules.get("batch")))
+            return type(x)(named(batch_spec(x.logits, rules)), named(batch_spec(x.hidden, rules)), layers)
+        return named(batch_spec(x, rules))
+
+    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, KVCache | ContextCache) or _is_draft_block(x))
+
+
+def _is_draft_block(x) -> bool:
+    from .drafting import DraftBlock
+
+    return isinstance(x, DraftBlock)
+
+
+def constrain(tree: Any, mesh: Mesh | None) -> Any:
+    """Inside a jitted program: pins ``tree`` to :func:`state_shardings` (no-op without a mesh)."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))
+
+
+def place_args(args: Any, mesh: Mesh | None) -> Any:
+    """A run's :class:`~sparkjax.engine.state.DeviceArgs` on the mesh (prompts over ``data``, scalars,
+    EOS ids and the key replicated)."""
+    if mesh is None:
+        return args
+    rules = rules_for(mesh)
+    fields = []
+    for name, x in zip(args._fields, args, strict=True):
+        spec = batch_spec(x, rules) if name in ("tokens", "lengths") else PartitionSpec()
+        fields.append(put(x, NamedSharding(mesh, spec)))
+    return type(args)(*fields)
+
+
+def model_shardings(state: Any, mesh: Mesh) -> Any:
+    """NamedShardings for an ``nnx.split`` state: each Variable by its ``axes`` metadata under
+    :func:`rules_for` ``(mesh)``, replicated when it has none."""
+    from flax import nnx
+
+    rules = rules_for(mesh)
+
+    def spec(v):
+        axes = v.get_metadata().get("axes") if isinstance(v, nnx.Variable) else None
+        if axes is None:
+            return NamedSharding(mesh, PartitionSpec())
+        return NamedSharding(mesh, logical_to_spec(tuple(axes), rules))
+
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def place_state(state: Any, mesh: Mesh | None) -> Any:
+    """An ``nnx.split`` model state on the mesh (a new state: the module is not modified). Arrays already
+    on their sharding are reused as they are, so a model placed once (``sharding.shard_model``) costs nothing."""
+    if mesh is None:
+        return state
+    from flax import nnx
+
+    shardings = model_shardings(state, mesh)
+
+    def move(sharding, variable):
+        return jax.tree.map(lambda x: _put_reuse(x, sharding), variable)
+
+    return jax.tree.map(move, shardings, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def place_model(model, mesh: Mesh | None):
+    """Places ``model``'s weights on ``mesh`` in place (:func:`place_state`; returns the model), so that later
+    generations on that mesh reuse them instead of placing them per call. Multi-process safe."""
+    if mesh is not None:
+        from flax import nnx
+
+        nnx.update(model, place_state(nnx.state(model), mesh))
+    return model
+
+
+def _put_reuse(x, sharding: NamedSharding):
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return put(x, sharding)
+
+
+# ----------------------------------------------------------------------------- mesh -> host
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A device array as a numpy array on this process: a global array that spans other processes is
+    gathered first (every process gets the whole value)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def replicated(x: Any, mesh: Mesh) -> Any:
+    """Helper for tests and tools: ``x`` replicated on every device of ``mesh``."""
+    return put(jnp.asarray(x), NamedSharding(mesh, PartitionSpec()))
+
+
+def per_sequence(fn, mesh: Mesh, module, *args):
+    """``fn(module, *args)`` run on each data shard's own sequences (``jax.shard_map`` over the whole mesh,
+    every array entering and leaving with :func:`state_shardings`: batch over ``data``, replicated over
+    ``model``; ``module``'s weights enter with their own shardings, so ``fn`` may only use its replicated
+    ones: the Markov head, the ``vocab`` tables).
+
+    For the per-sequence stages whose ops XLA's SPMD partitioner does not keep batch-parallel: the tree
+    builder's ``top_k`` over a batch-sharded operand is partitioned by all-gathering the whole batch onto
+    every data shard (measured: 5 all-gathers of ``[B, top_c * V]`` scores per round). Random draws inside
+    would see the local batch, so callers use it for deterministic (greedy) work."""
+    from flax import nnx
+
+    graphdef, weights = nnx.split(module)
+
+    def local(weights, *a):
+        return fn(nnx.merge(graphdef, weights), *a)
+
+    w_specs = _specs(model_shardings(weights, mesh))
+    in_specs = (w_specs, *(_specs(state_shardings(a, mesh)) for a in args))
+    out_specs = _specs(state_shardings(jax.eval_shape(local, weights, *args), mesh))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(weights, *args)
+
+
+def _specs(shardings: Any) -> Any:
+    return jax.tree.map(lambda s: s.spec, shardings)
+
+
+# ----------------------------------------------------------------------------- inspection
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def collective_ops(hlo_text: str) -> list[tuple[str, str]]:
+    """``(kind, result type)`` of every collective op (:data:`COLLECTIVES`, async ``-start`` forms included)
+    in a compiled module's text, e.g. ``("all-reduce", "f32[4,9,64]{2,1,0}")``: static occurrences (an op
+    inside a loop body is listed once)."""
+    import re
+
+    pattern = re.compile(r"= (.*?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+    ops = []
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if m:
+            ops.append((m.group(2), m.group(1)))
+    return ops
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective op (:data:`COLLECTIVES`) :func:`collective_ops` finds."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for kind, _ in collective_ops(hlo_text):
+        counts[kind] += 1
+    return counts
+
+
+def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **options) -> str:
+    """The compiled text of one speculative round (``spec_step``, the body of :func:`~sparkjax.engine.stream`
+    and of the generation's ``while_loop``) on ``mesh``, for the arguments of :func:`~sparkjax.engine.generate`."""
+    from . import api, programs
+
+    run = api.validate(target, drafter, prompt_ids, mesh=mesh, **options)
+    if run.plan is None:
+        raise ArgumentError("method: a round is speculative; method 'ar' has none")
+    graphdefs, states = run.split(target, drafter)
+    args = run.device_args()
+    state = programs.spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size,
+                                buf_len=run.buf_len, mesh=mesh)
+    lowered = programs.spec_step.lower(graphdefs, states, state, args.max_new, args.eos, args.temperature,
+                                       plan=run.plan, mesh=mesh)
+    return lowered.compile().as_text()
