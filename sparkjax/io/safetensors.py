@@ -32,6 +32,7 @@ check that :func:`~sparkjax.io.hf.load_into` runs on every converted tensor.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import struct
@@ -164,6 +165,31 @@ class SafetensorsFile:
             return np.zeros(shape, dtype)
         raw = self._map[self._base + begin : self._base + end]
         return raw.view(dtype).reshape(shape)
+
+    def read(self, key: str) -> np.ndarray:
+        """Tensor ``key`` as a fresh array (a copy), its pages of the mapping released afterwards.
+
+        What the loaders use: a mapped page read once stays in the process's resident set until the
+        whole file is unmapped, so reading every tensor through :meth:`get` leaves the whole file
+        resident beside the loaded model (peak RSS: model + file). Here the copied range is dropped
+        from the mapping (``madvise(MADV_DONTNEED)``; the page cache keeps it, the process does not)
+        and the copy is freed once the tensor is converted, so a loader's peak host memory is the
+        model plus about one tensor.
+        """
+        dtype, shape, begin, end = self._lookup(key)
+        if self._map is None or end == begin:
+            return np.zeros(shape, dtype)
+        lo, hi = self._base + begin, self._base + end
+        out = np.array(self._map[lo:hi]).view(dtype).reshape(shape)
+        mm = getattr(self._map, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is not None and advice is not None and hasattr(mm, "madvise"):
+            start = lo - lo % mmap.PAGESIZE
+            try:
+                mm.madvise(advice, start, hi - start)
+            except (OSError, ValueError):  # only a hint: the copy is right either way
+                pass
+        return out
 
 
 def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
