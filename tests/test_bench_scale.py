@@ -93,8 +93,8 @@ def _check_rows(rows, labels, batches, accept):
         if r["round_ar_steps"] is not None:
             assert r["round_ar_steps"] == pytest.approx(r["ms"]["median"] / r["ar_step_ms"])
             assert r["projected_speedup"] == pytest.approx(bench_scale.TAU / r["round_ar_steps"])
-        else:  # only when a median came out <= 0
-            assert min(r["ms"]["median"], r["ar_step_ms"]) <= 0 or r["ms"]["min"] <= 0
+        else:  # only when noise beat the work: a median, or the AR step's best repetition, came out <= 0
+            assert min(r["ms"]["median"], r["ar_step_ms"], rows[0]["ms"]["min"]) <= 0
         assert r["writeup_speedup"] == 4.29
 
 
