@@ -611,6 +611,95 @@ def format_memory(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def decode_step_fns(target, context: int):
+    """``(unrolled, scanned, stack)``: the target's decode step (one token against a ``context``-slot cache) as
+    the model runs it, its layers unrolled, and the same step with the layers under one ``jax.lax.scan``
+    (``stack(target)`` gives the layers' stacked parameters; the KV caches are stacked ``[L, B, K, S, H]``).
+    ``unrolled(state, tok, ks, vs, lengths)`` / ``scanned(state, layers, tok, k, v, lengths)`` return the
+    logits and the new caches."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparkjax.cache import KVCache, attention_mask, causal_block
+    from sparkjax.nn.layers import rope_cos_sin
+
+    cfg = target.config
+    g, _ = nnx.split(target)
+    g_layer, _ = nnx.split(target.layers[0])
+
+    def unrolled(state, tok, ks, vs, lengths):
+        model = nnx.merge(g, state)
+        out = model(tok, lengths[:, None], cache=KVCache(tuple(ks), tuple(vs), lengths))
+        return out.logits, out.cache.k, out.cache.v
+
+    def scanned(state, layers, tok, ks, vs, lengths):
+        model = nnx.merge(g, state)
+        cos, sin = rope_cos_sin(lengths[:, None], cfg.head_dim, cfg.rope_theta)
+        mask = attention_mask(lengths, causal_block(1), context)
+
+        def body(x, xs):
+            layer_state, k, v = xs
+            x, cache = nnx.merge(g_layer, layer_state)(x, cos, sin, mask, KVCache((k,), (v,), lengths), 0)
+            return x, (cache.k[0], cache.v[0])
+
+        x, (k, v) = jax.lax.scan(body, model.embed_tokens(tok), (layers, ks, vs))
+        return model.logits(model.norm(x)), k, v
+
+    def stack(model):
+        def cat(*xs):
+            if isinstance(xs[0], jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+            return jnp.stack(xs)
+
+        return jax.tree.map(cat, *[nnx.state(layer) for layer in model.layers])
+
+    return unrolled, scanned, stack
+
+
+def scan_probe(preset: str, batch: int, context: int, log) -> list[dict]:
+    """Compile time of the target's decode step with its layers unrolled (as the model runs) and under one
+    ``lax.scan`` (:func:`decode_step_fns`). A probe for the compile-time question, not a model change:
+    scanning in the model would stack the KV cache, which every stage of the round reads per layer."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    target, _ = abstract_pair(preset)
+    cfg = target.config
+    unrolled, scanned, stack = decode_step_fns(target, context)
+    s = jax.ShapeDtypeStruct
+    kv = s((batch, cfg.num_key_value_heads, context, cfg.head_dim), jnp.bfloat16)
+    tok, lengths = s((batch, 1), jnp.int32), s((batch,), jnp.int32)
+    n = cfg.num_hidden_layers
+    st = nnx.state(target)
+    rows = []
+    for name, fn, args in (
+        ("unrolled", unrolled, (st, tok, [kv] * n, [kv] * n, lengths)),
+        ("scan", scanned, (st, stack(target), tok, s((n, *kv.shape), kv.dtype), s((n, *kv.shape), kv.dtype),
+                           lengths)),
+    ):
+        t0 = time.perf_counter()
+        lowered = jax.jit(fn).lower(*args)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        ma = compiled.memory_analysis()
+        row = {"variant": name, "layers": n, "batch": batch, "context": context, "lower_s": t1 - t0,
+               "compile_s": t2 - t1, "temp": int(getattr(ma, "temp_size_in_bytes", 0) or 0) if ma else None,
+               "backend": device_name()}
+        rows.append(row)
+        log(f"  decode step, layers {name}: lowered in {t1 - t0:.1f}s, compiled in {t2 - t1:.1f}s")
+    return rows
+
+
+def format_scan(rows: Sequence[dict]) -> str:
+    lines = [f"{'decode step':12} {'layers':>6} {'B':>3} {'context':>7} {'lower s':>7} {'compile s':>9} "
+             f"{'temp MiB':>9}"]
+    for r in rows:
+        lines.append(f"{r['variant']:12} {r['layers']:>6} {r['batch']:>3} {r['context']:>7} {r['lower_s']:>7.1f} "
+                     f"{r['compile_s']:>9.1f} {_mib(r, 'temp'):>9}")
+    return "\n".join(lines)
+
+
 # ============================================================================= the command
 
 
@@ -647,6 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--memory", action="store_true", help="compile the whole generation program from abstract "
                     "shapes per batch x context and report its memory analysis and compile time (runs nothing)")
     ap.add_argument("--contexts", default="2048,8192", help="--memory: cache sizes")
+    ap.add_argument("--scan-probe", action="store_true", help="with --memory: also compile the target's decode "
+                    "step with its layers unrolled and under one lax.scan, and compare the compile times")
     ap.add_argument("--json", help="write the results here (atomically)")
     ap.add_argument("--out", help="also write the printed report here (atomically)")
     ap.add_argument("--measure-load", metavar="DIR", help=argparse.SUPPRESS)
@@ -695,6 +786,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows, complete = memory_rows(a.preset, methods, batches, contexts, prompt, deadline, log)
             body = format_memory(rows)
             result["memory"] = rows
+            if a.scan_probe and time.perf_counter() < deadline:
+                probe = scan_probe(a.preset, batches[0], contexts[0], log)
+                body += "\n\n" + format_scan(probe)
+                result["scan_probe"] = probe
         else:
             pair_note = []
             if a.from_disk:

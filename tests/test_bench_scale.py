@@ -151,3 +151,26 @@ def test_memory_mode_reports_the_compiled_program(tmp_path, capsys):
         assert r["peak_bytes"] == r["argument"] + r["output"] + r["temp"] - r["alias"]
     # the KV cache (6 layers x K/V x 2 KV heads x 16 dims x float32) grows the temporaries with the context
     assert rows[1]["temp"] - rows[0]["temp"] >= 6 * 2 * 2 * 16 * 4 * 128
+
+
+def test_scan_probe_computes_the_same_decode_step(fixture_target):
+    """The scanned decode step the compile-time probe compares against equals the model's own (unrolled)."""
+    import jax
+    from flax import nnx
+
+    target = fixture_target
+    cfg = target.config
+    unrolled, scanned, stack = bench_scale.decode_step_fns(target, 32)
+    b, n = 2, cfg.num_hidden_layers
+    rng = np.random.default_rng(0)
+    shape = (b, cfg.num_key_value_heads, 32, cfg.head_dim)
+    ks = [jnp.asarray(rng.standard_normal(shape), target.dtype) for _ in range(n)]
+    vs = [jnp.asarray(rng.standard_normal(shape), target.dtype) for _ in range(n)]
+    tok = jnp.asarray([[5], [7]], jnp.int32)
+    lengths = jnp.asarray([3, 9], jnp.int32)
+    state = nnx.state(target)
+    a = jax.jit(unrolled)(state, tok, ks, vs, lengths)
+    c = jax.jit(scanned)(state, stack(target), tok, jnp.stack(ks), jnp.stack(vs), lengths)
+    np.testing.assert_allclose(np.asarray(a[0]), np.asarray(c[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.stack([np.asarray(x) for x in a[1]]), np.asarray(c[1]))
+    np.testing.assert_array_equal(np.stack([np.asarray(x) for x in a[2]]), np.asarray(c[2]))
