@@ -3,7 +3,9 @@
 Loading walks the abstract module's parameters, finds the key-map rule of each
 (:mod:`sparkjax.io.keymaps`), reads that one tensor from its safetensors file (memory-mapped,
 :mod:`sparkjax.io.safetensors`), asserts its shape and dtype, converts dtype and layout, checks it
-is finite and moves on; so peak host memory is one tensor. Missing, unexpected and mis-shaped
+is finite, puts it on its device (with ``mesh=``: straight onto its sharding, each device receiving
+only its slice) and moves on; so peak host memory is the model's device copies plus about one tensor
+(the read pages of the mapping are released after each tensor). Missing, unexpected and mis-shaped
 tensors and truncated files raise :class:`~sparkjax.errors.CheckpointError` naming the file and
 the key. Saving writes a folder atomically (:mod:`sparkjax.io.atomic`). :func:`source_of` tells
 which folder a model came from (named in pair errors, :mod:`sparkjax.pairing`).

@@ -22,8 +22,9 @@ What the reader guarantees: the whole header is validated when the file is opene
 non-negative integer shape, offsets of exactly the tensor's size, inside the data section, not
 overlapping), so :func:`~sparkjax.io.hf.load_into` finds missing and unexpected keys before
 reading any tensor data and compares each tensor's shape and dtype with the model before reading
-it; a tensor is a zero-copy view of the mapped file (peak host memory: the one tensor being
-converted).
+it; :meth:`SafetensorsFile.get` is a zero-copy view of the mapped file, :meth:`SafetensorsFile.read`
+(what the loaders use) a copy whose pages of the mapping are released at once, so a load never keeps
+the whole file resident (peak host memory: the model plus the one tensor being converted).
 
 Also here: :class:`WeightFiles` (one file, or shards with a validated index) and the finiteness
 check that :func:`~sparkjax.io.hf.load_into` runs on every converted tensor.
