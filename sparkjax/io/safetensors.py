@@ -323,10 +323,21 @@ class WeightFiles:
 _EXPONENT_MASK = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
 
 
+_FINITE_BLOCK = 1 << 22  # elements per block of the finiteness check: its temporaries stay a few MB
+
+
 def _all_finite(x: np.ndarray) -> bool:
-    """One reduction over ``x``: True when it holds no NaN or Inf."""
+    """True when ``x`` holds no NaN or Inf; checked in blocks along the first axis, so the check's temporaries
+    stay small beside the tensor (a loader's peak host memory is the model plus about one tensor)."""
     if x.size == 0:
         return True
+    if x.ndim == 0:
+        x = x.reshape(1)
+    rows = max(1, _FINITE_BLOCK // max(1, x.size // x.shape[0]))
+    return all(_block_finite(x[i : i + rows]) for i in range(0, x.shape[0], rows))
+
+
+def _block_finite(x: np.ndarray) -> bool:
     mask = _EXPONENT_MASK.get(x.dtype)
     if mask is not None:  # np.isfinite is slow on 16-bit floats; compare the exponent bits instead
         return int((x.view(np.uint16) & np.uint16(0x7FFF)).max()) < mask
