@@ -3,7 +3,9 @@
 Loading walks the abstract module's parameters, finds the key-map rule of each
 (:mod:`sparkjax.io.keymaps`), reads that one tensor from its safetensors file (memory-mapped,
 :mod:`sparkjax.io.safetensors`), asserts its shape and dtype, converts dtype and layout, checks it
-is finite and moves on; so peak host memory is one tensor. Missing, unexpected and mis-shaped
+is finite, puts it on its device (with ``mesh=``: straight onto its sharding, each device receiving
+only its slice) and moves on; so peak host memory is the model's device copies plus about one tensor
+(the read pages of the mapping are released after each tensor). Missing, unexpected and mis-shaped
 tensors and truncated files raise :class:`~sparkjax.errors.CheckpointError` naming the file and
 the key. Saving writes a folder atomically (:mod:`sparkjax.io.atomic`). :func:`source_of` tells
 which folder a model came from (named in pair errors, :mod:`sparkjax.pairing`).
@@ -69,6 +71,8 @@ def load_into(
     ignore: Sequence[str] = (),
     shared: dict[tuple, Any] | None = None,
     check_finite: bool = True,
+    mesh: Any = None,
+    sharding_rules: Any = None,
 ) -> nnx.Module:
     """Builds ``build()`` abstractly and fills its parameters from ``files`` through ``rules``.
 
@@ -81,8 +85,28 @@ def load_into(
     with ``check_finite``, checked for NaN / Inf after the conversion (one reduction per
     tensor on the host copy), so a corrupt tensor or one that overflows ``dtype`` raises
     :class:`CheckpointError` naming the file and the key.
+
+    With ``mesh`` (a :class:`jax.sharding.Mesh`), each tensor goes straight onto its
+    :class:`~jax.sharding.NamedSharding` (from the parameter's logical ``axes`` through ``sharding_rules``,
+    default :data:`sparkjax.sharding.DEFAULT_RULES`, as :func:`sparkjax.sharding.param_shardings`):
+    every device receives only its own slice, and the whole model never sits on one device. The
+    module is built abstractly (``nnx.eval_shape``: no random init), and each tensor is read as a
+    copy whose mapped pages are released (:meth:`SafetensorsFile.read`), so with or without a mesh
+    the peak host memory is the model's device copies plus about one tensor (the tensor read and its
+    converted copy).
     """
     abstract = nnx.eval_shape(build)
+    shardings = None
+    if mesh is not None:
+        from ..sharding import DEFAULT_RULES, param_shardings
+
+        try:
+            tree = param_shardings(abstract, mesh, DEFAULT_RULES if sharding_rules is None else sharding_rules)
+        except (ValueError, KeyError) as e:  # a rule names an axis the mesh does not have
+            raise ArgumentError(f"mesh: axes {tuple(mesh.axis_names)} do not fit the sharding rules ({e})") from None
+        flat_sh = dict(nnx.to_flat_state(tree))
+        shardings = {p: (v.get_value() if isinstance(v, nnx.Variable) else v) for p, v in flat_sh.items()}
+        _check_mesh_fits(abstract, shardings, files.folder)
     graphdef, state = nnx.split(abstract)
     shared = shared or {}
     flat = dict(nnx.to_flat_state(state))
@@ -114,15 +138,57 @@ def load_into(
                 f"{src.path}: tensor '{key}' is stored as {_ST_NAMES[stored]}; parameters must be "
                 "floating-point (F32, BF16, F16 or F64)"
             )
-        raw = src.get(key)
+        raw = src.read(key)
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, naming the tensor
-            host = _to_module(layout, raw, shape).astype(dt)
+            host = _to_module(layout, raw, shape).astype(dt, copy=False)
         if check_finite and not _all_finite(host):
             raise _non_finite_error(src.path, key, raw, dt)
-        var.set_value(jnp.asarray(host))
+        del raw
+        var.set_value(_place(host, None if shardings is None else shardings.get(path)))
+        del host
     for path, value in shared.items():
-        flat[path].set_value(value)
+        sh = None if shardings is None else shardings.get(path)
+        flat[path].set_value(value if sh is None else jax.device_put(value, sh))
     return nnx.merge(graphdef, state)
+
+
+def _check_mesh(mesh: Any, func: str) -> None:
+    """``mesh=`` of a loader: a :class:`jax.sharding.Mesh` (or None)."""
+    from jax.sharding import Mesh
+
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ArgumentError(f"{func}: mesh must be a jax.sharding.Mesh (e.g. sparkjax.sharding.make_mesh), "
+                            f"got {type(mesh).__name__}")
+
+
+def _check_mesh_fits(abstract: nnx.Module, shardings: dict, folder: str) -> None:
+    """Every sharded dimension divides by its mesh axes, and every mesh axis the rules name exists:
+    checked for all parameters before any tensor is read (an ArgumentError naming the parameter)."""
+    flat = dict(nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
+    for path, sh in shardings.items():
+        shape = tuple(flat[path].get_value().shape)
+        name = ".".join(str(p) for p in path)
+        for dim, (size, axes) in enumerate(zip(shape, tuple(sh.spec) + (None,) * len(shape), strict=False)):
+            if axes is None:
+                continue
+            for ax in (axes,) if isinstance(axes, str) else tuple(axes):
+                if ax not in sh.mesh.shape:
+                    raise ArgumentError(f"mesh: has axes {tuple(sh.mesh.axis_names)}, but the sharding rules place "
+                                        f"parameter '{name}' on an axis named '{ax}'")
+            n = int(np.prod([sh.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+            if size % n:
+                raise ArgumentError(
+                    f"mesh: {folder}: parameter '{name}' has {size} along dimension {dim}, which does not divide "
+                    f"over mesh axis {axes!r} of size {n}"
+                )
+
+
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    """A host tensor on the default device, or on ``sharding``: each device gets only its own slice
+    (``jax.make_array_from_callback``), so no device ever holds the whole tensor unless it is replicated."""
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 def export_tensors(model: nnx.Module, rules: Sequence[Rule], *, skip: Sequence[tuple] = ()) -> dict[str, np.ndarray]:
@@ -139,7 +205,7 @@ def export_tensors(model: nnx.Module, rules: Sequence[Rule], *, skip: Sequence[t
 
 # ----------------------------------------------------------------------------- Qwen3 target
 
-def load_target(path: PathLike, dtype: Any = None):
+def load_target(path: PathLike, dtype: Any = None, *, mesh: Any = None, sharding_rules: Any = None):
     """Loads a Hugging Face Qwen3 folder (``config.json`` + ``model.safetensors`` or shards).
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) defaults to the checkpoint's own:
@@ -152,9 +218,16 @@ def load_target(path: PathLike, dtype: Any = None):
     only; the safetensors header (dtypes, shapes, offsets in range and not overlapping); the
     index's shard names (relative, inside the folder); every tensor present, of the expected
     shape and a floating dtype; and every converted tensor finite (no NaN / Inf).
+
+    ``mesh`` (a :class:`jax.sharding.Mesh`, e.g. :func:`sparkjax.sharding.make_mesh`) loads every
+    tensor straight onto its sharding from the logical-axis ``sharding_rules`` (default
+    :data:`sparkjax.sharding.DEFAULT_RULES`: heads and FFN over ``model``); see :func:`load_into`.
+    A sharded dimension that does not divide over its mesh axis raises ArgumentError naming the
+    parameter and both sizes, before any tensor is read.
     """
     from ..nn.qwen3 import Qwen3
 
+    _check_mesh(mesh, "load_target")
     folder = str(path)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}: not a folder")
@@ -162,7 +235,8 @@ def load_target(path: PathLike, dtype: Any = None):
     files = WeightFiles(folder)
     dt = resolve_dtype(dtype, files.dtype())
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    model = load_into(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), dtype=dt), files, QWEN3_KEYS, dtype=dt, ignore=ignore)
+    model = load_into(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), dtype=dt), files, QWEN3_KEYS, dtype=dt, ignore=ignore,
+                      mesh=mesh, sharding_rules=sharding_rules)
     _SOURCES[model] = folder  # named in drafter/target compatibility errors
     return model
 
@@ -205,7 +279,7 @@ def source_of(model) -> str | None:
     return _SOURCES.get(model)
 
 
-def load_drafter(path: PathLike, target=None, dtype: Any = None):
+def load_drafter(path: PathLike, target=None, dtype: Any = None, *, mesh: Any = None, sharding_rules: Any = None):
     """Loads a DeepSpec DSpark or z-lab DFlash drafter folder (``config.json`` + safetensors).
 
     The format is detected from ``config.json`` (see :class:`~sparkjax.config.DrafterConfig`).
@@ -216,12 +290,14 @@ def load_drafter(path: PathLike, target=None, dtype: Any = None):
     :class:`~sparkjax.errors.IncompatiblePairError` naming both files;
     a ``target`` that is not such a model raises :class:`~sparkjax.errors.ArgumentError`.
     ``dtype`` defaults to the checkpoint's. :func:`source_of` gives the folder it came from.
-    The files are validated as in :func:`load_target` (header, dtypes, finiteness).
+    The files are validated as in :func:`load_target` (header, dtypes, finiteness). ``mesh`` /
+    ``sharding_rules`` load every tensor straight onto its sharding, as in :func:`load_target`.
     """
     from ..config import DrafterConfig
     from ..nn.drafter import Drafter
     from ..pairing import IO_TABLES, check_pair
 
+    _check_mesh(mesh, "load_drafter")
     folder = str(path)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}: not a folder")
@@ -240,7 +316,8 @@ def load_drafter(path: PathLike, target=None, dtype: Any = None):
                   if key in files.where}
         check_pair(target, cfg, drafter_source=config_path, drafter_tensors=stored)
     dt = resolve_dtype(dtype, files.dtype())
-    model = load_into(lambda: Drafter(cfg, rngs=nnx.Rngs(0), dtype=dt), files, DRAFTER_KEYS, dtype=dt)
+    model = load_into(lambda: Drafter(cfg, rngs=nnx.Rngs(0), dtype=dt), files, DRAFTER_KEYS, dtype=dt, mesh=mesh,
+                      sharding_rules=sharding_rules)
     _SOURCES[model] = folder
     return model
 

@@ -22,8 +22,9 @@ What the reader guarantees: the whole header is validated when the file is opene
 non-negative integer shape, offsets of exactly the tensor's size, inside the data section, not
 overlapping), so :func:`~sparkjax.io.hf.load_into` finds missing and unexpected keys before
 reading any tensor data and compares each tensor's shape and dtype with the model before reading
-it; a tensor is a zero-copy view of the mapped file (peak host memory: the one tensor being
-converted).
+it; :meth:`SafetensorsFile.get` is a zero-copy view of the mapped file, :meth:`SafetensorsFile.read`
+(what the loaders use) a copy whose pages of the mapping are released at once, so a load never keeps
+the whole file resident (peak host memory: the model plus the one tensor being converted).
 
 Also here: :class:`WeightFiles` (one file, or shards with a validated index) and the finiteness
 check that :func:`~sparkjax.io.hf.load_into` runs on every converted tensor.
@@ -32,6 +33,7 @@ check that :func:`~sparkjax.io.hf.load_into` runs on every converted tensor.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import struct
@@ -165,6 +167,31 @@ class SafetensorsFile:
         raw = self._map[self._base + begin : self._base + end]
         return raw.view(dtype).reshape(shape)
 
+    def read(self, key: str) -> np.ndarray:
+        """Tensor ``key`` as a fresh array (a copy), its pages of the mapping released afterwards.
+
+        What the loaders use: a mapped page read once stays in the process's resident set until the
+        whole file is unmapped, so reading every tensor through :meth:`get` leaves the whole file
+        resident beside the loaded model (peak RSS: model + file). Here the copied range is dropped
+        from the mapping (``madvise(MADV_DONTNEED)``; the page cache keeps it, the process does not)
+        and the copy is freed once the tensor is converted, so a loader's peak host memory is the
+        model plus about one tensor.
+        """
+        dtype, shape, begin, end = self._lookup(key)
+        if self._map is None or end == begin:
+            return np.zeros(shape, dtype)
+        lo, hi = self._base + begin, self._base + end
+        out = np.array(self._map[lo:hi]).view(dtype).reshape(shape)
+        mm = getattr(self._map, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is not None and advice is not None and hasattr(mm, "madvise"):
+            start = lo - lo % mmap.PAGESIZE
+            try:
+                mm.madvise(advice, start, hi - start)
+            except (OSError, ValueError):  # only a hint: the copy is right either way
+                pass
+        return out
+
 
 def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
     """Writes ``tensors`` to ``path`` atomically (temp file in the same folder, then rename).
@@ -296,10 +323,21 @@ class WeightFiles:
 _EXPONENT_MASK = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
 
 
+_FINITE_BLOCK = 1 << 22  # elements per block of the finiteness check: its temporaries stay a few MB
+
+
 def _all_finite(x: np.ndarray) -> bool:
-    """One reduction over ``x``: True when it holds no NaN or Inf."""
+    """True when ``x`` holds no NaN or Inf; checked in blocks along the first axis, so the check's temporaries
+    stay small beside the tensor (a loader's peak host memory is the model plus about one tensor)."""
     if x.size == 0:
         return True
+    if x.ndim == 0:
+        x = x.reshape(1)
+    rows = max(1, _FINITE_BLOCK // max(1, x.size // x.shape[0]))
+    return all(_block_finite(x[i : i + rows]) for i in range(0, x.shape[0], rows))
+
+
+def _block_finite(x: np.ndarray) -> bool:
     mask = _EXPONENT_MASK.get(x.dtype)
     if mask is not None:  # np.isfinite is slow on 16-bit floats; compare the exponent bits instead
         return int((x.view(np.uint16) & np.uint16(0x7FFF)).max()) < mask
