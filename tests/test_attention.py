@@ -1,7 +1,8 @@
 """The attention paths of ``sparkjax.nn.layers.attend`` against the einsum reference.
 
 ``dpa`` (jax.nn.dot_product_attention), ``blocked`` (chunked online softmax bounded by the live
-length) and ``prefix`` (the reference over a power-of-two prefix holding the live slots) must agree with ``einsum`` within float tolerances on GQA shapes, tree masks over a cache,
+length) and ``prefix`` (the reference over a power-of-two prefix holding the live slots) must agree with
+``einsum`` within float tolerances on GQA shapes, tree masks over a cache,
 two-part (drafter) attention and fully masked rows (zeros).
 """
 
@@ -160,7 +161,7 @@ def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl)
     got = run()
     jax.clear_caches()
     _close(got.logits, ref.logits, 1e-4)
-    for a, b in zip(got.cache.k, ref.cache.k):
+    for a, b in zip(got.cache.k, ref.cache.k, strict=True):
         _close(a, b, 1e-4)
 
 

@@ -199,7 +199,8 @@ class Drafter(nnx.Module):
         return self.hidden_norm(self.fc(features.astype(self.dtype)))
 
     def context_kv(self, features: Array, positions: Array) -> tuple[Array, Array]:
-        """Per-layer context keys/values ``[L, B, S, K, H]`` (token-major rows) of features ``[B, S, F]`` at ``positions [B, S]``."""
+        """Per-layer context keys/values ``[L, B, S, K, H]`` (token-major rows) of features ``[B, S, F]``
+        at ``positions [B, S]``."""
         ctx = self.project_context(features)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
@@ -223,8 +224,8 @@ class Drafter(nnx.Module):
     ) -> BlockOutput:
         """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``.
 
-        ``ctx_k``/``ctx_v`` ``[L, B, K, S, H]`` (heads-major, as :class:`ContextCache` holds them) are the context rows, ``ctx_mask`` ``[B, Q, S]`` and
-        ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say which context rows / block slots each
+        ``ctx_k``/``ctx_v`` ``[L, B, K, S, H]`` (heads-major, as :class:`ContextCache` holds them) are the
+        context rows, ``ctx_mask`` ``[B, Q, S]`` and ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say which context rows / block slots each
         query sees.
         """
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
