@@ -225,8 +225,8 @@ class Drafter(nnx.Module):
         """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``.
 
         ``ctx_k``/``ctx_v`` ``[L, B, K, S, H]`` (heads-major, as :class:`ContextCache` holds them) are the
-        context rows, ``ctx_mask`` ``[B, Q, S]`` and ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say which context rows / block slots each
-        query sees.
+        context rows, ``ctx_mask`` ``[B, Q, S]`` and ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say
+        which context rows / block slots each query sees.
         """
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         outs = []
