@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..sampling import pick
+from .auto import init_state as init_auto
 from .drafting import append_context
 from .methods import Plan
 from .round import flag_nonfinite, spec_round
@@ -100,6 +101,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
         nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
                                  jnp.zeros((b,), jnp.int32)),
+        auto=init_auto(plan, b, buf_len) if plan.is_auto else None,
     )
 
 
@@ -109,7 +111,7 @@ _STATIC = ("graphdefs", "plan", "cache_size", "buf_len")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
-    depth_hits, nonfinite)``."""
+    depth_hits, nonfinite)``; method ``auto`` adds ``choices [B, R]`` before ``nonfinite``."""
     target, drafter = merge_pair(graphdefs, states)
     state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len)
     state = jax.lax.while_loop(
@@ -117,7 +119,10 @@ def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, 
         lambda s: spec_round(target, drafter, s, plan, max_new, eos, temperature),
         state,
     )
-    return state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite
+    res = (state.out, state.n, state.accept_lens, state.rounds, state.depth_hits)
+    if plan.is_auto:  # method 'auto' also returns each round's chosen candidate [B, R]
+        res += (state.auto.choices,)
+    return (*res, state.nonfinite)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
