@@ -58,7 +58,7 @@ def test_policy_picks_most_tokens_per_cost_on_hand_made_tables():
 def test_calibration_scales_the_predictions():
     st = auto_mod.AutoState(choices=jnp.zeros((1, 4), jnp.int32), real=jnp.array([0.0, 1.0, 0.0]),
                             pred=jnp.array([0.0, 3.0, 0.0]), last=jnp.zeros((1, 3)), idle=jnp.int32(0),
-                            force=jnp.int32(-1))
+                            force=jnp.int32(-1), gap=jnp.int32(4))
     raw = jnp.array([[0.0, 2.0, 2.0]])
     exp = np.asarray(auto_mod.calibrated(st, raw))
     p = auto_mod.CALIBRATION_PRIOR

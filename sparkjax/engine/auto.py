@@ -51,10 +51,10 @@ from .round import (
     Acceptance,
     Proposal,
     SpecState,
-    Verified,
     accept,
     commit,
     draft,
+    flag_nonfinite,
     stage,
     verify,
 )
@@ -64,6 +64,7 @@ Array = jax.Array
 CALIBRATION_DECAY = 0.8  # weight of the past in the running averages of realised / predicted accepted drafts
 CALIBRATION_PRIOR = 0.25  # accepted drafts added to both averages (ratio 1 until rounds are seen)
 MAX_RATIO = 2.0  # a calibration ratio is clipped to [0, MAX_RATIO]
+MAX_GAP = 32  # decide="previous": at most this many plain steps between two probe drafts
 
 
 @jax.tree_util.register_dataclass
@@ -75,7 +76,9 @@ class AutoState:
     ``[K]``: running averages of realised and predicted accepted drafts per candidate (the calibration);
     ``last`` ``[B, K]``: the last draft's raw predictions (``decide="previous"``); ``idle``: plain target
     steps in a row since the last draft (starts at ``probe``: the first round drafts); ``force``: a
-    candidate index every round takes (-1: the policy; :func:`profile_costs` times each candidate this way).
+    candidate index every round takes (-1: the policy; :func:`profile_costs` times each candidate this way);
+    ``gap``: plain steps before the next probe draft (``probe``, doubled after each probe that still
+    predicts size 0, up to :data:`MAX_GAP`; back to ``probe`` when a draft predicts a larger size pays).
     """
 
     choices: Array
@@ -84,13 +87,15 @@ class AutoState:
     last: Array
     idle: Array
     force: Array
+    gap: Array
 
 
 def init_state(plan: Plan, batch: int, buf_len: int) -> AutoState:
     k = len(plan.method.sizes)
     return AutoState(choices=jnp.full((batch, buf_len), -1, jnp.int32), real=jnp.zeros((k,), jnp.float32),
                      pred=jnp.zeros((k,), jnp.float32), last=jnp.zeros((batch, k), jnp.float32),
-                     idle=jnp.full((), plan.method.probe, jnp.int32), force=jnp.full((), -1, jnp.int32))
+                     idle=jnp.full((), plan.method.probe, jnp.int32), force=jnp.full((), -1, jnp.int32),
+                     gap=jnp.full((), plan.method.probe, jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -190,17 +195,32 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
 
 
 def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
-    """Size 0: the target over ``[x_start]`` alone, its token committed (and the drafter's context extended)."""
+    """Size 0: the target over ``[x_start]`` alone, its token committed (and the drafter's context extended).
+
+    The same writes as :func:`~sparkjax.engine.round.commit` with one committed token, in fewer ops (a plain
+    step must cost about what the target's own decode step does)."""
     b, d = state.x_start.shape[0], plan.depth
     tokens = state.x_start[:, None]
+    start = state.cache.lengths
     with jax.named_scope(VERIFY):
-        out = target(tokens, state.cache.lengths[:, None], cache=state.cache, mask=jnp.ones((b, 1, 1), bool),
+        out = target(tokens, start[:, None], cache=state.cache, mask=jnp.ones((b, 1, 1), bool),
                      hidden_layers=plan.layer_ids)
-    ver = Verified(out.logits.astype(jnp.float32), jnp.concatenate(out.hidden, axis=-1), out.cache, tokens)
-    post = sampling.posterior(ver.logits, temperature, key if plan.sampling else None)
+    logits = out.logits.astype(jnp.float32)
+    bonus = sampling.posterior(logits, temperature, key if plan.sampling else None)[:, 0]
+    active = ~state.done
+    step = active.astype(jnp.int32)
+    rows = jnp.arange(b)
+    out_buf = state.out.at[rows, jnp.where(active, state.n, state.out.shape[1])].set(bonus, mode="drop")
+    n = state.n + step
+    done = state.done | (active & (jnp.isin(bonus, eos) | (n >= max_new)))
+    ctx = drafting.append_context(drafter, state.ctx, jnp.concatenate(out.hidden, axis=-1), step)
+    r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
+    new = dataclasses.replace(
+        state, cache=out.cache.with_lengths(start + step), ctx=ctx, x_start=jnp.where(active, bonus, state.x_start),
+        out=out_buf, n=n, done=done, accept_lens=state.accept_lens.at[rows, r].set(1, mode="drop"),
+        rounds=state.rounds + step, nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1))
     indices = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, d), -1, jnp.int32)], axis=1)
-    acc = Acceptance(indices, jnp.ones((b,), jnp.int32), post[:, 0])
-    return commit(drafter, state, ver, acc, max_new, eos, plan=plan), acc
+    return new, Acceptance(indices, jnp.ones((b,), jnp.int32), bonus)
 
 
 def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temperature, key, max_new, eos, *,
@@ -241,8 +261,9 @@ def _realised(m: Auto, k: Array, acc: Acceptance) -> tuple[Array, Array]:
     return jnp.stack(cols, axis=1), jnp.stack(known)
 
 
-def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc: Acceptance) -> AutoState:
-    """Records the choice and folds this round into the calibration."""
+def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc: Acceptance, plan: Plan,
+            done: Array) -> AutoState:
+    """Records the choice, folds this round into the calibration and sets the next probe gap."""
     active = ~state.done
     real, known = _realised(m, k, acc)
     w = active.astype(jnp.float32)
@@ -254,9 +275,15 @@ def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc:
     b = state.x_start.shape[0]
     r = jnp.where(active, state.rounds, st.choices.shape[1])
     choices = st.choices.at[jnp.arange(b), r].set(jnp.broadcast_to(k, (b,)), mode="drop")
-    return dataclasses.replace(
+    new = dataclasses.replace(
         st, choices=choices, real=jnp.where(upd, a * st.real + (1 - a) * real_obs, st.real),
         pred=jnp.where(upd, a * st.pred + (1 - a) * pred_obs, st.pred), last=raw, idle=jnp.zeros((), jnp.int32))
+    if m.decide == "previous" and 0 in m.sizes:
+        plain_next = _choose(new, raw, plan, ~done) == m.sizes.index(0)
+        was_probe = st.idle > 0  # this draft came after plain steps
+        gap = jnp.where(plain_next, jnp.where(was_probe, jnp.minimum(2 * st.gap, MAX_GAP), st.gap), m.probe)
+        new = dataclasses.replace(new, gap=gap.astype(jnp.int32))
+    return new
 
 
 def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any = None) -> Array:
@@ -280,7 +307,7 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
         new, acc = branches[0](*args, plan=plan)
     else:
         new, acc = jax.lax.switch(k, [functools.partial(f, plan=plan) for f in branches], *args)
-    return dataclasses.replace(new, auto=_update(m, st, state, k, aprop.raw, acc))
+    return dataclasses.replace(new, auto=_update(m, st, state, k, aprop.raw, acc, plan, new.done))
 
 
 @stage(COMMIT)
@@ -318,8 +345,8 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
         return drafted(state, jnp.int32(0))
     st = state.auto
     i0 = m.sizes.index(0)
-    # after `probe` plain steps in a row, draft again (the predictions are stale)
-    allowed = jnp.arange(len(m.sizes)) != jnp.where(st.idle >= m.probe, i0, -1)
+    # after `gap` plain steps in a row, draft again (the predictions are stale)
+    allowed = jnp.arange(len(m.sizes)) != jnp.where(st.idle >= st.gap, i0, -1)
     k = _choose(st, st.last, plan, ~state.done, allowed)
     if eager:
         if int(k) == i0:
@@ -438,29 +465,43 @@ def load_cost_table(path: str | os.PathLike, *, target=None, drafter=None, metho
 _CACHE: dict[tuple, CostTable] = {}  # the process's profiled tables, by cost_key
 
 
+PROFILE_ROUNDS = 8  # rounds per timed call of profile_costs (inside one jitted loop, like a generation's)
+
+
 @functools.lru_cache(maxsize=1)
-def _forced_round_fn():
+def _forced_rounds_fn():
     from .programs import merge_pair
     from .round import spec_round
 
-    @functools.partial(jax.jit, static_argnames=("graphdefs", "plan"))
-    def forced_round(graphdefs, states, state, force, max_new, eos, temperature, *, plan):
+    @functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "rounds"))
+    def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
+        """``rounds`` rounds of candidate ``force`` in a ``fori_loop``, each from ``start``'s lengths (the state
+        is carried, so nothing is dead code, but every round verifies at the same place in the cache)."""
         target, drafter = merge_pair(graphdefs, states)
-        state = dataclasses.replace(state, auto=dataclasses.replace(state.auto, force=force))
-        return spec_round(target, drafter, state, plan, max_new, eos, temperature)
 
-    return forced_round
+        def body(_, s):
+            s = dataclasses.replace(s, auto=dataclasses.replace(s.auto, force=force))
+            s = spec_round(target, drafter, s, plan, max_new, eos, temperature)
+            return dataclasses.replace(
+                s, cache=s.cache.with_lengths(start.cache.lengths),
+                ctx=dataclasses.replace(s.ctx, lengths=start.ctx.lengths), n=start.n, done=start.done,
+                rounds=start.rounds)
+
+        return jax.lax.fori_loop(0, rounds, body, start)
+
+    return forced_rounds
 
 
 def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1, cache_size: int | None = None,
                   prompt_length: int = 16, temperature: float = 0.0, repeats: int = 5, seed: int = 0) -> CostTable:
     """Times one ``auto`` round at each candidate size on the current device and returns the :class:`CostTable`.
 
-    One program (the round with the size forced, compiled once) runs from one state after a prefill of
-    ``batch_size`` random prompts of ``prompt_length`` tokens in a ``cache_size``-slot cache (default: what
-    a 128-token generation needs); after a warm-up call per candidate, ``repeats`` interleaved repetitions
-    (every candidate in turn), the median (and the fastest) per candidate. ``method``: ``"auto"`` or an
-    :class:`~sparkjax.engine.Auto` (its sizes and options; its table is ignored).
+    One program (:data:`PROFILE_ROUNDS` rounds with the size forced in a ``fori_loop``, compiled once) runs
+    from one state after a prefill of ``batch_size`` random prompts of ``prompt_length`` tokens in a
+    ``cache_size``-slot cache (default: what a 128-token generation needs); after a warm-up call per
+    candidate, ``repeats`` interleaved repetitions (every candidate in turn, A B C A B C); a round's time is
+    the call's over :data:`PROFILE_ROUNDS`, the median (and the fastest) per candidate. ``method``: ``"auto"``
+    or an :class:`~sparkjax.engine.Auto` (its sizes and options; its table is ignored).
     """
     from ..engine.checks import check_models
     from .api import check_temperature, required_cache_size
@@ -491,13 +532,14 @@ def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1,
     buf_len = bucket(plan.depth + 2, 1)
     start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed), plan=plan,
                        cache_size=cache_size, buf_len=buf_len)
-    fn = _forced_round_fn()
+    fn = _forced_rounds_fn()
     k = len(spec.sizes)
 
     def once(i: int) -> float:
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(graphdefs, states, start, jnp.int32(i), max_new, eos, temp, plan=plan))
-        return time.perf_counter() - t0
+        jax.block_until_ready(fn(graphdefs, states, start, jnp.int32(i), max_new, eos, temp, plan=plan,
+                                 rounds=PROFILE_ROUNDS))
+        return (time.perf_counter() - t0) / PROFILE_ROUNDS
 
     for i in range(k):  # compile (once) and warm every branch
         once(i)

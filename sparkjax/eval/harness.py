@@ -79,8 +79,10 @@ STAGES = core.STAGES
 AR_LABEL = core.AR_LABEL
 DEFAULT_PAIR_NOTE = demo.NOTE
 # The methods that use no Markov head: with a baseline drafter they run with it (the DFlash / DDTree baseline).
+# auto adapts to its drafter (sparklingtree / dspark with a Markov head): it runs with --drafter.
 BASELINE_METHODS = tuple(m for m in core.METHODS
-                         if core.parse_method(m).speculative and not core.parse_method(m).needs_markov)
+                         if core.parse_method(m).speculative and not core.parse_method(m).needs_markov
+                         and not isinstance(core.parse_method(m), core.Auto))
 
 
 @dataclasses.dataclass
@@ -483,7 +485,7 @@ def _environment() -> dict[str, Any]:
 
 def uses_baseline(mc: MethodConfig) -> bool:
     """Whether ``mc`` runs with the baseline drafter when there is one (dflash, ddtree: no Markov head)."""
-    return mc.speculative and not mc.spec.needs_markov
+    return mc.speculative and not mc.spec.needs_markov and not isinstance(mc.spec, core.Auto)
 
 
 @dataclasses.dataclass
