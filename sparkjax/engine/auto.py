@@ -64,7 +64,8 @@ Array = jax.Array
 CALIBRATION_DECAY = 0.8  # weight of the past in the running averages of realised / predicted accepted drafts
 CALIBRATION_PRIOR = 0.25  # accepted drafts added to both averages (ratio 1 until rounds are seen)
 MAX_RATIO = 2.0  # a calibration ratio is clipped to [0, MAX_RATIO]
-MAX_GAP = 32  # decide="previous": at most this many plain steps between two probe drafts
+MAX_GAP = 128  # decide="previous": at most this many plain steps between two probe drafts
+GAP_GROWTH = 4  # a probe draft that still predicts size 0 multiplies the gap by this
 
 
 @jax.tree_util.register_dataclass
@@ -77,7 +78,7 @@ class AutoState:
     ``last`` ``[B, K]``: the last draft's raw predictions (``decide="previous"``); ``idle``: plain target
     steps in a row since the last draft (starts at ``probe``: the first round drafts); ``force``: a
     candidate index every round takes (-1: the policy; :func:`profile_costs` times each candidate this way);
-    ``gap``: plain steps before the next probe draft (``probe``, doubled after each probe that still
+    ``gap``: plain steps before the next probe draft (``probe``, x :data:`GAP_GROWTH` after each probe that still
     predicts size 0, up to :data:`MAX_GAP`; back to ``probe`` when a draft predicts a larger size pays).
     """
 
@@ -281,7 +282,7 @@ def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc:
     if m.decide == "previous" and 0 in m.sizes:
         plain_next = _choose(new, raw, plan, ~done) == m.sizes.index(0)
         was_probe = st.idle > 0  # this draft came after plain steps
-        gap = jnp.where(plain_next, jnp.where(was_probe, jnp.minimum(2 * st.gap, MAX_GAP), st.gap), m.probe)
+        gap = jnp.where(plain_next, jnp.where(was_probe, jnp.minimum(GAP_GROWTH * st.gap, MAX_GAP), st.gap), m.probe)
         new = dataclasses.replace(new, gap=gap.astype(jnp.int32))
     return new
 
@@ -312,14 +313,30 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
 
 @stage(COMMIT)
 def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key, *, plan: Plan) -> SpecState:
-    """A size-0 round without a draft (``decide="previous"``): one target step; the last predictions stay."""
-    new, _ = _plain_step(target, drafter, state, temperature, key, max_new, eos, plan)
+    """Size 0 without a draft (``decide="previous"``): plain target steps, one per round, until the next probe
+    draft is due (``gap - idle`` of them, at least one) or every sequence is done; the last predictions stay.
+
+    The steps run in a ``while_loop`` inside this one branch: XLA copies the caches into a conditional's
+    branch, so a burst of steps pays that copy once rather than once per token. Step j samples with
+    ``fold_in(key, j)``."""
     st = state.auto
     b = state.x_start.shape[0]
-    r = jnp.where(~state.done, state.rounds, st.choices.shape[1])
     i0 = plan.method.sizes.index(0)
-    choices = st.choices.at[jnp.arange(b), r].set(i0, mode="drop")
-    return dataclasses.replace(new, auto=dataclasses.replace(st, choices=choices, idle=st.idle + 1))
+    steps = jnp.maximum(st.gap - st.idle, 1)
+
+    def cond(carry):
+        j, s = carry
+        return (j < steps) & ~jnp.all(s.done)
+
+    def body(carry):
+        j, s = carry
+        new, _ = _plain_step(target, drafter, s, temperature, jax.random.fold_in(key, j), max_new, eos, plan)
+        r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
+        choices = s.auto.choices.at[jnp.arange(b), r].set(i0, mode="drop")
+        return j + 1, dataclasses.replace(new, auto=dataclasses.replace(s.auto, choices=choices))
+
+    j, new = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return dataclasses.replace(new, auto=dataclasses.replace(new.auto, idle=st.idle + j))
 
 
 def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, call=None) -> SpecState:
