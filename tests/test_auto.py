@@ -300,3 +300,25 @@ def test_parse_auto():
     assert Auto(sizes=[16, "chain", 0]).sizes == (0, "chain", 16)  # canonical order
     assert dataclasses.replace(Auto(), decide="draft").decide == "draft"
     assert "auto" in sparkjax.METHODS
+
+
+# ----------------------------------------------------------------------------- the eval's column
+
+
+def test_eval_reports_the_share_of_rounds_per_size():
+    from sparkjax.eval import harness, report
+    from sparkjax.eval.engine import Engine
+
+    samples = [{"size_choices": ["ar", "ar", "dspark"]}, {"size_choices": ["sparklingtree@16"]}]
+    share = harness._size_share(samples)
+    assert share == {"ar": 0.5, "dspark": 0.25, "sparklingtree@16": 0.25}
+    assert harness._size_share([{"acceptance_lengths": [1]}]) is None  # other methods: no column
+    flat = report.flat_row({"dataset": "all", "label": "auto", "size_share": share, "accept_rate": []})
+    assert flat["chosen_ar"] == 0.5 and flat["chosen_sparklingtree@16"] == 0.25 and "size_share" not in flat
+    # a finished auto launch: out, n, accept_lens, rounds, depth_hits, choices, nonfinite
+    res = (np.array([[5, 6, 7, 0]]), np.array([3]), np.array([[1, 2, 0, 0]]), np.array([2]), np.array([[1, 0]]),
+           np.array([[0, 2, -1, -1]]), np.array([-1]))
+    out = Engine.outputs(res, ("ar", "dspark", "sparklingtree@16"))
+    assert out.size_choices == [["ar", "sparklingtree@16"]] and out.acceptance_lengths == [[1, 2]]
+    assert "auto" in [mc.label for mc in harness.method_configs(harness.EvalConfig())[0]]
+    assert "auto" not in harness.BASELINE_METHODS  # auto runs with --drafter (sparklingtree / dspark)
