@@ -476,8 +476,11 @@ def generate(
     ``method``: a method object (:class:`~sparkjax.engine.AR`, :class:`~sparkjax.engine.Chain`,
     :class:`~sparkjax.engine.Tree`) or its name: ``ar`` (target alone), ``dflash`` (argmax chain),
     ``dspark`` (Markov chain), ``ddtree`` (best-first over independent marginals), ``sparklingtree``
-    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), or ``name@budget``
-    for a tree. With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
+    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), ``auto`` (each
+    round verifies a plain step, the chain or a tree of 8 to 64 nodes, chosen on device from the drafter's
+    confidence and a measured cost table: :class:`~sparkjax.engine.Auto`; without a table it profiles once
+    per process and shape, see :func:`~sparkjax.engine.profile_costs`), or ``name@budget`` for a tree.
+    With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
     candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (default even),
     ``normalization`` the Markov tables' (``fast`` or ``exact``); a method object carries its own.
     Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else

@@ -177,22 +177,44 @@ def slice_tree(prop: Proposal, b: int) -> Proposal:
 
 
 @stage(TREE)
-def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, temperature, key, *,
+def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, temperature, key, k=None, *,
                 plan: Plan) -> AutoProposal:
-    """The largest tree and the chain of the round, and every candidate's raw prediction."""
+    """The largest tree and the chain of the round, and every candidate's raw prediction.
+
+    With the round's choice ``k`` already made (``decide="previous"``) only the kind it verifies is built
+    (a ``lax.cond``): a chain round skips the tree, a tree round the chain, and the other kind's predictions
+    stay those of the last round that built it."""
     m: Auto = plan.method
     b = state.x_start.shape[0]
-    tree_prop = chain_prop = scores = chain_p = None
-    if m.tree_sizes:
+
+    def build_tree():
         tp = m.tree_plan(plan)
         t = tp.method.build(drafter, state.x_start, blk, tp)
         mask = jax.vmap(tree.visibility, in_axes=(0, None))(t.parents, plan.depth)
-        tree_prop, scores = Proposal(t.tokens, t.parents, t.depths, mask, None), t.scores
-    if CHAIN in m.sizes:
+        return Proposal(t.tokens, t.parents, t.depths, mask, None), t.scores
+
+    def build_chain():
         cp = m.chain_plan(plan)
-        chain_prop = cp.method.propose(drafter, state.x_start, blk, cp, temperature, key)
-        chain_p = chain_probs(drafter, state.x_start, blk, chain_prop, temperature)
-    return AutoProposal(tree_prop, chain_prop, predictions(m, b, scores, chain_p))
+        prop = cp.method.propose(drafter, state.x_start, blk, cp, temperature, key)
+        return prop, chain_probs(drafter, state.x_start, blk, prop, temperature)
+
+    both = bool(m.tree_sizes) and CHAIN in m.sizes
+    if k is None or not both:
+        tree_prop, scores = build_tree() if m.tree_sizes else (None, None)
+        chain_prop, chain_p = build_chain() if CHAIN in m.sizes else (None, None)
+        return AutoProposal(tree_prop, chain_prop, predictions(m, b, scores, chain_p))
+
+    def empty(fn):
+        return lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
+
+    is_chain = jnp.asarray(k) == m.sizes.index(CHAIN)
+    tree_prop, scores = jax.lax.cond(is_chain, empty(build_tree), build_tree)
+    chain_prop, chain_p = jax.lax.cond(is_chain, build_chain, empty(build_chain))
+    raw = predictions(m, b, scores, chain_p)
+    tree_cols = jnp.asarray([v != 0 and v != CHAIN for v in m.sizes])
+    chain_cols = jnp.asarray([v == CHAIN for v in m.sizes])
+    stale = jnp.where(is_chain, tree_cols, chain_cols)  # the kind not built this round keeps its predictions
+    return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw))
 
 
 def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
@@ -355,12 +377,14 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
 
     def drafted(state, k_prev):
         blk = call(draft, state, plan=plan)
-        aprop = call(auto_expand, state, blk, temperature, k_expand, plan=plan)
+        aprop = call(auto_expand, state, blk, temperature, k_expand, k_prev, plan=plan)
         return call(auto_commit, state, aprop, k_prev, max_new, eos, temperature, k_accept, plan=plan)
 
-    if m.decide == "draft" or 0 not in m.sizes:
-        return drafted(state, jnp.int32(0))
+    if m.decide == "draft":
+        return drafted(state, None)
     st = state.auto
+    if 0 not in m.sizes:
+        return drafted(state, _choose(st, st.last, plan, ~state.done))
     i0 = m.sizes.index(0)
     # after `gap` plain steps in a row, draft again (the predictions are stale)
     allowed = jnp.arange(len(m.sizes)) != jnp.where(st.idle >= st.gap, i0, -1)

@@ -295,6 +295,7 @@ class Tree(Method):
 CHAIN = "chain"  # the chain entry of an :class:`Auto` candidate set
 DEFAULT_SIZES: tuple[int | str, ...] = (0, CHAIN, 8, 16, 32, 64)  # Auto's default candidate verification sizes
 DECIDE = ("draft", "previous")  # when Auto decides: after this round's draft, or from the previous round's
+AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every drafted round, whatever its size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +313,8 @@ class Auto(Method):
     ``probe`` plain steps in a row; that gap grows 4x, up to 128, while the probe drafts still predict size 0).
     ``table``: a :class:`~sparkjax.engine.auto.CostTable` for these
     sizes (default: profiled once per process and shape by :func:`~sparkjax.engine.auto.profile_costs`).
-    ``top_c`` and ``normalization``: the tree's, as for :class:`Tree`.
+    ``top_c`` (default 32, at most the vocabulary: the largest tree is built every drafted round, so its
+    tables are kept small) and ``normalization``: the tree's, as for :class:`Tree`.
     """
 
     sizes: tuple[int | str, ...] = DEFAULT_SIZES
@@ -411,7 +413,8 @@ class Auto(Method):
         trees = self.tree_sizes
         c = 0
         if trees:
-            sub = Tree(resolved.tree, trees[-1], self.top_c, None, self.normalization).plan(target, drafter, sampling)
+            top_c = min(AUTO_TOP_C, target.config.vocab_size) if self.top_c is None else self.top_c
+            sub = Tree(resolved.tree, trees[-1], top_c, None, self.normalization).plan(target, drafter, sampling)
             c = sub.top_c
         if self.table is not None and tuple(self.table.labels) != resolved.labels():
             raise ArgumentError(f"table: its candidates {list(self.table.labels)} are not this method's "
