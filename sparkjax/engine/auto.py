@@ -183,7 +183,8 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
 
     With the round's choice ``k`` already made (``decide="previous"``) only the kind it verifies is built
     (a ``lax.cond``): a chain round skips the tree, a tree round the chain, and the other kind's predictions
-    stay those of the last round that built it."""
+    stay those of the last round that built it; the first draft and every probe draft (after plain steps)
+    build both, so every candidate's prediction is refreshed there."""
     m: Auto = plan.method
     b = state.x_start.shape[0]
 
@@ -208,12 +209,13 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
         return lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
 
     is_chain = jnp.asarray(k) == m.sizes.index(CHAIN)
-    tree_prop, scores = jax.lax.cond(is_chain, empty(build_tree), build_tree)
-    chain_prop, chain_p = jax.lax.cond(is_chain, build_chain, empty(build_chain))
+    refresh = state.auto.idle > 0  # the first draft and every probe after plain steps build both kinds
+    tree_prop, scores = jax.lax.cond(is_chain & ~refresh, empty(build_tree), build_tree)
+    chain_prop, chain_p = jax.lax.cond(is_chain | refresh, build_chain, empty(build_chain))
     raw = predictions(m, b, scores, chain_p)
     tree_cols = jnp.asarray([v != 0 and v != CHAIN for v in m.sizes])
     chain_cols = jnp.asarray([v == CHAIN for v in m.sizes])
-    stale = jnp.where(is_chain, tree_cols, chain_cols)  # the kind not built this round keeps its predictions
+    stale = jnp.where(refresh, False, jnp.where(is_chain, tree_cols, chain_cols))  # the kind not built keeps its
     return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw))
 
 
