@@ -690,7 +690,8 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             pre_s[mc].append(time.perf_counter() - t0)
     raws: dict[MethodConfig, dict[str, Any]] = {}
     for eng, mc in units:
-        out: BatchOutput = eng.outputs(res[mc], eng.size_labels(mc) if isinstance(mc.spec, core.Auto) else ())
+        auto = isinstance(mc.spec, core.Auto)  # its launch also returns each round's chosen size
+        out: BatchOutput = eng.outputs(res[mc], eng.size_labels(mc)) if auto else eng.outputs(res[mc])
         n_out = sum(len(t) for t in out.tokens)
         if mc.speculative:
             iterations = max((len(a) for a in out.acceptance_lengths), default=0)
