@@ -575,6 +575,10 @@ def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1,
     buf_len = bucket(plan.depth + 2, 1)
     start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed), plan=plan,
                        cache_size=cache_size, buf_len=buf_len)
+    # time the steady state: a drafted round that is not a probe (it builds only the kind it verifies) and a
+    # plain step alone (a burst of one)
+    start = dataclasses.replace(start, auto=dataclasses.replace(start.auto, idle=jnp.zeros((), jnp.int32),
+                                                                 gap=jnp.ones((), jnp.int32)))
     fn = _forced_rounds_fn()
     k = len(spec.sizes)
 
