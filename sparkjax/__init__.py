@@ -1,10 +1,11 @@
 """sparkjax: SparklingTree speculative decoding in JAX / Flax NNX.
 
 Public API: :func:`load_target`, :func:`load_drafter`, :func:`generate`, :func:`stream`, the
-configs, the error classes, the method objects (:class:`AR`, :class:`Chain`, :class:`Tree`, read from
-names by :func:`parse_method`), :func:`required_cache_size` and :mod:`sparkjax.demo` (the bundled
-trained demo pair). Lower-level pieces live in ``sparkjax.engine`` (drafting, the round, the jitted
-programs), ``sparkjax.nn``, ``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax.sampling``;
+configs, the error classes, the method objects (:class:`AR`, :class:`Chain`, :class:`Tree`, :class:`Auto`,
+read from names by :func:`parse_method`), :func:`profile_costs` (``auto``'s cost table),
+:func:`required_cache_size` and :mod:`sparkjax.demo` (the bundled trained demo pair).
+Lower-level pieces live in ``sparkjax.engine`` (drafting, the round, the jitted programs), ``sparkjax.nn``,
+``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax.sampling``;
 ``sparkjax.decode`` and ``sparkjax.draft`` are deprecated aliases of ``sparkjax.engine``.
 """
 
@@ -18,16 +19,27 @@ from .convert import load_drafter, load_target, save_drafter, save_target
 from .engine import (
     AR,
     METHODS,
+    Auto,
     Chain,
+    CostTable,
     GenerateOutput,
     NumericalError,
     Tree,
     generate,
+    load_cost_table,
     parse_method,
+    profile_costs,
     required_cache_size,
     stream,
 )
-from .errors import ArgumentError, CheckpointError, ConfigError, IncompatiblePairError, SparkjaxError
+from .errors import (
+    ArgumentError,
+    CheckpointError,
+    ConfigError,
+    CostTableError,
+    IncompatiblePairError,
+    SparkjaxError,
+)
 
 __version__ = "0.1.0"
 
@@ -35,9 +47,12 @@ __all__ = [
     "AR",
     "METHODS",
     "ArgumentError",
+    "Auto",
     "Chain",
     "CheckpointError",
     "ConfigError",
+    "CostTable",
+    "CostTableError",
     "DrafterConfig",
     "GenerateOutput",
     "IncompatiblePairError",
@@ -48,8 +63,10 @@ __all__ = [
     "demo",
     "generate",
     "load_drafter",
+    "load_cost_table",
     "load_target",
     "parse_method",
+    "profile_costs",
     "required_cache_size",
     "save_drafter",
     "save_target",

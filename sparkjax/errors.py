@@ -27,3 +27,7 @@ class IncompatiblePairError(SparkjaxError, ValueError):
 
 class ArgumentError(SparkjaxError, ValueError):
     """A function argument is out of range or inconsistent with the others."""
+
+
+class CostTableError(SparkjaxError, ValueError):
+    """A cost table file (``method='auto'``) is unreadable or was measured for another device or shape."""

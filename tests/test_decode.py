@@ -189,9 +189,19 @@ def _chi2_pvalue(counts, probs):
     return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
+def _auto(decide: str):
+    """Method auto over a plain step, the chain and trees of 2 and 6 nodes, with a cost table under which the
+    choice between them follows the drafter's predictions."""
+    from sparkjax.engine import Auto, CostTable
+
+    labels = ("ar", "dspark", "sparklingtree@2", "sparklingtree@6")
+    return Auto(sizes=(0, "chain", 2, 6), decide=decide, table=CostTable(labels, (1.0, 1.0, 1.05, 1.1)))
+
+
 @pytest.mark.parametrize(
-    "method,temperature", [("sparklingtree", 1.0), ("dspark", 0.6)] + [
-        pytest.param(m, 1.0, marks=SLOW) for m in ("ddtree", "dspark", "dflash", "sparklingtree-beam")]
+    "method,temperature", [("sparklingtree", 1.0), ("dspark", 0.6), ("auto-draft", 1.0)] + [
+        pytest.param(m, 1.0, marks=SLOW)
+        for m in ("ddtree", "dspark", "dflash", "sparklingtree-beam", "auto-previous")]
 )
 def test_sampling_is_lossless(random_pair, method, temperature):
     target, drafter = random_pair
@@ -199,8 +209,11 @@ def test_sampling_is_lossless(random_pair, method, temperature):
     prompt = [3, 1, 4, 1, 5]
     n = 6000
     kw = {"budget": 6} if method in TREES else {}
-    out = generate(target, drafter, [prompt] * n, method=method, max_new_tokens=3, temperature=temperature,
+    spec = _auto(method.partition("-")[2]) if method.startswith("auto") else method
+    out = generate(target, drafter, [prompt] * n, method=spec, max_new_tokens=3, temperature=temperature,
                    seed=11, **kw)
+    if method.startswith("auto"):
+        assert len(out.size_counts) >= 1 and sum(out.size_counts.values()) == sum(out.rounds)
     samples = np.array(out.tokens)
     assert samples.shape == (n, 3)
     exact = _exact_joint(target, prompt, vocab, temperature)

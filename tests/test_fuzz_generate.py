@@ -165,6 +165,7 @@ def stubbed_programs():
         mp.setattr(api, "ar_program", ar)
         mp.setattr(api, "spec_program", spec)
         mp.setattr(api, "_instrumented", instrumented)
+        mp.setattr(api, "with_costs", lambda target, drafter, plan, batch, size: plan)  # auto: no profiling
         yield
 
 

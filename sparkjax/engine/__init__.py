@@ -3,6 +3,8 @@
 * :mod:`~sparkjax.engine.methods`: the method objects (:class:`AR`, :class:`Chain`, :class:`Tree`),
   the static :class:`Plan` they resolve into and :func:`parse_method`, the one reader of method names;
 * :mod:`~sparkjax.engine.drafting`: the drafter's block and chains (the draft stage's pieces);
+* :mod:`~sparkjax.engine.auto`: method ``auto`` (a verification size per round, chosen on device) and
+  its cost table (:func:`profile_costs`);
 * :mod:`~sparkjax.engine.round`: draft -> expand -> verify -> accept -> commit, one function each;
 * :mod:`~sparkjax.engine.programs`: the jitted prefill, AR and speculative programs;
 * :mod:`~sparkjax.engine.state`: the registered dataclasses passed between them;
@@ -20,14 +22,17 @@ from .api import (
     required_cache_size,
     stream,
 )
+from .auto import CostTable, load_cost_table, policy, profile_costs
 from .checks import bucket
 from .methods import (
     AR,
     AR_LABEL,
     CHAIN_METHODS,
+    DEFAULT_SIZES,
     MARKOV_METHODS,
     METHODS,
     TREE_METHODS,
+    Auto,
     Chain,
     Method,
     Plan,
@@ -39,6 +44,12 @@ from .round import STAGES
 
 __all__ = [
     "AR",
+    "DEFAULT_SIZES",
+    "Auto",
+    "CostTable",
+    "load_cost_table",
+    "policy",
+    "profile_costs",
     "AR_LABEL",
     "CHAIN_METHODS",
     "MARKOV_METHODS",

@@ -20,8 +20,9 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ArgumentError, SparkjaxError
+from .auto import with_costs
 from .checks import MAX_SLOTS, bucket, check_int, check_models, describe, is_int
-from .methods import Method, Plan, parse_method
+from .methods import Auto, Method, Plan, parse_method
 from .placement import check_mesh, place_args, place_state, to_host
 from .programs import ar_program, spec_program, spec_start, spec_step, split_pair, stage_call
 from .round import STAGES, spec_round
@@ -221,16 +222,30 @@ class GenerateOutput:
     the bonus / correction token included); tau = their mean. For ``ar`` every entry is 1.
     ``accepted_per_depth``: per sequence, how many rounds accepted a draft at depth d + 1.
     ``stage_seconds``: per-stage wall time summed over rounds (instrumented mode only).
+    ``size_choices``: method ``auto`` only, per sequence, the candidate each round verified (its label:
+    ``ar``, the chain's kind or ``tree@b``), parallel to ``acceptance_lengths``; None for other methods.
     """
 
     tokens: list[list[int]]
     acceptance_lengths: list[list[int]]
     accepted_per_depth: list[list[int]] = dataclasses.field(default_factory=list)
     stage_seconds: dict[str, float] | None = None
+    size_choices: list[list[str]] | None = None
 
     @property
     def rounds(self) -> list[int]:
         return [len(a) for a in self.acceptance_lengths]
+
+    @property
+    def size_counts(self) -> dict[str, int] | None:
+        """Method ``auto``: how many rounds (summed over the sequences) verified each candidate size."""
+        if self.size_choices is None:
+            return None
+        counts: dict[str, int] = {}
+        for row in self.size_choices:
+            for label in row:
+                counts[label] = counts.get(label, 0) + 1
+        return counts
 
 
 class NumericalError(SparkjaxError, FloatingPointError):
@@ -254,14 +269,19 @@ def raise_if_nonfinite(nonfinite: Any) -> None:
     )
 
 
-def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, stage_seconds=None) -> GenerateOutput:
+def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, choices=None, *, stage_seconds=None,
+             labels: Sequence[str] = ()) -> GenerateOutput:
     out, n = to_host(out), to_host(n)
     tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
     if accept_lens is None:
         return GenerateOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
     accept_lens, rounds, depth_hits = to_host(accept_lens), to_host(rounds), to_host(depth_hits)
     lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
-    return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds)
+    sizes = None
+    if choices is not None:
+        choices = to_host(choices)
+        sizes = [[labels[int(i)] for i in choices[b, : rounds[b]]] for b in range(out.shape[0])]
+    return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds, sizes)
 
 
 def _itemsize(model) -> int:
@@ -441,6 +461,8 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     buf_len = _buf_len(max_new_tokens, capacity, plan)
     check_memory(target, drafter, plan, prompts, size, buf_len, cache_size=cache_size, capacity=capacity,
                  prompt_width=prompt_width)
+    if plan is not None and plan.is_auto:  # its cost table: given, cached in the process, or profiled now
+        plan = with_costs(target, drafter, plan, prompts.batch, size)
     return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh)
 
 
@@ -469,8 +491,11 @@ def generate(
     ``method``: a method object (:class:`~sparkjax.engine.AR`, :class:`~sparkjax.engine.Chain`,
     :class:`~sparkjax.engine.Tree`) or its name: ``ar`` (target alone), ``dflash`` (argmax chain),
     ``dspark`` (Markov chain), ``ddtree`` (best-first over independent marginals), ``sparklingtree``
-    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), or ``name@budget``
-    for a tree. With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
+    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), ``auto`` (each
+    round verifies a plain step, the chain or a tree of 8 to 64 nodes, chosen on device from the drafter's
+    confidence and a measured cost table: :class:`~sparkjax.engine.Auto`; without a table it profiles once
+    per process and shape, see :func:`~sparkjax.engine.profile_costs`), or ``name@budget`` for a tree.
+    With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
     candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (default even),
     ``normalization`` the Markov tables' (``fast`` or ``exact``); a method object carries its own.
     Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else
@@ -511,7 +536,8 @@ def generate(
         return _instrumented(target, drafter, run)
     *res, nonfinite = launch(target, drafter, prompt_ids, report_nonfinite=True, **options)
     raise_if_nonfinite(to_host(nonfinite))
-    return _outputs(*res)
+    spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    return _outputs(*res, labels=spec.resolve(drafter).labels() if isinstance(spec, Auto) else ())
 
 
 def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget=None, top_c=None,
@@ -521,7 +547,8 @@ def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
 
     Returns device arrays: ``(out [B, buf], n [B])`` for ``ar``, plus ``(accept_lens [B, R],
-    rounds [B], depth_hits [B, D])`` for speculative methods. Nothing is copied to the host.
+    rounds [B], depth_hits [B, D])`` for speculative methods, plus ``choices [B, R]`` (each round's
+    candidate index into ``Auto.labels()``, -1 past the last round) for ``auto``. Nothing is copied to the host.
     ``max_new_tokens=1`` stops after the prefill and its first token (no round), in the same
     compiled program as a longer run of the same shapes: that is how to time prefill alone.
 
@@ -622,4 +649,7 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
     while not bool(to_host(state.done).all()):
         state = spec_round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
     raise_if_nonfinite(to_host(state.nonfinite))
-    return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, times)
+    choices = state.auto.choices if plan.is_auto else None
+    labels = plan.method.labels() if plan.is_auto else ()
+    return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, choices,
+                    stage_seconds=times, labels=labels)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from .. import tree
 from ..errors import ArgumentError
 from . import drafting
-from .checks import MAX_SLOTS, check_drafter, check_int, check_int_list, describe
+from .checks import MAX_SLOTS, check_drafter, check_int, check_int_list, describe, is_int
 from .state import Proposal
 
 Array = jax.Array
@@ -38,7 +38,7 @@ class Plan:
     chains); ``sampling``: temperature > 0; ``layer_ids``: the target layers the drafter reads.
     """
 
-    method: Chain | Tree
+    method: Chain | Tree | Auto
     depth: int
     nodes: int
     sampling: bool = False
@@ -47,6 +47,11 @@ class Plan:
     @property
     def is_chain(self) -> bool:
         return isinstance(self.method, Chain)
+
+    @property
+    def is_auto(self) -> bool:
+        """The round picks its verification size on device (:class:`Auto`, :mod:`sparkjax.engine.auto`)."""
+        return isinstance(self.method, Auto)
 
     @property
     def top_c(self) -> int:
@@ -255,7 +260,13 @@ class Tree(Method):
         return Plan(resolved, depth, budget, bool(sampling), tuple(drafter.config.target_layer_ids))
 
     def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
-        b, d = x_start.shape[0], plan.depth
+        t = self.build(drafter, x_start, blk, plan)
+        mask = jax.vmap(tree.visibility, in_axes=(0, None))(t.parents, plan.depth)
+        return Proposal(t.tokens, t.parents, t.depths, mask, None)
+
+    def build(self, drafter, x_start, blk, plan) -> tree.Tree:
+        """The batched :class:`sparkjax.tree.Tree` of ``plan.nodes`` nodes (with its path scores)."""
+        b = x_start.shape[0]
         # per-depth base logits [B, D, V] and the block hidden states of the same slots [B, D, Dm]
         logits = drafting.aligned_logits(drafter, blk.logits).astype(jnp.float32)
         hidden = blk.hidden[:, drafter.config.first_draft_slot :]
@@ -274,12 +285,162 @@ class Tree(Method):
             t = jax.vmap(tree.beam, in_axes=(0, 0, None))(tables, cand_tokens, plan.widths)
         else:
             t = jax.vmap(tree.best_first, in_axes=(0, 0, None))(tables, cand_tokens, plan.nodes)
-        mask = jax.vmap(tree.visibility, in_axes=(0, None))(t.parents, d)
-        return Proposal(t.tokens, t.parents, t.depths, mask, None)
+        return t
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> Tree:
         return cls(name, DEFAULT_BUDGET if budget is None else budget, top_c, widths, normalization)
+
+
+CHAIN = "chain"  # the chain entry of an :class:`Auto` candidate set
+DEFAULT_SIZES: tuple[int | str, ...] = (0, CHAIN, 8, 16, 32, 64)  # Auto's default candidate verification sizes
+DECIDE = ("draft", "previous")  # when Auto decides: after this round's draft, or from the previous round's
+AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every drafted round, whatever its size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto(Method):
+    """Picks each round's verification size on device: ``auto`` (:mod:`sparkjax.engine.auto`).
+
+    ``sizes``: the candidate set, out of ``0`` (a plain target step: verify ``[x_start]`` alone and commit
+    one token), ``"chain"`` (the drafter's chain: ``dspark`` with a Markov head, else ``dflash``; or
+    ``chain=``) and tree budgets ``b >= 1`` (one best-first tree of the largest budget per round,
+    ``sparklingtree`` with a Markov head, else ``ddtree``; or ``tree=``; a smaller size verifies its
+    first ``b`` nodes, which are the best ``b``). ``budget``: the largest tree allowed (default: the
+    largest tree size; a size above it is an ArgumentError). ``decide``: ``"draft"`` picks after this
+    round's draft (from its own tree / chain probabilities), ``"previous"`` from the previous round's
+    draft and acceptance, so a size-0 round skips the draft pass (then the drafter drafts again after
+    ``probe`` plain steps in a row; that gap grows 4x, up to 128, while the probe drafts still predict size 0).
+    ``table``: a :class:`~sparkjax.engine.auto.CostTable` for these
+    sizes (default: profiled once per process and shape by :func:`~sparkjax.engine.auto.profile_costs`).
+    ``top_c`` (default 32, at most the vocabulary: the largest tree is built every drafted round, so its
+    tables are kept small) and ``normalization``: the tree's, as for :class:`Tree`.
+    """
+
+    sizes: tuple[int | str, ...] = DEFAULT_SIZES
+    budget: int | None = None
+    tree: str | None = None
+    chain: str | None = None
+    top_c: int | None = None
+    normalization: str = "fast"
+    decide: str = "previous"
+    probe: int = 4
+    table: Any = None  # a sparkjax.engine.auto.CostTable, or None
+
+    def __post_init__(self):
+        sizes = self.sizes
+        if isinstance(sizes, str | bytes) or not isinstance(sizes, list | tuple):
+            raise ArgumentError(f"sizes: expected a list of candidate sizes (0, 'chain', tree budgets), "
+                                f"got {describe(sizes)}")
+        if not sizes:
+            raise ArgumentError("sizes: empty candidate set; give at least one of 0, 'chain' or a tree budget")
+        out: list[int | str] = []
+        for i, x in enumerate(sizes):
+            if x == CHAIN and isinstance(x, str):
+                v: int | str = CHAIN
+            elif is_int(x) and 0 <= int(x) <= MAX_SLOTS:
+                v = int(x)
+            else:
+                raise ArgumentError(f"sizes[{i}]: expected 0, 'chain' or a tree budget >= 1, got {describe(x)}")
+            if v in out:
+                raise ArgumentError(f"sizes[{i}]: {v!r} is listed twice")
+            out.append(v)
+        trees = sorted(v for v in out if v != CHAIN and v > 0)
+        canon = tuple(([0] if 0 in out else []) + ([CHAIN] if CHAIN in out else []) + trees)
+        object.__setattr__(self, "sizes", canon)
+        if self.budget is not None:
+            budget = check_int("budget", self.budget, unit="number of tree nodes")
+            if trees and trees[-1] > budget:
+                raise ArgumentError(f"sizes: tree size {trees[-1]} exceeds budget={budget}")
+            object.__setattr__(self, "budget", budget)
+        if self.tree is not None:
+            _entry(self.tree, Tree, "tree")
+            if _entry(self.tree).beam:
+                raise ArgumentError(f"tree: {self.tree!r} is a beam; auto slices best-first trees (ddtree, "
+                                    "sparklingtree)")
+        if self.chain is not None:
+            _entry(self.chain, Chain, "chain")
+        if self.top_c is not None:
+            object.__setattr__(self, "top_c", check_int("top_c", self.top_c))
+        if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
+            raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
+        if not isinstance(self.decide, str) or self.decide not in DECIDE:
+            raise ArgumentError(f"decide: expected one of {DECIDE}, got {describe(self.decide)}")
+        object.__setattr__(self, "probe", check_int("probe", self.probe))
+        if self.table is not None:
+            labels = getattr(self.table, "labels", None)
+            if labels is None or not hasattr(self.table, "seconds"):
+                raise ArgumentError(f"table: expected a sparkjax.engine.auto.CostTable, got {describe(self.table)}")
+
+    @property
+    def name(self) -> str:
+        return "auto"
+
+    @property
+    def widths(self) -> None:
+        return None
+
+    @property
+    def tree_sizes(self) -> tuple[int, ...]:
+        return tuple(v for v in self.sizes if v != CHAIN and v > 0)
+
+    @property
+    def needs_markov(self) -> bool:
+        return any(k is not None and _entry(k).markov for k in (self.tree, self.chain))
+
+    def labels(self) -> tuple[str, ...]:
+        """The candidates' names, in ``sizes`` order (``ar``, the chain's kind, ``tree@b``); resolved kinds."""
+        return tuple("ar" if v == 0 else (self.chain or CHAIN) if v == CHAIN else f"{self.tree or 'tree'}@{v}"
+                     for v in self.sizes)
+
+    def nodes(self, drafter) -> int:
+        trees = self.tree_sizes
+        return trees[-1] if trees else self.depth(drafter)
+
+    def resolve(self, drafter) -> Auto:
+        """The tree and chain kinds for ``drafter`` (Markov head: sparklingtree / dspark, else ddtree / dflash)."""
+        markov = drafter is not None and drafter.config.has_markov
+        tree_kind = self.tree or ("sparklingtree" if markov else "ddtree")
+        chain_kind = self.chain or ("dspark" if markov else "dflash")
+        return dataclasses.replace(self, tree=tree_kind, chain=chain_kind)
+
+    def plan(self, target, drafter, sampling: bool) -> Plan:
+        if drafter is None:
+            raise ArgumentError("drafter: method 'auto' needs a drafter (use method='ar' without one)")
+        resolved = self.resolve(drafter)
+        check_drafter(target, drafter, resolved)
+        depth = self.depth(drafter)
+        trees = self.tree_sizes
+        c = 0
+        if trees:
+            top_c = min(AUTO_TOP_C, target.config.vocab_size) if self.top_c is None else self.top_c
+            sub = Tree(resolved.tree, trees[-1], top_c, None, self.normalization).plan(target, drafter, sampling)
+            c = sub.top_c
+        if self.table is not None and tuple(self.table.labels) != resolved.labels():
+            raise ArgumentError(f"table: its candidates {list(self.table.labels)} are not this method's "
+                                f"{list(resolved.labels())}")
+        resolved = dataclasses.replace(resolved, top_c=c)
+        return Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids))
+
+    def tree_plan(self, plan: Plan) -> Plan:
+        """The plan of the largest tree (the one built each round)."""
+        return Plan(Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization), plan.depth,
+                    self.tree_sizes[-1], plan.sampling, plan.layer_ids)
+
+    def chain_plan(self, plan: Plan) -> Plan:
+        return Plan(Chain(self.chain), plan.depth, plan.depth, plan.sampling, plan.layer_ids)
+
+    @classmethod
+    def from_options(cls, name, *, budget, top_c, widths, normalization) -> Auto:
+        if widths is not None:
+            raise ArgumentError("widths: does not apply to method 'auto' (it slices best-first trees)")
+        if budget is None:
+            return cls(top_c=top_c, normalization=normalization)
+        b = check_int("budget", budget, unit="number of tree nodes")
+        sizes = tuple(v for v in DEFAULT_SIZES if v == CHAIN or v <= b)
+        if b not in sizes:
+            sizes = sizes + (b,)
+        return cls(sizes=sizes, budget=b, top_c=top_c, normalization=normalization)
 
 
 # ============================================================================= the parser: the one table of names
@@ -299,6 +460,7 @@ _TABLE: dict[str, _Entry] = {
     "ddtree": _Entry(Tree),
     "sparklingtree": _Entry(Tree, markov=True),
     "sparklingtree-beam": _Entry(Tree, markov=True, beam=True),
+    "auto": _Entry(Auto),
 }
 
 METHODS: tuple[str, ...] = tuple(_TABLE)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..sampling import pick
+from .auto import init_state as init_auto
 from .drafting import append_context
 from .methods import Plan
 from .placement import constrain, per_sequence
@@ -105,6 +106,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
         nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
                                  jnp.zeros((b,), jnp.int32)),
+        auto=init_auto(plan, b, buf_len) if plan.is_auto else None,
     )
 
 
@@ -132,8 +134,8 @@ def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, te
 def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
                  mesh=None):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
-    depth_hits, nonfinite)``. ``mesh`` (static): the state and each stage's output are pinned to their
-    shardings (:func:`placed_round`)."""
+    depth_hits, nonfinite)``; method ``auto`` adds ``choices [B, R]`` before ``nonfinite``. ``mesh`` (static):
+    the state and each stage's output are pinned to their shardings (:func:`placed_round`)."""
     target, drafter = merge_pair(graphdefs, states)
     state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len)
     state = jax.lax.while_loop(
@@ -141,7 +143,10 @@ def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, 
         lambda s: placed_round(target, drafter, s, plan, max_new, eos, temperature, mesh),
         constrain(state, mesh),
     )
-    return state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite
+    res = (state.out, state.n, state.accept_lens, state.rounds, state.depth_hits)
+    if plan.is_auto:  # method 'auto' also returns each round's chosen candidate [B, R]
+        res += (state.auto.choices,)
+    return (*res, state.nonfinite)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

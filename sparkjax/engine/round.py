@@ -121,7 +121,7 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
         cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,
         key=state.key, accept_lens=accept_lens, rounds=state.rounds + active.astype(jnp.int32),
         depth_hits=state.depth_hits + hits.astype(jnp.int32),
-        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, state.rounds + 1),
+        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, state.rounds + 1), auto=state.auto,
     )
 
 
@@ -143,6 +143,10 @@ def spec_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
     ``call(stage_fn, *args, plan=plan)`` runs each stage (default: directly, with ``target, drafter``
     first); the instrumented mode passes one that runs the stage as its own jitted, timed call.
     """
+    if plan.is_auto:
+        from .auto import auto_round  # auto builds on this module's stages
+
+        return auto_round(target, drafter, state, plan, max_new, eos, temperature, call)
     if call is None:
         def call(fn, *args, **kwargs):
             return fn(target, drafter, *args, **kwargs)

@@ -50,6 +50,7 @@ class SpecState:
     rounds: Array
     depth_hits: Array
     nonfinite: Array  # [B] int32: first round with non-finite target logits (0 = prefill), -1 if none
+    auto: Any = None  # method 'auto' only: its sparkjax.engine.auto.AutoState (choices, calibration)
 
 
 @jax.tree_util.register_dataclass

@@ -46,6 +46,7 @@ class BatchOutput:
     acceptance_lengths: list[list[int]]
     accepted_per_depth: list[list[int]]
     stage_seconds: dict[str, float] | None = None
+    size_choices: list[list[str]] | None = None  # method auto: each round's verification size (its label)
 
 
 class Engine:
@@ -121,13 +122,20 @@ class Engine:
         out = core.generate(self.target, self.drafter, self.padded(batch), instrument=True,
                             **self._kwargs(mc, self.max_new_tokens, seed))
         n = len(batch)
+        sizes = None if out.size_choices is None else out.size_choices[:n]
         return BatchOutput([list(t) for t in out.tokens[:n]], [list(a) for a in out.acceptance_lengths[:n]],
-                           [list(h) for h in out.accepted_per_depth[:n]], dict(out.stage_seconds or {}))
+                           [list(h) for h in out.accepted_per_depth[:n]], dict(out.stage_seconds or {}), sizes)
+
+    def size_labels(self, mc: MethodConfig) -> tuple[str, ...]:
+        """Method ``auto``: the labels of its candidate sizes (what its ``choices`` index); else empty."""
+        p = self.plan(mc)
+        return p.method.labels() if p is not None and p.is_auto else ()
 
     @staticmethod
-    def outputs(res, size: int | None = None) -> BatchOutput:
+    def outputs(res, size: int | None = None, labels: tuple[str, ...] = ()) -> BatchOutput:
         """Host copies of a finished launch's arrays (the first ``size`` sequences: the rest pad a batch to
-        the mesh's data axis); raises NumericalError if the target's logits were not finite."""
+        the mesh's data axis); raises NumericalError if the target's logits were not finite. ``labels``:
+        method ``auto``'s candidate labels (:meth:`size_labels`), to name its per-round choices."""
         from ..engine.placement import to_host
 
         arrays = [to_host(x)[:size] for x in res]
@@ -138,4 +146,8 @@ class Engine:
             return BatchOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
         accept_lens, rounds, hits = arrays[2], arrays[3], arrays[4]
         lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
-        return BatchOutput(tokens, lens, hits.tolist())
+        sizes = None
+        if len(arrays) > 5:  # auto: each round's chosen candidate index
+            sizes = [[labels[i] if 0 <= i < len(labels) else str(i) for i in arrays[5][b, : rounds[b]].tolist()]
+                     for b in range(out.shape[0])]
+        return BatchOutput(tokens, lens, hits.tolist(), None, sizes)

@@ -80,8 +80,10 @@ STAGES = core.STAGES
 AR_LABEL = core.AR_LABEL
 DEFAULT_PAIR_NOTE = demo.NOTE
 # The methods that use no Markov head: with a baseline drafter they run with it (the DFlash / DDTree baseline).
+# auto adapts to its drafter (sparklingtree / dspark with a Markov head): it runs with --drafter.
 BASELINE_METHODS = tuple(m for m in core.METHODS
-                         if core.parse_method(m).speculative and not core.parse_method(m).needs_markov)
+                         if core.parse_method(m).speculative and not core.parse_method(m).needs_markov
+                         and not isinstance(core.parse_method(m), core.Auto))
 
 
 @dataclasses.dataclass
@@ -447,8 +449,22 @@ def summarize(records: list[dict[str, Any]], labels: list[str], depths: dict[str
                 "stage_ms_per_round": stage,
                 "stage_samples": sum(len(r["samples"]) for r in staged),
                 "same_as_ar": same,
+                "size_share": _size_share(samples),
             })
     return rows
+
+
+def _size_share(samples: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Method ``auto``: the share of rounds that verified each candidate size (None for other methods)."""
+    rows = [s["size_choices"] for s in samples if s.get("size_choices") is not None]
+    if not rows:
+        return None
+    counts: dict[str, int] = {}
+    for row in rows:
+        for label in row:
+            counts[label] = counts.get(label, 0) + 1
+    total = sum(counts.values()) or 1
+    return {k: v / total for k, v in counts.items()}
 
 
 def _param_dtype(model) -> str:
@@ -501,7 +517,7 @@ def _environment() -> dict[str, Any]:
 
 def uses_baseline(mc: MethodConfig) -> bool:
     """Whether ``mc`` runs with the baseline drafter when there is one (dflash, ddtree: no Markov head)."""
-    return mc.speculative and not mc.spec.needs_markov
+    return mc.speculative and not mc.spec.needs_markov and not isinstance(mc.spec, core.Auto)
 
 
 @dataclasses.dataclass
@@ -706,7 +722,8 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             pre_s[mc].append(time.perf_counter() - t0)
     raws: dict[MethodConfig, dict[str, Any]] = {}
     for eng, mc in units:
-        out: BatchOutput = eng.outputs(res[mc], len(batch))
+        labels = eng.size_labels(mc) if isinstance(mc.spec, core.Auto) else ()  # auto: name each round's size
+        out: BatchOutput = eng.outputs(res[mc], len(batch), labels)
         n_out = sum(len(t) for t in out.tokens)
         if mc.speculative:
             iterations = max((len(a) for a in out.acceptance_lengths), default=0)
@@ -1082,11 +1099,12 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
 def _record(dataset: str, batch_index: int, seed: int, mc: MethodConfig, chunk, raw) -> dict[str, Any]:
     out: BatchOutput = raw["output"]
     samples = []
-    for (index, line, ids), toks, lens, hits in zip(chunk, out.tokens, out.acceptance_lengths,
-                                                    out.accepted_per_depth, strict=True):
+    sizes = out.size_choices or [None] * len(out.tokens)
+    for (index, line, ids), toks, lens, hits, sz in zip(chunk, out.tokens, out.acceptance_lengths,
+                                                        out.accepted_per_depth, sizes, strict=True):
         samples.append({"index": index, "line": line, "prompt_tokens": len(ids), "output_tokens": len(toks),
                         "output_ids": toks, "rounds": len(lens), "acceptance_lengths": lens,
-                        "accepted_per_depth": hits})
+                        "accepted_per_depth": hits, **({"size_choices": sz} if sz is not None else {})})
     return {
         "dataset": dataset, "label": mc.label, "method": mc.method, "budget": mc.budget, "batch": batch_index,
         "seed": seed, "samples": samples, "run_seconds": raw["run_seconds"], "prefill_seconds": raw["prefill_seconds"],

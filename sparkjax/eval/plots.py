@@ -23,8 +23,9 @@ FAMILY_COLORS = {
     "ddtree": "#2ca02c",
     "sparklingtree": "#ff7f0e",
     "sparklingtree-beam": "#9467bd",
+    "auto": "#17becf",
 }
-_OTHER_COLORS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#843c39")
+_OTHER_COLORS = ("#8c564b", "#e377c2", "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#843c39")
 _LINESTYLES = ("-", "--", ":", "-.")
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 _HATCHES = ("", "//", "..", "xx", "\\\\", "++")

@@ -88,7 +88,9 @@ def write_json(results, path: str | os.PathLike) -> pathlib.Path:
 
 def flat_row(row: dict[str, Any], setup: dict[str, Any] | None = None) -> dict[str, Any]:
     """A summary row as flat columns: accept_rate@k and stage_<name>_ms spread out."""
-    out = {k: v for k, v in row.items() if k not in ("accept_rate", "stage_ms_per_round")}
+    out = {k: v for k, v in row.items() if k not in ("accept_rate", "stage_ms_per_round", "size_share")}
+    for label, share in (row.get("size_share") or {}).items():  # method auto: share of rounds per size
+        out[f"chosen_{label}"] = share
     stage = row.get("stage_ms_per_round") or {}
     for name in (*STAGES, "total"):
         out[f"stage_{name}_ms_per_round"] = stage.get(name)
@@ -214,6 +216,12 @@ def format_table(results) -> str:
             lines.append(f"{r['label']:<{mw}}  " + " ".join(f"{_num(x, '5.2f'):>5}" for x in r["accept_rate"][:shown]))
         if shown < depth:
             lines.append(f"(@{shown + 1} to @{depth}: 0.00 for every method)")
+    chosen = [r for r in results.summary if r.get("size_share")]
+    if chosen:
+        lines += ["", "auto: share of rounds that verified each size (ar = a plain target step, no draft)"]
+        for r in chosen:
+            shares = "  ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(r["size_share"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"{r['dataset']:<{dw}}  {r['label']:<{mw}}  {shares}")
     lines += [
         "",
         "tau pooled = sum of acceptance lengths / rounds (DeepSpec); tau resp = mean of per-response means (DDTree);",

@@ -1,0 +1,615 @@
+"""Method ``auto``: each round picks its verification size on device, from the drafter's own confidence
+and a measured cost table (the :class:`~sparkjax.engine.methods.Auto` method object holds the options).
+
+A round of ``auto`` (one ``jax.lax`` branch per candidate size, inside the generation's ``while_loop``)::
+
+    decide="draft":    draft -> largest tree + chain -> predictions -> k = policy(...) -> switch(k): verify...
+    decide="previous": k = policy(last round's predictions) -> cond(k == 0: one target step, no draft;
+                                                                   else draft -> tree + chain -> switch(k): ...)
+
+* **Candidates** (``Auto.sizes``): ``0`` (a plain target step over ``[x_start]``: one committed token, the
+  drafter's context still extended), the chain, and tree sizes ``b``. One best-first tree of the largest
+  size is built per round; size ``b`` verifies its first ``b`` nodes (the best ``b``: ``best_first``
+  returns nested prefixes, so parents, depths and the ancestor mask slice with it).
+* **Predictions** (:func:`predictions`): expected accepted drafts of each candidate for each sequence: the
+  sum of ``exp(score)`` over a tree's first ``b`` nodes (each node's path probability is the chance it is
+  accepted), the sum of the cumulative product of the chain's per-depth probabilities (the confidence head's
+  when the drafter has one, else the chain's own draft probabilities), 0 for size 0.
+* **Calibration** (:class:`AutoState`): per candidate, running averages of realised and predicted accepted
+  drafts; the prediction is scaled by their ratio. A tree round also tells what every smaller tree would have
+  accepted (the walk's nodes with index ``<= b``), so those are updated too.
+* **Policy** (:func:`policy`): the candidate with the most expected committed tokens (accepted + 1, summed
+  over the batch's active sequences) per second of round cost (:class:`CostTable`).
+* **Exactness.** Every branch verifies with the target and accepts exactly like the fixed methods (tree walk
+  over the target's posterior; speculative sampling on the chain), and the choice reads only draft-side
+  quantities and past rounds, never this round's verify: greedy output is the target's, sampling is lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import sampling, tree
+from ..errors import ArgumentError, CostTableError
+from . import drafting
+from .checks import bucket, check_int, describe
+from .methods import CHAIN, Auto, Plan, parse_method
+from .round import (
+    COMMIT,
+    TREE,
+    VERIFY,
+    Acceptance,
+    Proposal,
+    SpecState,
+    accept,
+    commit,
+    draft,
+    flag_nonfinite,
+    stage,
+    verify,
+)
+
+Array = jax.Array
+
+CALIBRATION_DECAY = 0.8  # weight of the past in the running averages of realised / predicted accepted drafts
+CALIBRATION_PRIOR = 0.25  # accepted drafts added to both averages (ratio 1 until rounds are seen)
+MAX_RATIO = 2.0  # a calibration ratio is clipped to [0, MAX_RATIO]
+MAX_GAP = 128  # decide="previous": at most this many plain steps between two probe drafts
+GAP_GROWTH = 4  # a probe draft that still predicts size 0 multiplies the gap by this
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AutoState:
+    """What ``auto`` carries from round to round (part of :class:`~sparkjax.engine.state.SpecState`).
+
+    ``choices[b, r]``: the candidate index round r chose (-1 past the last round); ``real`` / ``pred``
+    ``[K]``: running averages of realised and predicted accepted drafts per candidate (the calibration);
+    ``last`` ``[B, K]``: the last draft's raw predictions (``decide="previous"``); ``idle``: plain target
+    steps in a row since the last draft (starts at ``probe``: the first round drafts); ``force``: a
+    candidate index every round takes (-1: the policy; :func:`profile_costs` times each candidate this way);
+    ``gap``: plain steps before the next probe draft (``probe``, x :data:`GAP_GROWTH` after each probe that still
+    predicts size 0, up to :data:`MAX_GAP`; back to ``probe`` when a draft predicts a larger size pays).
+    """
+
+    choices: Array
+    real: Array
+    pred: Array
+    last: Array
+    idle: Array
+    force: Array
+    gap: Array
+
+
+def init_state(plan: Plan, batch: int, buf_len: int) -> AutoState:
+    k = len(plan.method.sizes)
+    return AutoState(choices=jnp.full((batch, buf_len), -1, jnp.int32), real=jnp.zeros((k,), jnp.float32),
+                     pred=jnp.zeros((k,), jnp.float32), last=jnp.zeros((batch, k), jnp.float32),
+                     idle=jnp.full((), plan.method.probe, jnp.int32), force=jnp.full((), -1, jnp.int32),
+                     gap=jnp.full((), plan.method.probe, jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AutoProposal:
+    """The round's drafts: the largest ``tree`` (None without tree sizes), the ``chain`` (None without one)
+    and the raw predicted accepted drafts ``raw`` ``[B, K]`` of every candidate."""
+
+    tree: Proposal | None
+    chain: Proposal | None
+    raw: Array
+
+
+# ============================================================================ predictions and the policy
+
+
+def policy(expected: Any, costs: Any, active: Any = None, allowed: Any = None) -> Array:
+    """The candidate index with the most expected committed tokens per unit of cost.
+
+    ``expected``: committed tokens per candidate ``[K]`` or per sequence ``[B, K]`` (summed over the
+    ``active`` sequences, all by default); ``costs``: ``[K]`` seconds per round; ``allowed``: optional
+    ``[K]`` bool, the candidates that may be picked. Ties go to the first (cheapest-listed) candidate.
+    A pure function of arrays (an int32 scalar), usable inside ``jit`` and with hand-made numbers.
+    """
+    e = jnp.asarray(expected, jnp.float32)
+    if e.ndim == 1:
+        e = e[None]
+    if active is not None:
+        e = jnp.where(jnp.asarray(active, bool)[:, None], e, 0.0)
+    rate = e.sum(axis=0) / jnp.maximum(jnp.asarray(costs, jnp.float32), 1e-30)
+    if allowed is not None:
+        rate = jnp.where(jnp.asarray(allowed, bool), rate, -jnp.inf)
+    return jnp.argmax(rate).astype(jnp.int32)
+
+
+def calibrated(st: AutoState, raw: Array) -> Array:
+    """Expected committed tokens ``[B, K]``: 1 (the bonus) + raw predicted drafts x the running ratio."""
+    ratio = jnp.clip((st.real + CALIBRATION_PRIOR) / (st.pred + CALIBRATION_PRIOR), 0.0, MAX_RATIO)
+    return 1.0 + raw * ratio[None]
+
+
+def chain_probs(drafter, x_start: Array, blk: drafting.DraftBlock, prop: Proposal, temperature) -> Array:
+    """The chain's per-depth acceptance estimate ``[B, D]``: the confidence head's (when the drafter has
+    one), else the probability the chain drew each draft with."""
+    if drafter.confidence_head is not None and (drafter.markov_head is not None
+                                                or not drafter.config.confidence_head_with_markov):
+        hidden = blk.hidden[:, drafter.config.first_draft_slot:]
+        conf = drafting.confidence(drafter, hidden, drafting.chain_prev(x_start, prop.tokens))
+        return jax.nn.sigmoid(conf.astype(jnp.float32))
+    t = jnp.asarray(temperature, jnp.float32)
+    logp = jax.nn.log_softmax(prop.draft_logits / jnp.where(t > 0, t, 1.0), axis=-1)
+    return jnp.exp(jnp.take_along_axis(logp, prop.tokens[..., None], axis=-1)[..., 0])
+
+
+def predictions(method: Auto, batch: int, tree_scores: Array | None, chain_p: Array | None) -> Array:
+    """Raw predicted accepted drafts ``[B, K]`` per candidate of ``method.sizes``: 0 for size 0, the sum of
+    the cumulative product of ``chain_p`` ``[B, D]`` for the chain, the sum of ``exp`` of the first ``b``
+    of ``tree_scores`` ``[B, M]`` (path log-probabilities, ``-inf`` padding) for tree size ``b``."""
+    cols = []
+    cum = None if tree_scores is None else jnp.cumsum(jnp.exp(tree_scores.astype(jnp.float32)), axis=1)
+    for v in method.sizes:
+        if v == 0:
+            cols.append(jnp.zeros((batch,), jnp.float32))
+        elif v == CHAIN:
+            cols.append(jnp.sum(jnp.cumprod(chain_p.astype(jnp.float32), axis=1), axis=1))
+        else:
+            cols.append(cum[:, v - 1])
+    return jnp.stack(cols, axis=1)
+
+
+def slice_tree(prop: Proposal, b: int) -> Proposal:
+    """The first ``b`` nodes of a best-first tree (itself the best tree of ``b`` nodes)."""
+    return Proposal(prop.tokens[:, :b], prop.parents[:, :b], prop.depths[:, :b], prop.mask[:, : b + 1, : b + 1],
+                    None)
+
+
+# ============================================================================ the round's stages
+
+
+@stage(TREE)
+def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, temperature, key, k=None, *,
+                plan: Plan) -> AutoProposal:
+    """The largest tree and the chain of the round, and every candidate's raw prediction.
+
+    With the round's choice ``k`` already made (``decide="previous"``) only the kind it verifies is built
+    (a ``lax.cond``): a chain round skips the tree, a tree round the chain, and the other kind's predictions
+    stay those of the last round that built it; the first draft and every probe draft (after plain steps)
+    build both, so every candidate's prediction is refreshed there."""
+    m: Auto = plan.method
+    b = state.x_start.shape[0]
+
+    def build_tree():
+        tp = m.tree_plan(plan)
+        t = tp.method.build(drafter, state.x_start, blk, tp)
+        mask = jax.vmap(tree.visibility, in_axes=(0, None))(t.parents, plan.depth)
+        return Proposal(t.tokens, t.parents, t.depths, mask, None), t.scores
+
+    def build_chain():
+        cp = m.chain_plan(plan)
+        prop = cp.method.propose(drafter, state.x_start, blk, cp, temperature, key)
+        return prop, chain_probs(drafter, state.x_start, blk, prop, temperature)
+
+    both = bool(m.tree_sizes) and CHAIN in m.sizes
+    if k is None or not both:
+        tree_prop, scores = build_tree() if m.tree_sizes else (None, None)
+        chain_prop, chain_p = build_chain() if CHAIN in m.sizes else (None, None)
+        return AutoProposal(tree_prop, chain_prop, predictions(m, b, scores, chain_p))
+
+    def empty(fn):
+        return lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
+
+    is_chain = jnp.asarray(k) == m.sizes.index(CHAIN)
+    refresh = state.auto.idle > 0  # the first draft and every probe after plain steps build both kinds
+    tree_prop, scores = jax.lax.cond(is_chain & ~refresh, empty(build_tree), build_tree)
+    chain_prop, chain_p = jax.lax.cond(is_chain | refresh, build_chain, empty(build_chain))
+    raw = predictions(m, b, scores, chain_p)
+    tree_cols = jnp.asarray([v != 0 and v != CHAIN for v in m.sizes])
+    chain_cols = jnp.asarray([v == CHAIN for v in m.sizes])
+    stale = jnp.where(refresh, False, jnp.where(is_chain, tree_cols, chain_cols))  # the kind not built keeps its
+    return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw))
+
+
+def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
+    """Size 0: the target over ``[x_start]`` alone, its token committed (and the drafter's context extended).
+
+    The same writes as :func:`~sparkjax.engine.round.commit` with one committed token, in fewer ops (a plain
+    step must cost about what the target's own decode step does)."""
+    b, d = state.x_start.shape[0], plan.depth
+    tokens = state.x_start[:, None]
+    start = state.cache.lengths
+    with jax.named_scope(VERIFY):
+        out = target(tokens, start[:, None], cache=state.cache, mask=jnp.ones((b, 1, 1), bool),
+                     hidden_layers=plan.layer_ids)
+    logits = out.logits.astype(jnp.float32)
+    bonus = sampling.posterior(logits, temperature, key if plan.sampling else None)[:, 0]
+    active = ~state.done
+    step = active.astype(jnp.int32)
+    rows = jnp.arange(b)
+    out_buf = state.out.at[rows, jnp.where(active, state.n, state.out.shape[1])].set(bonus, mode="drop")
+    n = state.n + step
+    done = state.done | (active & (jnp.isin(bonus, eos) | (n >= max_new)))
+    ctx = drafting.append_context(drafter, state.ctx, jnp.concatenate(out.hidden, axis=-1), step)
+    r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
+    new = dataclasses.replace(
+        state, cache=out.cache.with_lengths(start + step), ctx=ctx, x_start=jnp.where(active, bonus, state.x_start),
+        out=out_buf, n=n, done=done, accept_lens=state.accept_lens.at[rows, r].set(1, mode="drop"),
+        rounds=state.rounds + step, nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1))
+    indices = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, d), -1, jnp.int32)], axis=1)
+    return new, Acceptance(indices, jnp.ones((b,), jnp.int32), bonus)
+
+
+def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temperature, key, max_new, eos, *,
+            plan: Plan):
+    """Verify, accept and commit candidate ``i`` (a ``lax.switch`` branch: every one returns the same layout)."""
+    m: Auto = plan.method
+    v = m.sizes[i]
+    if v == 0:
+        return _plain_step(target, drafter, state, temperature, key, max_new, eos, plan)
+    if v == CHAIN:
+        sub, prop = m.chain_plan(plan), aprop.chain
+    else:
+        sub, prop = m.tree_plan(plan), slice_tree(aprop.tree, v)
+    ver = verify(target, drafter, state, prop, plan=sub)
+    acc = accept(prop, ver, temperature, key, plan=sub)
+    return commit(drafter, state, ver, acc, max_new, eos, plan=plan), acc
+
+
+def _realised(m: Auto, k: Array, acc: Acceptance) -> tuple[Array, Array]:
+    """Accepted drafts ``[B, K]`` of this round per candidate, and which candidates that is known for: the
+    chosen one, and for a tree every smaller tree (the walk's nodes with index ``<= b``)."""
+    idx = acc.indices[:, 1:]
+    cols, known = [], []
+    chosen_tree = jnp.int32(0)
+    for i, v in enumerate(m.sizes):
+        if v != CHAIN and v > 0:
+            chosen_tree = jnp.where(k == i, v, chosen_tree)
+    for i, v in enumerate(m.sizes):
+        if v == 0:
+            cols.append(jnp.zeros(idx.shape[:1], jnp.float32))
+            known.append(jnp.asarray(False))
+        elif v == CHAIN:
+            cols.append((acc.length - 1).astype(jnp.float32))
+            known.append(k == i)
+        else:
+            cols.append(jnp.sum((idx >= 1) & (idx <= v), axis=1).astype(jnp.float32))
+            known.append(chosen_tree >= v)
+    return jnp.stack(cols, axis=1), jnp.stack(known)
+
+
+def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc: Acceptance, plan: Plan,
+            done: Array) -> AutoState:
+    """Records the choice, folds this round into the calibration and sets the next probe gap."""
+    active = ~state.done
+    real, known = _realised(m, k, acc)
+    w = active.astype(jnp.float32)
+    n = jnp.maximum(w.sum(), 1.0)
+    real_obs = (real * w[:, None]).sum(0) / n
+    pred_obs = (raw * w[:, None]).sum(0) / n
+    a = CALIBRATION_DECAY
+    upd = known & (w.sum() > 0)
+    b = state.x_start.shape[0]
+    r = jnp.where(active, state.rounds, st.choices.shape[1])
+    choices = st.choices.at[jnp.arange(b), r].set(jnp.broadcast_to(k, (b,)), mode="drop")
+    new = dataclasses.replace(
+        st, choices=choices, real=jnp.where(upd, a * st.real + (1 - a) * real_obs, st.real),
+        pred=jnp.where(upd, a * st.pred + (1 - a) * pred_obs, st.pred), last=raw, idle=jnp.zeros((), jnp.int32))
+    if m.decide == "previous" and 0 in m.sizes:
+        plain_next = _choose(new, raw, plan, ~done) == m.sizes.index(0)
+        was_probe = st.idle > 0  # this draft came after plain steps
+        gap = jnp.where(plain_next, jnp.where(was_probe, jnp.minimum(GAP_GROWTH * st.gap, MAX_GAP), st.gap), m.probe)
+        new = dataclasses.replace(new, gap=gap.astype(jnp.int32))
+    return new
+
+
+def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any = None) -> Array:
+    m: Auto = plan.method
+    costs = jnp.asarray(m.table.seconds if m.table is not None else [1.0] * len(m.sizes), jnp.float32)
+    k = policy(calibrated(st, raw), costs, active, allowed)
+    return jnp.where(st.force >= 0, st.force, k)
+
+
+@stage(VERIFY)
+def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, max_new, eos, temperature, key, *,
+                plan: Plan) -> SpecState:
+    """Chooses the round's size (``decide="draft"``; else takes ``k_prev``), then verifies, accepts and
+    commits it in a ``lax.switch`` over the candidates."""
+    m: Auto = plan.method
+    st = state.auto
+    k = _choose(st, aprop.raw, plan, ~state.done) if m.decide == "draft" else k_prev
+    branches = [functools.partial(_branch, i, target, drafter) for i in range(len(m.sizes))]
+    args = (state, aprop, temperature, key, max_new, eos)
+    if len(branches) == 1:
+        new, acc = branches[0](*args, plan=plan)
+    else:
+        new, acc = jax.lax.switch(k, [functools.partial(f, plan=plan) for f in branches], *args)
+    return dataclasses.replace(new, auto=_update(m, st, state, k, aprop.raw, acc, plan, new.done))
+
+
+@stage(COMMIT)
+def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key, *, plan: Plan) -> SpecState:
+    """Size 0 without a draft (``decide="previous"``): plain target steps, one per round, until the next probe
+    draft is due (``gap - idle`` of them, at least one) or every sequence is done; the last predictions stay.
+
+    The steps run in a ``while_loop`` inside this one branch: XLA copies the caches into a conditional's
+    branch, so a burst of steps pays that copy once rather than once per token. Step j samples with
+    ``fold_in(key, j)``."""
+    st = state.auto
+    b = state.x_start.shape[0]
+    i0 = plan.method.sizes.index(0)
+    steps = jnp.maximum(st.gap - st.idle, 1)
+
+    def cond(carry):
+        j, s = carry
+        return (j < steps) & ~jnp.all(s.done)
+
+    def body(carry):
+        j, s = carry
+        new, _ = _plain_step(target, drafter, s, temperature, jax.random.fold_in(key, j), max_new, eos, plan)
+        r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
+        choices = s.auto.choices.at[jnp.arange(b), r].set(i0, mode="drop")
+        return j + 1, dataclasses.replace(new, auto=dataclasses.replace(s.auto, choices=choices))
+
+    j, new = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return dataclasses.replace(new, auto=dataclasses.replace(new.auto, idle=st.idle + j))
+
+
+def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, call=None) -> SpecState:
+    """One round of ``auto`` (the body of the generation's ``while_loop``; see the module docstring).
+
+    ``call`` as in :func:`~sparkjax.engine.round.spec_round` (the instrumented mode: each stage its own
+    jitted call; the choice between a plain step and a drafted round is then made on the host)."""
+    eager = call is not None
+    if call is None:
+        def call(fn, *args, **kwargs):
+            return fn(target, drafter, *args, **kwargs)
+
+    m: Auto = plan.method
+    key, k_expand, k_accept = jax.random.split(state.key, 3)
+    state = dataclasses.replace(state, key=key)
+
+    def drafted(state, k_prev):
+        blk = call(draft, state, plan=plan)
+        aprop = call(auto_expand, state, blk, temperature, k_expand, k_prev, plan=plan)
+        return call(auto_commit, state, aprop, k_prev, max_new, eos, temperature, k_accept, plan=plan)
+
+    if m.decide == "draft":
+        return drafted(state, None)
+    st = state.auto
+    if 0 not in m.sizes:
+        return drafted(state, _choose(st, st.last, plan, ~state.done))
+    i0 = m.sizes.index(0)
+    # after `gap` plain steps in a row, draft again (the predictions are stale)
+    allowed = jnp.arange(len(m.sizes)) != jnp.where(st.idle >= st.gap, i0, -1)
+    k = _choose(st, st.last, plan, ~state.done, allowed)
+    if eager:
+        if int(k) == i0:
+            return call(auto_plain, state, max_new, eos, temperature, k_accept, plan=plan)
+        return drafted(state, k)
+    return jax.lax.cond(k == i0, lambda s: call(auto_plain, s, max_new, eos, temperature, k_accept, plan=plan),
+                        lambda s: drafted(s, k), state)
+
+
+# ============================================================================ the cost table
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Seconds per round of each candidate of an ``auto`` method, measured on one device at one shape.
+
+    ``labels``: the candidates (``Auto.labels()``: ``ar``, the chain's kind, ``tree@b``); ``seconds``: the
+    median round time of each; ``best``: the fastest; ``key``: what the times depend on (device kind,
+    batch, cache size, model dims, dtype, sampling, decide), as ``(name, value)`` pairs.
+    """
+
+    labels: tuple[str, ...]
+    seconds: tuple[float, ...]
+    best: tuple[float, ...] = ()
+    key: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        if len(self.labels) != len(self.seconds) or not self.labels:
+            raise ArgumentError(f"seconds: {len(self.seconds)} times for {len(self.labels)} candidates")
+        for lab, s in zip(self.labels, self.seconds, strict=True):
+            if not isinstance(s, int | float) or not np.isfinite(s) or s <= 0:
+                raise ArgumentError(f"seconds: candidate {lab!r} has a round time {describe(s)}; expected > 0")
+
+    @property
+    def key_dict(self) -> dict[str, Any]:
+        return dict(self.key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": "sparkjax-cost-table", "version": 1, "key": self.key_dict,
+                "candidates": [{"label": lab, "seconds": s, "best": b}
+                               for lab, s, b in zip(self.labels, self.seconds, self.best or self.seconds,
+                                                    strict=True)]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the table as JSON (atomically)."""
+        from ..io.atomic import atomic_file
+
+        with atomic_file(path) as tmp, open(tmp, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+
+    def __str__(self) -> str:
+        rows = [f"{lab:>18s} {1e3 * s:9.3f} ms/round" for lab, s in zip(self.labels, self.seconds, strict=True)]
+        return "\n".join(rows)
+
+
+def _tuple(v):
+    return tuple(_tuple(x) for x in v) if isinstance(v, list | tuple) else v
+
+
+def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int) -> tuple[tuple[str, Any], ...]:
+    """What a cost table's times depend on (the JSON key, and the process cache's)."""
+    tc, dc = target.config, drafter.config
+    dev = jax.devices()[0]
+    m: Auto = plan.method
+    try:
+        dtype = str(np.dtype(target.dtype))
+    except (AttributeError, TypeError):
+        dtype = "float32"
+    return (
+        ("device", f"{dev.platform}:{dev.device_kind}"),
+        ("batch", int(batch)),
+        ("cache_size", int(cache_size)),
+        ("target", (tc.vocab_size, tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers,
+                    tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim)),
+        ("drafter", (dc.kind, dc.hidden_size, dc.num_hidden_layers, dc.block_size, dc.markov_rank)),
+        ("dtype", dtype),
+        ("sampling", bool(plan.sampling)),
+        ("decide", m.decide),
+        ("candidates", tuple(m.labels())),
+        ("top_c", int(plan.top_c)),
+    )
+
+
+def load_cost_table(path: str | os.PathLike, *, target=None, drafter=None, method: Any = "auto",
+                    batch_size: int | None = None, cache_size: int | None = None, temperature: float = 0.0
+                    ) -> CostTable:
+    """Reads a table :meth:`CostTable.save` wrote. With ``target``, ``drafter``, ``batch_size`` and
+    ``cache_size`` given, its key must match this device and shape. An unreadable file or a mismatched key
+    raises :class:`~sparkjax.errors.CostTableError` naming the file (and the key)."""
+    name = os.fspath(path)
+    try:
+        with open(name) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("format") != "sparkjax-cost-table":
+            raise ValueError("not a sparkjax cost table (no 'format': 'sparkjax-cost-table')")
+        key = tuple((k, _tuple(v)) for k, v in data["key"].items())
+        cands = data["candidates"]
+        table = CostTable(tuple(str(c["label"]) for c in cands), tuple(float(c["seconds"]) for c in cands),
+                          tuple(float(c.get("best", c["seconds"])) for c in cands), key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArgumentError) as e:
+        raise CostTableError(f"cost table {name}: unreadable ({type(e).__name__}: {e})") from None
+    if target is not None and drafter is not None and batch_size is not None and cache_size is not None:
+        spec = parse_method(method)
+        if not isinstance(spec, Auto):
+            raise ArgumentError(f"method: cost tables are for method 'auto', got {describe(method)}")
+        plan = spec.plan(target, drafter, temperature > 0)
+        want = dict(cost_key(target, drafter, plan, batch_size, cache_size))
+        have = table.key_dict
+        for k, v in want.items():
+            if k not in have or have[k] != v:
+                raise CostTableError(f"cost table {name}: key {k!r} is {have.get(k, '<missing>')!r}, this run "
+                                     f"needs {v!r} (profile again with sparkjax.profile_costs)")
+    return table
+
+
+_CACHE: dict[tuple, CostTable] = {}  # the process's profiled tables, by cost_key
+
+
+PROFILE_ROUNDS = 8  # rounds per timed call of profile_costs (inside one jitted loop, like a generation's)
+
+
+@functools.lru_cache(maxsize=1)
+def _forced_rounds_fn():
+    from .programs import merge_pair
+    from .round import spec_round
+
+    @functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "rounds"))
+    def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
+        """``rounds`` rounds of candidate ``force`` in a ``fori_loop``, each from ``start``'s lengths (the state
+        is carried, so nothing is dead code, but every round verifies at the same place in the cache)."""
+        target, drafter = merge_pair(graphdefs, states)
+
+        def body(_, s):
+            s = dataclasses.replace(s, auto=dataclasses.replace(s.auto, force=force))
+            s = spec_round(target, drafter, s, plan, max_new, eos, temperature)
+            return dataclasses.replace(
+                s, cache=s.cache.with_lengths(start.cache.lengths),
+                ctx=dataclasses.replace(s.ctx, lengths=start.ctx.lengths), n=start.n, done=start.done,
+                rounds=start.rounds)
+
+        return jax.lax.fori_loop(0, rounds, body, start)
+
+    return forced_rounds
+
+
+def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1, cache_size: int | None = None,
+                  prompt_length: int = 16, temperature: float = 0.0, repeats: int = 5, seed: int = 0) -> CostTable:
+    """Times one ``auto`` round at each candidate size on the current device and returns the :class:`CostTable`.
+
+    One program (:data:`PROFILE_ROUNDS` rounds with the size forced in a ``fori_loop``, compiled once) runs
+    from one state after a prefill of ``batch_size`` random prompts of ``prompt_length`` tokens in a
+    ``cache_size``-slot cache (default: what a 128-token generation needs); after a warm-up call per
+    candidate, ``repeats`` interleaved repetitions (every candidate in turn, A B C A B C); a round's time is
+    the call's over :data:`PROFILE_ROUNDS`, the median (and the fastest) per candidate. ``method``: ``"auto"``
+    or an :class:`~sparkjax.engine.Auto` (its sizes and options; its table is ignored).
+    """
+    from ..engine.checks import check_models
+    from .api import check_temperature, required_cache_size
+    from .programs import spec_start, split_pair
+
+    check_models(target, drafter)
+    spec = parse_method(method)
+    if not isinstance(spec, Auto):
+        raise ArgumentError(f"method: profile_costs times the candidates of method 'auto', got {describe(method)}")
+    batch_size = check_int("batch_size", batch_size)
+    prompt_length = check_int("prompt_length", prompt_length)
+    repeats = check_int("repeats", repeats)
+    temperature = check_temperature(temperature)
+    spec = dataclasses.replace(spec, table=None)
+    plan = spec.plan(target, drafter, temperature > 0)
+    if cache_size is None:
+        cache_size = required_cache_size(prompt_length, 128, [plan])
+    cache_size = check_int("cache_size", cache_size)
+    if cache_size < prompt_length + plan.scratch + 1:
+        raise ArgumentError(f"cache_size: {cache_size} slots cannot hold a {prompt_length}-token prompt and a "
+                            f"round's {plan.scratch} scratch rows")
+    rng = np.random.default_rng(seed)
+    vocab = target.config.vocab_size
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch_size, bucket(prompt_length))), jnp.int32)
+    lengths = jnp.full((batch_size,), prompt_length, jnp.int32)
+    max_new, eos, temp = jnp.int32(2**20), jnp.asarray([-1], jnp.int32), jnp.float32(temperature)
+    graphdefs, states = split_pair(target, drafter)
+    buf_len = bucket(plan.depth + 2, 1)
+    start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed), plan=plan,
+                       cache_size=cache_size, buf_len=buf_len)
+    # time the steady state: a drafted round that is not a probe (it builds only the kind it verifies) and a
+    # plain step alone (a burst of one)
+    start = dataclasses.replace(start, auto=dataclasses.replace(start.auto, idle=jnp.zeros((), jnp.int32),
+                                                                 gap=jnp.ones((), jnp.int32)))
+    fn = _forced_rounds_fn()
+    k = len(spec.sizes)
+
+    def once(i: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(graphdefs, states, start, jnp.int32(i), max_new, eos, temp, plan=plan,
+                                 rounds=PROFILE_ROUNDS))
+        return (time.perf_counter() - t0) / PROFILE_ROUNDS
+
+    for i in range(k):  # compile (once) and warm every branch
+        once(i)
+    times: list[list[float]] = [[] for _ in range(k)]
+    for _ in range(repeats):
+        for i in range(k):
+            times[i].append(once(i))
+    return CostTable(tuple(plan.method.labels()), tuple(float(statistics.median(t)) for t in times),
+                     tuple(float(min(t)) for t in times), cost_key(target, drafter, plan, batch_size, cache_size))
+
+
+def with_costs(target, drafter, plan: Plan, batch: int, cache_size: int) -> Plan:
+    """``plan`` with its cost table: the method's own, else the process's for this key, else profiled now
+    (at this batch and cache size) and kept for the process."""
+    m: Auto = plan.method
+    if m.table is not None:
+        return plan
+    key = cost_key(target, drafter, plan, batch, cache_size) + (("sizes", m.sizes), ("probe", m.probe))
+    if key not in _CACHE:
+        _CACHE[key] = profile_costs(target, drafter, method=m, batch_size=batch, cache_size=cache_size,
+                                    temperature=1.0 if plan.sampling else 0.0)
+    return dataclasses.replace(plan, method=dataclasses.replace(m, table=_CACHE[key]))
+
+
+__all__ = ["AutoState", "CostTable", "auto_round", "calibrated", "load_cost_table", "policy", "predictions",
+           "profile_costs", "slice_tree", "with_costs"]

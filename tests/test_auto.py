@@ -1,0 +1,331 @@
+"""Method ``auto``: the policy, nested best-first prefixes, the switch branches' layouts, exactness, no host sync,
+the cost table (profile, save, load) and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparkjax
+from sparkjax import tree
+from sparkjax.engine import Auto, CostTable, generate, launch, load_cost_table, parse_method, policy, profile_costs
+from sparkjax.engine import auto as auto_mod
+from sparkjax.engine.api import validate
+from sparkjax.engine.programs import spec_program, spec_start, split_pair
+from sparkjax.errors import ArgumentError, CostTableError, SparkjaxError
+from tests.test_decode import _random_pair
+
+PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
+SIZES = (0, "chain", 2, 6, 16)
+
+
+@pytest.fixture(scope="module")
+def random_pair():
+    return _random_pair()
+
+
+def _table(pair, sizes=SIZES, seconds=None, **kw) -> CostTable:
+    labels = Auto(sizes=sizes, **kw).resolve(pair[1]).labels()
+    return CostTable(labels, tuple(seconds or [1.0 + 0.1 * i for i in range(len(labels))]))
+
+
+# ----------------------------------------------------------------------------- the policy and the predictions
+
+
+def test_policy_picks_most_tokens_per_cost_on_hand_made_tables():
+    costs = np.array([1.0, 1.5, 2.0, 4.0])  # ar, chain, tree@8, tree@64
+    # a confident drafter: the big tree commits 9 tokens for 4x the cost of a plain step
+    assert int(policy(np.array([1.0, 3.0, 5.0, 9.0]), costs)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
+    assert int(policy(np.array([1.0, 3.0, 5.0, 12.0]), costs)) == 3
+    # a hopeless drafter: the plain step wins
+    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs)) == 0
+    # per sequence: summed over the active ones only
+    per_seq = np.array([[1.0, 4.0, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0]])
+    assert int(policy(per_seq, costs)) == 1
+    assert int(policy(per_seq, costs, active=np.array([False, True]))) == 0
+    # a candidate that is not allowed is never picked; ties go to the first
+    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs, allowed=np.array([False, True, True, True]))) == 1
+    assert int(policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
+    # jit-able, same answer
+    assert int(jax.jit(policy)(np.array([1.0, 3.0, 5.0, 12.0]), costs)) == 3
+
+
+def test_calibration_scales_the_predictions():
+    st = auto_mod.AutoState(choices=jnp.zeros((1, 4), jnp.int32), real=jnp.array([0.0, 1.0, 0.0]),
+                            pred=jnp.array([0.0, 3.0, 0.0]), last=jnp.zeros((1, 3)), idle=jnp.int32(0),
+                            force=jnp.int32(-1), gap=jnp.int32(4))
+    raw = jnp.array([[0.0, 2.0, 2.0]])
+    exp = np.asarray(auto_mod.calibrated(st, raw))
+    p = auto_mod.CALIBRATION_PRIOR
+    np.testing.assert_allclose(exp[0], [1.0, 1.0 + 2.0 * (1.0 + p) / (3.0 + p), 3.0], rtol=1e-6)
+
+
+def test_predictions_from_hand_made_scores_and_chain_probabilities():
+    m = Auto(sizes=(0, "chain", 1, 3))
+    scores = jnp.log(jnp.array([[0.5, 0.25, 0.1, 0.05]]))
+    chain_p = jnp.array([[0.5, 0.5, 1.0]])
+    raw = np.asarray(auto_mod.predictions(m, 1, scores, chain_p))
+    np.testing.assert_allclose(raw[0], [0.0, 0.5 + 0.25 + 0.25, 0.5, 0.85], rtol=1e-6)
+    padded = jnp.array([[np.log(0.5), -np.inf, -np.inf, -np.inf]])  # padding nodes add nothing
+    np.testing.assert_allclose(np.asarray(auto_mod.predictions(m, 1, padded, chain_p))[0, 3], 0.5, rtol=1e-6)
+
+
+def test_best_first_prefixes_are_nested():
+    """The first b nodes of a best-first tree are the best-first tree of b nodes (same nodes, parents, depths,
+    scores), and the ancestor mask slices with them: auto builds the largest tree once and slices it."""
+    rng = np.random.default_rng(0)
+    d, c = 4, 8
+    logits = jnp.asarray(rng.normal(size=(d, 40)) * 3, jnp.float32)
+    toks, logp = tree.candidates(logits, c)
+    tables = tree.ddtree_tables(logp)
+    best_first = jax.jit(tree.best_first, static_argnums=2)
+    big = best_first(tables, toks, 64)
+    mask = tree.visibility(big.parents, d)
+    for b in (1, 2, 5, 8, 16, 33):
+        small = best_first(tables, toks, b)
+        for name in ("tokens", "parents", "depths", "scores"):
+            np.testing.assert_array_equal(np.asarray(getattr(big, name))[:b], np.asarray(getattr(small, name)),
+                                          err_msg=f"{name} at b={b}")
+        np.testing.assert_array_equal(np.asarray(mask)[: b + 1, : b + 1], np.asarray(tree.visibility(small.parents, d)))
+        assert int(np.asarray(big.parents)[:b].max()) <= b  # every parent of a kept node is kept
+
+
+# ----------------------------------------------------------------------------- the round
+
+
+def test_switch_branches_return_identical_state_layouts(random_pair):
+    target, drafter = random_pair
+    run = validate(target, drafter, PROMPTS3, method=Auto(sizes=SIZES, table=_table(random_pair)),
+                   max_new_tokens=20)
+    plan = run.plan
+    graphdefs, states = split_pair(target, drafter)
+    args = run.device_args()
+    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    blk = auto_mod.draft(target, drafter, state, plan=plan)
+    aprop = auto_mod.auto_expand(target, drafter, state, blk, args.temperature, jax.random.key(1), plan=plan)
+    assert aprop.raw.shape == (3, len(SIZES))
+    layouts = []
+    for i in range(len(SIZES)):
+        out = jax.eval_shape(
+            lambda s, a, i=i: auto_mod._branch(i, target, drafter, s, a, args.temperature, jax.random.key(2),
+                                               args.max_new, args.eos, plan=plan), state, aprop)
+        layouts.append((jax.tree.structure(out), [(x.shape, x.dtype) for x in jax.tree.leaves(out)]))
+    assert all(lay == layouts[0] for lay in layouts[1:])
+    # the auto round keeps the state's own layout (the while_loop carry)
+    new = jax.eval_shape(lambda s: auto_mod.auto_round(target, drafter, s, plan, args.max_new, args.eos,
+                                                       args.temperature), state)
+    assert jax.tree.structure(new) == jax.tree.structure(state)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(new)] == [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize("decide", ["draft", "previous"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_auto_equals_ar(random_pair, decide, batch):
+    target, drafter = random_pair
+    prompts = PROMPTS3[:batch]
+    ar = generate(target, None, prompts, max_new_tokens=30).tokens
+    # costs that make every candidate worth choosing sometimes
+    table = _table(random_pair, seconds=(1.0, 1.3, 1.4, 1.6, 2.5), decide=decide)
+    out = generate(target, drafter, prompts, method=Auto(sizes=SIZES, decide=decide, table=table),
+                   max_new_tokens=30)
+    assert out.tokens == ar
+    assert [len(c) for c in out.size_choices] == out.rounds
+    assert sum(out.size_counts.values()) == sum(out.rounds)
+    assert set(out.size_counts) <= set(table.labels)
+    for lens, sizes in zip(out.acceptance_lengths, out.size_choices, strict=True):
+        for n, label in zip(lens, sizes, strict=True):
+            assert n == 1 or label != "ar"  # a plain step commits exactly one token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decide", ["draft", "previous"])
+def test_every_candidate_alone_is_exact(random_pair, decide):
+    """A cost table that makes one candidate far cheaper forces it each round (but the probe drafts of
+    decide="previous" when it is the plain step): each branch is exact on its own."""
+    target, drafter = random_pair
+    ar = generate(target, None, PROMPTS3, max_new_tokens=16).tokens
+    labels = Auto(sizes=SIZES).resolve(drafter).labels()
+    for i, label in enumerate(labels):
+        seconds = tuple(1e-3 if j == i else 1.0 for j in range(len(labels)))
+        out = generate(target, drafter, PROMPTS3, max_new_tokens=16,
+                       method=Auto(sizes=SIZES, decide=decide, table=CostTable(labels, seconds)))
+        assert out.tokens == ar, label
+        counts = out.size_counts
+        if decide == "draft" or label != "ar":
+            assert set(counts) == {label}, (label, counts)
+        else:
+            assert counts["ar"] > sum(counts.values()) / 2, counts
+
+
+@pytest.mark.slow
+def test_default_auto_profiles_once_and_is_exact(random_pair, monkeypatch):
+    target, drafter = random_pair
+    monkeypatch.setattr(auto_mod, "_CACHE", {})
+    calls = []
+    real = auto_mod.profile_costs
+
+    def counting(*a, **k):
+        calls.append(k.get("batch_size"))
+        return real(*a, **{**k, "repeats": 1})
+
+    monkeypatch.setattr(auto_mod, "profile_costs", counting)
+    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
+    assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=20).tokens == ar
+    assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=12).tokens == [t[:12] for t in ar]
+    assert calls == [3]  # profiled once for this batch and cache size, then cached in the process
+
+
+@pytest.mark.slow
+def test_instrumented_and_stream_auto_match(random_pair):
+    target, drafter = random_pair
+    table = _table(random_pair)
+    m = Auto(sizes=SIZES, table=table)
+    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
+    inst = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, instrument=True)
+    assert inst.tokens == ar and inst.size_counts
+    chunks = list(sparkjax.stream(target, drafter, PROMPTS3, method=m, max_new_tokens=20))
+    assert [sum((c[b] for c in chunks), []) for b in range(3)] == ar
+
+
+def test_no_host_transfer_during_an_auto_generation(random_pair):
+    target, drafter = random_pair
+    m = Auto(sizes=SIZES, table=_table(random_pair))
+    jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20))  # compile
+    with jax.transfer_guard_device_to_host("disallow"):
+        res = launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
+        jax.block_until_ready(res)
+    assert len(res) == 6 and int(np.asarray(res[1]).min()) == 20  # ..., depth_hits, choices
+    # the compiled program alone, with its inputs already on device: no transfer of any kind
+    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
+    graphdefs, states = split_pair(target, drafter)
+    args = jax.block_until_ready(run.device_args())
+    kw = dict(plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    jax.block_until_ready(spec_program(graphdefs, states, *args, **kw))
+    with jax.transfer_guard("disallow"):
+        out = jax.block_until_ready(spec_program(graphdefs, states, *args, **kw))
+    assert len(out) == 7
+
+
+# ----------------------------------------------------------------------------- the cost table
+
+
+def test_profile_costs_save_and_load(random_pair, tmp_path):
+    target, drafter = random_pair
+    tab = profile_costs(target, drafter, method=Auto(sizes=(0, "chain", 4)), batch_size=2, cache_size=64,
+                        repeats=1)
+    assert tab.labels == ("ar", "dspark", "sparklingtree@4")
+    assert all(s > 0 for s in tab.seconds) and all(0 < b <= s for b, s in zip(tab.best, tab.seconds, strict=True))
+    key = tab.key_dict
+    assert key["batch"] == 2 and key["cache_size"] == 64 and key["device"].startswith(jax.devices()[0].platform)
+    path = tmp_path / "costs.json"
+    tab.save(path)
+    back = load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain", 4)),
+                           batch_size=2, cache_size=64)
+    assert back == tab
+    m = Auto(sizes=(0, "chain", 4), table=back)  # a loaded table is used as is
+    assert generate(target, drafter, PROMPTS3, method=m, max_new_tokens=8).tokens == \
+        generate(target, None, PROMPTS3, max_new_tokens=8).tokens
+    with pytest.raises(CostTableError, match=r"costs.json: key 'batch' is 2, this run needs 4"):
+        load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain", 4)),
+                        batch_size=4, cache_size=64)
+    with pytest.raises(CostTableError, match="key 'candidates'"):
+        load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, 4)), batch_size=2,
+                        cache_size=64)
+
+
+def test_unreadable_cost_tables_name_the_file(tmp_path):
+    missing = tmp_path / "none.json"
+    with pytest.raises(CostTableError, match="none.json: unreadable"):
+        load_cost_table(missing)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CostTableError, match="bad.json: unreadable"):
+        load_cost_table(bad)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CostTableError, match="other.json: unreadable.*not a sparkjax cost table"):
+        load_cost_table(other)
+    neg = tmp_path / "neg.json"
+    neg.write_text(json.dumps({"format": "sparkjax-cost-table", "key": {},
+                               "candidates": [{"label": "ar", "seconds": -1.0}]}))
+    with pytest.raises(CostTableError, match="neg.json"):
+        load_cost_table(neg)
+    assert issubclass(CostTableError, SparkjaxError)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("bad,name", [
+    (lambda: Auto(sizes=()), "sizes: empty candidate set"),
+    (lambda: Auto(sizes=[]), "sizes: empty candidate set"),
+    (lambda: Auto(sizes="chain"), "sizes"),
+    (lambda: Auto(sizes=(0, "tree")), r"sizes\[1\]"),
+    (lambda: Auto(sizes=(0, -3)), r"sizes\[1\]"),
+    (lambda: Auto(sizes=(0, True)), r"sizes\[1\]"),
+    (lambda: Auto(sizes=(8, 8)), r"sizes\[1\]: 8 is listed twice"),
+    (lambda: Auto(sizes=(0, 8, 128), budget=64), "sizes: tree size 128 exceeds budget=64"),
+    (lambda: Auto(tree="dspark"), "tree"),
+    (lambda: Auto(tree="sparklingtree-beam"), "tree"),
+    (lambda: Auto(chain="ddtree"), "chain"),
+    (lambda: Auto(decide="later"), "decide"),
+    (lambda: Auto(probe=0), "probe"),
+    (lambda: Auto(table={"ar": 1.0}), "table"),
+    (lambda: parse_method("auto", widths=(4, 4)), "widths"),
+    (lambda: parse_method("auto@0"), "budget"),
+    (lambda: CostTable(("ar", "dspark"), (1.0,)), "seconds"),
+    (lambda: CostTable(("ar",), (0.0,)), "seconds"),
+])
+def test_bad_auto_options_name_the_argument(bad, name):
+    with pytest.raises(ArgumentError, match=name):
+        bad()
+
+
+def test_auto_checks_against_the_pair(random_pair):
+    target, drafter = random_pair
+    with pytest.raises(ArgumentError, match="drafter: method 'auto' needs a drafter"):
+        generate(target, None, PROMPTS3, method="auto")
+    with pytest.raises(ArgumentError, match="budget"):  # 16 ** 4 + ... reachable, but not with top_c=2
+        generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 64), top_c=2), max_new_tokens=4)
+    with pytest.raises(ArgumentError, match="table: its candidates"):
+        generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 8), table=_table(random_pair)), max_new_tokens=4)
+    _, plain = _random_pair(markov=False)
+    with pytest.raises(ArgumentError, match="method: 'auto' needs a drafter with a Markov head"):
+        generate(target, plain, PROMPTS3, method=Auto(tree="sparklingtree"), max_new_tokens=4)
+
+
+def test_parse_auto():
+    assert parse_method("auto") == Auto()
+    a = parse_method("auto@32")
+    assert a.sizes == (0, "chain", 8, 16, 32) and a.budget == 32
+    assert parse_method("auto", budget=12).sizes == (0, "chain", 8, 12)
+    assert Auto(sizes=[16, "chain", 0]).sizes == (0, "chain", 16)  # canonical order
+    assert dataclasses.replace(Auto(), decide="draft").decide == "draft"
+    assert "auto" in sparkjax.METHODS
+
+
+# ----------------------------------------------------------------------------- the eval's column
+
+
+def test_eval_reports_the_share_of_rounds_per_size():
+    from sparkjax.eval import harness, report
+    from sparkjax.eval.engine import Engine
+
+    samples = [{"size_choices": ["ar", "ar", "dspark"]}, {"size_choices": ["sparklingtree@16"]}]
+    share = harness._size_share(samples)
+    assert share == {"ar": 0.5, "dspark": 0.25, "sparklingtree@16": 0.25}
+    assert harness._size_share([{"acceptance_lengths": [1]}]) is None  # other methods: no column
+    flat = report.flat_row({"dataset": "all", "label": "auto", "size_share": share, "accept_rate": []})
+    assert flat["chosen_ar"] == 0.5 and flat["chosen_sparklingtree@16"] == 0.25 and "size_share" not in flat
+    # a finished auto launch: out, n, accept_lens, rounds, depth_hits, choices, nonfinite
+    res = (np.array([[5, 6, 7, 0]]), np.array([3]), np.array([[1, 2, 0, 0]]), np.array([2]), np.array([[1, 0]]),
+           np.array([[0, 2, -1, -1]]), np.array([-1]))
+    out = Engine.outputs(res, ("ar", "dspark", "sparklingtree@16"))
+    assert out.size_choices == [["ar", "sparklingtree@16"]] and out.acceptance_lengths == [[1, 2]]
+    assert "auto" in [mc.label for mc in harness.method_configs(harness.EvalConfig())[0]]
+    assert "auto" not in harness.BASELINE_METHODS  # auto runs with --drafter (sparklingtree / dspark)
