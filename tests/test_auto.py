@@ -325,7 +325,7 @@ def test_eval_reports_the_share_of_rounds_per_size():
     # a finished auto launch: out, n, accept_lens, rounds, depth_hits, choices, nonfinite
     res = (np.array([[5, 6, 7, 0]]), np.array([3]), np.array([[1, 2, 0, 0]]), np.array([2]), np.array([[1, 0]]),
            np.array([[0, 2, -1, -1]]), np.array([-1]))
-    out = Engine.outputs(res, ("ar", "dspark", "sparklingtree@16"))
+    out = Engine.outputs(res, labels=("ar", "dspark", "sparklingtree@16"))
     assert out.size_choices == [["ar", "sparklingtree@16"]] and out.acceptance_lengths == [[1, 2]]
     assert "auto" in [mc.label for mc in harness.method_configs(harness.EvalConfig())[0]]
     assert "auto" not in harness.BASELINE_METHODS  # auto runs with --drafter (sparklingtree / dspark)
