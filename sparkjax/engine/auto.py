@@ -1,11 +1,15 @@
 """Method ``auto``: each round picks its verification size on device, from the drafter's own confidence
 and a measured cost table (the :class:`~sparkjax.engine.methods.Auto` method object holds the options).
 
-A round of ``auto`` (one ``jax.lax`` branch per candidate size, inside the generation's ``while_loop``)::
+A round of ``auto`` (one branch per candidate size, inside the generation's ``while_loop``)::
 
-    decide="draft":    draft -> largest tree + chain -> predictions -> k = policy(...) -> switch(k): verify...
-    decide="previous": k = policy(last round's predictions) -> cond(k == 0: one target step, no draft;
-                                                                   else draft -> tree + chain -> switch(k): ...)
+    decide="draft":    draft -> largest tree + chain -> predictions -> k = policy(...) -> select(k): verify...
+    decide="previous": k = policy(last round's predictions) -> k == 0: plain target steps, no draft;
+                                                               else draft -> tree + chain -> select(k): ...)
+
+``select`` is :func:`run_selected`: the branches run as while loops of 0 or 1 trips rather than a
+``lax.switch``/``lax.cond``, because XLA copies every cache into a conditional's branch (the demo pair's
+plain step cost about twice the target's own decode step that way) while a loop updates its carry in place.
 
 * **Candidates** (``Auto.sizes``): ``0`` (a plain target step over ``[x_start]``: one committed token, the
   drafter's context still extended), the chain, and tree sizes ``b``. One best-first tree of the largest
@@ -250,7 +254,8 @@ def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eo
 
 def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temperature, key, max_new, eos, *,
             plan: Plan):
-    """Verify, accept and commit candidate ``i`` (a ``lax.switch`` branch: every one returns the same layout)."""
+    """Verify, accept and commit candidate ``i`` (one branch of :func:`run_selected`: every one returns the same
+    layout)."""
     m: Auto = plan.method
     v = m.sizes[i]
     if v == 0:
@@ -318,25 +323,40 @@ def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any =
     return jnp.where(st.force >= 0, st.force, k)
 
 
+def run_selected(k: Array, branches, state: SpecState, *args):
+    """``branches[k](state, *args)`` (each returns ``(state, extra)`` of one layout) as a chain of while loops
+    of 0 or 1 trips instead of a ``lax.switch``. XLA copies a conditional's cache-sized operands into the
+    branch (the caches are updated in place inside it); a while loop updates its carry in place, so the
+    round pays no cache copy. Only the selected loop runs its body; the others test their condition."""
+    extra = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(branches[0], state, *args)[1])
+    for i, branch in enumerate(branches):
+        def body(carry, branch=branch):
+            return (jnp.asarray(False),) + tuple(branch(carry[1], *args))
+
+        _, state, extra = jax.lax.while_loop(lambda c: c[0], body, (jnp.asarray(k == i), state, extra))
+    return state, extra
+
+
 @stage(VERIFY)
 def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, max_new, eos, temperature, key, *,
                 plan: Plan) -> SpecState:
     """Chooses the round's size (``decide="draft"``; else takes ``k_prev``), then verifies, accepts and
-    commits it in a ``lax.switch`` over the candidates."""
+    commits it (:func:`run_selected` over the candidates)."""
     m: Auto = plan.method
     st = state.auto
     k = _choose(st, aprop.raw, plan, ~state.done) if m.decide == "draft" else k_prev
-    branches = [functools.partial(_branch, i, target, drafter) for i in range(len(m.sizes))]
-    args = (state, aprop, temperature, key, max_new, eos)
+    branches = [functools.partial(_branch, i, target, drafter, plan=plan) for i in range(len(m.sizes))]
+    args = (aprop, temperature, key, max_new, eos)
     if len(branches) == 1:
-        new, acc = branches[0](*args, plan=plan)
+        new, acc = branches[0](state, *args)
     else:
-        new, acc = jax.lax.switch(k, [functools.partial(f, plan=plan) for f in branches], *args)
+        new, acc = run_selected(k, branches, state, *args)
     return dataclasses.replace(new, auto=_update(m, st, state, k, aprop.raw, acc, plan, new.done))
 
 
 @stage(COMMIT)
-def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key, *, plan: Plan) -> SpecState:
+def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key, *, plan: Plan,
+               run: Any = True) -> SpecState:
     """Size 0 without a draft (``decide="previous"``): plain target steps, one per round, until the next probe
     draft is due (``gap - idle`` of them, at least one) or every sequence is done; the last predictions stay.
 
@@ -346,7 +366,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     st = state.auto
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
-    steps = jnp.maximum(st.gap - st.idle, 1)
+    steps = jnp.where(run, jnp.maximum(st.gap - st.idle, 1), 0)  # ``run`` False: no step (the round drafts)
 
     def cond(carry):
         j, s = carry
@@ -395,8 +415,11 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
         if int(k) == i0:
             return call(auto_plain, state, max_new, eos, temperature, k_accept, plan=plan)
         return drafted(state, k)
-    return jax.lax.cond(k == i0, lambda s: call(auto_plain, s, max_new, eos, temperature, k_accept, plan=plan),
-                        lambda s: drafted(s, k), state)
+    # a plain burst (0 steps unless k is size 0), then a drafted round (0 or 1 trip): while loops, not a
+    # conditional, so the caches are updated in place (see run_selected)
+    plain = k == i0
+    state = call(auto_plain, state, max_new, eos, temperature, k_accept, plan=plan, run=plain)
+    return run_selected(jnp.where(plain, 1, 0), [lambda s: (drafted(s, k), ()), lambda s: (s, ())], state)[0]
 
 
 # ============================================================================ the cost table
