@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-DEFAULT_METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam")
+DEFAULT_METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam", "auto")
 
 
 def tiny_pair(seed: int = 0, vocab: int = 32, heads: int = 8, kv_heads: int = 8):
@@ -95,7 +95,14 @@ def run(args) -> dict:
               "collectives": jax.config.jax_cpu_collectives_implementation, "tokens": {}}
     for method in args.methods.split(","):
         kw = {"budget": 8} if method in engine.TREE_METHODS else {}
-        out = engine.generate(target, None if method == "ar" else drafter, prompts, method=method,
+        spec = method
+        if method == "auto":  # a fixed cost table: every process makes the same choices, and none profiles
+            from .engine.auto import CostTable
+
+            spec = engine.Auto(sizes=(0, "chain", 4, 8))
+            labels = spec.resolve(drafter).labels()
+            spec = dataclasses.replace(spec, table=CostTable(labels, (1.0, 1.6, 1.5, 1.8)))
+        out = engine.generate(target, None if method == "ar" else drafter, prompts, method=spec,
                               max_new_tokens=args.max_new, mesh=mesh, **kw)
         result["tokens"][method] = out.tokens
     if args.train_steps:

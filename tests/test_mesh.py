@@ -17,7 +17,7 @@ import pytest
 from sparkjax.errors import ArgumentError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam")
+METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam", "auto")
 
 
 @pytest.fixture(scope="module")

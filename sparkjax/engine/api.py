@@ -646,6 +646,7 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
         times[fn.stage] += time.perf_counter() - t0
         return res
 
+    timed.eager = True  # each stage is its own synced call: method auto reads its choice on the host
     while not bool(to_host(state.done).all()):
         state = spec_round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
     raise_if_nonfinite(to_host(state.nonfinite))

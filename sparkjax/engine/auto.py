@@ -388,7 +388,7 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
 
     ``call`` as in :func:`~sparkjax.engine.round.spec_round` (the instrumented mode: each stage its own
     jitted call; the choice between a plain step and a drafted round is then made on the host)."""
-    eager = call is not None
+    eager = getattr(call, "eager", False)  # the instrumented mode's call (a mesh's call stays traced)
     if call is None:
         def call(fn, *args, **kwargs):
             return fn(target, drafter, *args, **kwargs)
