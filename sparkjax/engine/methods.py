@@ -27,6 +27,8 @@ Array = jax.Array
 
 DEFAULT_BUDGET = 64  # tree nodes verified per round when no budget is given
 NORMALIZATIONS = ("fast", "exact")  # how the Markov tables are normalized (see sparkjax.tree.markov_tables)
+DEFAULT_CANDIDATES = "base"  # the Markov trees' candidates when none is given (see sparkjax.tree.markov_candidates)
+AUTO_WIDTHS = "auto"  # widths="auto": the beam profile of sparkjax.tree.auto_widths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,19 +193,32 @@ class Chain(Method):
 class Tree(Method):
     """A draft tree of ``budget`` nodes verified at once: ``ddtree`` (best-first over independent
     marginals), ``sparklingtree`` (best-first over Markov tables) or ``sparklingtree-beam`` (``widths``
-    nodes per depth, default even). ``top_c``: candidates per depth (default ``max(budget, 32)``, at
-    most the vocabulary); ``normalization``: the Markov tables' (``fast`` or ``exact``)."""
+    nodes per depth, default even; ``"auto"``: :func:`sparkjax.tree.auto_widths` from the demo pair's
+    measured per-depth acceptance). ``top_c``: candidates per depth (default ``max(budget, 32)``, at
+    most the vocabulary); ``normalization``: the Markov tables' (``fast`` or ``exact``);
+    ``candidates``: which tokens each depth's candidates are (``base``: the top-C of the base logits;
+    ``corrected`` / ``union``: following the Markov head, see :func:`sparkjax.tree.markov_candidates`;
+    Markov methods only)."""
 
     kind: str = "sparklingtree"
     budget: int = DEFAULT_BUDGET
     top_c: int | None = None
-    widths: tuple[int, ...] | None = None
+    widths: tuple[int, ...] | str | None = None
     normalization: str = "fast"
+    candidates: str | None = None  # None: the method's default (DEFAULT_CANDIDATES for Markov trees, base for ddtree)
 
     def __post_init__(self):
-        beam = _entry(self.kind, Tree, "kind").beam
+        entry = _entry(self.kind, Tree, "kind")
+        beam = entry.beam
         if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
             raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
+        cand = self.candidates
+        if cand is not None and (not isinstance(cand, str) or cand not in tree.CANDIDATE_MODES):
+            raise ArgumentError(f"candidates: expected one of {', '.join(tree.CANDIDATE_MODES)}, got {describe(cand)}")
+        if cand not in (None, "base") and not entry.markov:
+            raise ArgumentError(f"candidates: {cand!r} follows the Markov head; {self.kind!r} has none (use 'base')")
+        object.__setattr__(self, "candidates", cand if cand is not None else
+                           (DEFAULT_CANDIDATES if entry.markov else "base"))
         budget = check_int("budget", self.budget, unit="number of tree nodes")
         if budget > MAX_SLOTS:
             raise ArgumentError(f"budget: {budget} nodes exceed {MAX_SLOTS} (node indices are int32 on device)")
@@ -213,7 +228,8 @@ class Tree(Method):
         if self.widths is not None:
             if not beam:
                 raise ArgumentError(f"widths: only 'sparklingtree-beam' takes a width profile, not {self.kind!r}")
-            object.__setattr__(self, "widths", check_int_list("widths", self.widths))
+            if not (isinstance(self.widths, str) and self.widths == AUTO_WIDTHS):
+                object.__setattr__(self, "widths", check_int_list("widths", self.widths))
 
     @property
     def name(self) -> str:
@@ -243,7 +259,12 @@ class Tree(Method):
             )
         w = None
         if self.beam:
-            w = tree.even_widths(budget, depth) if self.widths is None else self.widths
+            if self.widths is None:
+                w = tree.even_widths(budget, depth)
+            elif self.widths == AUTO_WIDTHS:
+                w = tree.auto_widths(budget, depth, top_c=c)
+            else:
+                w = self.widths
             if len(w) != depth or sum(w) != budget:
                 raise ArgumentError(f"widths: need {depth} per-depth widths summing to budget={budget}, got {w}")
             if any(x > c ** (i + 1) for i, x in enumerate(w)):
@@ -259,10 +280,17 @@ class Tree(Method):
         # per-depth base logits [B, D, V] and the block hidden states of the same slots [B, D, Dm]
         logits = drafting.aligned_logits(drafter, blk.logits).astype(jnp.float32)
         hidden = blk.hidden[:, drafter.config.first_draft_slot :]
-        cand_tokens, cand_logp = jax.vmap(tree.candidates, in_axes=(0, None))(logits, plan.top_c)
         if not self.needs_markov:
+            cand_tokens, cand_logp = jax.vmap(tree.candidates, in_axes=(0, None))(logits, plan.top_c)
             tables = jax.vmap(tree.ddtree_tables)(cand_logp)
         else:
+            if self.candidates == "base":
+                corrected = logits  # unused
+            else:  # the greedy DSpark chain's corrected logits: depth d given the chain's token of depth d - 1
+                corrected = drafting.markov_chain(drafter, blk.logits, blk.hidden, x_start).logits[:, :d]
+            cand_tokens = jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(
+                logits, corrected, plan.top_c, self.candidates
+            )
             c = cand_tokens.shape[-1]
             prev = jnp.concatenate([jnp.broadcast_to(x_start[:, None, None], (b, 1, c)), cand_tokens[:, :-1]], axis=1)
             feats = drafting.markov_features(drafter, hidden, prev)
@@ -324,12 +352,13 @@ def _entry(name: Any, cls: type[Method] | None = None, arg: str = "method") -> _
 
 
 def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
-                 widths: Sequence[int] | None = None, normalization: Any = "fast") -> Method:
+                 widths: Sequence[int] | str | None = None, normalization: Any = "fast",
+                 candidates: Any = None) -> Method:
     """The method object of ``method``: a :class:`Method` (returned as is; then the keyword options must
     be left unset), a name out of :data:`METHODS` (with the keyword options, which only the methods that
     take them accept), or ``"name@budget"`` (a tree and its budget, as the eval labels them)."""
     if isinstance(method, Method):
-        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
+        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths), ("candidates", candidates)):
             if value is not None:
                 raise ArgumentError(f"{arg}: given beside the method object {method!r}; set it on the object")
         return method
@@ -341,4 +370,9 @@ def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
         if budget is not None:
             raise ArgumentError(f"budget: given twice, in method={method!r} and as budget={budget!r}")
         budget = int(text)
-    return entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    out = entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    if candidates is not None:
+        if not isinstance(out, Tree):
+            raise ArgumentError(f"candidates: only the tree methods take a candidates option, not {name!r}")
+        out = dataclasses.replace(out, candidates=candidates)
+    return out
