@@ -597,14 +597,25 @@ DEMO_DEPTH_RATES: tuple[float, ...] = (
 )
 
 
+# How a depth's miss rate falls with its width in auto_widths' model, ``miss(w) = miss(1) * w ** -exponent``: fitted on
+# the demo pair (python eval/bench_tree_options.py --diagnostic: the target's depth-1 token is outside the corrected
+# top-32 / top-64 in 5.1% / 4.2% of the rounds, outside the chain's single token in ~46%: exponents 0.63 / 0.58).
+DEMO_WIDTH_EXPONENT = 0.6
+
+
 def auto_widths(
-    budget: int, depth: int, rates: tuple[float, ...] | None = None, top_c: int | None = None
+    budget: int,
+    depth: int,
+    rates: tuple[float, ...] | None = None,
+    top_c: int | None = None,
+    exponent: float | None = None,
 ) -> tuple[int, ...]:
     """A beam profile that maximises the expected accepted length for ``budget`` nodes (marginal-gain allocation).
 
-    Model: the kept ``w`` nodes of depth ``d + 1`` hold the target's token (given the depth above was
-    accepted) with probability ``q_d(w) = 1 - (1 - r_d)^w``, where ``r_d`` is the conditional acceptance
-    rate of a single node at that depth; the expected accepted length is ``sum_d prod_{i <= d} q_i(w_i)``.
+    Model: the kept ``w >= 1`` nodes of depth ``d + 1`` hold the target's token (given the depth above was
+    accepted) with probability ``q_d(w) = 1 - (1 - r_d) * w ** -exponent``, where ``r_d`` is the conditional
+    acceptance rate of a single node at that depth (``q_d(0) = 0``); the expected accepted length is
+    ``sum_d prod_{i <= d} q_i(w_i)``.
     Nodes are added one at a time to the depth with the largest gain of that sum (the shallowest on a tie),
     never to a depth below an empty one and never past ``top_c ** (d + 1)`` nor ``top_c`` children per kept
     node of the depth above. The profile therefore sums to ``budget`` exactly and has no zero before a
@@ -616,6 +627,7 @@ def auto_widths(
       rates: per-depth rates in ``[0, 1]``; depth ``d`` uses ``rates[min(d, len(rates) - 1)]`` (longer
         profiles are cut, shorter ones repeat their last rate). Default :data:`DEMO_DEPTH_RATES`.
       top_c: candidates per depth, the per-depth cap (None: no cap).
+      exponent: ``> 0``, how fast a depth's miss rate falls with its width (default :data:`DEMO_WIDTH_EXPONENT`).
 
     Returns:
       A tuple of D non-negative ints summing to ``budget``.
@@ -639,12 +651,14 @@ def auto_widths(
         if budget > cap.sum():
             raise ArgumentError(f"budget: {budget} nodes exceed the reachable tree size {int(cap.sum())} "
                                 f"(top_c={top_c}, depth={depth})")
-    log_miss = np.log1p(-np.minimum(r, 1.0 - 1e-12))  # log(1 - r), finite even at r = 1
+    exponent = DEMO_WIDTH_EXPONENT if exponent is None else exponent
+    if isinstance(exponent, bool) or not isinstance(exponent, int | float) or not 0 < exponent < np.inf:
+        raise ArgumentError(f"exponent must be a positive number, got {exponent!r}")
     w = np.zeros(depth, np.int64)
     eye = np.eye(depth, dtype=np.int64)
     for _ in range(budget):
         trial = w[None, :] + eye  # [D, D]: one more node at depth d (row d)
-        q = -np.expm1(trial * log_miss[None, :])  # 1 - (1 - r)^w
+        q = np.where(trial > 0, 1.0 - (1.0 - r)[None, :] * np.maximum(trial, 1) ** -float(exponent), 0.0)
         gain = np.cumprod(q, axis=1).sum(axis=1)
         above = np.concatenate([[np.inf], w[:-1].astype(np.float64)])
         child_cap = np.inf if top_c is None else above * top_c  # top_c children per kept node above

@@ -64,6 +64,8 @@ def test_markov_candidates_bad_input():
         tree.markov_candidates(base, corr, 8, "union", union_k=9)
     with pytest.raises(ArgumentError, match="corrected_logits"):
         tree.markov_candidates(base, corr[:, :10], 8, "union")
+    with pytest.raises(ArgumentError, match="exponent"):
+        tree.auto_widths(8, 4, (0.5,), exponent=0)
 
 
 @settings(max_examples=150, deadline=None)
@@ -107,7 +109,8 @@ def test_demo_depth_rates_are_a_profile():
 
 
 def test_tree_options_validate():
-    assert Tree("sparklingtree", candidates="union").candidates == "union"
+    assert Tree("sparklingtree", candidates="base").candidates == "base"
+    assert Tree("sparklingtree").candidates == "union" and Tree("sparklingtree-beam").candidates == "union"
     assert Tree("ddtree").candidates == "base"
     assert parse_method("sparklingtree@16", candidates="corrected") == Tree("sparklingtree", 16, candidates="corrected")
     assert parse_method("sparklingtree-beam", widths="auto").widths == "auto"
@@ -122,7 +125,7 @@ def test_tree_options_validate():
     with pytest.raises(ArgumentError, match="widths"):
         parse_method("sparklingtree", widths="auto")
     with pytest.raises(ArgumentError, match="widths"):
-        parse_method("sparklingtree-beam", widths="even")
+        parse_method("sparklingtree-beam", widths="uneven")
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +175,17 @@ def test_union_candidates_contain_the_dspark_chain(pair, ref):
         blk = drafting.draft_block(drafter, ctx, x0, jnp.array([p]))
         chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x0)
         base = drafting.aligned_logits(drafter, blk.logits)[0]
-        return chain.tokens[0], [tree.markov_candidates(base, chain.logits[0], c, "union") for c in (2, 8)]
+        one = drafting.markov_chain_fixed_point(drafter, blk.logits, blk.hidden, x0, max_passes=1)[0]
+        full = drafting.markov_chain_fixed_point(drafter, blk.logits, blk.hidden, x0, max_passes=cfg.block_size)
+        return (chain.tokens[0], [tree.markov_candidates(base, chain.logits[0], c, "union") for c in (2, 8)],
+                chain, one, full)
 
-    chain, cands = round_candidates(ids)
+    chain, cands, exact, one, (full, passes) = round_candidates(ids)
+    # the unrolled passes: G passes are the sequential chain; one pass corrects slot 0 exactly (its prev is x_start)
+    np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(exact.tokens))
+    assert 1 <= int(passes) <= cfg.block_size
+    np.testing.assert_allclose(np.asarray(one.logits[:, 0]), np.asarray(exact.logits[:, 0]), rtol=1e-5, atol=1e-5)
+    assert one.logits.shape == exact.logits.shape
     for c, cand in zip((2, 8), cands, strict=True):
         cand = np.asarray(cand)
         assert cand.shape == (cfg.block_size, c)

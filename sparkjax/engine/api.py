@@ -458,10 +458,11 @@ def generate(
     ``dspark`` (Markov chain), ``ddtree`` (best-first over independent marginals), ``sparklingtree``
     (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), or ``name@budget``
     for a tree. With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
-    candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (default even;
-    ``"auto"``: from measured per-depth acceptance), ``normalization`` the Markov tables' (``fast`` or
-    ``exact``), ``candidates`` the Markov trees' candidate sets (``base``, ``corrected`` or ``union``,
-    see :func:`sparkjax.tree.markov_candidates`); a method object carries its own.
+    candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (per-depth ints,
+    ``"even"``, or ``"auto"``, the default: from measured per-depth acceptance), ``normalization`` the
+    Markov tables' (``fast`` or ``exact``), ``candidates`` the Markov trees' candidate sets (``union``, the
+    default, ``corrected`` or ``base``, see :func:`sparkjax.tree.markov_candidates`); a method object
+    carries its own.
     Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else
     lossless sampling seeded by ``seed``. The whole generation is one jitted program with no host
     sync; ``instrument=True`` instead runs each stage of the same round as its own jitted call and times it.

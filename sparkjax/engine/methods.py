@@ -27,8 +27,13 @@ Array = jax.Array
 
 DEFAULT_BUDGET = 64  # tree nodes verified per round when no budget is given
 NORMALIZATIONS = ("fast", "exact")  # how the Markov tables are normalized (see sparkjax.tree.markov_tables)
-DEFAULT_CANDIDATES = "base"  # the Markov trees' candidates when none is given (see sparkjax.tree.markov_candidates)
-AUTO_WIDTHS = "auto"  # widths="auto": the beam profile of sparkjax.tree.auto_widths
+DEFAULT_CANDIDATES = "union"  # the Markov trees' candidates when none is given (see sparkjax.tree.markov_candidates)
+# Passes of the fixed-point DSpark chain behind the corrected / union candidates (static; None: to convergence,
+# the exact greedy chain in a while loop). One pass: every depth corrected for the restricted chain's guess of its
+# parent (the chain through the base top-32), one product over W2 and no loop.
+CANDIDATE_CHAIN_PASSES: int | None = 1
+WIDTH_PROFILES = ("auto", "even")  # named beam profiles: sparkjax.tree.auto_widths, sparkjax.tree.even_widths
+DEFAULT_WIDTHS = "auto"  # the beam's profile when none is given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,12 +198,12 @@ class Chain(Method):
 class Tree(Method):
     """A draft tree of ``budget`` nodes verified at once: ``ddtree`` (best-first over independent
     marginals), ``sparklingtree`` (best-first over Markov tables) or ``sparklingtree-beam`` (``widths``
-    nodes per depth, default even; ``"auto"``: :func:`sparkjax.tree.auto_widths` from the demo pair's
-    measured per-depth acceptance). ``top_c``: candidates per depth (default ``max(budget, 32)``, at
-    most the vocabulary); ``normalization``: the Markov tables' (``fast`` or ``exact``);
-    ``candidates``: which tokens each depth's candidates are (``base``: the top-C of the base logits;
-    ``corrected`` / ``union``: following the Markov head, see :func:`sparkjax.tree.markov_candidates`;
-    Markov methods only)."""
+    nodes per depth: a list, ``"even"`` (:func:`sparkjax.tree.even_widths`) or ``"auto"``, the default
+    (:func:`sparkjax.tree.auto_widths` from the demo pair's measured per-depth acceptance)). ``top_c``:
+    candidates per depth (default ``max(budget, 32)``, at most the vocabulary); ``normalization``: the
+    Markov tables' (``fast`` or ``exact``); ``candidates``: which tokens each depth's candidates are
+    (``base``: the top-C of the base logits; ``corrected`` / ``union`` (the default of the Markov trees):
+    following the Markov head, see :func:`sparkjax.tree.markov_candidates`; ddtree only takes ``base``)."""
 
     kind: str = "sparklingtree"
     budget: int = DEFAULT_BUDGET
@@ -228,7 +233,10 @@ class Tree(Method):
         if self.widths is not None:
             if not beam:
                 raise ArgumentError(f"widths: only 'sparklingtree-beam' takes a width profile, not {self.kind!r}")
-            if not (isinstance(self.widths, str) and self.widths == AUTO_WIDTHS):
+            if not (isinstance(self.widths, str) and self.widths in WIDTH_PROFILES):
+                if isinstance(self.widths, str):
+                    raise ArgumentError(f"widths: expected {' or '.join(map(repr, WIDTH_PROFILES))} or a list of "
+                                        f"per-depth ints, got {describe(self.widths)}")
                 object.__setattr__(self, "widths", check_int_list("widths", self.widths))
 
     @property
@@ -259,12 +267,11 @@ class Tree(Method):
             )
         w = None
         if self.beam:
-            if self.widths is None:
+            w = DEFAULT_WIDTHS if self.widths is None else self.widths
+            if w == "even":
                 w = tree.even_widths(budget, depth)
-            elif self.widths == AUTO_WIDTHS:
+            elif w == "auto":
                 w = tree.auto_widths(budget, depth, top_c=c)
-            else:
-                w = self.widths
             if len(w) != depth or sum(w) != budget:
                 raise ArgumentError(f"widths: need {depth} per-depth widths summing to budget={budget}, got {w}")
             if any(x > c ** (i + 1) for i, x in enumerate(w)):
@@ -286,8 +293,10 @@ class Tree(Method):
         else:
             if self.candidates == "base":
                 corrected = logits  # unused
-            else:  # the greedy DSpark chain's corrected logits: depth d given the chain's token of depth d - 1
-                corrected = drafting.markov_chain(drafter, blk.logits, blk.hidden, x_start).logits[:, :d]
+            else:  # depth d's logits corrected for the DSpark greedy chain's token of depth d - 1 (one guess pass)
+                corrected = drafting.markov_chain_fixed_point(
+                    drafter, blk.logits, blk.hidden, x_start, max_passes=CANDIDATE_CHAIN_PASSES
+                )[0].logits[:, :d]
             cand_tokens = jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(
                 logits, corrected, plan.top_c, self.candidates
             )
