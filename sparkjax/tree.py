@@ -39,9 +39,11 @@ Conventions
   recompile. Positive table entries are clipped to 0 so that a child can never outscore its parent.
   Likewise a token whose logit is ``-inf`` (e.g. a padded vocabulary row) never enters a tree. NaNs are
   not supported.
-* **Candidates.** :func:`candidates` ranks the base logits of every depth. Depth 1 has a known parent,
-  so an engine may rank row 0 by the Markov-corrected logits instead (pass the corrected row to
-  :func:`candidates` only; :func:`markov_tables` takes the candidate tokens as given and the base logits).
+* **Candidates.** :func:`candidates` ranks the base logits of every depth. :func:`markov_candidates` instead
+  follows the Markov head: depth 1 ranked by its exact corrected row (its parent, ``x_start``, is known),
+  deeper depths the corrected top-k for the greedy chain's parent merged with the base top-C
+  (:func:`merge_candidates`: distinct tokens, static shapes). :func:`markov_tables` takes the candidate tokens
+  as given and the base logits, so any candidate set works.
 * **Cost.** ``markov_tables(..., "fast")`` is ``O(D C^2 R + D V)``; ``"exact"`` is ``O(D C V R)``, which
   dominates everything else at a real vocabulary (see ``eval/bench_tree.py``).
 """

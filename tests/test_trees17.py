@@ -157,7 +157,7 @@ def test_greedy_equals_ar_with_tree_options(pair, prompts, ar, method, kw):
     assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
 
 
-def test_union_candidates_contain_the_dspark_chain(pair, ref):
+def test_union_candidates_contain_the_dspark_chain(pair, ref, monkeypatch):
     """On a real round of the fixture pair: every depth's union candidates hold the greedy DSpark chain's token
     (the corrected argmax for the chain's parent), at static shapes."""
     target, drafter = pair
@@ -178,9 +178,14 @@ def test_union_candidates_contain_the_dspark_chain(pair, ref):
         one = drafting.markov_chain_fixed_point(drafter, blk.logits, blk.hidden, x0, max_passes=1)[0]
         full = drafting.markov_chain_fixed_point(drafter, blk.logits, blk.hidden, x0, max_passes=cfg.block_size)
         return (chain.tokens[0], [tree.markov_candidates(base, chain.logits[0], c, "union") for c in (2, 8)],
-                chain, one, full)
+                chain, one, full, blk)
 
-    chain, cands, exact, one, (full, passes) = round_candidates(ids)
+    chain, cands, exact, one, (full, passes), blk = round_candidates(ids)
+    x0 = ids[:, p]
+    for mode, want in (("scan", exact), ("fixed_point", one)):  # what the tree's candidates read, per backend
+        monkeypatch.setattr(drafting, "AUTO_CHAIN_MODE", mode)
+        got = drafting.candidate_chain_logits(drafter, blk.logits, blk.hidden, x0)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want.logits), rtol=1e-5, atol=1e-4)
     # the unrolled passes: G passes are the sequential chain; one pass corrects slot 0 exactly (its prev is x_start)
     np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(exact.tokens))
     assert 1 <= int(passes) <= cfg.block_size

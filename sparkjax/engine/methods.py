@@ -28,9 +28,10 @@ Array = jax.Array
 DEFAULT_BUDGET = 64  # tree nodes verified per round when no budget is given
 NORMALIZATIONS = ("fast", "exact")  # how the Markov tables are normalized (see sparkjax.tree.markov_tables)
 DEFAULT_CANDIDATES = "union"  # the Markov trees' candidates when none is given (see sparkjax.tree.markov_candidates)
-# Passes of the fixed-point DSpark chain behind the corrected / union candidates (static; None: to convergence,
-# the exact greedy chain in a while loop). One pass: every depth corrected for the restricted chain's guess of its
-# parent (the chain through the base top-32), one product over W2 and no loop.
+# Passes of the fixed-point DSpark chain behind the corrected / union candidates on accelerators (static; None: to
+# convergence, the exact greedy chain in a while loop). One pass: every depth corrected for the restricted chain's
+# guess of its parent (the chain through the base top-32), one product over W2 and no loop. XLA:CPU runs the exact
+# sequential chain instead (drafting.candidate_chain_logits).
 CANDIDATE_CHAIN_PASSES: int | None = 1
 WIDTH_PROFILES = ("auto", "even")  # named beam profiles: sparkjax.tree.auto_widths, sparkjax.tree.even_widths
 DEFAULT_WIDTHS = "auto"  # the beam's profile when none is given
@@ -293,10 +294,10 @@ class Tree(Method):
         else:
             if self.candidates == "base":
                 corrected = logits  # unused
-            else:  # depth d's logits corrected for the DSpark greedy chain's token of depth d - 1 (one guess pass)
-                corrected = drafting.markov_chain_fixed_point(
+            else:  # depth d's logits corrected for the DSpark greedy chain's token of depth d - 1
+                corrected = drafting.candidate_chain_logits(
                     drafter, blk.logits, blk.hidden, x_start, max_passes=CANDIDATE_CHAIN_PASSES
-                )[0].logits[:, :d]
+                )[:, :d]
             cand_tokens = jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(
                 logits, corrected, plan.top_c, self.candidates
             )
