@@ -297,7 +297,7 @@ class Tree(Method):
             else:  # depth d's logits corrected for the DSpark greedy chain's token of depth d - 1
                 corrected = drafting.candidate_chain_logits(
                     drafter, blk.logits, blk.hidden, x_start, max_passes=CANDIDATE_CHAIN_PASSES
-                )[:, :d]
+                )[:, : logits.shape[1]]
             cand_tokens = jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(
                 logits, corrected, plan.top_c, self.candidates
             )
