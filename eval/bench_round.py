@@ -694,16 +694,34 @@ def compile_ar(preset: str, batch: int, context: int) -> tuple[str, float]:
     return text, time.perf_counter() - t0
 
 
+def parse_method_label(label: str):
+    """``name[@budget][:option...]``: a method with tree options, ``base`` / ``corrected`` / ``union`` (candidates)
+    or ``auto`` (the beam's widths), e.g. ``sparklingtree@64:union``."""
+    from sparkjax.engine.methods import parse_method
+    from sparkjax.errors import ArgumentError
+    from sparkjax.tree import CANDIDATE_MODES
+
+    name, *opts = label.split(":")
+    kw = {}
+    for o in opts:
+        if o in CANDIDATE_MODES:
+            kw["candidates"] = o
+        elif o == "auto":
+            kw["widths"] = "auto"
+        else:
+            raise ArgumentError(f"--methods: unknown tree option {o!r} in {label!r} (base, corrected, union, auto)")
+    return parse_method(name, **kw)
+
+
 def compile_round(preset: str, method: str, batch: int, context: int) -> tuple[str, float, object]:
     """The optimised HLO text of the speculative program (its loop body is one round), the compile seconds
     and the plan."""
     from flax import nnx  # noqa: F401 - the models are nnx modules
 
-    from sparkjax.engine.methods import parse_method
     from sparkjax.engine.programs import spec_program, split_pair
 
     target, dspark, dflash = abstract_models(preset)
-    m = parse_method(method)
+    m = parse_method_label(method)
     drafter = dspark if m.needs_markov else dflash
     plan = m.plan(target, drafter, False)
     graphdefs, states = split_pair(target, drafter)
@@ -728,9 +746,11 @@ def method_labels(methods: Sequence[str], budgets: Sequence[int]) -> list[str]:
 
 def make_row(method: str, batch: int, preset: str, context: int, tally: Tally, ar: Tally, compile_s: float,
              tau: float) -> dict:
-    budget = int(method.split("@")[1]) if "@" in method else None
+    name, _, opts = method.partition(":")
+    budget = int(name.split("@")[1]) if "@" in name else None
     row = {
-        "method": method.split("@")[0], "budget": budget, "batch": batch, "preset": preset, "context": context,
+        "method": name.split("@")[0] + (f":{opts}" if opts else ""), "budget": budget, "batch": batch,
+        "preset": preset, "context": context,
         "kernels": tally.total_kernels, "sequential_kernels": tally.sequential_kernels,
         "unknown_loops": tally.unknown_loops, "bytes": tally.bytes, "flops": tally.flops,
         "ar_kernels": ar.total_kernels, "ar_bytes": ar.bytes, "ar_flops": ar.flops,
@@ -888,10 +908,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _configs(p)  # unknown presets fail before any compile
         if a.context < 64:
             raise ArgumentError(f"--context: {a.context} cache slots are too few (at least 64)")
-        from sparkjax.engine.methods import parse_method
-
         for m in labels:
-            parse_method(m)
+            parse_method_label(m)
         t0 = time.perf_counter()
         rows = run(presets, batches, ["ar"] + [m for m in labels if m != "ar"], a.context, a.tau,
                    log=lambda s: print(s, file=sys.stderr, flush=True), dump=a.dump_hlo)

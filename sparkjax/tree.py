@@ -39,9 +39,11 @@ Conventions
   recompile. Positive table entries are clipped to 0 so that a child can never outscore its parent.
   Likewise a token whose logit is ``-inf`` (e.g. a padded vocabulary row) never enters a tree. NaNs are
   not supported.
-* **Candidates.** :func:`candidates` ranks the base logits of every depth. Depth 1 has a known parent,
-  so an engine may rank row 0 by the Markov-corrected logits instead (pass the corrected row to
-  :func:`candidates` only; :func:`markov_tables` takes the candidate tokens as given and the base logits).
+* **Candidates.** :func:`candidates` ranks the base logits of every depth. :func:`markov_candidates` instead
+  follows the Markov head: depth 1 ranked by its exact corrected row (its parent, ``x_start``, is known),
+  deeper depths the corrected top-k for the greedy chain's parent merged with the base top-C
+  (:func:`merge_candidates`: distinct tokens, static shapes). :func:`markov_tables` takes the candidate tokens
+  as given and the base logits, so any candidate set works.
 * **Cost.** ``markov_tables(..., "fast")`` is ``O(D C^2 R + D V)``; ``"exact"`` is ``O(D C V R)``, which
   dominates everything else at a real vocabulary (see ``eval/bench_tree.py``).
 """
@@ -61,6 +63,7 @@ __all__ = [
     "Tree",
     "accept",
     "accept_walk",
+    "auto_widths",
     "beam",
     "best_first",
     "build_ddtree",
@@ -69,13 +72,18 @@ __all__ = [
     "chunked_top_k",
     "ddtree_tables",
     "even_widths",
+    "markov_candidates",
     "markov_tables",
+    "merge_candidates",
     "tree_positions",
     "vanilla_parent_feats",
     "visibility",
 ]
 
 Normalization = Literal["exact", "fast"]
+CandidateMode = Literal["base", "corrected", "union"]
+CANDIDATE_MODES: tuple[str, ...] = ("base", "corrected", "union")  # see markov_candidates
+UNION_TOP_K: int | None = None  # markov_candidates' default union_k (None: C // 4); read at trace time
 
 
 class Tree(NamedTuple):
@@ -205,6 +213,96 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     # full sort of the vocabulary on CPU (100x slower at V = 152k).
     cand_tokens, cand_logp = jax.lax.optimization_barrier((cand_tokens.astype(jnp.int32), cand_logp))
     return cand_tokens, cand_logp
+
+
+def merge_candidates(pool: jax.Array, valid: jax.Array, c: int) -> jax.Array:
+    """The first ``c`` distinct valid tokens of ``pool``, in pool order (static shapes, no sort).
+
+    Args:
+      pool: int[Q] tokens in priority order (duplicates allowed).
+      valid: bool[Q] False for entries to skip.
+      c: static number of tokens to keep, ``1 <= c <= Q``. The pool must hold at least ``c`` distinct
+        valid tokens (e.g. end with a row of :func:`candidates`); otherwise the last slots hold token 0.
+
+    Returns:
+      int32[c]: an entry is kept iff it is valid and no earlier valid entry has the same token.
+    """
+    _check_ndim("pool", pool, 1, "Q")
+    _check_ndim("valid", valid, 1, "Q")
+    q = pool.shape[0]
+    c = _check_int("c", c, 1)
+    if c > q or valid.shape[0] != q:
+        raise ArgumentError(f"merge_candidates: need c <= Q and valid [Q]; got c={c}, pool {q}, valid {valid.shape}")
+    pool = jnp.asarray(pool, jnp.int32)
+    valid = jnp.asarray(valid, bool)
+    i = jnp.arange(q, dtype=jnp.int32)
+    dup = jnp.any((pool[None, :] == pool[:, None]) & (i[None, :] < i[:, None]) & valid[None, :], axis=1)
+    keep = valid & ~dup
+    rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
+    slot = jnp.where(keep & (rank < c), rank, c)  # c: dropped
+    return jnp.zeros((c,), jnp.int32).at[slot].set(pool, mode="drop")
+
+
+def markov_candidates(
+    base_logits: jax.Array,
+    corrected_logits: jax.Array,
+    top_c: int,
+    mode: CandidateMode = "union",
+    union_k: int | None = None,
+) -> jax.Array:
+    """Per-depth candidates that follow the Markov head (the ``candidates`` option of the SparklingTree methods).
+
+    The tables of :func:`markov_tables` only score the C candidates of each depth, so a child the Markov
+    correction ranks high but the *base* logits do not is out of the tree's reach. ``corrected_logits``
+    row ``d`` are depth ``d + 1``'s logits corrected for one known parent: for depth 1 the root
+    (``x_start``), which makes row 0 exact; deeper, the DSpark greedy chain's token of the depth above
+    (:func:`sparkjax.engine.drafting.markov_chain` at temperature 0), the most probable parent.
+
+    * ``"base"``: :func:`candidates` of the base logits (the upstream SparklingTree candidates).
+    * ``"corrected"``: the top-C of each corrected row.
+    * ``"union"``: depth 1 the top-C of the (exact) corrected row; deeper, the corrected top-``union_k``
+      first, then the base top-C, duplicates dropped, the first C kept (so the base top-(C - k) at least).
+
+    Any candidate set is exact for speculative decoding (the target verifies the tree); only the tree's
+    reach changes. In every mode a depth's set contains the chain's corrected argmax (``union_k >= 1``).
+
+    Args:
+      base_logits: [D, V] drafter base logits.
+      corrected_logits: [D, V] Markov-corrected logits as above (ignored for ``"base"``).
+      top_c: candidates per depth (static); ``C = min(top_c, V)``.
+      mode: ``"base"``, ``"corrected"`` or ``"union"``.
+      union_k: corrected candidates per depth >= 2 of ``"union"``, ``1 <= k <= C`` (default
+        :data:`UNION_TOP_K`, or ``C // 4`` (>= 1) when that is None; clipped to C).
+
+    Returns:
+      int32[D, C] distinct tokens per depth; the order within a row is the tie-break order of the builders.
+    """
+    if mode not in CANDIDATE_MODES:
+        raise ArgumentError(f"candidates must be one of {', '.join(CANDIDATE_MODES)}, got {mode!r}")
+    top_c = _check_int("top_c", top_c, 1)
+    _check_ndim("base_logits", base_logits, 2, "D, V")
+    base_tokens = candidates(base_logits, top_c)[0]
+    if mode == "base":
+        return base_tokens
+    _check_ndim("corrected_logits", corrected_logits, 2, "D, V")
+    if tuple(corrected_logits.shape) != tuple(base_logits.shape):
+        raise ArgumentError(
+            f"corrected_logits must have the shape of base_logits {tuple(base_logits.shape)}, "
+            f"got {tuple(corrected_logits.shape)}"
+        )
+    corr_tokens = candidates(corrected_logits, top_c)[0]
+    if mode == "corrected" or base_tokens.shape[0] == 1:
+        return corr_tokens
+    c = corr_tokens.shape[1]
+    if union_k is None:
+        k = max(1, c // 4) if UNION_TOP_K is None else min(_check_int("UNION_TOP_K", UNION_TOP_K, 1), c)
+    else:
+        k = _check_int("union_k", union_k, 1)
+    if k > c:
+        raise ArgumentError(f"union_k must be <= top_c = {c}, got {k}")
+    pool = jnp.concatenate([corr_tokens[1:, :k], base_tokens[1:]], axis=1)  # [D - 1, k + C]
+    rest = jax.vmap(merge_candidates, in_axes=(0, None, None))(pool, jnp.ones(pool.shape[1], bool), c)
+    return jnp.concatenate([corr_tokens[:1], rest], axis=0)
 
 
 def ddtree_tables(cand_logp: jax.Array) -> jax.Array:
@@ -490,6 +588,86 @@ def even_widths(budget: int, depth: int) -> tuple[int, ...]:
     depth = _check_int("depth", depth, 1)
     q, r = divmod(budget, depth)
     return tuple(q + 1 if i < r else q for i in range(depth))
+
+
+# Per-depth conditional acceptance rates of the DSpark greedy chain on the bundled demo pair (depth d accepted
+# given depth d - 1 was; 750 greedy rounds, 16 prompts of each bundled set, 64 new tokens:
+# ``python eval/bench_tree_options.py --configs dspark --max-samples 16``): the default profile of
+# ``widths="auto"`` (see auto_widths).
+DEMO_DEPTH_RATES: tuple[float, ...] = (
+    0.54, 0.69, 0.79, 0.76, 0.81, 0.71, 0.96, 0.86, 0.88, 0.93, 0.76, 0.86, 0.93, 0.90, 0.97, 0.77,
+)
+
+
+# How a depth's miss rate falls with its width in auto_widths' model, ``miss(w) = miss(1) * w ** -exponent``: fitted on
+# the demo pair (python eval/bench_tree_options.py --diagnostic: the target's depth-1 token is outside the corrected
+# top-32 / top-64 in 5.1% / 4.2% of the rounds, outside the chain's single token in ~46%: exponents 0.63 / 0.58).
+DEMO_WIDTH_EXPONENT = 0.6
+
+
+def auto_widths(
+    budget: int,
+    depth: int,
+    rates: tuple[float, ...] | None = None,
+    top_c: int | None = None,
+    exponent: float | None = None,
+) -> tuple[int, ...]:
+    """A beam profile that maximises the expected accepted length for ``budget`` nodes (marginal-gain allocation).
+
+    Model: the kept ``w >= 1`` nodes of depth ``d + 1`` hold the target's token (given the depth above was
+    accepted) with probability ``q_d(w) = 1 - (1 - r_d) * w ** -exponent``, where ``r_d`` is the conditional
+    acceptance rate of a single node at that depth (``q_d(0) = 0``); the expected accepted length is
+    ``sum_d prod_{i <= d} q_i(w_i)``.
+    Nodes are added one at a time to the depth with the largest gain of that sum (the shallowest on a tie),
+    never to a depth below an empty one and never past ``top_c ** (d + 1)`` nor ``top_c`` children per kept
+    node of the depth above. The profile therefore sums to ``budget`` exactly and has no zero before a
+    non-zero entry.
+
+    Args:
+      budget: nodes (static int >= 1); with ``top_c`` at most the reachable ``sum_k top_c ** k``.
+      depth: depths D (static int >= 1).
+      rates: per-depth rates in ``[0, 1]``; depth ``d`` uses ``rates[min(d, len(rates) - 1)]`` (longer
+        profiles are cut, shorter ones repeat their last rate). Default :data:`DEMO_DEPTH_RATES`.
+      top_c: candidates per depth, the per-depth cap (None: no cap).
+      exponent: ``> 0``, how fast a depth's miss rate falls with its width (default :data:`DEMO_WIDTH_EXPONENT`).
+
+    Returns:
+      A tuple of D non-negative ints summing to ``budget``.
+    """
+    budget = _check_int("budget", budget, 1)
+    depth = _check_int("depth", depth, 1)
+    rates = DEMO_DEPTH_RATES if rates is None else rates
+    if isinstance(rates, str | bytes) or not hasattr(rates, "__len__") or len(rates) == 0:
+        raise ArgumentError(f"rates must be a non-empty sequence of per-depth rates in [0, 1], got {rates!r}")
+    try:
+        r = np.asarray([float(x) for x in rates], np.float64)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"rates must be numbers in [0, 1], got {rates!r}") from None
+    if not np.all(np.isfinite(r)) or np.any(r < 0) or np.any(r > 1):
+        raise ArgumentError(f"rates must be numbers in [0, 1], got {tuple(rates)!r}")
+    r = r[np.minimum(np.arange(depth), len(r) - 1)]
+    cap = np.full(depth, np.inf)
+    if top_c is not None:
+        top_c = _check_int("top_c", top_c, 1)
+        cap = np.array([float(top_c) ** (d + 1) for d in range(depth)])
+        if budget > cap.sum():
+            raise ArgumentError(f"budget: {budget} nodes exceed the reachable tree size {int(cap.sum())} "
+                                f"(top_c={top_c}, depth={depth})")
+    exponent = DEMO_WIDTH_EXPONENT if exponent is None else exponent
+    if isinstance(exponent, bool) or not isinstance(exponent, int | float) or not 0 < exponent < np.inf:
+        raise ArgumentError(f"exponent must be a positive number, got {exponent!r}")
+    w = np.zeros(depth, np.int64)
+    eye = np.eye(depth, dtype=np.int64)
+    for _ in range(budget):
+        trial = w[None, :] + eye  # [D, D]: one more node at depth d (row d)
+        q = np.where(trial > 0, 1.0 - (1.0 - r)[None, :] * np.maximum(trial, 1) ** -float(exponent), 0.0)
+        gain = np.cumprod(q, axis=1).sum(axis=1)
+        above = np.concatenate([[np.inf], w[:-1].astype(np.float64)])
+        child_cap = np.inf if top_c is None else above * top_c  # top_c children per kept node above
+        allowed = (w < cap) & (w < child_cap) & (above > 0)
+        gain = np.where(allowed, gain, -np.inf)
+        w[int(np.argmax(gain))] += 1  # the first maximum: the shallowest depth on a tie
+    return tuple(int(x) for x in w)
 
 
 def beam(tables: jax.Array, cand_tokens: jax.Array, widths: tuple[int, ...]) -> Tree:

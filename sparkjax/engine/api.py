@@ -440,11 +440,12 @@ def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, tempera
 
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
-             normalization="fast", max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
+             normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
              cache_size=None, prompt_width=None, capacity=None, mesh=None) -> Run:
     """Validates every argument of a generation (those of :func:`generate`) and returns the :class:`Run`."""
     check_models(target, drafter)
-    method = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    method = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
+                          candidates=candidates)
     if prompt_ids is None:
         raise ArgumentError("prompt_ids: required")
     seed = check_seed(seed)
@@ -474,8 +475,9 @@ def generate(
     method: str | Method = "ar",
     budget: int | None = None,
     top_c: int | None = None,
-    widths: Sequence[int] | None = None,
+    widths: Sequence[int] | str | None = None,
     normalization: str = "fast",
+    candidates: str | None = None,
     max_new_tokens: int = 128,
     eos_token_ids: int | Sequence[int] | None = None,
     temperature: float = 0.0,
@@ -496,8 +498,11 @@ def generate(
     confidence and a measured cost table: :class:`~sparkjax.engine.Auto`; without a table it profiles once
     per process and shape, see :func:`~sparkjax.engine.profile_costs`), or ``name@budget`` for a tree.
     With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
-    candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (default even),
-    ``normalization`` the Markov tables' (``fast`` or ``exact``); a method object carries its own.
+    candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (per-depth ints,
+    ``"even"``, or ``"auto"``, the default: from measured per-depth acceptance), ``normalization`` the
+    Markov tables' (``fast`` or ``exact``), ``candidates`` the Markov trees' candidate sets (``union``, the
+    default, ``corrected`` or ``base``, see :func:`sparkjax.tree.markov_candidates`); a method object
+    carries its own.
     Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else
     lossless sampling seeded by ``seed``. The whole generation is one jitted program with no host
     sync; ``instrument=True`` instead runs each stage of the same round as its own jitted call and times it.
@@ -527,8 +532,9 @@ def generate(
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
     options = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
-                   max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature, seed=seed,
-                   cache_size=cache_size, prompt_width=prompt_width, capacity=capacity, mesh=mesh)
+                   candidates=candidates, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                   temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
+                   capacity=capacity, mesh=mesh)
     if instrument:
         run = validate(target, drafter, prompt_ids, **options)
         if run.plan is None:
@@ -541,7 +547,7 @@ def generate(
 
 
 def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget=None, top_c=None,
-           widths=None, normalization="fast", max_new_tokens: int = 128, eos_token_ids=None,
+           widths=None, normalization="fast", candidates=None, max_new_tokens: int = 128, eos_token_ids=None,
            temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
            capacity: int | None = None, report_nonfinite: bool = False, mesh: Any = None) -> tuple[Array, ...]:
     """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
@@ -563,9 +569,9 @@ def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     if not isinstance(report_nonfinite, bool | np.bool_):
         raise ArgumentError(f"report_nonfinite: expected True or False, got {describe(report_nonfinite)}")
     run = validate(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
-                   normalization=normalization, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                   temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
-                   capacity=capacity, mesh=mesh)
+                   normalization=normalization, candidates=candidates, max_new_tokens=max_new_tokens,
+                   eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
+                   prompt_width=prompt_width, capacity=capacity, mesh=mesh)
     args = run.device_args()
     if run.plan is None:
         gdef, state = run.split(target)
@@ -586,8 +592,9 @@ def stream(
     method: str | Method = "sparklingtree",
     budget: int | None = None,
     top_c: int | None = None,
-    widths: Sequence[int] | None = None,
+    widths: Sequence[int] | str | None = None,
     normalization: str = "fast",
+    candidates: str | None = None,
     max_new_tokens: int = 128,
     eos_token_ids: int | Sequence[int] | None = None,
     temperature: float = 0.0,
@@ -604,7 +611,8 @@ def stream(
     :func:`generate` (each round's state stays on the mesh, donated from round to round).
     """
     check_models(target, drafter)
-    spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
+                        candidates=candidates)
     if not spec.speculative:
         raise ArgumentError("method: stream() runs speculative rounds; use generate(method='ar') for the target alone")
     run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,

@@ -27,6 +27,14 @@ Array = jax.Array
 
 DEFAULT_BUDGET = 64  # tree nodes verified per round when no budget is given
 NORMALIZATIONS = ("fast", "exact")  # how the Markov tables are normalized (see sparkjax.tree.markov_tables)
+DEFAULT_CANDIDATES = "union"  # the Markov trees' candidates when none is given (see sparkjax.tree.markov_candidates)
+# Passes of the fixed-point DSpark chain behind the corrected / union candidates on accelerators (static; None: to
+# convergence, the exact greedy chain in a while loop). One pass: every depth corrected for the restricted chain's
+# guess of its parent (the chain through the base top-32), one product over W2 and no loop. XLA:CPU runs the exact
+# sequential chain instead (drafting.candidate_chain_logits).
+CANDIDATE_CHAIN_PASSES: int | None = 1
+WIDTH_PROFILES = ("auto", "even")  # named beam profiles: sparkjax.tree.auto_widths, sparkjax.tree.even_widths
+DEFAULT_WIDTHS = "auto"  # the beam's profile when none is given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,19 +204,32 @@ class Chain(Method):
 class Tree(Method):
     """A draft tree of ``budget`` nodes verified at once: ``ddtree`` (best-first over independent
     marginals), ``sparklingtree`` (best-first over Markov tables) or ``sparklingtree-beam`` (``widths``
-    nodes per depth, default even). ``top_c``: candidates per depth (default ``max(budget, 32)``, at
-    most the vocabulary); ``normalization``: the Markov tables' (``fast`` or ``exact``)."""
+    nodes per depth: a list, ``"even"`` (:func:`sparkjax.tree.even_widths`) or ``"auto"``, the default
+    (:func:`sparkjax.tree.auto_widths` from the demo pair's measured per-depth acceptance)). ``top_c``:
+    candidates per depth (default ``max(budget, 32)``, at most the vocabulary); ``normalization``: the
+    Markov tables' (``fast`` or ``exact``); ``candidates``: which tokens each depth's candidates are
+    (``base``: the top-C of the base logits; ``corrected`` / ``union`` (the default of the Markov trees):
+    following the Markov head, see :func:`sparkjax.tree.markov_candidates`; ddtree only takes ``base``)."""
 
     kind: str = "sparklingtree"
     budget: int = DEFAULT_BUDGET
     top_c: int | None = None
-    widths: tuple[int, ...] | None = None
+    widths: tuple[int, ...] | str | None = None
     normalization: str = "fast"
+    candidates: str | None = None  # None: the method's default (DEFAULT_CANDIDATES for Markov trees, base for ddtree)
 
     def __post_init__(self):
-        beam = _entry(self.kind, Tree, "kind").beam
+        entry = _entry(self.kind, Tree, "kind")
+        beam = entry.beam
         if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
             raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
+        cand = self.candidates
+        if cand is not None and (not isinstance(cand, str) or cand not in tree.CANDIDATE_MODES):
+            raise ArgumentError(f"candidates: expected one of {', '.join(tree.CANDIDATE_MODES)}, got {describe(cand)}")
+        if cand not in (None, "base") and not entry.markov:
+            raise ArgumentError(f"candidates: {cand!r} follows the Markov head; {self.kind!r} has none (use 'base')")
+        object.__setattr__(self, "candidates", cand if cand is not None else
+                           (DEFAULT_CANDIDATES if entry.markov else "base"))
         budget = check_int("budget", self.budget, unit="number of tree nodes")
         if budget > MAX_SLOTS:
             raise ArgumentError(f"budget: {budget} nodes exceed {MAX_SLOTS} (node indices are int32 on device)")
@@ -218,7 +239,11 @@ class Tree(Method):
         if self.widths is not None:
             if not beam:
                 raise ArgumentError(f"widths: only 'sparklingtree-beam' takes a width profile, not {self.kind!r}")
-            object.__setattr__(self, "widths", check_int_list("widths", self.widths))
+            if not (isinstance(self.widths, str) and self.widths in WIDTH_PROFILES):
+                if isinstance(self.widths, str):
+                    raise ArgumentError(f"widths: expected {' or '.join(map(repr, WIDTH_PROFILES))} or a list of "
+                                        f"per-depth ints, got {describe(self.widths)}")
+                object.__setattr__(self, "widths", check_int_list("widths", self.widths))
 
     @property
     def name(self) -> str:
@@ -248,7 +273,11 @@ class Tree(Method):
             )
         w = None
         if self.beam:
-            w = tree.even_widths(budget, depth) if self.widths is None else self.widths
+            w = DEFAULT_WIDTHS if self.widths is None else self.widths
+            if w == "even":
+                w = tree.even_widths(budget, depth)
+            elif w == "auto":
+                w = tree.auto_widths(budget, depth, top_c=c)
             if len(w) != depth or sum(w) != budget:
                 raise ArgumentError(f"widths: need {depth} per-depth widths summing to budget={budget}, got {w}")
             if any(x > c ** (i + 1) for i, x in enumerate(w)):
@@ -270,10 +299,19 @@ class Tree(Method):
         # per-depth base logits [B, D, V] and the block hidden states of the same slots [B, D, Dm]
         logits = drafting.aligned_logits(drafter, blk.logits).astype(jnp.float32)
         hidden = blk.hidden[:, drafter.config.first_draft_slot :]
-        cand_tokens, cand_logp = jax.vmap(tree.candidates, in_axes=(0, None))(logits, plan.top_c)
         if not self.needs_markov:
+            cand_tokens, cand_logp = jax.vmap(tree.candidates, in_axes=(0, None))(logits, plan.top_c)
             tables = jax.vmap(tree.ddtree_tables)(cand_logp)
         else:
+            if self.candidates == "base":
+                corrected = logits  # unused
+            else:  # depth d's logits corrected for the DSpark greedy chain's token of depth d - 1
+                corrected = drafting.candidate_chain_logits(
+                    drafter, blk.logits, blk.hidden, x_start, max_passes=CANDIDATE_CHAIN_PASSES
+                )[:, : logits.shape[1]]
+            cand_tokens = jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(
+                logits, corrected, plan.top_c, self.candidates
+            )
             c = cand_tokens.shape[-1]
             prev = jnp.concatenate([jnp.broadcast_to(x_start[:, None, None], (b, 1, c)), cand_tokens[:, :-1]], axis=1)
             feats = drafting.markov_features(drafter, hidden, prev)
@@ -486,12 +524,13 @@ def _entry(name: Any, cls: type[Method] | None = None, arg: str = "method") -> _
 
 
 def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
-                 widths: Sequence[int] | None = None, normalization: Any = "fast") -> Method:
+                 widths: Sequence[int] | str | None = None, normalization: Any = "fast",
+                 candidates: Any = None) -> Method:
     """The method object of ``method``: a :class:`Method` (returned as is; then the keyword options must
     be left unset), a name out of :data:`METHODS` (with the keyword options, which only the methods that
     take them accept), or ``"name@budget"`` (a tree and its budget, as the eval labels them)."""
     if isinstance(method, Method):
-        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
+        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths), ("candidates", candidates)):
             if value is not None:
                 raise ArgumentError(f"{arg}: given beside the method object {method!r}; set it on the object")
         return method
@@ -503,4 +542,9 @@ def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
         if budget is not None:
             raise ArgumentError(f"budget: given twice, in method={method!r} and as budget={budget!r}")
         budget = int(text)
-    return entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    out = entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    if candidates is not None:
+        if not isinstance(out, Tree):
+            raise ArgumentError(f"candidates: only the tree methods take a candidates option, not {name!r}")
+        out = dataclasses.replace(out, candidates=candidates)
+    return out

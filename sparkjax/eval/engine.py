@@ -89,7 +89,8 @@ class Engine:
         d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
         if p is not None:
             d.update(depth=p.depth, nodes=p.nodes, top_c=p.top_c or None,
-                     widths=list(p.widths) if p.widths else None, normalization=p.normalization)
+                     widths=list(p.widths) if p.widths else None, normalization=p.normalization,
+                     candidates=None if p.is_chain else p.method.candidates)
         return d
 
     def shape_key(self, mc: MethodConfig, batch: list[list[int]]) -> tuple:
