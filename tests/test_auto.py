@@ -329,3 +329,20 @@ def test_eval_reports_the_share_of_rounds_per_size():
     assert out.size_choices == [["ar", "sparklingtree@16"]] and out.acceptance_lengths == [[1, 2]]
     assert "auto" in [mc.label for mc in harness.method_configs(harness.EvalConfig())[0]]
     assert "auto" not in harness.BASELINE_METHODS  # auto runs with --drafter (sparklingtree / dspark)
+
+
+def test_eval_describes_every_default_method(random_pair):
+    """The eval's per-method record (results.json) for every method it runs by default, auto included: the
+    tree options resolve (auto reports the candidates of the tree it builds; chains have none)."""
+    from sparkjax.eval.engine import Engine, MethodConfig
+    from sparkjax.eval.harness import DEFAULT_BUDGETS
+
+    target, drafter = random_pair
+    eng = Engine(target, drafter, eos=[], temperature=0.0, max_new_tokens=8, cache_size=256, prompt_width=64)
+    seen = {}
+    for name in sparkjax.engine.METHODS:
+        budget = DEFAULT_BUDGETS[0] if name in sparkjax.engine.TREE_METHODS else None
+        seen[name] = eng.describe(MethodConfig(name, budget))
+    assert seen["auto"]["candidates"] == "union" and seen["auto"]["nodes"] == max(Auto().sizes[2:])
+    assert seen["dspark"]["candidates"] is None and seen["ddtree"]["candidates"] == "base"
+    assert seen["sparklingtree"]["candidates"] == "union"

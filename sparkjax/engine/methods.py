@@ -76,6 +76,16 @@ class Plan:
         return "fast" if self.is_chain else self.method.normalization
 
     @property
+    def candidates(self) -> str | None:
+        """The trees' candidate sets (``union`` / ``corrected`` / ``base``; auto: those of the tree it builds;
+        None for a chain or an auto without a tree size)."""
+        if self.is_chain:
+            return None
+        if self.is_auto:
+            return self.method.tree_plan(self).candidates if self.method.tree_sizes else None
+        return self.method.candidates
+
+    @property
     def scratch(self) -> int:
         """Cache rows a round needs past the committed tokens: it may overshoot by D and verifies M + 1 rows."""
         return self.depth + self.nodes + 2

@@ -90,7 +90,7 @@ class Engine:
         if p is not None:
             d.update(depth=p.depth, nodes=p.nodes, top_c=p.top_c or None,
                      widths=list(p.widths) if p.widths else None, normalization=p.normalization,
-                     candidates=None if p.is_chain else p.method.candidates)
+                     candidates=p.candidates)
         return d
 
     def shape_key(self, mc: MethodConfig, batch: list[list[int]]) -> tuple:
