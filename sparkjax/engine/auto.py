@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import statistics
 import time
@@ -99,8 +100,8 @@ def init_state(plan: Plan, batch: int, buf_len: int) -> AutoState:
     k = len(plan.method.sizes)
     return AutoState(choices=jnp.full((batch, buf_len), -1, jnp.int32), real=jnp.zeros((k,), jnp.float32),
                      pred=jnp.zeros((k,), jnp.float32), last=jnp.zeros((batch, k), jnp.float32),
-                     idle=jnp.full((), plan.method.probe, jnp.int32), force=jnp.full((), -1, jnp.int32),
-                     gap=jnp.full((), plan.method.probe, jnp.int32))
+                     idle=jnp.full((), gap_floor(plan.method, plan.depth), jnp.int32),
+                     force=jnp.full((), -1, jnp.int32), gap=jnp.full((), gap_floor(plan.method, plan.depth), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -134,6 +135,32 @@ def policy(expected: Any, costs: Any, active: Any = None, allowed: Any = None) -
     if allowed is not None:
         rate = jnp.where(jnp.asarray(allowed, bool), rate, -jnp.inf)
     return jnp.argmax(rate).astype(jnp.int32)
+
+
+def viable(m: Auto, depth: int) -> tuple[bool, ...]:
+    """Per candidate, whether it can ever pay with this cost table: a drafted size whose most committed
+    tokens per round (its depth + 1) per second of round cost do not beat the plain step's one token per
+    second is never chosen, and never probed (at a large batch on a CPU every drafted size is such a one)."""
+    if m.table is None or 0 not in m.sizes:
+        return (True,) * len(m.sizes)
+    seconds = m.table.seconds
+    plain = seconds[m.sizes.index(0)]
+    most = [1 if v == 0 else depth + 1 if v == CHAIN else min(v, depth) + 1 for v in m.sizes]
+    return tuple(v == 0 or n * plain > c for v, n, c in zip(m.sizes, most, seconds, strict=True))
+
+
+def gap_floor(m: Auto, depth: int) -> int:
+    """Plain steps between two probe drafts, at least: ``probe``, and as many plain steps as the cheapest
+    viable drafted round costs (a probe that finds nothing then costs at most about as much as the steps
+    before it; the gap still grows x :data:`GAP_GROWTH` from there)."""
+    ok = viable(m, depth)
+    if m.table is None or 0 not in m.sizes:
+        return m.probe
+    plain = m.table.seconds[m.sizes.index(0)]
+    drafted = [c for v, c, good in zip(m.sizes, m.table.seconds, ok, strict=True) if v != 0 and good]
+    if not drafted:
+        return m.probe
+    return int(min(MAX_GAP, max(m.probe, math.ceil(min(drafted) / max(plain, 1e-12)))))
 
 
 def calibrated(st: AutoState, raw: Array) -> Array:
@@ -311,7 +338,8 @@ def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc:
     if m.decide == "previous" and 0 in m.sizes:
         plain_next = _choose(new, raw, plan, ~done) == m.sizes.index(0)
         was_probe = st.idle > 0  # this draft came after plain steps
-        gap = jnp.where(plain_next, jnp.where(was_probe, jnp.minimum(GAP_GROWTH * st.gap, MAX_GAP), st.gap), m.probe)
+        gap = jnp.where(plain_next, jnp.where(was_probe, jnp.minimum(GAP_GROWTH * st.gap, MAX_GAP), st.gap),
+                        gap_floor(m, plan.depth))
         new = dataclasses.replace(new, gap=gap.astype(jnp.int32))
     return new
 
@@ -319,7 +347,8 @@ def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc:
 def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any = None) -> Array:
     m: Auto = plan.method
     costs = jnp.asarray(m.table.seconds if m.table is not None else [1.0] * len(m.sizes), jnp.float32)
-    k = policy(calibrated(st, raw), costs, active, allowed)
+    ok = jnp.asarray(viable(m, plan.depth))
+    k = policy(calibrated(st, raw), costs, active, ok if allowed is None else ok & allowed)
     return jnp.where(st.force >= 0, st.force, k)
 
 
@@ -366,7 +395,10 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     st = state.auto
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
-    steps = jnp.where(run, jnp.maximum(st.gap - st.idle, 1), 0)  # ``run`` False: no step (the round drafts)
+    steps = jnp.maximum(st.gap - st.idle, 1)
+    if not any(good for v, good in zip(plan.method.sizes, viable(plan.method, plan.depth), strict=True) if v != 0):
+        steps = jnp.int32(st.choices.shape[1])  # no draft can pay: plain steps to the end
+    steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
 
     def cond(carry):
         j, s = carry
@@ -409,7 +441,9 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
         return drafted(state, _choose(st, st.last, plan, ~state.done))
     i0 = m.sizes.index(0)
     # after `gap` plain steps in a row, draft again (the predictions are stale)
-    allowed = jnp.arange(len(m.sizes)) != jnp.where(st.idle >= st.gap, i0, -1)
+    drafts_can_pay = any(good for v, good in zip(m.sizes, viable(m, plan.depth), strict=True) if v != 0)
+    probe_due = (st.idle >= st.gap) & drafts_can_pay  # never a probe when no drafted size can pay
+    allowed = jnp.arange(len(m.sizes)) != jnp.where(probe_due, i0, -1)
     k = _choose(st, st.last, plan, ~state.done, allowed)
     if eager:
         if int(k) == i0:
