@@ -346,3 +346,21 @@ def test_eval_describes_every_default_method(random_pair):
     assert seen["auto"]["candidates"] == "union" and seen["auto"]["nodes"] == max(Auto().sizes[2:])
     assert seen["dspark"]["candidates"] is None and seen["ddtree"]["candidates"] == "base"
     assert seen["sparklingtree"]["candidates"] == "union"
+
+
+def test_sizes_that_cannot_pay_are_never_chosen_nor_probed(random_pair):
+    """With a hand-made table: a drafted size whose depth + 1 tokens per round cost more than as many plain
+    steps is not viable; probes wait as many plain steps as the cheapest viable drafted round costs; when no
+    drafted size can pay, a generation is plain steps only (and still the target's greedy tokens)."""
+    sizes = (0, "chain", 8)
+    labels = ("ar", "dspark", "sparklingtree@8")
+    m = Auto(sizes=sizes, table=CostTable(labels, (1.0, 30.0, 5.0)))
+    assert auto_mod.viable(m, 16) == (True, False, True)  # chain: 17 tokens < 30 steps; tree@8: 9 > 5
+    assert auto_mod.gap_floor(m, 16) == 5  # max(probe=4, ceil(5 / 1))
+    assert auto_mod.gap_floor(Auto(sizes=sizes, table=CostTable(labels, (1.0, 2.0, 3.0))), 16) == 4
+    assert auto_mod.gap_floor(Auto(sizes=sizes), 16) == 4  # no table: probe
+    target, drafter = random_pair
+    hopeless = Auto(sizes=sizes, table=CostTable(Auto(sizes=sizes).resolve(drafter).labels(), (1.0, 100.0, 100.0)))
+    out = generate(target, drafter, PROMPTS3, max_new_tokens=12, method=hopeless)
+    assert out.tokens == generate(target, None, PROMPTS3, max_new_tokens=12).tokens
+    assert set(out.size_counts) == {"ar"}

@@ -81,10 +81,11 @@ class AutoState:
     ``choices[b, r]``: the candidate index round r chose (-1 past the last round); ``real`` / ``pred``
     ``[K]``: running averages of realised and predicted accepted drafts per candidate (the calibration);
     ``last`` ``[B, K]``: the last draft's raw predictions (``decide="previous"``); ``idle``: plain target
-    steps in a row since the last draft (starts at ``probe``: the first round drafts); ``force``: a
+    steps in a row since the last draft (starts at the gap: the first round drafts); ``force``: a
     candidate index every round takes (-1: the policy; :func:`profile_costs` times each candidate this way);
-    ``gap``: plain steps before the next probe draft (``probe``, x :data:`GAP_GROWTH` after each probe that still
-    predicts size 0, up to :data:`MAX_GAP`; back to ``probe`` when a draft predicts a larger size pays).
+    ``gap``: plain steps before the next probe draft (:func:`gap_floor`: ``probe``, or more when a drafted round
+    costs more plain steps; x :data:`GAP_GROWTH` after each probe that still
+    predicts size 0, up to :data:`MAX_GAP`; back to the floor when a draft predicts a larger size pays).
     """
 
     choices: Array
