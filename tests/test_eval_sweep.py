@@ -21,6 +21,7 @@ from sparkjax.eval import harness, report
 from sparkjax.eval.cli import main
 from sparkjax.eval.errors import EvalError
 from sparkjax.eval.sweep import check_batch_sizes, fill_batches, prompt_pool, summarize_sweep, sweep_block
+from tests.test_eval import _bad  # the one-line, exit-code-2 check of a CLI mistake
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"
@@ -153,15 +154,6 @@ def test_old_results_without_a_sweep_still_load(tmp_path):
 # ----------------------------------------------------------------------------- bad input, before any work
 
 
-def _bad(argv, capsys, *needles):
-    rc = main([*argv, "--no-progress", "--no-plots"])
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert rc == 2, err
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.fixture
