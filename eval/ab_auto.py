@@ -4,7 +4,8 @@
 
 Three prompts per set, 128 new tokens, batch 1, greedy; each launch is timed whole (prefill included, so the
 ratios are not the eval's decode-only ones). After one warm-up of every (prompt, method), three repetitions
-run every set and method in turn (A B C, A B C); each ratio is ar's median time over the method's. Used to
+run every set and method in turn (A B C, A B C); each ratio is ar's median time over the method's
+(and the same from the fastest runs), with the method's spread (max - min) / median. Used to
 compare ``auto``'s branch structure across commits (run it at each).
 """
 
@@ -50,8 +51,11 @@ def main(argv: list[str]) -> None:
     for s in sets:
         ar = statistics.median(times[(s, "ar")])
         best = min(times[(s, "ar")])
-        cells = [f"{m} {ar / statistics.median(times[(s, m)]):.2f}x (best {best / min(times[(s, m)]):.2f}x)"
-                 for m in methods]
+        cells = []
+        for m in methods:
+            t = times[(s, m)]
+            spread = (max(t) - min(t)) / statistics.median(t)
+            cells.append(f"{m} {ar / statistics.median(t):.2f}x (best {best / min(t):.2f}x, spread {spread:.0%})")
         print(s, "  ".join(cells), f"load {load:.1f}" + ("  WARNING: the machine is loaded" if load > 1.5 else ""))
 
 

@@ -128,3 +128,17 @@ def hf_factory(tmp_path_factory):
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if an eval run gets as far as loading a model, warming up or timing anything (a bad
+    input must be refused before any work)."""
+    from sparkjax.eval import harness
+
+    def refuse(*a, **k):
+        raise AssertionError("the run started working before it checked its input")
+
+    monkeypatch.setattr(harness, "load_pair", refuse)
+    monkeypatch.setattr(harness, "warm_up", refuse)
+    monkeypatch.setattr(harness, "time_batch", refuse)

@@ -268,16 +268,6 @@ def _bad(argv, capsys, *needles):
     return time.perf_counter() - t0
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fails the test if the run gets as far as loading a model or compiling anything."""
-    def refuse(*a, **k):
-        raise AssertionError("the run started working before it checked its input")
-
-    monkeypatch.setattr(harness, "load_pair", refuse)
-    monkeypatch.setattr(harness, "warm_up", refuse)
-
-
 def test_bad_seeds_are_one_line(capsys, no_model, tmp_path):
     _bad([*TINY, "--seed", str(2**64), "--out", str(tmp_path)], capsys, "--seed", "2**63")
     _bad([*TINY, "--seed", "-1", "--out", str(tmp_path)], capsys, "--seed")

@@ -154,18 +154,6 @@ def test_old_results_without_a_sweep_still_load(tmp_path):
 # ----------------------------------------------------------------------------- bad input, before any work
 
 
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the run started working before it checked its input")
-
-    monkeypatch.setattr(harness, "load_pair", refuse)
-    monkeypatch.setattr(harness, "warm_up", refuse)
-    monkeypatch.setattr(harness, "time_batch", refuse)
-
-
 @pytest.mark.parametrize("argv, needle", [
     (["--batch-sizes", "0"], "positive"),
     (["--batch-sizes=-4"], "positive"),

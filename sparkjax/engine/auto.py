@@ -150,15 +150,19 @@ def viable(m: Auto, depth: int) -> tuple[bool, ...]:
     return tuple(v == 0 or n * plain > c for v, n, c in zip(m.sizes, most, seconds, strict=True))
 
 
+def drafts_can_pay(m: Auto, depth: int) -> bool:
+    """Whether any drafted size is :func:`viable` (else a generation is plain steps only, with no probe)."""
+    return any(good for v, good in zip(m.sizes, viable(m, depth), strict=True) if v != 0)
+
+
 def gap_floor(m: Auto, depth: int) -> int:
     """Plain steps between two probe drafts, at least: ``probe``, and as many plain steps as the cheapest
     viable drafted round costs (a probe that finds nothing then costs at most about as much as the steps
     before it; the gap still grows x :data:`GAP_GROWTH` from there)."""
-    ok = viable(m, depth)
     if m.table is None or 0 not in m.sizes:
         return m.probe
     plain = m.table.seconds[m.sizes.index(0)]
-    drafted = [c for v, c, good in zip(m.sizes, m.table.seconds, ok, strict=True) if v != 0 and good]
+    drafted = [c for v, c, good in zip(m.sizes, m.table.seconds, viable(m, depth), strict=True) if v != 0 and good]
     if not drafted:
         return m.probe
     return int(min(MAX_GAP, max(m.probe, math.ceil(min(drafted) / max(plain, 1e-12)))))
@@ -397,7 +401,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
     steps = jnp.maximum(st.gap - st.idle, 1)
-    if not any(good for v, good in zip(plan.method.sizes, viable(plan.method, plan.depth), strict=True) if v != 0):
+    if not drafts_can_pay(plan.method, plan.depth):
         steps = jnp.int32(st.choices.shape[1])  # no draft can pay: plain steps to the end
     steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
 
@@ -442,8 +446,7 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
         return drafted(state, _choose(st, st.last, plan, ~state.done))
     i0 = m.sizes.index(0)
     # after `gap` plain steps in a row, draft again (the predictions are stale)
-    drafts_can_pay = any(good for v, good in zip(m.sizes, viable(m, plan.depth), strict=True) if v != 0)
-    probe_due = (st.idle >= st.gap) & drafts_can_pay  # never a probe when no drafted size can pay
+    probe_due = (st.idle >= st.gap) & drafts_can_pay(m, plan.depth)  # never a probe when no draft can pay
     allowed = jnp.arange(len(m.sizes)) != jnp.where(probe_due, i0, -1)
     k = _choose(st, st.last, plan, ~state.done, allowed)
     if eager:
