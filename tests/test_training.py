@@ -734,3 +734,22 @@ def test_mismatched_pair_and_bad_optim(target, drafter):
                         "lm_head"))
     with pytest.raises(SparkjaxError, match="mask_token_id"):
         new_drafter_config(target.config, {"block_size": 16})
+
+
+def test_train_step_differentiates_sequences_longer_than_an_attention_chunk(target, drafter):
+    """Sequences longer than the blocked attention's chunk: the CPU's default inference attention has a loop
+    with a run-time trip count, which reverse mode cannot go through; the training forward traces the
+    reference path (this step failed with "Reverse-mode differentiation does not work for lax.while_loop")."""
+    from sparkjax.nn import layers
+
+    s = 2 * layers.BLOCK_SLOTS  # a whole number of chunks: the blocked path applies
+    ids = np.random.default_rng(0).integers(4, target.config.vocab_size, size=(2, s)).astype(np.int32)
+    batch = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
+    before = layers.ATTENTION_IMPL
+    for objective in (Objective(), Objective(tree_alpha=1.0, tree_top_c=4)):
+        tr = Trainer(drafter, target, optim=OptimConfig(lr=1e-3, steps=2, warmup_steps=0), num_anchors=4,
+                     objective=objective)
+        sums, _ = tr.step(batch)
+        loss = float(sums.losses(objective)["loss"])
+        assert np.isfinite(loss) and loss > 0
+    assert layers.ATTENTION_IMPL == before  # the training forward's choice does not leak

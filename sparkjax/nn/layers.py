@@ -11,6 +11,8 @@ K kv heads, H head dim, F ffn dim, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -131,6 +133,21 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 ATTENTION_IMPLS = ("auto", "einsum", "dpa", "blocked", "prefix")
 ATTENTION_IMPL = "auto"
 BLOCK_SLOTS = 128  # cache slots per chunk of the blocked path
+
+
+@contextlib.contextmanager
+def attention_impl(impl: str):
+    """Traces the enclosed calls with ``impl`` as the default attention (:data:`ATTENTION_IMPL` is read at trace
+    time). Training uses ``"einsum"``: the blocked path's loop has a run-time trip count, which reverse-mode
+    differentiation cannot go through, and a training forward attends over whole sequences anyway."""
+    global ATTENTION_IMPL
+    if impl not in ATTENTION_IMPLS:
+        raise ArgumentError(f"attention_impl: {impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    before, ATTENTION_IMPL = ATTENTION_IMPL, impl
+    try:
+        yield
+    finally:
+        ATTENTION_IMPL = before
 
 
 def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str | None = None) -> Array:
