@@ -54,6 +54,9 @@ class TrainConfig:
     ce_loss_alpha: float = 0.1
     l1_loss_alpha: float = 0.9
     confidence_alpha: float = 1.0
+    tree_loss_alpha: float = 0.0  # sparkjax's tree-aware term (0: upstream's objective); see loss.py
+    tree_top_c: int = 0  # candidates per depth of the tree term / metrics (0: off)
+    tree_temperature: float = 1.0
     # optimisation: the recipe's flat optimizer keys (lr, steps, schedule, ... see OptimConfig) make
     # `optim`; `warmup_steps` stays the recipe's value (None: warmup_ratio * steps)
     batch_size: int = 4
@@ -77,7 +80,8 @@ class TrainConfig:
     # ------------------------------------------------------------------ derived
     @property
     def objective(self) -> Objective:
-        return Objective(self.loss_decay_gamma, self.ce_loss_alpha, self.l1_loss_alpha, self.confidence_alpha)
+        return Objective(self.loss_decay_gamma, self.ce_loss_alpha, self.l1_loss_alpha, self.confidence_alpha,
+                         self.tree_loss_alpha, self.tree_top_c, self.tree_temperature)
 
     def __getattr__(self, name: str):  # the optimizer's settings read as the recipe's keys: cfg.lr, cfg.steps
         if name in OPTIM_KEYS:
@@ -166,9 +170,15 @@ class TrainConfig:
             v = getattr(self, key)
             if v is not None and (not is_int(v) or v < 1):
                 fail(key, "must be a positive integer or null")
-        for key in ("ce_loss_alpha", "l1_loss_alpha", "confidence_alpha"):
+        for key in ("ce_loss_alpha", "l1_loss_alpha", "confidence_alpha", "tree_loss_alpha"):
             if not is_num(getattr(self, key)) or getattr(self, key) < 0:
                 fail(key, "must be a finite number >= 0")
+        if not is_int(self.tree_top_c) or self.tree_top_c < 0:
+            fail("tree_top_c", "must be an integer >= 0 (0: no tree term)")
+        if self.tree_loss_alpha > 0 and self.tree_top_c == 0:
+            fail("tree_top_c", "must be >= 1 when tree_loss_alpha > 0 (the candidates per depth the term rewards)")
+        if not is_num(self.tree_temperature) or self.tree_temperature <= 0:
+            fail("tree_temperature", "must be a finite number > 0")
         if self.loss_decay_gamma is not None and not is_num(self.loss_decay_gamma):
             fail("loss_decay_gamma", "must be a number or null")
         if self.packing not in ("pad", "pack"):

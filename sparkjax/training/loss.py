@@ -12,6 +12,17 @@ Per slot ``k`` of every block (``[B, A, G]``):
 each reduced as ``sum(term * w) / (sum(w) + 1e-6)``, and
 ``total = ce_alpha * ce + l1_alpha * l1 + conf_alpha * conf``. Softmaxes are float32.
 
+The tree-aware term (sparkjax's, off by default, so the objective above stays upstream's): a tree built
+over top-C candidates per depth can only accept the target's token at depth ``k`` if that token is among
+the ``C`` best corrected logits there, and only if it was reachable at every earlier depth. With ``z`` the
+corrected logits, ``y`` the label and ``t_k`` the C-th largest logit of the *other* tokens, the soft recall
+is ``r_k = sigmoid((z_y - t_k) / T)`` and ``tree = 1 - prod_{j<=k} r_j`` (the probability that the target's
+path has left the tree by depth ``k``, a differentiable surrogate of the tree's accepted length), reduced
+like the others and added as ``tree_alpha * tree``. ``tree_top_c > 0`` also logs the hard versions:
+``tree_recall@k`` (the label among the top-C) and ``tau_tree = 1 + sum_k prod_{j<=k} recall_j`` per block
+(the accepted length of a width-C beam along the target's path, an upper bound for any tree over those
+candidates).
+
 Metrics (sums, so that several batches or devices add up before dividing):
 ``accept_rate@k`` = sum of accept rates over supervised slots k / their count;
 ``tau_probabilistic`` = over kept blocks with at least one supervised slot, the mean of
@@ -27,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..errors import ArgumentError
+
 Array = jax.Array
 
 EPS = 1e-6
@@ -41,6 +54,9 @@ class Objective:
     ce_alpha: float = 0.1
     l1_alpha: float = 0.9
     conf_alpha: float = 1.0
+    tree_alpha: float = 0.0  # weight of the tree-aware term (0: upstream's objective)
+    tree_top_c: int = 0  # candidates per depth of the tree term and metrics (0: not computed)
+    tree_temperature: float = 1.0  # of the soft recall's sigmoid, in logit units
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +75,9 @@ class LossSums:
     conf_abs_error_num: Array
     conf_bias_num: Array
     conf_cumprod_bias_num: Array
+    tree_num: Array
+    tree_recall_sum: Array  # [G]
+    tree_tau_sum: Array
 
     def __add__(self, other: LossSums) -> LossSums:
         return jax.tree.map(jnp.add, self, other)
@@ -69,7 +88,13 @@ class LossSums:
         l1 = self.l1_num / den
         conf = self.conf_num / den if has_confidence else jnp.zeros_like(ce)
         total = objective.ce_alpha * ce + objective.l1_alpha * l1 + objective.conf_alpha * conf
-        return {"loss": total, "ce_loss": ce, "l1_loss": l1, "confidence_loss": conf}
+        out = {"loss": total, "ce_loss": ce, "l1_loss": l1, "confidence_loss": conf}
+        if objective.tree_top_c > 0:
+            tree = self.tree_num / den
+            out["tree_loss"] = tree
+            if objective.tree_alpha > 0:
+                out["loss"] = total + objective.tree_alpha * tree
+        return out
 
     def metrics(self, objective: Objective, has_confidence: bool = True) -> dict[str, Array]:
         """Every logged value as ``num / den`` (a zero denominator gives 0)."""
@@ -81,6 +106,9 @@ class LossSums:
         out["tau_probabilistic"] = ratio(self.tau_sum, self.block_count)
         out["accept_rate"] = ratio(self.accept_sum, self.accept_count)
         out["supervised_slots"] = jnp.sum(self.accept_count)
+        if objective.tree_top_c > 0:
+            out["tree_recall"] = ratio(self.tree_recall_sum, self.accept_count)
+            out["tau_tree"] = ratio(self.tree_tau_sum, self.block_count)
         if has_confidence:
             out["confidence_abs_error"] = ratio(self.conf_abs_error_num, self.weight_sum)
             out["confidence_bias"] = ratio(self.conf_bias_num, self.weight_sum)
@@ -97,6 +125,32 @@ def loss_weights(eval_mask: Array, gamma: float | None) -> Array:
     return w
 
 
+def check_tree_objective(objective: Objective, vocab_size: int) -> None:
+    """The tree settings fit the vocabulary (``ArgumentError`` naming the setting)."""
+    c = objective.tree_top_c
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+        raise ArgumentError(f"tree_top_c: must be an integer >= 0, got {c!r}")
+    if c >= vocab_size:
+        raise ArgumentError(f"tree_top_c: {c} candidates per depth need a vocabulary larger than {vocab_size}")
+    if objective.tree_alpha > 0 and c == 0:
+        raise ArgumentError(f"tree_top_c: tree_alpha is {objective.tree_alpha}, so the term needs tree_top_c >= 1")
+    if not objective.tree_temperature > 0:
+        raise ArgumentError(f"tree_temperature: must be > 0, got {objective.tree_temperature!r}")
+
+
+def tree_recall(logits: Array, labels: Array, top_c: int, temperature: float) -> tuple[Array, Array]:
+    """Soft and hard top-C recall of ``labels`` under ``logits`` ``[..., V]`` (float32 ``[...]`` each).
+
+    ``t`` is the ``top_c``-th largest logit of the tokens other than the label; the label is among the top
+    ``top_c`` iff its logit is above ``t`` (hard) and the soft recall is ``sigmoid((z_label - t) / T)``."""
+    z = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # float64 stays (gradient checks)
+    labels = labels.astype(jnp.int32)
+    label = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    others = jnp.where(jnp.arange(z.shape[-1]) == labels[..., None], -jnp.inf, z)
+    thresh = jax.lax.top_k(others, top_c)[0][..., -1]
+    return jax.nn.sigmoid((label - thresh) / temperature), (label > thresh).astype(z.dtype)
+
+
 def dspark_loss_sums(
     draft_logits: Array,
     target_logits: Array,
@@ -110,7 +164,7 @@ def dspark_loss_sums(
     ``eval_mask`` ``[B, A, G]``, ``keep`` ``[B, A]``, ``confidence_logits`` ``[B, A, G]`` or None."""
     w = loss_weights(eval_mask, objective.gamma)
     valid = eval_mask.astype(jnp.float32)
-    draft = draft_logits.astype(jnp.float32)
+    draft = draft_logits.astype(jnp.promote_types(draft_logits.dtype, jnp.float32))
     # optax's losses: equal to upstream's torch formulas up to float32 rounding (the parity tests hold
     # the sums to rtol 1e-5 against upstream's fixture)
     ce = optax.softmax_cross_entropy_with_integer_labels(draft, target_ids.astype(jnp.int32))
@@ -134,6 +188,17 @@ def dspark_loss_sums(
         conf_bias = jnp.sum(err * w)
         conf_cum = jnp.sum((jnp.cumprod(prob * valid, axis=-1) - jnp.cumprod(valid_accept, axis=-1)) * w)
 
+    tree_num = tree_tau = zero
+    tree_hits = jnp.zeros(valid.shape[-1], jnp.float32)
+    if objective.tree_top_c > 0:
+        check_tree_objective(objective, draft.shape[-1])
+        soft, hard = tree_recall(draft, target_ids, objective.tree_top_c, objective.tree_temperature)
+        # supervised slots are a prefix of each block, so the prefix products of valid slots are the path's
+        tree_num = jnp.sum((1.0 - jnp.cumprod(soft, axis=-1)) * w)
+        valid_hard = hard * valid
+        tree_hits = jnp.sum(valid_hard, axis=(0, 1))
+        tree_tau = jnp.sum((jnp.sum(jnp.cumprod(valid_hard, axis=-1), axis=-1) + 1.0) * blocks)
+
     return LossSums(
         ce_num=jnp.sum(ce * w),
         l1_num=jnp.sum(l1 * w),
@@ -146,4 +211,7 @@ def dspark_loss_sums(
         conf_abs_error_num=conf_abs,
         conf_bias_num=conf_bias,
         conf_cumprod_bias_num=conf_cum,
+        tree_num=tree_num,
+        tree_recall_sum=tree_hits,
+        tree_tau_sum=tree_tau,
     )
