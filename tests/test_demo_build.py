@@ -246,3 +246,42 @@ def test_tokenizer_trains_saves_and_encodes_the_corpus(tmp_path, docs_root):
         assert 1 <= len(p) <= 48
         assert p[-len(header):] == header or 1 not in p
     assert tokmod.main(["--corpus", str(tmp_path / "nowhere"), "--out", str(tmp_path / "t2")]) == 2
+
+
+def test_bundle_drafters_only_replaces_the_drafters_and_records_the_runs(tmp_path):
+    """``bundle_demo.py --drafters-only`` (a fine-tune of the bundled drafters): both drafters re-saved in bf16,
+    the fine-tune runs added to training.json, the pre-training record and the target left as they were."""
+    import shutil
+
+    from sparkjax import demo, load_drafter, load_target
+
+    bundle = _load("bundle_demo")
+    out = tmp_path / "demo"
+    shutil.copytree(demo.path("target"), out / "target")
+    shutil.copy(demo.path("training.json"), out / "training.json")
+    before = json.loads((out / "training.json").read_text())
+    runs = {}
+    for kind in ("dspark", "dflash"):
+        run = tmp_path / f"{kind}_run"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"name": f"{kind}_ft", "tree_loss_alpha": 1.0}))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 3, "split": "eval", "tau_probabilistic": 5.5}) + "\n")
+        runs[kind] = run
+    args = ["--drafters-only", "--out", str(out), "--dspark", str(demo.path("dspark_b16")),
+            "--dflash", str(demo.path("dflash_b16")), "--dspark-run", str(runs["dspark"]),
+            "--dflash-run", str(runs["dflash"])]
+    assert bundle.main(args) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["corpus"] == before["corpus"] and info["target_run"] == before["target_run"]
+    assert info["dspark_finetune"]["config"]["name"] == "dspark_ft"
+    assert info["dflash_finetune"]["last_eval"]["tau_probabilistic"] == 5.5
+    target = load_target(str(out / "target"))
+    for name in ("dspark_b16", "dflash_b16"):
+        d = load_drafter(str(out / name), target=target)
+        assert str(d.dtype) == "bfloat16" and info["bytes"][name] > 0
+    assert not list(out.glob(".*tmp*"))  # nothing half-written left behind
+    # a run folder without its config is refused before anything is written
+    (runs["dflash"] / "config.json").unlink()
+    stamp = (out / "dspark_b16" / "model.safetensors").stat().st_mtime_ns
+    assert bundle.main(args) == 2
+    assert (out / "dspark_b16" / "model.safetensors").stat().st_mtime_ns == stamp

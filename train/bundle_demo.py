@@ -8,6 +8,14 @@ Writes ``target/`` (the HF folder, tokenizer files included), ``dspark_b16/`` an
 (corpus manifest, tokenizer hash, run configs and final metrics, read from the run folders). Each
 part is written to a temporary folder and renamed, so an interrupted bundle leaves the old one.
 Refuses when the bundle would exceed ``--max-mb`` (default 25).
+
+After a fine-tune of the bundled drafters (``train/recipes/demo_dspark_tree.json`` and
+``demo_dflash_tree.json``), ``--drafters-only`` replaces just the two drafters and records the fine-tune
+runs in ``training.json`` under ``dspark_finetune`` / ``dflash_finetune`` (the pre-training record stays):
+
+    python train/bundle_demo.py --drafters-only --dspark runs/demo/ft/dspark_tree/drafter \
+        --dflash runs/demo/ft/dflash_tree/drafter --dspark-run runs/demo/ft/dspark_tree \
+        --dflash-run runs/demo/ft/dflash_tree
 """
 
 from __future__ import annotations
@@ -40,20 +48,27 @@ def last_metrics(run_dir: str, split: str) -> dict | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="HF folder written by train/train_target.py --export")
+    p.add_argument("--target", help="HF folder written by train/train_target.py --export (default with "
+                   "--drafters-only: the bundled target)")
     p.add_argument("--target-run", default="runs/demo/target_run")
     p.add_argument("--dspark", required=True)
     p.add_argument("--dflash", required=True)
     p.add_argument("--dspark-run", default="runs/demo/dspark")
     p.add_argument("--dflash-run", default="runs/demo/dflash")
-    p.add_argument("--corpus", required=True)
+    p.add_argument("--corpus", help="the corpus folder (required unless --drafters-only)")
+    p.add_argument("--drafters-only", action="store_true",
+                   help="replace only the two drafters (a fine-tune); --dspark-run / --dflash-run are its runs")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "sparkjax", "assets", "demo"))
     p.add_argument("--max-mb", type=float, default=25.0)
     a = p.parse_args(argv)
+    if not a.drafters_only and (a.target is None or a.corpus is None):
+        p.error("--target and --corpus are required (unless --drafters-only)")
 
     import sparkjax
     from sparkjax.convert import atomic_dir
 
+    if a.drafters_only:
+        return bundle_drafters(a)
     target = sparkjax.load_target(a.target)
     parts = {}
     with atomic_dir(os.path.join(a.out, "target"), overwrite=True) as tmp:
@@ -79,6 +94,40 @@ def main(argv=None) -> int:
     with open(tmp, "w") as f:
         json.dump(info, f, indent=2)
     os.replace(tmp, os.path.join(a.out, "training.json"))
+    print(json.dumps({"bytes": info["bytes"], "total_mb": round(total / 2**20, 2)}))
+    if total > a.max_mb * 2**20:
+        print(f"error: the bundle is {total / 2**20:.1f} MiB, over --max-mb {a.max_mb}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def bundle_drafters(a) -> int:
+    """``--drafters-only``: both drafters re-saved in bfloat16 against the bundled target, and their fine-tune
+    runs added to ``training.json``."""
+    import sparkjax
+
+    target = sparkjax.load_target(os.path.join(a.out, "target"))
+    info_path = os.path.join(a.out, "training.json")
+    with open(info_path) as f:
+        info = json.load(f)
+    for name, run in (("dspark_finetune", a.dspark_run), ("dflash_finetune", a.dflash_run)):
+        cfg_path = os.path.join(run, "config.json")
+        if not os.path.isfile(cfg_path):
+            print(f"error: {cfg_path}: no run config (pass the fine-tune's output folder)", file=sys.stderr)
+            return 2
+        info[name] = {"config": json.load(open(cfg_path)), "last_train": last_metrics(run, "train"),
+                      "last_eval": last_metrics(run, "eval")}
+    drafters = {name: sparkjax.load_drafter(src, target=target)
+                for name, src in (("dspark_b16", a.dspark), ("dflash_b16", a.dflash))}
+    parts = {"target": os.path.join(a.out, "target")}
+    for name, drafter in drafters.items():
+        parts[name] = sparkjax.save_drafter(drafter, os.path.join(a.out, name), overwrite=True, dtype="bfloat16")
+    info["bytes"] = {k: folder_bytes(v) for k, v in parts.items()}
+    total = sum(info["bytes"].values())
+    tmp = os.path.join(a.out, ".training.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2)
+    os.replace(tmp, info_path)
     print(json.dumps({"bytes": info["bytes"], "total_mb": round(total / 2**20, 2)}))
     if total > a.max_mb * 2**20:
         print(f"error: the bundle is {total / 2**20:.1f} MiB, over --max-mb {a.max_mb}", file=sys.stderr)
