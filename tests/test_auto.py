@@ -123,6 +123,39 @@ def test_switch_branches_return_identical_state_layouts(random_pair):
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(new)] == [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
 
 
+def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
+    """A burst of plain steps projects the drafter's context once per chunk of ``depth + 1`` steps; the context
+    (and everything else) must equal that of the steps taken one by one, each extending the context."""
+    target, drafter = random_pair
+    run = validate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 16), table=_table(random_pair, sizes=(0, 16))),
+                   max_new_tokens=48)
+    plan, args = run.plan, run.device_args()
+    graphdefs, states = split_pair(target, drafter)
+    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    steps = 2 * (plan.depth + 1) + 3  # two whole chunks and a partial one
+    state = dataclasses.replace(state, auto=dataclasses.replace(state.auto, gap=jnp.int32(steps), idle=jnp.int32(0)))
+    key = jax.random.key(3)
+    burst = jax.jit(lambda s: auto_mod.auto_plain(target, drafter, s, args.max_new, args.eos, args.temperature, key,
+                                                  plan=plan))(state)
+
+    @jax.jit
+    def one(s, j):
+        return auto_mod._plain_step(target, drafter, s, args.temperature, jax.random.fold_in(key, j), args.max_new,
+                                    args.eos, plan)[0]
+
+    single = state
+    for j in range(steps):
+        single = one(single, j)
+    assert int(burst.auto.idle) == steps
+    np.testing.assert_array_equal(burst.out, single.out)
+    np.testing.assert_array_equal(burst.ctx.lengths, single.ctx.lengths)
+    np.testing.assert_array_equal(burst.cache.lengths, single.cache.lengths)
+    assert int(burst.ctx.lengths.min()) == int(state.ctx.lengths.min()) + steps
+    for b, n in enumerate(np.asarray(burst.ctx.lengths)):
+        for got, want in ((burst.ctx.k, single.ctx.k), (burst.ctx.v, single.ctx.v)):
+            np.testing.assert_allclose(got[:, b, :, :n], want[:, b, :, :n], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("decide", ["draft", "previous"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_auto_equals_ar(random_pair, decide, batch):

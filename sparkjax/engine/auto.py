@@ -255,12 +255,12 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw))
 
 
-def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
-    """Size 0: the target over ``[x_start]`` alone, its token committed (and the drafter's context extended).
-
-    The same writes as :func:`~sparkjax.engine.round.commit` with one committed token, in fewer ops (a plain
-    step must cost about what the target's own decode step does)."""
-    b, d = state.x_start.shape[0], plan.depth
+def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos, plan: Plan):
+    """Size 0's target part: the target over ``[x_start]`` alone and its token committed, with the same writes
+    as :func:`~sparkjax.engine.round.commit` for one token, in fewer ops (a plain step must cost about what
+    the target's own decode step does). Returns ``(state, features [B, 1, F], step [B], bonus [B])``; the
+    drafter's context is not touched (``state.ctx`` still ends where the step started)."""
+    b = state.x_start.shape[0]
     tokens = state.x_start[:, None]
     start = state.cache.lengths
     with jax.named_scope(VERIFY):
@@ -274,14 +274,26 @@ def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eo
     out_buf = state.out.at[rows, jnp.where(active, state.n, state.out.shape[1])].set(bonus, mode="drop")
     n = state.n + step
     done = state.done | (active & (jnp.isin(bonus, eos) | (n >= max_new)))
-    ctx = drafting.append_context(drafter, state.ctx, jnp.concatenate(out.hidden, axis=-1), step)
     r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
     new = dataclasses.replace(
-        state, cache=out.cache.with_lengths(start + step), ctx=ctx, x_start=jnp.where(active, bonus, state.x_start),
+        state, cache=out.cache.with_lengths(start + step), x_start=jnp.where(active, bonus, state.x_start),
         out=out_buf, n=n, done=done, accept_lens=state.accept_lens.at[rows, r].set(1, mode="drop"),
         rounds=state.rounds + step, nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1))
-    indices = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, d), -1, jnp.int32)], axis=1)
-    return new, Acceptance(indices, jnp.ones((b,), jnp.int32), bonus)
+    return new, jnp.concatenate(out.hidden, axis=-1), step, bonus
+
+
+def _plain_acceptance(bonus: Array, depth: int) -> Acceptance:
+    b = bonus.shape[0]
+    indices = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, depth), -1, jnp.int32)], axis=1)
+    return Acceptance(indices, jnp.ones((b,), jnp.int32), bonus)
+
+
+def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
+    """Size 0 as one branch of a drafted round: :func:`_plain_target_step` and the drafter's context extended
+    by its position."""
+    new, feats, step, bonus = _plain_target_step(target, state, temperature, key, max_new, eos, plan)
+    new = dataclasses.replace(new, ctx=drafting.append_context(drafter, state.ctx, feats, step))
+    return new, _plain_acceptance(bonus, plan.depth)
 
 
 def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temperature, key, max_new, eos, *,
@@ -395,8 +407,8 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     draft is due (``gap - idle`` of them, at least one) or every sequence is done; the last predictions stay.
 
     The steps run in a ``while_loop`` inside this one branch: XLA copies the caches into a conditional's
-    branch, so a burst of steps pays that copy once rather than once per token. Step j samples with
-    ``fold_in(key, j)``."""
+    branch, so a burst of steps pays that copy once rather than once per token. The drafter's context is
+    extended once per chunk of up to ``depth + 1`` steps. Step j samples with ``fold_in(key, j)``."""
     st = state.auto
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
@@ -405,18 +417,40 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
         steps = jnp.int32(st.choices.shape[1])  # no draft can pay: plain steps to the end
     steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
 
-    def cond(carry):
+    # the drafter's context is extended once per chunk of up to `chunk` steps (one projection of the chunk's
+    # features) rather than once per step: what a plain step costs beyond the target's own decode step
+    chunk = plan.depth + 1  # the rows a drafted round's commit appends: the context cache has room for them
+    feat_size = drafter.config.feature_size
+    dtype = target.dtype  # the target's hidden states, as the per-step path passes them
+
+    def chunk_cond(carry):
         j, s = carry
         return (j < steps) & ~jnp.all(s.done)
 
-    def body(carry):
-        j, s = carry
-        new, _ = _plain_step(target, drafter, s, temperature, jax.random.fold_in(key, j), max_new, eos, plan)
-        r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
-        choices = s.auto.choices.at[jnp.arange(b), r].set(i0, mode="drop")
-        return j + 1, dataclasses.replace(new, auto=dataclasses.replace(s.auto, choices=choices))
+    def chunk_body(carry):
+        j0, s0 = carry
 
-    j, new = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+        def cond(c):
+            i, s, _, _ = c
+            return (i < chunk) & (j0 + i < steps) & ~jnp.all(s.done)
+
+        def body(c):
+            i, s, feats, count = c
+            new, f, step, _ = _plain_target_step(target, s, temperature, jax.random.fold_in(key, j0 + i), max_new,
+                                                 eos, plan)
+            r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
+            choices = s.auto.choices.at[jnp.arange(b), r].set(i0, mode="drop")
+            feats = jax.lax.dynamic_update_slice_in_dim(feats, f.astype(feats.dtype), i, axis=1)
+            return i + 1, dataclasses.replace(new, auto=dataclasses.replace(s.auto, choices=choices)), feats, \
+                count + step
+
+        init = (jnp.zeros((), jnp.int32), s0, jnp.zeros((b, chunk, feat_size), dtype), jnp.zeros((b,), jnp.int32))
+        i, s, feats, count = jax.lax.while_loop(cond, body, init)
+        # active steps are a prefix of the chunk for every sequence (done is absorbing): rows past `count` are
+        # scratch past the context's new length
+        return j0 + i, dataclasses.replace(s, ctx=drafting.append_context(drafter, s.ctx, feats, count))
+
+    j, new = jax.lax.while_loop(chunk_cond, chunk_body, (jnp.zeros((), jnp.int32), state))
     return dataclasses.replace(new, auto=dataclasses.replace(new.auto, idle=st.idle + j))
 
 
