@@ -247,6 +247,45 @@ def test_no_host_transfer_during_an_auto_generation(random_pair):
 # ----------------------------------------------------------------------------- the cost table
 
 
+def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burst(random_pair, monkeypatch):
+    """The protocol on a fake clock: every candidate's time is its call's less a call of no round; drafted
+    candidates run PROFILE_ROUNDS forced rounds, the plain step one burst of PROFILE_BURST steps; a call whose
+    net time is not positive keeps its whole time (never 0)."""
+    target, drafter = random_pair
+    sizes = (0, "chain", 6)
+    per_step = {0: 0.5e-3, 1: 3e-3, 2: 4e-3}  # seconds per plain step / per drafted round
+    overhead = 7e-3
+    clock = [0.0]
+    calls = []
+
+    def fake(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
+        i = int(force)
+        calls.append((i, rounds, int(start.auto.gap)))
+        work = rounds * (int(start.auto.gap) if i == 0 else 1) * per_step[i]
+        clock[0] += overhead + work
+        return start
+
+    monkeypatch.setattr(auto_mod, "_forced_rounds_fn", lambda: fake)
+    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
+    table = profile_costs(target, drafter, method=Auto(sizes=sizes), repeats=3)
+    np.testing.assert_allclose(table.seconds, [per_step[0], per_step[1], per_step[2]], rtol=1e-9)
+    timed = {(i, r, g) for i, r, g in calls if r > 0}
+    assert timed == {(0, 1, auto_mod.PROFILE_BURST), (1, auto_mod.PROFILE_ROUNDS, 1), (2, auto_mod.PROFILE_ROUNDS, 1)}
+    assert sum(r == 0 for _, r, _ in calls) == sum(r > 0 for _, r, _ in calls)  # each timed call has its empty twin
+    # a busy machine: the empty call took longer than the whole one -> the whole time, not 0 or a negative one
+    state = {"n": 0}
+
+    def noisy(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
+        state["n"] += 1
+        clock[0] += 1e-3 if rounds else 5e-3
+        return start
+
+    monkeypatch.setattr(auto_mod, "_forced_rounds_fn", lambda: noisy)
+    busy = profile_costs(target, drafter, method=Auto(sizes=sizes), repeats=1)
+    assert busy.seconds[0] == pytest.approx(1e-3 / auto_mod.PROFILE_BURST)
+    assert busy.seconds[1] == pytest.approx(1e-3 / auto_mod.PROFILE_ROUNDS) and min(busy.seconds) > 0
+
+
 def test_profile_costs_save_and_load(random_pair, tmp_path):
     target, drafter = random_pair
     tab = profile_costs(target, drafter, method=Auto(sizes=(0, "chain", 4)), batch_size=2, cache_size=64,
