@@ -592,8 +592,9 @@ def even_widths(budget: int, depth: int) -> tuple[int, ...]:
 
 # Per-depth conditional acceptance rates of the DSpark greedy chain on the bundled demo pair (depth d accepted
 # given depth d - 1 was; 750 greedy rounds, 16 prompts of each bundled set, 64 new tokens:
-# ``python eval/bench_tree_options.py --configs dspark --max-samples 16``): the default profile of
-# ``widths="auto"`` (see auto_widths).
+# ``python eval/bench_tree_options.py --configs dspark --max-samples 16``, with the demo DSpark drafter as
+# pre-trained, before its tree-objective fine-tune; not re-derived for the fine-tuned one): the default profile
+# of ``widths="auto"`` (see auto_widths).
 DEMO_DEPTH_RATES: tuple[float, ...] = (
     0.54, 0.69, 0.79, 0.76, 0.81, 0.71, 0.96, 0.86, 0.88, 0.93, 0.76, 0.86, 0.93, 0.90, 0.97, 0.77,
 )
