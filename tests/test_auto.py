@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,38 @@ def test_policy_picks_most_tokens_per_cost_on_hand_made_tables():
     assert int(policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
     # jit-able, same answer
     assert int(jax.jit(policy)(np.array([1.0, 3.0, 5.0, 12.0]), costs)) == 3
+
+
+def test_shadow_chain_is_scored_against_the_committed_tokens():
+    """A probe's unverified chain, scored by the leading drafts equal to the tokens committed at their places:
+    only once its places are committed (or its sequence is done, or a probe needs the slot), and into the
+    chain's calibration only."""
+    m = Auto(sizes=(0, "chain", 4))
+    c = m.sizes.index("chain")
+    out = jnp.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 8, 9, 1, 2, 0], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+    st = auto_mod.AutoState(
+        choices=jnp.zeros((3, 8), jnp.int32), real=jnp.zeros((3,)), pred=jnp.zeros((3,)), last=jnp.zeros((3, 3)),
+        idle=jnp.int32(0), force=jnp.int32(-1), gap=jnp.int32(4),
+        shadow=jnp.asarray([[6, 7, 0], [6, 7, 9], [9, 9, 9]], jnp.int32), shadow_at=jnp.asarray([1, 1, 2], jnp.int32),
+        shadow_pred=jnp.asarray([2.0, 3.0, 1.0]), shadow_live=jnp.asarray([True, True, False]))
+
+    def state(n, done):
+        return types.SimpleNamespace(out=out, n=jnp.asarray(n, jnp.int32), done=jnp.asarray(done))
+
+    # row 0: 2 of 3 places committed, not done: waits; row 1: all committed -> 2 leading hits (6, 7; then 9 != 8)
+    new = auto_mod.score_shadow(m, st, state([3, 4, 8], [False, False, False]), False)
+    np.testing.assert_array_equal(new.shadow_live, [True, False, False])
+    a = auto_mod.CALIBRATION_DECAY
+    np.testing.assert_allclose(new.real, [0.0, (1 - a) * 2.0, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(new.pred, [0.0, (1 - a) * 3.0, 0.0], rtol=1e-6)
+    # forced (a probe is due): row 0 scored on what is committed: 6, 7 match, the third place is not committed
+    forced = auto_mod.score_shadow(m, new, state([3, 4, 8], [False, False, False]), True)
+    assert not bool(forced.shadow_live.any())
+    np.testing.assert_allclose(forced.real[c], a * new.real[c] + (1 - a) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(forced.pred[c], a * new.pred[c] + (1 - a) * 2.0, rtol=1e-6)
+    # a method without the chain or the plain step keeps no shadow
+    assert not auto_mod.shadowing(Auto(sizes=(0, 4))) and not auto_mod.shadowing(Auto(sizes=("chain", 4)))
+    assert not auto_mod.shadowing(Auto(sizes=(0, "chain", 4), decide="draft"))
 
 
 def test_calibration_scales_the_predictions():

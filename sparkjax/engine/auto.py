@@ -86,6 +86,10 @@ class AutoState:
     ``gap``: plain steps before the next probe draft (:func:`gap_floor`: ``probe``, or more when a drafted round
     costs more plain steps; x :data:`GAP_GROWTH` after each probe that still
     predicts size 0, up to :data:`MAX_GAP`; back to the floor when a draft predicts a larger size pays).
+    ``shadow`` ``[B, D]``, ``shadow_at``, ``shadow_pred``, ``shadow_live`` ``[B]`` (:func:`shadowing` methods): the
+    chain a probe drafted but did not verify (its fresh predictions chose the plain step), the output index of
+    its first token, its raw prediction and whether it is still to be scored against the tokens the plain
+    steps then commit (:func:`score_shadow`).
     """
 
     choices: Array
@@ -95,14 +99,58 @@ class AutoState:
     idle: Array
     force: Array
     gap: Array
+    shadow: Array | None = None
+    shadow_at: Array | None = None
+    shadow_pred: Array | None = None
+    shadow_live: Array | None = None
+
+
+def shadowing(m: Auto) -> bool:
+    """Whether a probe may choose the plain step from its own fresh draft and score the chain it did not verify
+    against the tokens the plain steps commit (``decide="previous"`` with size 0 and the chain among the
+    sizes). A probe that verifies costs a whole drafted round for the 1-3 tokens hard text accepts; a shadow
+    probe costs the draft and one plain step, and the chain's calibration still learns (greedy: the committed
+    tokens are exactly what a verify would have accepted; sampling: the drawn ones, a conservative proxy)."""
+    return m.decide == "previous" and 0 in m.sizes and CHAIN in m.sizes
 
 
 def init_state(plan: Plan, batch: int, buf_len: int) -> AutoState:
-    k = len(plan.method.sizes)
+    m: Auto = plan.method
+    k = len(m.sizes)
+    shadow = {}
+    if shadowing(m):
+        shadow = dict(shadow=jnp.zeros((batch, plan.depth), jnp.int32), shadow_at=jnp.zeros((batch,), jnp.int32),
+                      shadow_pred=jnp.zeros((batch,), jnp.float32), shadow_live=jnp.zeros((batch,), bool))
     return AutoState(choices=jnp.full((batch, buf_len), -1, jnp.int32), real=jnp.zeros((k,), jnp.float32),
                      pred=jnp.zeros((k,), jnp.float32), last=jnp.zeros((batch, k), jnp.float32),
-                     idle=jnp.full((), gap_floor(plan.method, plan.depth), jnp.int32),
-                     force=jnp.full((), -1, jnp.int32), gap=jnp.full((), gap_floor(plan.method, plan.depth), jnp.int32))
+                     idle=jnp.full((), gap_floor(m, plan.depth), jnp.int32),
+                     force=jnp.full((), -1, jnp.int32), gap=jnp.full((), gap_floor(m, plan.depth), jnp.int32),
+                     **shadow)
+
+
+def score_shadow(m: Auto, st: AutoState, state: SpecState, now: Any) -> AutoState:
+    """Scores the live shadow chains whose tokens are all committed (or whose sequence is done, or all of them
+    when ``now``): accepted drafts = the leading drafts equal to the committed tokens at their places (only
+    committed places count, so a chain scored early gets a lower bound), folded into the chain's calibration
+    like a verified chain round."""
+    if not shadowing(m):
+        return st
+    d = st.shadow.shape[1]
+    avail = state.n - st.shadow_at  # committed tokens from the chain's first place on
+    due = st.shadow_live & ((avail >= d) | state.done | jnp.asarray(now))
+    places = jnp.clip(st.shadow_at[:, None] + jnp.arange(d, dtype=jnp.int32)[None], 0, state.out.shape[1] - 1)
+    actual = jnp.take_along_axis(state.out, places, axis=1)
+    hit = (actual == st.shadow) & (jnp.arange(d)[None] < avail[:, None])
+    real = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=1), axis=1).astype(jnp.float32)
+    w = due.astype(jnp.float32)
+    n = jnp.maximum(w.sum(), 1.0)
+    c = m.sizes.index(CHAIN)
+    a = CALIBRATION_DECAY
+    upd = w.sum() > 0
+    real_c = jnp.where(upd, a * st.real[c] + (1 - a) * (real * w).sum() / n, st.real[c])
+    pred_c = jnp.where(upd, a * st.pred[c] + (1 - a) * (st.shadow_pred * w).sum() / n, st.pred[c])
+    return dataclasses.replace(st, real=st.real.at[c].set(real_c), pred=st.pred.at[c].set(pred_c),
+                               shadow_live=st.shadow_live & ~due)
 
 
 @jax.tree_util.register_dataclass
@@ -391,13 +439,25 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
     m: Auto = plan.method
     st = state.auto
     k = _choose(st, aprop.raw, plan, ~state.done) if m.decide == "draft" else k_prev
+    probe = st.idle > 0  # a probe (or the first draft): every candidate's prediction is fresh
+    if shadowing(m):  # a probe decides from its own draft; the plain step leaves its chain as a shadow
+        k = jnp.where(probe, _choose(st, aprop.raw, plan, ~state.done), k)
     branches = [functools.partial(_branch, i, target, drafter, plan=plan) for i in range(len(m.sizes))]
     args = (aprop, temperature, key, max_new, eos)
     if len(branches) == 1:
         new, acc = branches[0](state, *args)
     else:
         new, acc = run_selected(k, branches, state, *args)
-    return dataclasses.replace(new, auto=_update(m, st, state, k, aprop.raw, acc, plan, new.done))
+    upd = _update(m, st, state, k, aprop.raw, acc, plan, new.done)
+    if shadowing(m):
+        keep = probe & (k == m.sizes.index(0))
+        live = keep & ~state.done
+        upd = dataclasses.replace(
+            upd, shadow=jnp.where(keep, aprop.chain.tokens[:, : upd.shadow.shape[1]], upd.shadow),
+            shadow_at=jnp.where(keep, state.n, upd.shadow_at),
+            shadow_pred=jnp.where(keep, aprop.raw[:, m.sizes.index(CHAIN)], upd.shadow_pred),
+            shadow_live=jnp.where(keep, live, upd.shadow_live))
+    return dataclasses.replace(new, auto=upd)
 
 
 @stage(COMMIT)
@@ -481,6 +541,9 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
     i0 = m.sizes.index(0)
     # after `gap` plain steps in a row, draft again (the predictions are stale)
     probe_due = (st.idle >= st.gap) & drafts_can_pay(m, plan.depth)  # never a probe when no draft can pay
+    # a shadow chain is scored once its places are committed, and before the next probe can replace it
+    st = score_shadow(m, st, state, probe_due)
+    state = dataclasses.replace(state, auto=st)
     allowed = jnp.arange(len(m.sizes)) != jnp.where(probe_due, i0, -1)
     k = _choose(st, st.last, plan, ~state.done, allowed)
     if eager:
