@@ -6,6 +6,9 @@ A round of ``auto`` (one branch per candidate size, inside the generation's ``wh
     decide="draft":    draft -> largest tree + chain -> predictions -> k = policy(...) -> select(k): verify...
     decide="previous": k = policy(last round's predictions) -> k == 0: plain target steps, no draft;
                                                                else draft -> tree + chain -> select(k): ...)
+                       a probe (the first round, and the draft after a burst of plain steps) re-decides from its
+                       own fresh predictions; if that is the plain step, its chain is kept as a shadow and scored
+                       later against the committed tokens (:func:`score_shadow`)
 
 ``select`` is :func:`run_selected`: the branches run as while loops of 0 or 1 trips rather than a
 ``lax.switch``/``lax.cond``, because XLA copies every cache into a conditional's branch (the demo pair's

@@ -358,7 +358,9 @@ class Auto(Method):
     largest tree size; a size above it is an ArgumentError). ``decide``: ``"draft"`` picks after this
     round's draft (from its own tree / chain probabilities), ``"previous"`` from the previous round's
     draft and acceptance, so a size-0 round skips the draft pass (then the drafter drafts again after
-    ``probe`` plain steps in a row; that gap grows 4x, up to 128, while the probe drafts still predict size 0).
+    ``probe`` plain steps in a row; that gap grows 4x, up to 128, while the probe drafts still predict size 0;
+    a probe re-decides from its own draft, and when it takes the plain step its chain is scored later against
+    the committed tokens, so the calibration keeps learning without a verify).
     ``table``: a :class:`~sparkjax.engine.auto.CostTable` for these
     sizes (default: profiled once per process and shape by :func:`~sparkjax.engine.auto.profile_costs`).
     ``top_c`` (default 32, at most the vocabulary: the largest tree is built every drafted round, so its
