@@ -165,6 +165,7 @@ class AutoProposal:
     tree: Proposal | None
     chain: Proposal | None
     raw: Array
+    tree_built: Array | None = None  # bool scalar: the tree was built this round (else its predictions are stale)
 
 
 # ============================================================================ predictions and the policy
@@ -297,13 +298,24 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
 
     is_chain = jnp.asarray(k) == m.sizes.index(CHAIN)
     refresh = state.auto.idle > 0  # the first draft and every probe after plain steps build both kinds
-    tree_prop, scores = jax.lax.cond(is_chain & ~refresh, empty(build_tree), build_tree)
-    chain_prop, chain_p = jax.lax.cond(is_chain | refresh, build_chain, empty(build_chain))
-    raw = predictions(m, b, scores, chain_p)
     tree_cols = jnp.asarray([v != 0 and v != CHAIN for v in m.sizes])
     chain_cols = jnp.asarray([v == CHAIN for v in m.sizes])
-    stale = jnp.where(refresh, False, jnp.where(is_chain, tree_cols, chain_cols))  # the kind not built keeps its
-    return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw))
+    chain_prop, chain_p = jax.lax.cond(is_chain | refresh, build_chain, empty(build_chain))
+    want_tree = ~is_chain | refresh
+    if shadowing(m):
+        # a probe builds the chain first and the tree only if drafting may pay: the policy over the fresh chain
+        # prediction and the trees' last ones; when it says the plain step, the probe is a shadow of the chain
+        # and the (costlier) tree is not built
+        chain_raw = jnp.where(chain_cols[None], predictions(m, b, jnp.zeros((b, max(m.tree_sizes or (1,))),
+                                                                                jnp.float32), chain_p),
+                              state.auto.last)
+        drafts = _choose(state.auto, chain_raw, plan, ~state.done) != m.sizes.index(0)
+        want_tree = jnp.where(refresh, drafts, ~is_chain)
+    tree_prop, scores = jax.lax.cond(want_tree, build_tree, empty(build_tree))
+    raw = predictions(m, b, scores, chain_p)
+    chain_built = is_chain | refresh
+    stale = (tree_cols & ~want_tree) | (chain_cols & ~chain_built)  # a kind not built keeps its last predictions
+    return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw), want_tree)
 
 
 def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos, plan: Plan):
@@ -444,7 +456,8 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
     k = _choose(st, aprop.raw, plan, ~state.done) if m.decide == "draft" else k_prev
     probe = st.idle > 0  # a probe (or the first draft): every candidate's prediction is fresh
     if shadowing(m):  # a probe decides from its own draft; the plain step leaves its chain as a shadow
-        k = jnp.where(probe, _choose(st, aprop.raw, plan, ~state.done), k)
+        built = jnp.asarray([v == 0 or v == CHAIN for v in m.sizes]) | aprop.tree_built  # never an unbuilt tree
+        k = jnp.where(probe, _choose(st, aprop.raw, plan, ~state.done, built), k)
     branches = [functools.partial(_branch, i, target, drafter, plan=plan) for i in range(len(m.sizes))]
     args = (aprop, temperature, key, max_new, eos)
     if len(branches) == 1:
