@@ -272,7 +272,8 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     With the round's choice ``k`` already made (``decide="previous"``) only the kind it verifies is built
     (a ``lax.cond``): a chain round skips the tree, a tree round the chain, and the other kind's predictions
     stay those of the last round that built it; the first draft and every probe draft (after plain steps)
-    build both, so every candidate's prediction is refreshed there."""
+    build both, so every candidate's prediction is refreshed there, except that a :func:`shadowing` method's
+    probe builds the tree only when the fresh chain prediction and the trees' last ones say drafting may pay."""
     m: Auto = plan.method
     b = state.x_start.shape[0]
 
@@ -297,7 +298,7 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
         return lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
 
     is_chain = jnp.asarray(k) == m.sizes.index(CHAIN)
-    refresh = state.auto.idle > 0  # the first draft and every probe after plain steps build both kinds
+    refresh = state.auto.idle > 0  # the first draft and every probe after plain steps (both kinds; see below)
     tree_cols = jnp.asarray([v != 0 and v != CHAIN for v in m.sizes])
     chain_cols = jnp.asarray([v == CHAIN for v in m.sizes])
     chain_prop, chain_p = jax.lax.cond(is_chain | refresh, build_chain, empty(build_chain))
