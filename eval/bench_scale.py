@@ -748,7 +748,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the printed report here (atomically)")
     ap.add_argument("--measure-load", metavar="DIR", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    from sparkjax.errors import ArgumentError, SparkjaxError
+    from sparkjax.cli import run_cli
+    from sparkjax.errors import ArgumentError
 
     if a.measure_load:
         print(json.dumps(measure_load(a.measure_load)))
@@ -756,7 +757,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     start = time.perf_counter()
     deadline = start + a.timeout if a.timeout else float("inf")
-    try:
+
+    def run() -> None:
         t_cfg, d_cfg, src = configs(a.preset)
         d_batches, d_budgets, d_ctx, d_prompt, d_steps, d_rounds, d_reps = PRESET_DEFAULTS[a.preset]
         batches = _ints(a.batches or d_batches, "--batches")
@@ -845,10 +847,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_round.write_atomic(a.out, text)
         if a.json:
             bench_round.write_atomic(a.json, json.dumps(result, indent=1) + "\n")
-    except SparkjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from . import _startup, demo, engine
+from .cli import run_cli
 from .convert import load_drafter, load_target
 from .errors import SparkjaxError
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     args = ap.parse_args(argv)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    try:
+    def run() -> None:
         methods = [engine.parse_method(m) for m in names]
         methods = [dataclasses.replace(m, budget=args.budget) if isinstance(m, engine.Tree) else m for m in methods]
         tok = None
@@ -88,10 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             print("first prompt + continuation:\n" + tok.decode(prompts[0] + reference[0]))
         else:
             print("first continuation:", reference[0][:24], "...")
-    except SparkjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":
