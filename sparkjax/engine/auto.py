@@ -242,7 +242,8 @@ def chain_probs(drafter, x_start: Array, blk: drafting.DraftBlock, prop: Proposa
 def predictions(method: Auto, batch: int, tree_scores: Array | None, chain_p: Array | None) -> Array:
     """Raw predicted accepted drafts ``[B, K]`` per candidate of ``method.sizes``: 0 for size 0, the sum of
     the cumulative product of ``chain_p`` ``[B, D]`` for the chain, the sum of ``exp`` of the first ``b``
-    of ``tree_scores`` ``[B, M]`` (path log-probabilities, ``-inf`` padding) for tree size ``b``."""
+    of ``tree_scores`` ``[B, M]`` (path log-probabilities, ``-inf`` padding) for tree size ``b`` (0 when
+    ``tree_scores`` is None: no tree was built)."""
     cols = []
     cum = None if tree_scores is None else jnp.cumsum(jnp.exp(tree_scores.astype(jnp.float32)), axis=1)
     for v in method.sizes:
@@ -251,7 +252,7 @@ def predictions(method: Auto, batch: int, tree_scores: Array | None, chain_p: Ar
         elif v == CHAIN:
             cols.append(jnp.sum(jnp.cumprod(chain_p.astype(jnp.float32), axis=1), axis=1))
         else:
-            cols.append(cum[:, v - 1])
+            cols.append(jnp.zeros((batch,), jnp.float32) if cum is None else cum[:, v - 1])
     return jnp.stack(cols, axis=1)
 
 
@@ -307,9 +308,7 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
         # a probe builds the chain first and the tree only if drafting may pay: the policy over the fresh chain
         # prediction and the trees' last ones; when it says the plain step, the probe is a shadow of the chain
         # and the (costlier) tree is not built
-        chain_raw = jnp.where(chain_cols[None], predictions(m, b, jnp.zeros((b, max(m.tree_sizes or (1,))),
-                                                                                jnp.float32), chain_p),
-                              state.auto.last)
+        chain_raw = jnp.where(chain_cols[None], predictions(m, b, None, chain_p), state.auto.last)
         drafts = _choose(state.auto, chain_raw, plan, ~state.done) != m.sizes.index(0)
         want_tree = jnp.where(refresh, drafts, ~is_chain)
     tree_prop, scores = jax.lax.cond(want_tree, build_tree, empty(build_tree))
