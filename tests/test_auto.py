@@ -265,7 +265,11 @@ def test_no_host_transfer_during_an_auto_generation(random_pair):
     with jax.transfer_guard_device_to_host("disallow"):
         res = launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
         jax.block_until_ready(res)
-    assert len(res) == 6 and int(np.asarray(res[1]).min()) == 20  # ..., depth_hits, choices
+    assert len(res) == 7 and int(np.asarray(res[1]).min()) == 20  # ..., depth_hits, choices, memory
+    assert isinstance(res[6], auto_mod.AutoMemory)
+    # a launch started from the last one's memory (device arrays): still no transfer to the host
+    with jax.transfer_guard_device_to_host("disallow"):
+        jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=res[6]))
     # the compiled program alone, with its inputs already on device: no transfer of any kind
     run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
     graphdefs, states = split_pair(target, drafter)
@@ -274,7 +278,94 @@ def test_no_host_transfer_during_an_auto_generation(random_pair):
     jax.block_until_ready(spec_program(graphdefs, states, *args, **kw))
     with jax.transfer_guard("disallow"):
         out = jax.block_until_ready(spec_program(graphdefs, states, *args, **kw))
-    assert len(out) == 7
+    assert len(out) == 8
+
+
+# ----------------------------------------------------------------------------- the memory carried across generations
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, batch):
+    """A chain of generations, each from the last one's memory (host copies, across batch sizes too): the tokens
+    are the target's greedy ones; the memory has the method's candidates and sane values."""
+    target, drafter = random_pair
+    m = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 1.3, 1.4, 1.6, 2.5)))
+    memory = None
+    for prompts in (PROMPTS3[:batch], PROMPTS3[::-1][:batch], PROMPTS3[1:2]):
+        out = generate(target, drafter, prompts, method=m, max_new_tokens=24, auto_memory=memory)
+        assert out.tokens == generate(target, None, prompts, max_new_tokens=24).tokens
+        memory = out.auto_memory
+        assert memory.labels == m.resolve(drafter).labels()
+        assert all(np.asarray(getattr(memory, f)).shape == (len(SIZES),) for f in ("real", "pred", "last"))
+        assert np.all(np.isfinite(memory.real)) and np.all(memory.real >= 0) and 1 <= int(memory.gap) <= 128
+    assert generate(target, drafter, PROMPTS3[:1], method="dspark", max_new_tokens=8).auto_memory is None
+
+
+def test_auto_memory_sets_the_first_round_state(random_pair):
+    """init_state from a memory: its calibration, predictions and gap, and a probe due at the first round (idle =
+    gap); from none, the fresh state. And the memory decides: one that says drafts accept nothing (realised 0 of
+    many predicted) makes every round of a generation a plain step, while a fresh start drafts."""
+    target, drafter = random_pair
+    m = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 1.3, 1.4, 1.6, 2.5)))
+    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
+    k = len(SIZES)
+    mem = auto_mod.AutoMemory(real=np.zeros(k, np.float32), pred=np.full(k, 50.0, np.float32),
+                              last=np.arange(k, dtype=np.float32), gap=np.int32(40), labels=run.plan.method.labels())
+    st = auto_mod.init_state(run.plan, 3, 20, auto_mod.check_auto_memory(mem, run.plan))
+    np.testing.assert_array_equal(st.pred, mem.pred)
+    np.testing.assert_array_equal(st.last, np.broadcast_to(mem.last, (3, k)))
+    assert int(st.gap) == 40 and int(st.idle) == 40
+    fresh = auto_mod.init_state(run.plan, 3, 20)
+    floor = auto_mod.gap_floor(run.plan.method, run.plan.depth)
+    assert int(fresh.gap) == int(fresh.idle) == floor and not np.asarray(fresh.pred).any()
+    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
+    hopeless = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=mem)
+    assert hopeless.tokens == ar and set(hopeless.size_counts) == {"ar"}
+    eager = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 0.01, 0.01, 0.01, 0.01)))
+    assert set(generate(target, drafter, PROMPTS3, method=eager, max_new_tokens=20).size_counts) != {"ar"}
+
+
+def test_bad_auto_memory_names_the_argument(random_pair):
+    target, drafter = random_pair
+    m = Auto(sizes=SIZES, table=_table(random_pair))
+    good = generate(target, drafter, PROMPTS3[:1], method=m, max_new_tokens=6).auto_memory
+    other = Auto(sizes=(0, "chain", 8), table=_table(random_pair, sizes=(0, "chain", 8)))
+    bad = [
+        (dict(method="dspark", auto_memory=good), "only method 'auto'"),
+        (dict(method=m, auto_memory={"real": [0.0]}), "AutoMemory"),
+        (dict(method=other, auto_memory=good), "candidates"),
+        (dict(method=m, auto_memory=dataclasses.replace(good, real=np.full(5, np.nan, np.float32))), "real"),
+        (dict(method=m, auto_memory=dataclasses.replace(good, pred=np.ones(3, np.float32))), "pred"),
+        (dict(method=m, auto_memory=dataclasses.replace(good, gap=-1)), "gap"),
+        (dict(method=m, auto_memory=dataclasses.replace(good, last=jnp.ones(5, jnp.int32))), "last"),
+        (dict(method=m, auto_memory=dataclasses.replace(good, last="x")), "last"),
+    ]
+    for kw, words in bad:
+        with pytest.raises(ArgumentError, match="auto_memory") as e:
+            generate(target, drafter, PROMPTS3[:1], max_new_tokens=6, **kw)
+        assert words in str(e.value), (kw, e.value)
+
+
+def test_eval_engine_carries_auto_memory_per_chain(random_pair):
+    """The eval's engine keeps the memory of each chain (batch size, repetition) of method auto, and none without
+    carry_auto or for other methods."""
+    from sparkjax.eval.engine import Engine, MethodConfig
+
+    target, drafter = random_pair
+    kw = dict(eos=[], temperature=0.0, max_new_tokens=6, cache_size=64, prompt_width=8)
+    eng = Engine(target, drafter, **kw)
+    mc = MethodConfig("auto", 16)
+    assert eng.memory(mc, 1, 0) is None
+    res = eng.launch(mc, PROMPTS3[:1], 0)
+    eng.remember(mc, 1, 0, res)
+    assert isinstance(eng.memory(mc, 1, 0), auto_mod.AutoMemory) and eng.memory(mc, 1, 1) is None
+    assert eng.outputs(eng.launch(mc, PROMPTS3[:1], 0, auto_memory=eng.memory(mc, 1, 0)), 1).tokens == \
+        generate(target, None, PROMPTS3[:1], max_new_tokens=6).tokens
+    eng.remember(MethodConfig("dspark"), 1, 0, eng.launch(MethodConfig("dspark"), PROMPTS3[:1], 0))
+    assert eng.memory(MethodConfig("dspark"), 1, 0) is None
+    fresh = Engine(target, drafter, carry_auto=False, **kw)
+    fresh.remember(mc, 1, 0, res)
+    assert fresh.memory(mc, 1, 0) is None
 
 
 # ----------------------------------------------------------------------------- the cost table

@@ -22,7 +22,7 @@ from .api import (
     required_cache_size,
     stream,
 )
-from .auto import CostTable, load_cost_table, policy, profile_costs
+from .auto import AutoMemory, CostTable, load_cost_table, policy, profile_costs
 from .checks import bucket
 from .methods import (
     AR,
@@ -46,6 +46,7 @@ __all__ = [
     "AR",
     "DEFAULT_SIZES",
     "Auto",
+    "AutoMemory",
     "CostTable",
     "load_cost_table",
     "policy",

@@ -20,10 +20,10 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ArgumentError, SparkjaxError
-from .auto import with_costs
+from .auto import AutoMemory, check_auto_memory, fresh_memory, memory_of, with_costs
 from .checks import MAX_SLOTS, bucket, check_int, check_models, describe, is_int
 from .methods import Auto, Method, Plan, parse_method
-from .placement import check_mesh, place_args, place_state, to_host
+from .placement import check_mesh, place_args, place_state, put, to_host
 from .programs import ar_program, spec_program, spec_start, spec_step, split_pair, stage_call
 from .round import STAGES, spec_round
 from .state import DeviceArgs
@@ -224,6 +224,8 @@ class GenerateOutput:
     ``stage_seconds``: per-stage wall time summed over rounds (instrumented mode only).
     ``size_choices``: method ``auto`` only, per sequence, the candidate each round verified (its label:
     ``ar``, the chain's kind or ``tree@b``), parallel to ``acceptance_lengths``; None for other methods.
+    ``auto_memory``: method ``auto`` only, what it learned (:class:`~sparkjax.engine.auto.AutoMemory`, host
+    arrays): pass it as ``generate(..., auto_memory=)`` to start the next generation from it.
     """
 
     tokens: list[list[int]]
@@ -231,6 +233,7 @@ class GenerateOutput:
     accepted_per_depth: list[list[int]] = dataclasses.field(default_factory=list)
     stage_seconds: dict[str, float] | None = None
     size_choices: list[list[str]] | None = None
+    auto_memory: AutoMemory | None = None
 
     @property
     def rounds(self) -> list[int]:
@@ -269,8 +272,8 @@ def raise_if_nonfinite(nonfinite: Any) -> None:
     )
 
 
-def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, choices=None, *, stage_seconds=None,
-             labels: Sequence[str] = ()) -> GenerateOutput:
+def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, choices=None, memory=None, *,
+             stage_seconds=None, labels: Sequence[str] = ()) -> GenerateOutput:
     out, n = to_host(out), to_host(n)
     tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
     if accept_lens is None:
@@ -281,7 +284,15 @@ def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, choices=Non
     if choices is not None:
         choices = to_host(choices)
         sizes = [[labels[int(i)] for i in choices[b, : rounds[b]]] for b in range(out.shape[0])]
-    return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds, sizes)
+    if memory is not None:
+        memory = host_memory(memory)
+    return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds, sizes, memory)
+
+
+def host_memory(memory: AutoMemory) -> AutoMemory:
+    """A copy of an :class:`~sparkjax.engine.auto.AutoMemory` on the host (numpy arrays)."""
+    return dataclasses.replace(memory, **{f.name: to_host(getattr(memory, f.name))
+                                          for f in dataclasses.fields(memory) if f.name != "labels"})
 
 
 def _itemsize(model) -> int:
@@ -418,6 +429,19 @@ class Run:
     seed: int
     max_new_tokens: int
     mesh: Any = None
+    memory: AutoMemory | None = None  # method auto: the memory it starts from (a fresh one unless given)
+
+    def device_memory(self) -> AutoMemory | None:
+        """:attr:`memory` on device (replicated over the mesh when there is one); None unless method ``auto``."""
+        if self.memory is None:
+            return None
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, self.memory)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable  # placed already
+                            else put(x, replicated), self.memory)
 
     def device_args(self) -> DeviceArgs:
         """The run's traced inputs, on device (placed on the mesh when there is one)."""
@@ -441,7 +465,7 @@ def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, tempera
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
              normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
-             cache_size=None, prompt_width=None, capacity=None, mesh=None) -> Run:
+             cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None) -> Run:
     """Validates every argument of a generation (those of :func:`generate`) and returns the :class:`Run`."""
     check_models(target, drafter)
     method = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
@@ -462,9 +486,13 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     buf_len = _buf_len(max_new_tokens, capacity, plan)
     check_memory(target, drafter, plan, prompts, size, buf_len, cache_size=cache_size, capacity=capacity,
                  prompt_width=prompt_width)
+    memory = None
     if plan is not None and plan.is_auto:  # its cost table: given, cached in the process, or profiled now
         plan = with_costs(target, drafter, plan, prompts.batch, size)
-    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh)
+        memory = fresh_memory(plan) if auto_memory is None else check_auto_memory(auto_memory, plan)
+    elif auto_memory is not None:
+        raise ArgumentError(f"auto_memory: only method 'auto' starts from a memory, not {method.name!r}")
+    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, memory)
 
 
 def generate(
@@ -487,6 +515,7 @@ def generate(
     capacity: int | None = None,
     instrument: bool = False,
     mesh: Any = None,
+    auto_memory: AutoMemory | None = None,
 ) -> GenerateOutput:
     """Generates continuations of ``prompt_ids`` (``[B, P]`` ints or a list of lists).
 
@@ -528,13 +557,18 @@ def generate(
     where). The modules are not modified: their weights are placed for the run (free when already
     placed by :func:`sparkjax.sharding.shard_model`). The tokens are the same as on one device. The
     ``model`` axis must divide the heads, KV heads and FFN width, the ``data`` axis the batch.
+
+    ``auto_memory``: method ``auto`` only, the ``auto_memory`` of an earlier :class:`GenerateOutput` (of the same
+    candidates): this generation starts from its calibration, predictions and probe gap instead of from
+    nothing, so a stream of requests of one kind does not pay the first drafts and probes of each. Tokens are
+    unchanged (see :class:`~sparkjax.engine.auto.AutoMemory`).
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
     options = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
                    candidates=candidates, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
                    temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
-                   capacity=capacity, mesh=mesh)
+                   capacity=capacity, mesh=mesh, auto_memory=auto_memory)
     if instrument:
         run = validate(target, drafter, prompt_ids, **options)
         if run.plan is None:
@@ -549,12 +583,15 @@ def generate(
 def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget=None, top_c=None,
            widths=None, normalization="fast", candidates=None, max_new_tokens: int = 128, eos_token_ids=None,
            temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
-           capacity: int | None = None, report_nonfinite: bool = False, mesh: Any = None) -> tuple[Array, ...]:
+           capacity: int | None = None, report_nonfinite: bool = False, mesh: Any = None,
+           auto_memory: AutoMemory | None = None) -> tuple[Array, ...]:
     """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
 
     Returns device arrays: ``(out [B, buf], n [B])`` for ``ar``, plus ``(accept_lens [B, R],
     rounds [B], depth_hits [B, D])`` for speculative methods, plus ``choices [B, R]`` (each round's
-    candidate index into ``Auto.labels()``, -1 past the last round) for ``auto``. Nothing is copied to the host.
+    candidate index into ``Auto.labels()``, -1 past the last round) and the final
+    :class:`~sparkjax.engine.auto.AutoMemory` (device arrays; ``auto_memory`` of the next launch) for ``auto``.
+    Nothing is copied to the host.
     ``max_new_tokens=1`` stops after the prefill and its first token (no round), in the same
     compiled program as a longer run of the same shapes: that is how to time prefill alone.
 
@@ -571,7 +608,7 @@ def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     run = validate(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
                    normalization=normalization, candidates=candidates, max_new_tokens=max_new_tokens,
                    eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
-                   prompt_width=prompt_width, capacity=capacity, mesh=mesh)
+                   prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory)
     args = run.device_args()
     if run.plan is None:
         gdef, state = run.split(target)
@@ -580,7 +617,7 @@ def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     else:
         graphdefs, states = run.split(target, drafter)
         res = spec_program(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len,
-                           mesh=run.mesh)
+                           mesh=run.mesh, memory=run.device_memory())
     return tuple(res) if report_nonfinite else tuple(res[:-1])
 
 
@@ -601,6 +638,7 @@ def stream(
     seed: int = 0,
     cache_size: int | None = None,
     mesh: Any = None,
+    auto_memory: AutoMemory | None = None,
 ):
     """Like :func:`generate`, but yields each round's new tokens: a list per sequence (possibly empty).
 
@@ -617,7 +655,7 @@ def stream(
         raise ArgumentError("method: stream() runs speculative rounds; use generate(method='ar') for the target alone")
     run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
                    eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
-                   mesh=mesh)
+                   mesh=mesh, auto_memory=auto_memory)
     return _stream_rounds(target, drafter, run)
 
 
@@ -625,7 +663,7 @@ def _stream_rounds(target, drafter, run: Run):
     graphdefs, states = run.split(target, drafter)
     args = run.device_args()
     state = spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len,
-                       mesh=run.mesh)
+                       mesh=run.mesh, memory=run.device_memory())
     batch = run.prompts.batch
     seen = np.zeros(batch, np.int64)
     while True:
@@ -645,7 +683,7 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
     graphdefs, states = run.split(target, drafter)
     args, plan = run.device_args(), run.plan
     state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len,
-                       mesh=run.mesh)
+                       mesh=run.mesh, memory=run.device_memory())
     times = dict.fromkeys(STAGES, 0.0)
 
     def timed(fn, *stage_args, plan):
@@ -659,6 +697,7 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
         state = spec_round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
     raise_if_nonfinite(to_host(state.nonfinite))
     choices = state.auto.choices if plan.is_auto else None
+    memory = memory_of(state.auto, plan) if plan.is_auto else None
     labels = plan.method.labels() if plan.is_auto else ()
-    return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, choices,
+    return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, choices, memory,
                     stage_seconds=times, labels=labels)

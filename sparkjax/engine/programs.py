@@ -15,6 +15,7 @@ from flax import nnx
 
 from ..sampling import pick
 from .auto import init_state as init_auto
+from .auto import memory_of
 from .drafting import append_context
 from .methods import Plan
 from .placement import constrain, per_sequence
@@ -90,8 +91,9 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
 
 
 def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan: Plan,
-                 cache_size: int, buf_len: int) -> SpecState:
-    """Prefill the target, take the first token, and fill the drafter context with the prompt's features."""
+                 cache_size: int, buf_len: int, memory=None) -> SpecState:
+    """Prefill the target, take the first token, and fill the drafter context with the prompt's features.
+    ``memory``: method ``auto``'s :class:`~sparkjax.engine.auto.AutoMemory` to start from (None: a fresh one)."""
     b = tokens.shape[0]
     cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids)
     key, sub = jax.random.split(key)
@@ -106,7 +108,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
         nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
                                  jnp.zeros((b,), jnp.int32)),
-        auto=init_auto(plan, b, buf_len) if plan.is_auto else None,
+        auto=init_auto(plan, b, buf_len, memory) if plan.is_auto else None,
     )
 
 
@@ -132,29 +134,32 @@ def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, te
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
-                 mesh=None):
+                 mesh=None, memory=None):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
-    depth_hits, nonfinite)``; method ``auto`` adds ``choices [B, R]`` before ``nonfinite``. ``mesh`` (static):
-    the state and each stage's output are pinned to their shardings (:func:`placed_round`)."""
+    depth_hits, nonfinite)``; method ``auto`` adds ``choices [B, R]`` and the final
+    :class:`~sparkjax.engine.auto.AutoMemory` before ``nonfinite`` (``memory``, traced: the one it starts from).
+    ``mesh`` (static): the state and each stage's output are pinned to their shardings (:func:`placed_round`)."""
     target, drafter = merge_pair(graphdefs, states)
-    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len)
+    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len,
+                         memory)
     state = jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
         lambda s: placed_round(target, drafter, s, plan, max_new, eos, temperature, mesh),
         constrain(state, mesh),
     )
     res = (state.out, state.n, state.accept_lens, state.rounds, state.depth_hits)
-    if plan.is_auto:  # method 'auto' also returns each round's chosen candidate [B, R]
-        res += (state.auto.choices,)
+    if plan.is_auto:  # method 'auto' also returns each round's chosen candidate [B, R] and what it learned
+        res += (state.auto.choices, memory_of(state.auto, plan))
     return (*res, state.nonfinite)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
-               mesh=None):
+               mesh=None, memory=None):
     """:func:`spec_prefill` as its own jitted call: the state before the first round."""
     target, drafter = merge_pair(graphdefs, states)
-    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len)
+    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len,
+                         memory)
     return constrain(state, mesh)
 
 

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mesh", metavar="DATAxMODEL", default=None,
                    help="shard generation over a DATA x MODEL device mesh: data parallel over the batch, tensor "
                         "parallel over heads / FFN (default: one device)")
+    g.add_argument("--fresh-auto", action="store_true",
+                   help="method auto starts every batch from nothing (default: each chain of repetitions carries "
+                        "what auto learned from one batch to the next, as a server does from request to request)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at EOS (default: stop at the target's generation_config / tokenizer EOS ids)")
     g = p.add_argument_group("output")
@@ -193,7 +196,7 @@ def config_from_args(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, batch_size=1 if args.batch_size is None else args.batch_size,
         batch_sizes=args.batch_sizes, seed=args.seed, repeats=args.repeats,
         stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out, plots=not args.no_plots,
-        mesh=args.mesh,
+        mesh=args.mesh, fresh_auto=args.fresh_auto,
     )
 
 

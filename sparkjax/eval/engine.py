@@ -53,7 +53,7 @@ class Engine:
     """Runs one pair with a fixed cache size, EOS set and temperature."""
 
     def __init__(self, target, drafter, *, eos: list[int], temperature: float, max_new_tokens: int,
-                 cache_size: int, prompt_width: int, mesh=None):
+                 cache_size: int, prompt_width: int, mesh=None, carry_auto: bool = True):
         self.target, self.drafter = target, drafter
         self.eos_ids = list(eos)
         self.temperature = check_temperature(temperature)
@@ -69,6 +69,8 @@ class Engine:
             if drafter is not None:
                 place_model(drafter, mesh)
         self._plans: dict[MethodConfig, Any] = {}
+        self.carry_auto = bool(carry_auto)  # method auto: each chain of launches carries its AutoMemory
+        self._memories: dict[tuple, Any] = {}
 
     path = "fixed-shape"  # recorded in results.json: every batch shares one prompt width, cache and capacity
 
@@ -111,12 +113,25 @@ class Engine:
 
     # ------------------------------------------------------------------ runs
 
-    def launch(self, mc: MethodConfig, batch: list[list[int]], seed: int, *, prefill_only: bool = False):
-        """Dispatches one generation without waiting; ``prefill_only`` stops before the first round."""
+    def launch(self, mc: MethodConfig, batch: list[list[int]], seed: int, *, prefill_only: bool = False,
+               auto_memory=None):
+        """Dispatches one generation without waiting; ``prefill_only`` stops before the first round.
+        ``auto_memory``: method ``auto``'s memory to start from (:meth:`memory`; None: a fresh one)."""
         max_new = 1 if prefill_only else self.max_new_tokens
         drafter = self.drafter if mc.speculative else None
         return core.launch(self.target, drafter, self.padded(batch), report_nonfinite=True,
-                           **self._kwargs(mc, max_new, seed))
+                           auto_memory=auto_memory, **self._kwargs(mc, max_new, seed))
+
+    def memory(self, mc: MethodConfig, batch: int, chain: int):
+        """Method ``auto``: the memory chain ``chain`` (a repetition index) of batches of ``batch`` sequences
+        ended with, to start the next launch from (None: a fresh one; always None without ``carry_auto``)."""
+        return self._memories.get((mc, batch, chain)) if self.carry_auto else None
+
+    def remember(self, mc: MethodConfig, batch: int, chain: int, res) -> None:
+        """Keeps the memory a finished launch of method ``auto`` returned (device arrays, no copy)."""
+        mem = [x for x in res if isinstance(x, core.AutoMemory)]
+        if mem and self.carry_auto:
+            self._memories[(mc, batch, chain)] = mem[0]
 
     def instrumented(self, mc: MethodConfig, batch: list[list[int]], seed: int) -> BatchOutput:
         """The engine's instrumented mode (each stage its own jitted call, synced and timed)."""
@@ -139,7 +154,7 @@ class Engine:
         method ``auto``'s candidate labels (:meth:`size_labels`), to name its per-round choices."""
         from ..engine.placement import to_host
 
-        arrays = [to_host(x)[:size] for x in res]
+        arrays = [to_host(x)[:size] for x in res if not isinstance(x, core.AutoMemory)]
         core.raise_if_nonfinite(arrays.pop())  # the target's logits must stay finite (NumericalError)
         out, n = arrays[0], arrays[1]
         tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]

@@ -11,7 +11,10 @@ Timing protocol (per batch of prompts; see :mod:`sparkjax.eval` for the summary)
    of the same shapes (``max_new_tokens = 1``: target prefill, first token and the drafter's
    context projection of the prompt features, then no round). Each run is timed on the host from
    dispatch to ``jax.block_until_ready`` of its outputs. Interleaving spreads a slow spell of a
-   busy machine over every method instead of charging it to one.
+   busy machine over every method instead of charging it to one. Method ``auto`` (unless
+   ``--fresh-auto``) starts repetition r of a batch from the memory repetition r of the previous batch
+   of the same size ended with (``generate(auto_memory=)``): each repetition is one chain of requests
+   through the prompts in order, like a server's, and no run learns from an earlier run of its own prompt.
    ``decode seconds = median(a) - median(b)``: the rounds only, with prefill, the first token and
    the prompt-context part of the first draft pass excluded. (Round 1's drafter block pass stays
    in; in upstream code it is part of the first draft call too, so this is an approximation.)
@@ -99,7 +102,9 @@ class EvalConfig:
     instrumented stage pass (None: all of them, 0: none). ``out``: where to write results.json,
     results.csv and the plots (None: nowhere). ``batch_sizes``: run the batch-size sweep
     (:mod:`sparkjax.eval.sweep`) at these sizes instead of the per-set batches of ``batch_size``, which must
-    then stay 1 (None: no sweep).
+    then stay 1 (None: no sweep). ``fresh_auto``: method ``auto`` starts each batch from nothing; by default
+    repetition r of a batch starts from the memory (:class:`sparkjax.engine.auto.AutoMemory`) repetition r of the
+    previous batch of the same size ended with, as a server carries it from request to request.
     """
 
     target: str | None = None
@@ -123,6 +128,7 @@ class EvalConfig:
     out: str | None = None
     plots: bool = True
     mesh: str | None = None  # "DATAxMODEL": generation sharded over a device mesh (None: one device)
+    fresh_auto: bool = False  # method auto starts every batch from nothing instead of carrying its memory
 
 
 def _positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = False):
@@ -710,12 +716,14 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
     run_s: dict[MethodConfig, list[float]] = {mc: [] for _, mc in units}
     pre_s: dict[MethodConfig, list[float]] = {mc: [] for _, mc in units}
     res: dict[MethodConfig, Any] = {}
-    for _ in range(repeats):
+    for r in range(repeats):
         for eng, mc in units:
             check()
+            memory = eng.memory(mc, len(batch), r)
             t0 = time.perf_counter()
-            res[mc] = jax.block_until_ready(eng.launch(mc, batch, seed))
+            res[mc] = jax.block_until_ready(eng.launch(mc, batch, seed, auto_memory=memory))
             run_s[mc].append(time.perf_counter() - t0)
+            eng.remember(mc, len(batch), r, res[mc])
             check()
             t0 = time.perf_counter()
             jax.block_until_ready(eng.launch(mc, batch, seed, prefill_only=True))
@@ -938,11 +946,12 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
     # one engine per drafter, sharing the target, the cache size and the prompt width
     mesh = eval_mesh(cfg.mesh)
     engine = Engine(target, pair.drafter, eos=eos, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                    cache_size=1, prompt_width=width, mesh=mesh)
+                    cache_size=1, prompt_width=width, mesh=mesh, carry_auto=not cfg.fresh_auto)
     base_engine = engine
     if pair.baseline is not None and pair.baseline is not pair.drafter:
         base_engine = Engine(target, pair.baseline, eos=eos, temperature=cfg.temperature,
-                             max_new_tokens=cfg.max_new_tokens, cache_size=1, prompt_width=width, mesh=mesh)
+                             max_new_tokens=cfg.max_new_tokens, cache_size=1, prompt_width=width, mesh=mesh,
+                             carry_auto=not cfg.fresh_auto)
     use_base = {mc: pair.baseline is not None and uses_baseline(mc) for mc in mcs}
     engines = {mc: base_engine if use_base[mc] else engine for mc in mcs}
     drafter_of = {mc: (pair.baseline_dir if use_base[mc] else pair.drafter_dir) if mc.speculative else None
@@ -968,6 +977,7 @@ def _run(config: EvalConfig | None, *, target, drafter, baseline_drafter, tokeni
         "labels": labels, "depths": depths,
         "eos_token_ids": eos, "cache_size": engine.cache_size, "prompt_width": width, "timing_path": engine.path,
         "mesh": None if mesh is None else dict(mesh.shape),
+        "auto_memory": "fresh" if cfg.fresh_auto else "carried",
         "datasets": [{"name": s.name, "path": s.path, "kind": s.kind, "prompts_in_file": len(s),
                       "used": [i for i, _, _ in selected.get(s.name, [])]} for s in sets],
         "skipped": skipped,
