@@ -17,6 +17,7 @@ in each candidate set (the tree's reach).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -46,11 +47,12 @@ def parse_config(text: str) -> tuple[str, Tree]:
     return text, parse_method(name, **kw)
 
 
-def prompts(max_samples: int, tok) -> dict[str, list[list[int]]]:
+def prompts(max_samples: int, tok, skip: int = 0) -> dict[str, list[list[int]]]:
+    """Prompts ``skip .. skip + max_samples`` of each bundled set (``max_samples`` 0: all after ``skip``)."""
     out = {}
     for s in datasets.load_all(datasets.DEFAULT):
-        rows = [encode_prompt(tok, t, k) for t, k in zip(s.prompts, s.kinds, strict=True)]
-        out[s.name] = rows[:max_samples]
+        rows = [encode_prompt(tok, t, k) for t, k in zip(s.prompts, s.kinds, strict=True)][skip:]
+        out[s.name] = rows[:max_samples] if max_samples else rows
     return out
 
 
@@ -90,13 +92,12 @@ def run_configs(pair, sets, configs, max_new: int, eos) -> dict:
     return results
 
 
-def diagnostic(pair, sets, max_new: int, eos, top_cs=(32, 64)) -> dict:
-    target, drafter = pair.target, pair.dspark
-    cfg = drafter.config
+def forced_rounds(pair, drafter, sets, max_new: int, eos, fn):
+    """Teacher-forced rounds at every position of the ``ar`` outputs: yields ``(fn(x0, blk), truth)`` per prompt,
+    ``truth[n, d]`` the target's own token of depth ``d + 1`` in round ``n`` (rounds whose block passes the end of
+    the output are left out)."""
+    target, cfg = pair.target, drafter.config
     d = cfg.block_size - cfg.first_draft_slot
-    out_chain = {c: np.zeros(d) for c in top_cs}
-    reach = {(m, c): np.zeros(d) for m in tree.CANDIDATE_MODES for c in top_cs}
-    n = 0
 
     @jax.jit
     def rounds(seq, starts):
@@ -107,12 +108,7 @@ def diagnostic(pair, sets, max_new: int, eos, top_cs=(32, 64)) -> dict:
         ctx = drafting.append_context(drafter, drafter.init_context(b, seq.shape[0] + cfg.block_size + 1), feats,
                                       starts)
         x0 = seq[starts]
-        blk = drafting.draft_block(drafter, ctx, x0, starts)
-        chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x0)
-        base = drafting.aligned_logits(drafter, blk.logits)
-        cands = {(m, c): jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(base, chain.logits, c, m)
-                 for m in tree.CANDIDATE_MODES for c in top_cs}
-        return chain.tokens, cands
+        return fn(x0, drafting.draft_block(drafter, ctx, x0, starts))
 
     for rows in sets.values():
         for p in rows:
@@ -123,16 +119,33 @@ def diagnostic(pair, sets, max_new: int, eos, top_cs=(32, 64)) -> dict:
                 continue
             pad = np.zeros(256 - len(full) % 256 + len(full), np.int32)
             pad[: len(full)] = full
-            chain, cands = rounds(jnp.asarray(pad), jnp.asarray(starts))
-            chain = np.asarray(chain)
-            truth = full[starts[:, None] + 1 + np.arange(d)[None]]  # the target's tokens of depths 1..D
-            for c in top_cs:
-                base = np.asarray(cands[("base", c)])
-                out_chain[c] += [(~(base[:, j] == chain[:, j, None]).any(-1)).sum() for j in range(d)]
-                for m in tree.CANDIDATE_MODES:
-                    cs = np.asarray(cands[(m, c)])
-                    reach[(m, c)] += [(cs[:, j] == truth[:, j, None]).any(-1).sum() for j in range(d)]
-            n += len(starts)
+            yield rounds(jnp.asarray(pad), jnp.asarray(starts)), full[starts[:, None] + 1 + np.arange(d)[None]]
+
+
+def diagnostic(pair, sets, max_new: int, eos, top_cs=(32, 64)) -> dict:
+    drafter = pair.dspark
+    cfg = drafter.config
+    d = cfg.block_size - cfg.first_draft_slot
+    out_chain = {c: np.zeros(d) for c in top_cs}
+    reach = {(m, c): np.zeros(d) for m in tree.CANDIDATE_MODES for c in top_cs}
+    n = 0
+
+    def per_round(x0, blk):
+        chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x0)
+        base = drafting.aligned_logits(drafter, blk.logits)
+        cands = {(m, c): jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(base, chain.logits, c, m)
+                 for m in tree.CANDIDATE_MODES for c in top_cs}
+        return chain.tokens, cands
+
+    for (chain, cands), truth in forced_rounds(pair, drafter, sets, max_new, eos, per_round):
+        chain = np.asarray(chain)
+        for c in top_cs:
+            base = np.asarray(cands[("base", c)])
+            out_chain[c] += [(~(base[:, j] == chain[:, j, None]).any(-1)).sum() for j in range(d)]
+            for m in tree.CANDIDATE_MODES:
+                cs = np.asarray(cands[(m, c)])
+                reach[(m, c)] += [(cs[:, j] == truth[:, j, None]).any(-1).sum() for j in range(d)]
+        n += len(truth)
     res = {"rounds": n, "chain_outside_base": {c: (out_chain[c] / n).round(3).tolist() for c in top_cs},
            "target_in_candidates": {f"{m}@{c}": (reach[(m, c)] / n).round(3).tolist() for (m, c) in reach}}
     print(f"teacher-forced rounds: {n}")
@@ -143,6 +156,136 @@ def diagnostic(pair, sets, max_new: int, eos, top_cs=(32, 64)) -> dict:
     return res
 
 
+def _accepted_tree(t: tree.Tree, truth: jax.Array) -> jax.Array:
+    """Greedy accepted length of one tree against the target's tokens ``truth[d]`` of depth ``d + 1``."""
+    m, d = t.tokens.shape[0], truth.shape[0]
+    match = t.valid & (t.tokens == truth[jnp.clip(t.depths - 1, 0, d - 1)])
+    on = jnp.zeros((m + 1,), bool).at[0].set(True)  # index 0 = the root, node i = index i (parents' numbering)
+    for _ in range(d):
+        on = on.at[1:].set(match & on[t.parents])
+    return jnp.max(jnp.where(on[1:], t.depths, 0))
+
+
+def _accepted_beam(tables, cand_tokens, truth, widths, k: int) -> jax.Array:
+    """Greedy accepted length of the beam of (traced) ``widths`` (each ``<= k``): the walk down its kept entries."""
+    scores, parent, cand = tree._expand(tables, widths, k)
+    tokens = jnp.take_along_axis(cand_tokens, cand, axis=1)
+
+    def step(carry, xs):
+        prev, alive, n = carry
+        sc, par, tk, tr = xs
+        m = (sc > -jnp.inf) & (par == prev) & (tk == tr)
+        hit = alive & m.any()
+        return (jnp.argmax(m).astype(jnp.int32), hit, n + hit.astype(jnp.int32)), None
+
+    (_, _, n), _ = jax.lax.scan(step, (jnp.int32(0), jnp.bool_(True), jnp.int32(0)), (scores, parent, tokens, truth))
+    return n
+
+
+def fit_widths(pair, sets, budgets, max_new: int, eos, *, moves: int = 40) -> dict:
+    """Learn a beam profile per budget on teacher-forced rounds at every position of the ``ar`` outputs: greedy
+    node-by-node allocation by the tau of the greedy trajectories (see ``rounds_tau``), then the best single-node
+    move between depths while one improves it; best-first, even widths and the model's ``auto_widths`` on the same
+    rounds for comparison."""
+    drafter = pair.dspark
+
+    def fit_one(budget: int) -> dict:
+        method = parse_method("sparklingtree-beam", budget=budget)
+        plan = method.plan(pair.target, drafter, False)
+        depth, c = plan.depth, plan.method.top_c
+        k = min(budget, c)
+        data = list(forced_rounds(pair, drafter, sets, max_new, eos,
+                                  lambda x0, blk: method.tables(drafter, x0, blk, plan)))
+        tables = jnp.concatenate([t for (t, _), _ in data])
+        cands = jnp.concatenate([ct for (_, ct), _ in data])
+        truth = jnp.asarray(np.concatenate([tr for _, tr in data]), jnp.int32)
+        n = tables.shape[0]
+
+        lengths = [len(tr) for _, tr in data]
+
+        def rounds_tau(acc) -> float:
+            """Pooled tau of the greedy trajectories these per-position accepted lengths give: a round at position
+            ``s`` commits ``acc[s] + 1`` tokens and the next starts there (the eval's tau, on these prompts)."""
+            acc = np.asarray(acc)
+            tokens = rounds = off = 0
+            for n_pos in lengths:
+                s = 0
+                while s < n_pos:
+                    s += int(acc[off + s]) + 1
+                    rounds += 1
+                tokens += n_pos
+                off += n_pos
+            return tokens / rounds
+
+        @functools.partial(jax.jit, static_argnums=4)
+        def beam_acc(tables, cands, truth, widths, k):
+            return jax.vmap(_accepted_beam, in_axes=(0, 0, 0, None, None))(tables, cands, truth, widths, k)
+
+        @functools.partial(jax.jit, static_argnums=3)
+        def best_first_acc(tables, cands, truth, budget):
+            trees = jax.vmap(tree.best_first, in_axes=(0, 0, None))(tables, cands, budget)
+            return jax.vmap(_accepted_tree)(trees, truth)
+
+        def tau(w):
+            return rounds_tau(beam_acc(tables, cands, truth, jnp.asarray(w, jnp.int32), k))
+
+        def ok(w):
+            first_zero = w.index(0) if 0 in w else depth
+            return (sum(w) == budget and all(0 <= x <= min(k, c ** (i + 1)) for i, x in enumerate(w))
+                    and not any(w[first_zero:]) and all(w[i] <= w[i - 1] * c for i in range(1, depth)))
+
+        t0 = time.perf_counter()
+        w = [0] * depth
+        for _ in range(budget):  # greedy: the node that raises the measured tau most (the shallowest on a tie)
+            best = None
+            for i in range(depth):
+                trial = w.copy()
+                trial[i] += 1
+                first_zero = trial.index(0) if 0 in trial else depth
+                if any(trial[first_zero:]) or trial[i] > k:
+                    continue
+                v = tau(trial)
+                if best is None or v > best[0]:
+                    best = (v, trial)
+            w = best[1]
+        greedy = tuple(w)
+        model = tree.auto_widths(budget, depth, top_c=c)
+
+        def climb(w):  # the best single-node move between two depths while one helps
+            w, cur = list(w), tau(w)
+            for _ in range(moves):
+                best = None
+                for i in range(depth):
+                    for j in range(depth):
+                        trial = w.copy()
+                        trial[i] -= 1
+                        trial[j] += 1
+                        if i == j or not ok(trial):
+                            continue
+                        v = tau(trial)
+                        if v > cur + 1e-9 and (best is None or v > best[0]):
+                            best = (v, trial)
+                if best is None:
+                    break
+                cur, w = best
+            return cur, w
+
+        # from three starts (the greedy allocation, the model's profile, even widths): the best local optimum
+        cur, w = max((climb(start) for start in (greedy, model, tree.even_widths(budget, depth))),
+                     key=lambda r: r[0])
+        res = {"rounds": int(n), "best_first": rounds_tau(best_first_acc(tables, cands, truth, budget)),
+               "learned": tuple(w), "learned_tau": cur, "greedy": greedy, "greedy_tau": tau(list(greedy)),
+               "model": model, "model_tau": tau(list(model)),
+               "even": tree.even_widths(budget, depth), "even_tau": tau(list(tree.even_widths(budget, depth))),
+               "seconds": time.perf_counter() - t0}
+        print(f"budget {budget} ({n} rounds, {res['seconds']:.0f} s): best-first tau {res['best_first']:.3f}; beam "
+              f"learned {res['learned_tau']:.3f} {list(res['learned'])}; greedy {res['greedy_tau']:.3f}; "
+              f"model {res['model_tau']:.3f} {list(model)}; even {res['even_tau']:.3f}", flush=True)
+        return res
+
+    return {budget: fit_one(budget) for budget in budgets}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="sparklingtree@64:base,sparklingtree@64:union")
@@ -150,16 +293,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--union-k", type=int, default=None, help="sparkjax.tree.UNION_TOP_K for this run")
     ap.add_argument("--diagnostic", action="store_true")
+    ap.add_argument("--fit-widths", default=None, metavar="BUDGETS",
+                    help="learn a beam profile per budget (comma-separated) on teacher-forced rounds")
+    ap.add_argument("--skip-samples", type=int, default=0,
+                    help="leave out the first N prompts of each set (e.g. the default eval's, to fit on held-out ones)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.union_k is not None:
         tree.UNION_TOP_K = args.union_k
     pair = demo.load()
-    sets = prompts(args.max_samples, pair.tokenizer)
+    sets = prompts(args.max_samples, pair.tokenizer, args.skip_samples)
     eos = pair.eos_token_ids
     res = {}
     if args.diagnostic:
         res["diagnostic"] = diagnostic(pair, sets, args.max_new_tokens, eos)
+    elif args.fit_widths:
+        res["fit_widths"] = fit_widths(pair, sets, [int(b) for b in args.fit_widths.split(",")], args.max_new_tokens,
+                                       eos)
     else:
         res["configs"] = run_configs(pair, sets, [parse_config(c) for c in args.configs.split(",")],
                                      args.max_new_tokens, eos)

@@ -442,7 +442,9 @@ def _check_tables(tables: jax.Array, cand_tokens: jax.Array) -> tuple[int, int]:
     return d, c
 
 
-def _expand(tables: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _expand(
+    tables: jax.Array, widths: tuple[int, ...] | jax.Array, k: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-depth beams: at depth ``d`` keep the best ``widths[d]`` extensions of the previous beam.
 
     "Best" is the tree order (score descending, candidate-index path ascending). Each beam is stored in
@@ -453,14 +455,16 @@ def _expand(tables: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, jax.
     per depth (stacked, ``K = max(widths)``): scores [D, K] (``-inf`` = empty slot), parent slot [D, K],
     candidate index [D, K]. Every level, empty slots included, is sorted by (parent slot, candidate); a
     slot emptied by a beam width has a parent slot ``>= K`` (so it sorts past every real parent).
+    With ``k`` given, ``widths`` may be a traced int[D] (each ``<= k``): one compiled program serves every
+    profile of at most ``k`` nodes per depth (the profile search of ``eval/bench_tree_options.py``).
     """
     d, c, _ = tables.shape
-    k = max(widths)
+    full = k is None and all(w == max(widths) for w in widths)  # best_first: every depth keeps K, no limit
+    k = max(widths) if k is None else k
     t = jnp.minimum(jnp.asarray(tables, jnp.float32), 0.0)
     slots = jnp.arange(k, dtype=jnp.int32)
     # carry: scores and flat keys b * C + j of the beam (slot 0 = the root, key 0 = candidate row 0)
     init = (jnp.full((k,), -jnp.inf, jnp.float32).at[0].set(0.0), jnp.zeros((k,), jnp.int32))
-    full = all(w == k for w in widths)  # best_first: every depth keeps K, no per-depth limit
 
     def step(carry, xs):
         scores, key = carry

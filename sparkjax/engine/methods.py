@@ -305,6 +305,14 @@ class Tree(Method):
 
     def build(self, drafter, x_start, blk, plan) -> tree.Tree:
         """The batched :class:`sparkjax.tree.Tree` of ``plan.nodes`` nodes (with its path scores)."""
+        tables, cand_tokens = self.tables(drafter, x_start, blk, plan)
+        if self.beam:
+            return jax.vmap(tree.beam, in_axes=(0, 0, None))(tables, cand_tokens, plan.widths)
+        return jax.vmap(tree.best_first, in_axes=(0, 0, None))(tables, cand_tokens, plan.nodes)
+
+    def tables(self, drafter, x_start, blk, plan) -> tuple[jax.Array, jax.Array]:
+        """The batched log-prob tables float32[B, D, C, C] and their candidates int[B, D, C] that :meth:`build`
+        selects the tree from (the input of :func:`sparkjax.tree.best_first` / :func:`sparkjax.tree.beam`)."""
         b = x_start.shape[0]
         # per-depth base logits [B, D, V] and the block hidden states of the same slots [B, D, Dm]
         logits = drafting.aligned_logits(drafter, blk.logits).astype(jnp.float32)
@@ -329,11 +337,7 @@ class Tree(Method):
             tables = jax.vmap(tree.markov_tables, in_axes=(0, 0, 0, None, None))(
                 logits, cand_tokens, feats, w2, plan.normalization
             )
-        if self.beam:
-            t = jax.vmap(tree.beam, in_axes=(0, 0, None))(tables, cand_tokens, plan.widths)
-        else:
-            t = jax.vmap(tree.best_first, in_axes=(0, 0, None))(tables, cand_tokens, plan.nodes)
-        return t
+        return tables, cand_tokens
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> Tree:
