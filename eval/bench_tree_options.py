@@ -251,12 +251,14 @@ def fit_widths(pair, sets, budgets, max_new: int, eos, *, moves: int = 40) -> di
         greedy = tuple(w)
         model = tree.auto_widths(budget, depth, top_c=c)
 
-        def climb(w):  # the best single-node move between two depths while one helps
+        def climb(w):  # the best single-node move to a neighbouring depth (or the first empty one) while one helps
             w, cur = list(w), tau(w)
             for _ in range(moves):
                 best = None
                 for i in range(depth):
-                    for j in range(depth):
+                    for j in (i - 1, i + 1, *((w.index(0),) if 0 in w else ())):  # to a neighbour or a new depth
+                        if not 0 <= j < depth:
+                            continue
                         trial = w.copy()
                         trial[i] -= 1
                         trial[j] += 1
