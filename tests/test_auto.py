@@ -156,6 +156,32 @@ def test_switch_branches_return_identical_state_layouts(random_pair):
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(new)] == [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
 
 
+def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(random_pair):
+    """decide="previous" probe (idle > 0): the chain is built; the largest tree only when the policy over the fresh
+    chain prediction and the trees' last ones picks a tree, or when no tree prediction exists yet."""
+    target, drafter = random_pair
+    m = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 1.1, 1.2, 1.3, 1.4)))
+    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
+    plan = run.plan
+    graphdefs, states = split_pair(target, drafter)
+    args = run.device_args()
+    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    assert int(state.auto.idle) > 0  # the first round is a probe
+    blk = auto_mod.draft(target, drafter, state, plan=plan)
+    k_prev = jnp.int32(SIZES.index("chain"))
+
+    def built(last):
+        st = dataclasses.replace(state, auto=dataclasses.replace(state.auto, last=jnp.asarray(last, jnp.float32)))
+        aprop = auto_mod.auto_expand(target, drafter, st, blk, args.temperature, jax.random.key(1), k_prev,
+                                     plan=plan)
+        return bool(aprop.tree_built)
+
+    k = len(SIZES)
+    assert built(np.zeros((3, k)))  # no tree prediction yet: built
+    assert built(np.tile([0, 0, 50.0, 60.0, 70.0], (3, 1)))  # the trees promise far more than any chain: a tree
+    assert not built(np.tile([0, 0, 1e-3, 1e-3, 1e-3], (3, 1)))  # known and hopeless trees: chain or plain only
+
+
 def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
     """A burst of plain steps projects the drafter's context once per chunk of ``depth + 1`` steps; the context
     (and everything else) must equal that of the steps taken one by one, each extending the context."""
