@@ -129,10 +129,16 @@ class FakeEngine:
     def shape_key(self, mc, batch):
         return (mc, len(batch))
 
-    def launch(self, mc, batch, seed, *, prefill_only=False):
+    def launch(self, mc, batch, seed, *, prefill_only=False, auto_memory=None):
         self.log.append((mc.label, "prefill" if prefill_only else "full"))
         time.sleep(0.001)
         return mc
+
+    def memory(self, mc, batch, chain):
+        return None
+
+    def remember(self, mc, batch, chain, res):
+        pass
 
     def outputs(self, res, size=None, labels=()):
         return BatchOutput([[1, 2, 3]], [[1, 1]], [[0, 0]])
@@ -185,9 +191,9 @@ def small(tmp_path_factory, xla_cache):
     launches = []
     original = Engine.launch
 
-    def launch(self, mc, batch, seed, *, prefill_only=False):
+    def launch(self, mc, batch, seed, *, prefill_only=False, auto_memory=None):
         launches.append((mc.label, "prefill" if prefill_only else "full"))
-        return original(self, mc, batch, seed, prefill_only=prefill_only)
+        return original(self, mc, batch, seed, prefill_only=prefill_only, auto_memory=auto_memory)
 
     buf = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:

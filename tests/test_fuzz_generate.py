@@ -152,7 +152,7 @@ def stubbed_programs():
         return jnp.zeros((b, buf_len), jnp.int32), jnp.ones((b,), jnp.int32), jnp.full((b,), -1, jnp.int32)
 
     def spec(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
-             mesh=None):
+             mesh=None, memory=None):
         b = tokens.shape[0]
         z = jnp.zeros((b,), jnp.int32)
         return (jnp.zeros((b, buf_len), jnp.int32), z + 1, jnp.zeros((b, buf_len), jnp.int32), z,
