@@ -310,7 +310,7 @@ def test_no_host_transfer_during_an_auto_generation(random_pair):
 # ----------------------------------------------------------------------------- the memory carried across generations
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, batch):
     """A chain of generations, each from the last one's memory (host copies, across batch sizes too): the tokens
     are the target's greedy ones; the memory has the method's candidates and sane values."""
@@ -372,12 +372,15 @@ def test_bad_auto_memory_names_the_argument(random_pair):
         assert words in str(e.value), (kw, e.value)
 
 
-def test_eval_engine_carries_auto_memory_per_chain(random_pair):
+def test_eval_engine_carries_auto_memory_per_chain(random_pair, monkeypatch):
     """The eval's engine keeps the memory of each chain (batch size, repetition) of method auto, and none without
     carry_auto or for other methods."""
     from sparkjax.eval.engine import Engine, MethodConfig
 
     target, drafter = random_pair
+    monkeypatch.setattr(auto_mod, "_CACHE", {})  # a hand-made table instead of profiling (the engine's own path)
+    monkeypatch.setattr(auto_mod, "profile_costs", lambda t, d, *, method, **kw: _table(
+        random_pair, sizes=method.sizes, seconds=[1.0 + 0.1 * i for i in range(len(method.sizes))]))
     kw = dict(eos=[], temperature=0.0, max_new_tokens=6, cache_size=64, prompt_width=8)
     eng = Engine(target, drafter, **kw)
     mc = MethodConfig("auto", 16)
