@@ -882,5 +882,5 @@ def with_costs(target, drafter, plan: Plan, batch: int, cache_size: int) -> Plan
     return dataclasses.replace(plan, method=dataclasses.replace(m, table=_CACHE[key]))
 
 
-__all__ = ["AutoMemory", "AutoState", "CostTable", "auto_round", "calibrated", "load_cost_table", "policy", "predictions",
-           "profile_costs", "slice_tree", "with_costs"]
+__all__ = ["AutoMemory", "AutoState", "CostTable", "auto_round", "calibrated", "load_cost_table", "policy",
+           "predictions", "profile_costs", "slice_tree", "with_costs"]
