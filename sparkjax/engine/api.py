@@ -560,8 +560,8 @@ def generate(
 
     ``auto_memory``: method ``auto`` only, the ``auto_memory`` of an earlier :class:`GenerateOutput` (of the same
     candidates): this generation starts from its calibration, predictions and probe gap instead of from
-    nothing, so a stream of requests of one kind does not pay the first drafts and probes of each. Tokens are
-    unchanged (see :class:`~sparkjax.engine.auto.AutoMemory`).
+    nothing, so on hard text a request pays its one opening probe rather than a probe every few tokens. Tokens
+    are unchanged (see :class:`~sparkjax.engine.auto.AutoMemory`).
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
