@@ -182,6 +182,72 @@ def _accepted_beam(tables, cand_tokens, truth, widths, k: int) -> jax.Array:
     return n
 
 
+def _forced_tables(pair, drafter, sets, max_new: int, eos, method, plan):
+    """The method's tables [N, D, C, C], candidates [N, D, C] and the target's tokens [N, D] of every teacher-forced
+    round (:func:`forced_rounds`), and the number of rounds of each prompt."""
+    data = list(forced_rounds(pair, drafter, sets, max_new, eos, lambda x0, blk: method.tables(drafter, x0, blk, plan)))
+    return (jnp.concatenate([t for (t, _), _ in data]), jnp.concatenate([ct for (_, ct), _ in data]),
+            jnp.asarray(np.concatenate([tr for _, tr in data]), jnp.int32), [len(tr) for _, tr in data])
+
+
+def _trajectory_tau(acc, lengths) -> float:
+    """Pooled tau of the greedy trajectories the per-position accepted lengths ``acc`` give (``lengths``: positions
+    per prompt): a round at position ``s`` commits ``acc[s] + 1`` tokens and the next starts there (the eval's tau,
+    on these prompts)."""
+    acc = np.asarray(acc)
+    tokens = rounds = off = 0
+    for n_pos in lengths:
+        s = 0
+        while s < n_pos:
+            s += int(acc[off + s]) + 1
+            rounds += 1
+        tokens += n_pos
+        off += n_pos
+    return tokens / rounds
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _best_first_acc(tables, cands, truth, scales, budget: int):
+    """Greedy accepted length per round of best-first over the tables with depth ``d``'s log-probs times
+    ``scales[d]`` (a per-depth calibration; all ones: the method's own tree)."""
+    t = jnp.minimum(tables, 0.0) * scales[None, :, None, None]
+    trees = jax.vmap(tree.best_first, in_axes=(0, 0, None))(t, cands, budget)
+    return jax.vmap(_accepted_tree)(trees, truth)
+
+
+def fit_depth_scales(pair, fit_sets, eval_sets, budget: int, max_new: int, eos,
+                     grid=(0.5, 0.7, 0.85, 1.0, 1.2, 1.5), sweeps: int = 2) -> dict:
+    """Per-depth calibration of sparklingtree's best-first: coordinate search over a scale per depth of the tables'
+    log-probs (< 1: that depth's nodes look more probable), by the trajectory tau of teacher-forced rounds of
+    ``fit_sets``; reported on ``eval_sets`` too (held out from the fit)."""
+    drafter = pair.dspark
+    method = parse_method("sparklingtree", budget=budget)
+    plan = method.plan(pair.target, drafter, False)
+    fit = _forced_tables(pair, drafter, fit_sets, max_new, eos, method, plan)
+    held = _forced_tables(pair, drafter, eval_sets, max_new, eos, method, plan)
+
+    def tau(data, scales):
+        return _trajectory_tau(_best_first_acc(*data[:3], jnp.asarray(scales, jnp.float32), budget), data[3])
+
+    scales = [1.0] * plan.depth
+    res = {"budget": budget, "fit_rounds": int(fit[0].shape[0]), "eval_rounds": int(held[0].shape[0]),
+           "best_first_fit": tau(fit, scales), "best_first_eval": tau(held, scales)}
+    cur = res["best_first_fit"]
+    for _ in range(sweeps):
+        for d in range(plan.depth):
+            for g in grid:
+                trial = scales.copy()
+                trial[d] = g
+                v = tau(fit, trial)
+                if v > cur + 1e-9:
+                    cur, scales = v, trial
+    res.update(scales=scales, calibrated_fit=cur, calibrated_eval=tau(held, scales))
+    print(f"budget {budget}: best-first tau {res['best_first_fit']:.3f} (fit prompts, {res['fit_rounds']} rounds) / "
+          f"{res['best_first_eval']:.3f} (eval prompts, {res['eval_rounds']} rounds); per-depth scales {scales}: "
+          f"{res['calibrated_fit']:.3f} / {res['calibrated_eval']:.3f}", flush=True)
+    return res
+
+
 def fit_widths(pair, sets, budgets, max_new: int, eos, *, moves: int = 40) -> dict:
     """Learn a beam profile per budget on teacher-forced rounds at every position of the ``ar`` outputs: greedy
     node-by-node allocation by the tau of the greedy trajectories (see ``rounds_tau``), then the best single-node
@@ -194,37 +260,18 @@ def fit_widths(pair, sets, budgets, max_new: int, eos, *, moves: int = 40) -> di
         plan = method.plan(pair.target, drafter, False)
         depth, c = plan.depth, plan.method.top_c
         k = min(budget, c)
-        data = list(forced_rounds(pair, drafter, sets, max_new, eos,
-                                  lambda x0, blk: method.tables(drafter, x0, blk, plan)))
-        tables = jnp.concatenate([t for (t, _), _ in data])
-        cands = jnp.concatenate([ct for (_, ct), _ in data])
-        truth = jnp.asarray(np.concatenate([tr for _, tr in data]), jnp.int32)
+        tables, cands, truth, lengths = _forced_tables(pair, drafter, sets, max_new, eos, method, plan)
         n = tables.shape[0]
 
-        lengths = [len(tr) for _, tr in data]
-
         def rounds_tau(acc) -> float:
-            """Pooled tau of the greedy trajectories these per-position accepted lengths give: a round at position
-            ``s`` commits ``acc[s] + 1`` tokens and the next starts there (the eval's tau, on these prompts)."""
-            acc = np.asarray(acc)
-            tokens = rounds = off = 0
-            for n_pos in lengths:
-                s = 0
-                while s < n_pos:
-                    s += int(acc[off + s]) + 1
-                    rounds += 1
-                tokens += n_pos
-                off += n_pos
-            return tokens / rounds
+            return _trajectory_tau(acc, lengths)
 
         @functools.partial(jax.jit, static_argnums=4)
         def beam_acc(tables, cands, truth, widths, k):
             return jax.vmap(_accepted_beam, in_axes=(0, 0, 0, None, None))(tables, cands, truth, widths, k)
 
-        @functools.partial(jax.jit, static_argnums=3)
         def best_first_acc(tables, cands, truth, budget):
-            trees = jax.vmap(tree.best_first, in_axes=(0, 0, None))(tables, cands, budget)
-            return jax.vmap(_accepted_tree)(trees, truth)
+            return _best_first_acc(tables, cands, truth, jnp.ones((depth,), jnp.float32), budget)
 
         def tau(w):
             return rounds_tau(beam_acc(tables, cands, truth, jnp.asarray(w, jnp.int32), k))
@@ -297,6 +344,9 @@ def main(argv=None) -> int:
     ap.add_argument("--diagnostic", action="store_true")
     ap.add_argument("--fit-widths", default=None, metavar="BUDGETS",
                     help="learn a beam profile per budget (comma-separated) on teacher-forced rounds")
+    ap.add_argument("--fit-depth-scales", type=int, default=None, metavar="BUDGET",
+                    help="calibrate sparklingtree@BUDGET's per-depth scores on the prompts after --skip-samples and "
+                         "report the first --skip-samples prompts of each set too")
     ap.add_argument("--skip-samples", type=int, default=0,
                     help="leave out the first N prompts of each set (e.g. the default eval's, to fit on held-out ones)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -309,6 +359,9 @@ def main(argv=None) -> int:
     res = {}
     if args.diagnostic:
         res["diagnostic"] = diagnostic(pair, sets, args.max_new_tokens, eos)
+    elif args.fit_depth_scales:
+        res["fit_depth_scales"] = fit_depth_scales(pair, sets, prompts(args.skip_samples, pair.tokenizer),
+                                                   args.fit_depth_scales, args.max_new_tokens, eos)
     elif args.fit_widths:
         res["fit_widths"] = fit_widths(pair, sets, [int(b) for b in args.fit_widths.split(",")], args.max_new_tokens,
                                        eos)
