@@ -194,3 +194,24 @@ def test_candidates_stage_out_the_chunked_top_k_for_accelerators():
     cpu = fn.trace(x).lower(lowering_platforms=("cpu",)).as_text()
     assert "tensor<16x38x4096xf32>" in gpu and gpu.count("chlo.top_k") == 2
     assert cpu.count("chlo.top_k") == 1 and "38x4096" not in cpu
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), widths=st.lists(st.integers(1, 6), min_size=5, max_size=5))
+def test_expand_with_traced_widths_keeps_what_static_widths_keep(seed, widths):
+    """``_expand(tables, widths, k)`` with the widths as a traced array (one program for every profile, the beam
+    search of eval/bench_tree_options.py) keeps, at every depth, the same entries as the static profile: the same
+    scores, parent slots and candidates in its first max(widths) slots, and empty slots after them."""
+    rng = np.random.default_rng(seed)
+    tables = -rng.integers(0, 3, size=(5, 4, 4)).astype(np.float32)  # exact ties: the tie-break must agree too
+    tables[..., 0] = np.maximum(tables[..., 0], -2.0)
+    k = 8
+    static = [np.asarray(x) for x in tree._expand(tables, tuple(widths))]
+    traced = [np.asarray(x) for x in jax.jit(lambda t, w: tree._expand(t, w, k))(tables, np.asarray(widths, np.int32))]
+    m = max(widths)
+    for depth in range(5):
+        kept = static[0][depth] > -np.inf
+        np.testing.assert_array_equal(traced[0][depth][:m], static[0][depth])
+        for got, want in zip(traced[1:], static[1:], strict=True):
+            np.testing.assert_array_equal(got[depth][:m][kept], want[depth][kept])
+        assert np.all(traced[0][depth][m:] == -np.inf)
