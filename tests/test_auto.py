@@ -293,9 +293,15 @@ def test_no_host_transfer_during_an_auto_generation(random_pair):
         jax.block_until_ready(res)
     assert len(res) == 7 and int(np.asarray(res[1]).min()) == 20  # ..., depth_hits, choices, memory
     assert isinstance(res[6], auto_mod.AutoMemory)
-    # a launch started from the last one's memory (device arrays): still no transfer to the host
+    # a launch started from the last one's memory (device arrays): still no transfer to the host, and no new
+    # program (a memory is a traced input, fresh or carried, on device or on the host)
+    programs = spec_program._cache_size()
     with jax.transfer_guard_device_to_host("disallow"):
-        jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=res[6]))
+        again = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20,
+                                             auto_memory=res[6]))
+    host = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=again[6]).auto_memory
+    generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=host)
+    assert spec_program._cache_size() == programs
     # the compiled program alone, with its inputs already on device: no transfer of any kind
     run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
     graphdefs, states = split_pair(target, drafter)
