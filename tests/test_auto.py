@@ -158,28 +158,31 @@ def test_switch_branches_return_identical_state_layouts(random_pair):
 
 def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(random_pair):
     """decide="previous" probe (idle > 0): the chain is built; the largest tree only when the policy over the fresh
-    chain prediction and the trees' last ones picks a tree, or when no tree prediction exists yet."""
+    chain prediction and the trees' last ones picks a tree, or when no tree prediction exists yet and some tree
+    size is viable (with no viable tree size no tree is ever built)."""
     target, drafter = random_pair
-    m = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 1.1, 1.2, 1.3, 1.4)))
-    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
-    plan = run.plan
-    graphdefs, states = split_pair(target, drafter)
-    args = run.device_args()
-    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
-    assert int(state.auto.idle) > 0  # the first round is a probe
-    blk = auto_mod.draft(target, drafter, state, plan=plan)
-    k_prev = jnp.int32(SIZES.index("chain"))
 
-    def built(last):
+    def probe_builds_tree(seconds, last):
+        m = Auto(sizes=SIZES, table=_table(random_pair, seconds=seconds))
+        run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
+        plan = run.plan
+        graphdefs, states = split_pair(target, drafter)
+        args = run.device_args()
+        state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
+        assert int(state.auto.idle) > 0  # the first round is a probe
+        blk = auto_mod.draft(target, drafter, state, plan=plan)
         st = dataclasses.replace(state, auto=dataclasses.replace(state.auto, last=jnp.asarray(last, jnp.float32)))
-        aprop = auto_mod.auto_expand(target, drafter, st, blk, args.temperature, jax.random.key(1), k_prev,
-                                     plan=plan)
+        aprop = auto_mod.auto_expand(target, drafter, st, blk, args.temperature, jax.random.key(1),
+                                     jnp.int32(SIZES.index("chain")), plan=plan)
         return bool(aprop.tree_built)
 
     k = len(SIZES)
-    assert built(np.zeros((3, k)))  # no tree prediction yet: built
-    assert built(np.tile([0, 0, 50.0, 60.0, 70.0], (3, 1)))  # the trees promise far more than any chain: a tree
-    assert not built(np.tile([0, 0, 1e-3, 1e-3, 1e-3], (3, 1)))  # known and hopeless trees: chain or plain only
+    cheap = (1.0, 1.1, 1.2, 1.3, 1.4)
+    assert probe_builds_tree(cheap, np.zeros((3, k)))  # no tree prediction yet: built
+    assert probe_builds_tree(cheap, np.tile([0, 0, 50.0, 60.0, 70.0], (3, 1)))  # trees promise far more: a tree
+    assert not probe_builds_tree(cheap, np.tile([0, 0, 1e-3, 1e-3, 1e-3], (3, 1)))  # known, hopeless: no tree
+    # every tree size costs more plain steps than half its most tokens: not viable, never built, even unknown
+    assert not probe_builds_tree((1.0, 1.1, 50.0, 60.0, 70.0), np.zeros((3, k)))
 
 
 def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
@@ -506,6 +509,10 @@ def test_unreadable_cost_tables_name_the_file(tmp_path):
     (lambda: Auto(chain="ddtree"), "chain"),
     (lambda: Auto(decide="later"), "decide"),
     (lambda: Auto(probe=0), "probe"),
+    (lambda: Auto(viable_share=0), "viable_share"),
+    (lambda: Auto(viable_share=1.5), "viable_share"),
+    (lambda: Auto(viable_share="half"), "viable_share"),
+    (lambda: Auto(viable_share=float("nan")), "viable_share"),
     (lambda: Auto(table={"ar": 1.0}), "table"),
     (lambda: parse_method("auto", widths=(4, 4)), "widths"),
     (lambda: parse_method("auto@0"), "budget"),
@@ -580,14 +587,21 @@ def test_eval_describes_every_default_method(random_pair):
 
 
 def test_sizes_that_cannot_pay_are_never_chosen_nor_probed(random_pair):
-    """With a hand-made table: a drafted size whose depth + 1 tokens per round cost more than as many plain
-    steps is not viable; probes wait as many plain steps as the cheapest viable drafted round costs; when no
-    drafted size can pay, a generation is plain steps only (and still the target's greedy tokens)."""
+    """With a hand-made table: a drafted size whose round costs at least ``viable_share`` x its depth + 1
+    tokens in plain steps is not viable; probes wait as many plain steps as the cheapest viable drafted round
+    costs; when no drafted size can pay, a generation is plain steps only (and still the target's greedy
+    tokens)."""
     sizes = (0, "chain", 8)
     labels = ("ar", "dspark", "sparklingtree@8")
-    m = Auto(sizes=sizes, table=CostTable(labels, (1.0, 30.0, 5.0)))
+    m = Auto(sizes=sizes, table=CostTable(labels, (1.0, 30.0, 5.0)), viable_share=1)
     assert auto_mod.viable(m, 16) == (True, False, True)  # chain: 17 tokens < 30 steps; tree@8: 9 > 5
     assert auto_mod.gap_floor(m, 16) == 5  # max(probe=4, ceil(5 / 1))
+    # the default share 0.5: tree@8 must pay at 4.5 tokens (not at 5 steps), the chain at 8.5 (at 8 steps)
+    half = Auto(sizes=sizes, table=CostTable(labels, (1.0, 8.0, 5.0)))
+    assert half.viable_share == 0.5 and auto_mod.viable(half, 16) == (True, True, False)
+    assert auto_mod.gap_floor(half, 16) == 8
+    assert not auto_mod.drafts_can_pay(Auto(sizes=sizes, table=CostTable(labels, (1.0, 9.0, 5.0))), 16)
+    assert auto_mod.drafts_can_pay(Auto(sizes=sizes, table=CostTable(labels, (1.0, 9.0, 5.0)), viable_share=0.6), 16)
     assert auto_mod.gap_floor(Auto(sizes=sizes, table=CostTable(labels, (1.0, 2.0, 3.0))), 16) == 4
     assert auto_mod.gap_floor(Auto(sizes=sizes), 16) == 4  # no table: probe
     target, drafter = random_pair

@@ -365,6 +365,11 @@ class Auto(Method):
     ``probe`` plain steps in a row; that gap grows 4x, up to 128, while the probe drafts still predict size 0;
     a probe re-decides from its own draft, and when it takes the plain step its chain is scored later against
     the committed tokens, so the calibration keeps learning without a verify).
+    ``viable_share`` (in ``(0, 1]``, default 0.5): a drafted size is viable (ever probed or chosen) only if it
+    pays when this share of its most tokens per round (depth + 1) is committed: its round must cost fewer plain
+    steps than ``viable_share * (depth + 1)``. At 1 a size is dropped only when it cannot pay at all; the
+    default 0.5 also drops sizes that pay only on near-perfect acceptance, which a probe costs far more than it
+    finds (a large batch, whose batch-mean acceptance is far from its best sequence's).
     ``table``: a :class:`~sparkjax.engine.auto.CostTable` for these
     sizes (default: profiled once per process and shape by :func:`~sparkjax.engine.auto.profile_costs`).
     ``top_c`` (default 32, at most the vocabulary: the largest tree is built every drafted round, so its
@@ -379,6 +384,7 @@ class Auto(Method):
     normalization: str = "fast"
     decide: str = "previous"
     probe: int = 4
+    viable_share: float = 0.5
     table: Any = None  # a sparkjax.engine.auto.CostTable, or None
 
     def __post_init__(self):
@@ -421,6 +427,10 @@ class Auto(Method):
         if not isinstance(self.decide, str) or self.decide not in DECIDE:
             raise ArgumentError(f"decide: expected one of {DECIDE}, got {describe(self.decide)}")
         object.__setattr__(self, "probe", check_int("probe", self.probe))
+        share = self.viable_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ArgumentError(f"viable_share: expected a number in (0, 1], got {describe(share)}")
+        object.__setattr__(self, "viable_share", float(share))
         if self.table is not None:
             labels = getattr(self.table, "labels", None)
             if labels is None or not hasattr(self.table, "seconds"):
