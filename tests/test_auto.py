@@ -609,3 +609,13 @@ def test_sizes_that_cannot_pay_are_never_chosen_nor_probed(random_pair):
     out = generate(target, drafter, PROMPTS3, max_new_tokens=12, method=hopeless)
     assert out.tokens == generate(target, None, PROMPTS3, max_new_tokens=12).tokens
     assert set(out.size_counts) == {"ar"}
+    # no draft can ever pay: the prompt's features never enter the drafter's context (plain steps only); a
+    # drafting auto (decide="draft") still keeps it
+    graphdefs, states = split_pair(target, drafter)
+    for method, kept in ((hopeless, False), (dataclasses.replace(hopeless, decide="draft"), True),
+                         (Auto(sizes=sizes, table=CostTable(hopeless.table.labels, (1.0, 2.0, 3.0))), True)):
+        run = validate(target, drafter, PROMPTS3, method=method, max_new_tokens=12)
+        assert auto_mod.keeps_context(run.plan) == kept
+        state = spec_start(graphdefs, states, *run.device_args(), plan=run.plan, cache_size=run.cache_size,
+                           buf_len=run.buf_len)
+        assert bool((np.asarray(state.ctx.lengths) > 0).all()) == kept

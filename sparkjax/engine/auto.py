@@ -286,6 +286,12 @@ def drafts_can_pay(m: Auto, depth: int) -> bool:
     return any(good for v, good in zip(m.sizes, viable(m, depth), strict=True) if v != 0)
 
 
+def keeps_context(plan: Plan) -> bool:
+    """Whether a generation of ``plan`` needs the drafter's context: every method but an ``auto`` that decides
+    from the previous round (``decide="previous"``) and whose cost table lets no draft pay (plain steps only)."""
+    return not plan.is_auto or plan.method.decide == "draft" or drafts_can_pay(plan.method, plan.depth)
+
+
 def gap_floor(m: Auto, depth: int) -> int:
     """Plain steps between two probe drafts, at least: ``probe``, and as many plain steps as the cheapest
     viable drafted round costs (a probe that finds nothing then costs at most about as much as the steps
@@ -405,17 +411,18 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw), want_tree)
 
 
-def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos, plan: Plan):
+def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos, plan: Plan, features: bool = True):
     """Size 0's target part: the target over ``[x_start]`` alone and its token committed, with the same writes
     as :func:`~sparkjax.engine.round.commit` for one token, in fewer ops (a plain step must cost about what
     the target's own decode step does). Returns ``(state, features [B, 1, F], step [B], bonus [B])``; the
-    drafter's context is not touched (``state.ctx`` still ends where the step started)."""
+    drafter's context is not touched (``state.ctx`` still ends where the step started). ``features=False``
+    (static): the target's hidden states are not gathered and the features returned are None."""
     b = state.x_start.shape[0]
     tokens = state.x_start[:, None]
     start = state.cache.lengths
     with jax.named_scope(VERIFY):
         out = target(tokens, start[:, None], cache=state.cache, mask=jnp.ones((b, 1, 1), bool),
-                     hidden_layers=plan.layer_ids)
+                     hidden_layers=plan.layer_ids if features else ())
     logits = out.logits.astype(jnp.float32)
     bonus = sampling.posterior(logits, temperature, key if plan.sampling else None)[:, 0]
     active = ~state.done
@@ -429,7 +436,7 @@ def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos,
         state, cache=out.cache.with_lengths(start + step), x_start=jnp.where(active, bonus, state.x_start),
         out=out_buf, n=n, done=done, accept_lens=state.accept_lens.at[rows, r].set(1, mode="drop"),
         rounds=state.rounds + step, nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1))
-    return new, jnp.concatenate(out.hidden, axis=-1), step, bonus
+    return new, jnp.concatenate(out.hidden, axis=-1) if features else None, step, bonus
 
 
 def _plain_acceptance(bonus: Array, depth: int) -> Acceptance:
@@ -576,8 +583,12 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
     steps = jnp.maximum(st.gap - st.idle, 1)
-    if not drafts_can_pay(plan.method, plan.depth):
-        steps = jnp.int32(st.choices.shape[1])  # no draft can pay: plain steps to the end
+    track = keeps_context(plan)  # auto_plain runs for decide="previous" only: drafts_can_pay
+    if not track:
+        # no draft can pay: plain steps to the end, and no draft ever needs the drafter's context, so the steps
+        # neither gather the target's hidden states nor extend the context (at batch 64 here that was most of
+        # what a plain step cost beyond ar's step)
+        steps = jnp.int32(st.choices.shape[1])
     steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
 
     # the drafter's context is extended once per chunk of up to `chunk` steps (one projection of the chunk's
@@ -600,15 +611,18 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
         def body(c):
             i, s, feats, count = c
             new, f, step, _ = _plain_target_step(target, s, temperature, jax.random.fold_in(key, j0 + i), max_new,
-                                                 eos, plan)
+                                                 eos, plan, features=track)
             r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
             choices = s.auto.choices.at[jnp.arange(b), r].set(i0, mode="drop")
-            feats = jax.lax.dynamic_update_slice_in_dim(feats, f.astype(feats.dtype), i, axis=1)
+            if track:
+                feats = jax.lax.dynamic_update_slice_in_dim(feats, f.astype(feats.dtype), i, axis=1)
             return i + 1, dataclasses.replace(new, auto=dataclasses.replace(s.auto, choices=choices)), feats, \
                 count + step
 
         init = (jnp.zeros((), jnp.int32), s0, jnp.zeros((b, chunk, feat_size), dtype), jnp.zeros((b,), jnp.int32))
         i, s, feats, count = jax.lax.while_loop(cond, body, init)
+        if not track:
+            return j0 + i, s
         # active steps are a prefix of the chunk for every sequence (done is absorbing): rows past `count` are
         # scratch past the context's new length
         return j0 + i, dataclasses.replace(s, ctx=drafting.append_context(drafter, s.ctx, feats, count))

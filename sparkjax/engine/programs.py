@@ -15,7 +15,7 @@ from flax import nnx
 
 from ..sampling import pick
 from .auto import init_state as init_auto
-from .auto import memory_of
+from .auto import keeps_context, memory_of
 from .drafting import append_context
 from .methods import Plan
 from .placement import constrain, per_sequence
@@ -95,10 +95,14 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
     """Prefill the target, take the first token, and fill the drafter context with the prompt's features.
     ``memory``: method ``auto``'s :class:`~sparkjax.engine.auto.AutoMemory` to start from (None: a fresh one)."""
     b = tokens.shape[0]
-    cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids)
+    # an ``auto`` whose cost table lets no draft pay runs plain steps only: the drafter's context stays empty
+    track = keeps_context(plan)
+    cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids if track else ())
     key, sub = jax.random.split(key)
     first = pick(logits, temperature, sub if plan.sampling else None)
-    ctx = append_context(drafter, drafter.init_context(b, cache_size), jnp.concatenate(hidden, -1), lengths)
+    ctx = drafter.init_context(b, cache_size)
+    if track:
+        ctx = append_context(drafter, ctx, jnp.concatenate(hidden, -1), lengths)
     out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
     n = jnp.ones((b,), jnp.int32)
     done = jnp.isin(first, eos) | (n >= max_new)
