@@ -162,22 +162,24 @@ def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(rando
     size is viable (with no viable tree size no tree is ever built)."""
     target, drafter = random_pair
 
+    graphdefs, states = split_pair(target, drafter)
+    cheap = (1.0, 1.1, 1.2, 1.3, 1.4)
+    run = validate(target, drafter, PROMPTS3, method=Auto(sizes=SIZES, table=_table(random_pair, seconds=cheap)),
+                   max_new_tokens=20)
+    args = run.device_args()
+    state = spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    assert int(state.auto.idle) > 0  # the first round is a probe
+    blk = auto_mod.draft(target, drafter, state, plan=run.plan)
+
     def probe_builds_tree(seconds, last):
-        m = Auto(sizes=SIZES, table=_table(random_pair, seconds=seconds))
-        run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
-        plan = run.plan
-        graphdefs, states = split_pair(target, drafter)
-        args = run.device_args()
-        state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
-        assert int(state.auto.idle) > 0  # the first round is a probe
-        blk = auto_mod.draft(target, drafter, state, plan=plan)
+        plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method,
+                                                                        table=_table(random_pair, seconds=seconds)))
         st = dataclasses.replace(state, auto=dataclasses.replace(state.auto, last=jnp.asarray(last, jnp.float32)))
         aprop = auto_mod.auto_expand(target, drafter, st, blk, args.temperature, jax.random.key(1),
                                      jnp.int32(SIZES.index("chain")), plan=plan)
         return bool(aprop.tree_built)
 
     k = len(SIZES)
-    cheap = (1.0, 1.1, 1.2, 1.3, 1.4)
     assert probe_builds_tree(cheap, np.zeros((3, k)))  # no tree prediction yet: built
     assert probe_builds_tree(cheap, np.tile([0, 0, 50.0, 60.0, 70.0], (3, 1)))  # trees promise far more: a tree
     assert not probe_builds_tree(cheap, np.tile([0, 0, 1e-3, 1e-3, 1e-3], (3, 1)))  # known, hopeless: no tree
@@ -450,22 +452,21 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
 
 def test_profile_costs_save_and_load(random_pair, tmp_path):
     target, drafter = random_pair
-    tab = profile_costs(target, drafter, method=Auto(sizes=(0, "chain", 4)), batch_size=2, cache_size=64,
-                        repeats=1)
-    assert tab.labels == ("ar", "dspark", "sparklingtree@4")
+    tab = profile_costs(target, drafter, method=Auto(sizes=(0, "chain")), batch_size=2, cache_size=64, repeats=1)
+    assert tab.labels == ("ar", "dspark")
     assert all(s > 0 for s in tab.seconds) and all(0 < b <= s for b, s in zip(tab.best, tab.seconds, strict=True))
     key = tab.key_dict
     assert key["batch"] == 2 and key["cache_size"] == 64 and key["device"].startswith(jax.devices()[0].platform)
     path = tmp_path / "costs.json"
     tab.save(path)
-    back = load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain", 4)),
+    back = load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain")),
                            batch_size=2, cache_size=64)
     assert back == tab
-    m = Auto(sizes=(0, "chain", 4), table=back)  # a loaded table is used as is
+    m = Auto(sizes=(0, "chain"), table=back)  # a loaded table is used as is
     assert generate(target, drafter, PROMPTS3, method=m, max_new_tokens=8).tokens == \
         generate(target, None, PROMPTS3, max_new_tokens=8).tokens
     with pytest.raises(CostTableError, match=r"costs.json: key 'batch' is 2, this run needs 4"):
-        load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain", 4)),
+        load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain")),
                         batch_size=4, cache_size=64)
     with pytest.raises(CostTableError, match="key 'candidates'"):
         load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, 4)), batch_size=2,
@@ -612,10 +613,13 @@ def test_sizes_that_cannot_pay_are_never_chosen_nor_probed(random_pair):
     # no draft can ever pay: the prompt's features never enter the drafter's context (plain steps only); a
     # drafting auto (decide="draft") still keeps it
     graphdefs, states = split_pair(target, drafter)
-    for method, kept in ((hopeless, False), (dataclasses.replace(hopeless, decide="draft"), True),
-                         (Auto(sizes=sizes, table=CostTable(hopeless.table.labels, (1.0, 2.0, 3.0))), True)):
+    for method, kept in ((hopeless, False), (Auto(sizes=sizes, table=CostTable(hopeless.table.labels, (1.0, 2.0, 3.0))),
+                                             True)):
         run = validate(target, drafter, PROMPTS3, method=method, max_new_tokens=12)
         assert auto_mod.keeps_context(run.plan) == kept
         state = spec_start(graphdefs, states, *run.device_args(), plan=run.plan, cache_size=run.cache_size,
                            buf_len=run.buf_len)
         assert bool((np.asarray(state.ctx.lengths) > 0).all()) == kept
+        if not kept:  # drafting every round (decide="draft") needs the context whatever the table
+            plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method, decide="draft"))
+            assert auto_mod.keeps_context(plan)

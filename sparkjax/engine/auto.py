@@ -551,7 +551,9 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
     k = _choose(st, aprop.raw, plan, ~state.done) if m.decide == "draft" else k_prev
     probe = st.idle > 0  # a probe (or the first draft): every candidate's prediction is fresh
     if shadowing(m):  # a probe decides from its own draft; the plain step leaves its chain as a shadow
-        built = jnp.asarray([v == 0 or v == CHAIN for v in m.sizes]) | aprop.tree_built  # never an unbuilt tree
+        # never an unbuilt tree (tree_built is None where the round builds every kind it has, e.g. no tree sizes)
+        tree_built = True if aprop.tree_built is None else aprop.tree_built
+        built = jnp.asarray([v == 0 or v == CHAIN for v in m.sizes]) | tree_built
         k = jnp.where(probe, _choose(st, aprop.raw, plan, ~state.done, built), k)
     branches = [functools.partial(_branch, i, target, drafter, plan=plan) for i in range(len(m.sizes))]
     args = (aprop, temperature, key, max_new, eos)

@@ -64,7 +64,7 @@ class Plan:
     @property
     def top_c(self) -> int:
         """Candidates per depth (trees; 0 for a chain)."""
-        return 0 if self.is_chain else self.method.top_c
+        return 0 if self.is_chain else self.method.top_c or 0  # an auto without tree sizes has none
 
     @property
     def widths(self) -> tuple[int, ...] | None:
@@ -483,7 +483,7 @@ class Auto(Method):
         if self.table is not None and tuple(self.table.labels) != resolved.labels():
             raise ArgumentError(f"table: its candidates {list(self.table.labels)} are not this method's "
                                 f"{list(resolved.labels())}")
-        resolved = dataclasses.replace(resolved, top_c=c)
+        resolved = dataclasses.replace(resolved, top_c=c or None)  # no tree size: no candidates (top_c None)
         return Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids))
 
     def tree_plan(self, plan: Plan) -> Plan:
