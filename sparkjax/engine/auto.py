@@ -589,8 +589,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     track = keeps_context(plan)  # auto_plain runs for decide="previous" only: drafts_can_pay
     if not track:
         # no draft can pay: plain steps to the end, and no draft ever needs the drafter's context, so the steps
-        # neither gather the target's hidden states nor extend the context (at batch 64 here that was most of
-        # what a plain step cost beyond ar's step)
+        # neither gather the target's hidden states nor extend the context
         steps = jnp.int32(st.choices.shape[1])
     steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
 

@@ -368,8 +368,8 @@ class Auto(Method):
     ``viable_share`` (in ``(0, 1]``, default 0.5): a drafted size is viable (ever probed or chosen) only if it
     pays when this share of its most tokens per round (depth + 1) is committed: its round must cost fewer plain
     steps than ``viable_share * (depth + 1)``. At 1 a size is dropped only when it cannot pay at all; the
-    default 0.5 also drops sizes that pay only on near-perfect acceptance, which a probe costs far more than it
-    finds (a large batch, whose batch-mean acceptance is far from its best sequence's).
+    default 0.5 also drops sizes that pay only on near-perfect acceptance, whose probes cost more than they find
+    (at a large batch the batch-mean acceptance is far from its best sequence's).
     ``table``: a :class:`~sparkjax.engine.auto.CostTable` for these
     sizes (default: profiled once per process and shape by :func:`~sparkjax.engine.auto.profile_costs`).
     ``top_c`` (default 32, at most the vocabulary: the largest tree is built every drafted round, so its
