@@ -241,7 +241,7 @@ class AutoProposal:
     tree: Proposal | None
     chain: Proposal | None
     raw: Array
-    tree_built: Array | None = None  # bool scalar: the tree was built this round (else its predictions are stale)
+    tree_built: Array  # bool scalar: the tree was built this round (else its predictions are stale; False without one)
 
 
 # ============================================================================ predictions and the policy
@@ -282,9 +282,10 @@ def viable(m: Auto, depth: int) -> tuple[bool, ...]:
     return tuple(v == 0 or share * n * plain > c for v, n, c in zip(m.sizes, most, seconds, strict=True))
 
 
-def drafts_can_pay(m: Auto, depth: int) -> bool:
-    """Whether any drafted size is :func:`viable` (else a generation is plain steps only, with no probe)."""
-    return any(good for v, good in zip(m.sizes, viable(m, depth), strict=True) if v != 0)
+def drafts_can_pay(m: Auto, depth: int, trees: bool = False) -> bool:
+    """Whether any drafted size is :func:`viable` (else a generation is plain steps only, with no probe); with
+    ``trees``, any tree size (else no tree is ever built)."""
+    return any(good for v, good in zip(m.sizes, viable(m, depth), strict=True) if v != 0 and not (trees and v == CHAIN))
 
 
 def keeps_context(plan: Plan) -> bool:
@@ -383,7 +384,7 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     if k is None or not both:
         tree_prop, scores = build_tree() if m.tree_sizes else (None, None)
         chain_prop, chain_p = build_chain() if CHAIN in m.sizes else (None, None)
-        return AutoProposal(tree_prop, chain_prop, predictions(m, b, scores, chain_p))
+        return AutoProposal(tree_prop, chain_prop, predictions(m, b, scores, chain_p), jnp.asarray(bool(m.tree_sizes)))
 
     def empty(fn):
         return lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
@@ -401,8 +402,8 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
         chain_raw = jnp.where(chain_cols[None], predictions(m, b, None, chain_p), state.auto.last)
         pick = _choose(state.auto, chain_raw, plan, ~state.done)
         # no tree built yet (no prediction to compare), and some tree size is viable (else none is ever built)
-        tree_viable = any(good for v, good in zip(m.sizes, viable(m, plan.depth), strict=True) if v not in (0, CHAIN))
-        unknown = ~jnp.any(jnp.where(tree_cols[None], state.auto.last, 0.0) > 0) & tree_viable
+        never = ~jnp.any(jnp.where(tree_cols[None], state.auto.last, 0.0) > 0)
+        unknown = never & drafts_can_pay(m, plan.depth, trees=True)
         picks_tree = (pick != m.sizes.index(0)) & (pick != m.sizes.index(CHAIN))
         want_tree = jnp.where(refresh, picks_tree | unknown, ~is_chain)
     tree_prop, scores = jax.lax.cond(want_tree, build_tree, empty(build_tree))
@@ -551,9 +552,7 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
     k = _choose(st, aprop.raw, plan, ~state.done) if m.decide == "draft" else k_prev
     probe = st.idle > 0  # a probe (or the first draft): every candidate's prediction is fresh
     if shadowing(m):  # a probe decides from its own draft; the plain step leaves its chain as a shadow
-        # never an unbuilt tree (tree_built is None where the round builds every kind it has, e.g. no tree sizes)
-        tree_built = True if aprop.tree_built is None else aprop.tree_built
-        built = jnp.asarray([v == 0 or v == CHAIN for v in m.sizes]) | tree_built
+        built = jnp.asarray([v == 0 or v == CHAIN for v in m.sizes]) | aprop.tree_built  # never an unbuilt tree
         k = jnp.where(probe, _choose(st, aprop.raw, plan, ~state.done, built), k)
     branches = [functools.partial(_branch, i, target, drafter, plan=plan) for i in range(len(m.sizes))]
     args = (aprop, temperature, key, max_new, eos)

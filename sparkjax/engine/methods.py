@@ -475,7 +475,7 @@ class Auto(Method):
         check_drafter(target, drafter, resolved)
         depth = self.depth(drafter)
         trees = self.tree_sizes
-        c = 0
+        c = None  # no tree size: no candidates
         if trees:
             top_c = min(AUTO_TOP_C, target.config.vocab_size) if self.top_c is None else self.top_c
             sub = Tree(resolved.tree, trees[-1], top_c, None, self.normalization).plan(target, drafter, sampling)
@@ -483,7 +483,7 @@ class Auto(Method):
         if self.table is not None and tuple(self.table.labels) != resolved.labels():
             raise ArgumentError(f"table: its candidates {list(self.table.labels)} are not this method's "
                                 f"{list(resolved.labels())}")
-        resolved = dataclasses.replace(resolved, top_c=c or None)  # no tree size: no candidates (top_c None)
+        resolved = dataclasses.replace(resolved, top_c=c)
         return Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids))
 
     def tree_plan(self, plan: Plan) -> Plan:
