@@ -736,6 +736,7 @@ def test_mismatched_pair_and_bad_optim(target, drafter):
         new_drafter_config(target.config, {"block_size": 16})
 
 
+@pytest.mark.slow  # a regression test of one compile-heavy case (256-token sequences); CI runs the slow cases
 def test_train_step_differentiates_sequences_longer_than_an_attention_chunk(target, drafter):
     """Sequences longer than the blocked attention's chunk: the CPU's default inference attention has a loop
     with a run-time trip count, which reverse mode cannot go through; the training forward traces the
