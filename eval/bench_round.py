@@ -59,6 +59,11 @@ sequential kernel of the AR step, which has none unless the model loops over lay
 projected speedup is ``tau / round_ar_steps`` at ``--tau`` (7.34, compared with the SparklingTree
 write-up's 4.29x).
 
+``--attention fused`` replaces every attention call (target and drafter, AR step and round) by one opaque call
+(:func:`fused_attention_model`, a ``jax.pure_callback`` that is compiled, never run), charged its operands read
+once and its output written once, with :func:`fused_attention_flops`: a projection of a fused GPU attention kernel
+(cuDNN's, which ``attend(impl="dpa")`` calls for bf16), which the CPU program cannot contain.
+
 Usage::
 
     python eval/bench_round.py --preset real,demo --batches 1,8 --budgets 16,64 \\
@@ -100,6 +105,33 @@ _VIEW = frozenset({"bitcast", "reshape", "convert"})  # seen through when lookin
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
 _LAYOUT = frozenset({"transpose", "copy", "bitcast", "reshape"})
+
+
+# ============================================================================= the fused-attention model
+
+FUSED_ATTENTION_TARGET = "python_cpu_callback"  # in the custom-call target jax.pure_callback lowers to on XLA:CPU
+
+
+def fused_attention_model(q, parts, impl=None):
+    """Stands in for :func:`sparkjax.nn.layers.attend` under ``--attention fused``: one opaque call (a
+    ``jax.pure_callback``: compiled, never run) of the queries and every part's keys, values and mask that returns
+    the attention output. The byte model then charges what a fused attention kernel moves (cuDNN's, which
+    ``attend(impl="dpa")`` calls on a GPU for bf16): its operands read once and its output written once, and
+    :func:`fused_attention_flops` its FLOPs. A projection of that kernel, not of anything XLA:CPU runs."""
+    import jax
+    import numpy as np
+
+    b, t, n, h = q.shape
+    out = jax.ShapeDtypeStruct((b, t, n, h), parts[0][1].dtype)
+    flat = [q] + [x for part in parts for x in part]
+    return jax.pure_callback(lambda *_: np.zeros(out.shape, out.dtype), out, *flat)
+
+
+def fused_attention_flops(shapes: Sequence[tuple[int, ...]]) -> float:
+    """Matrix FLOPs of one fused attention call from its operands' shapes (``q [B, T, N, H]``, then ``k, v, mask``
+    per part, ``k [B, K, S_i, H]``): ``2 B T N H S`` for the scores and as many for the weighted values."""
+    b, t, n, h = shapes[0]
+    return 4.0 * b * t * n * h * sum(k[2] for k in shapes[1::3])
 
 
 def shape_arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -470,6 +502,8 @@ class HloCounter:
         return max(set(inner), key=inner.count) if inner else st
 
     def dot_flops(self, comp: Computation, ins: Instr) -> float:
+        if ins.op == "custom-call" and FUSED_ATTENTION_TARGET in ins.attrs:
+            return fused_attention_flops([shape_arrays(comp.by_name[o].shape)[0][1] for o in ins.operands])
         if ins.op == "dot":
             lhs = comp.by_name.get(ins.operands[0])
             m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
@@ -882,20 +916,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chain", default="fixed_point", choices=("fixed_point", "scan"),
                     help="the DSpark chain formulation compiled (default: the GPU's, fixed_point; XLA:CPU's own "
                          "default is the scan)")
-    ap.add_argument("--attention", default="einsum", choices=("einsum", "dpa", "blocked", "prefix"),
+    ap.add_argument("--attention", default="einsum", choices=("einsum", "dpa", "blocked", "prefix", "fused"),
                     help="the attention path compiled (default: what accelerators run, einsum; XLA:CPU's own "
-                         "default is blocked)")
+                         "default is blocked); fused: every attention call as one opaque kernel charged what a "
+                         "fused GPU kernel (cuDNN, attend(impl='dpa')) reads and writes (a projection)")
     a = ap.parse_args(argv)
     from sparkjax.errors import ArgumentError, SparkjaxError
 
     saved = None
     try:
         from sparkjax.engine import drafting
-        from sparkjax.nn import layers
+        from sparkjax.nn import drafter as drafter_mod
+        from sparkjax.nn import layers, qwen3
 
         # what mode="auto" / the default attention mean while these programs are traced (restored below)
-        saved = drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL
-        drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL = a.chain, a.attention
+        saved = drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL, qwen3.attend, drafter_mod.attend
+        drafting.AUTO_CHAIN_MODE = a.chain
+        layers.ATTENTION_IMPL = "einsum" if a.attention == "fused" else a.attention
+        if a.attention == "fused":
+            qwen3.attend = drafter_mod.attend = fused_attention_model
         if a.quick:
             presets, batches, labels = ["real"], [1], ["ar", "dspark", "sparklingtree@64"]
         else:
@@ -918,7 +957,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = (
             f"# python eval/bench_round.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
             f"# PROJECTIONS from the optimised XLA:CPU HLO (abstract bf16 weights; nothing measured on a GPU).\n"
-            f"# DSpark chain compiled as: {a.chain}; attention as: {a.attention}.\n"
+            f"# DSpark chain compiled as: {a.chain}; attention as: {a.attention}"
+            + (" (each call one opaque kernel charged its operands + output: a fused GPU kernel, modelled)"
+               if a.attention == "fused" else "") + ".\n"
             f"# S = {a.context} cache slots. kernels / seq: executed per round (loop trips counted) / inside "
             "loops. MB, GFLOP: own byte model, matmul FLOPs.\n"
             f"# xAR MB: round bytes over AR-step bytes. DEV@Nus: projected round cost in AR steps (per-kernel "
@@ -938,7 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         if saved is not None:
-            drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL = saved
+            drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL, qwen3.attend, drafter_mod.attend = saved
     return 0
 
 

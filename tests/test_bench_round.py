@@ -198,8 +198,24 @@ def test_hoisted_bf16_upcast_of_a_loop_invariant_weight_is_charged_at_bf16():
 def test_main_restores_the_engine_settings(tmp_path):
     """bench_round compiles with the accelerator's choices but leaves the process's defaults as they were."""
     from sparkjax.engine import drafting
-    from sparkjax.nn import layers
+    from sparkjax.nn import drafter, layers, qwen3
 
-    before = drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL
-    assert bench_round.main(["--preset", "nosuch"]) == 2  # fails after the settings were switched
-    assert (drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL) == before
+    before = drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL, qwen3.attend, drafter.attend
+    for attention in ("einsum", "fused"):  # fails after the settings were switched
+        assert bench_round.main(["--preset", "nosuch", "--attention", attention]) == 2
+        assert (drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL, qwen3.attend, drafter.attend) == before
+
+
+def test_fused_attention_model_is_one_kernel_charged_its_operands_and_output():
+    """--attention fused: each attention call compiles to one opaque kernel whose bytes are its operands read once
+    and its output written once (no [B, N, T, S] scores), with 4 B T N H S matrix FLOPs over both parts."""
+    b, t, n, kh, h, s1, s2 = 2, 5, 4, 2, 8, 64, 5
+    q = jnp.ones((b, t, n, h), jnp.bfloat16)
+    parts = [(jnp.ones((b, kh, s, h), jnp.bfloat16), jnp.ones((b, kh, s, h), jnp.bfloat16),
+              jnp.ones((b, t, s), bool)) for s in (s1, s2)]
+    text = jax.jit(bench_round.fused_attention_model).lower(q, parts).compile().as_text()
+    t_ = bench_round.count_hlo(text)
+    assert t_.total_kernels == 1
+    kv = sum(2 * b * kh * s * h * 2 + b * t * s for s in (s1, s2))  # bf16 keys and values, a byte per mask entry
+    assert t_.bytes == 2 * (b * t * n * h * 2) + kv  # the queries in, the output out
+    assert t_.flops == 4 * b * t * n * h * (s1 + s2)
