@@ -921,6 +921,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "default is blocked); fused: every attention call as one opaque kernel charged what a "
                          "fused GPU kernel (cuDNN, attend(impl='dpa')) reads and writes (a projection)")
     a = ap.parse_args(argv)
+    import jax
+
     from sparkjax.errors import ArgumentError, SparkjaxError
 
     saved = None
@@ -935,6 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers.ATTENTION_IMPL = "einsum" if a.attention == "fused" else a.attention
         if a.attention == "fused":
             qwen3.attend = drafter_mod.attend = fused_attention_model
+        jax.clear_caches()  # these settings are read at trace time: no program traced under others is reused
         if a.quick:
             presets, batches, labels = ["real"], [1], ["ar", "dspark", "sparklingtree@64"]
         else:
@@ -980,6 +983,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if saved is not None:
             drafting.AUTO_CHAIN_MODE, layers.ATTENTION_IMPL, qwen3.attend, drafter_mod.attend = saved
+            jax.clear_caches()  # nor is one traced here later in the process
     return 0
 
 
