@@ -93,9 +93,19 @@ def main(argv=None) -> None:
     ap.add_argument("--out", metavar="PATH", help="also write the table here")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
-    lives = [int(x) for x in a.live.split(",")]
-    if any(not 0 < x <= a.bucket for x in lives):
-        raise SystemExit(f"error: --live: every length must be in 1..{a.bucket}")
+    try:
+        lives = [int(x) for x in a.live.split(",")]
+    except ValueError:
+        print(f"error: --live: expected comma-separated integers, got {a.live!r}", file=sys.stderr)
+        raise SystemExit(2) from None
+    bad = next((f"--{k}: expected at least 1, got {v}" for k, v in (("batch", a.batch), ("bucket", a.bucket),
+                                                                     ("buffers", a.buffers), ("reps", a.reps))
+                if v < 1), None)
+    if bad is None and any(not 0 < x <= a.bucket for x in lives):
+        bad = f"--live: every length must be in 1..{a.bucket}, got {a.live}"
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        raise SystemExit(2)
     args = " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"# python eval/bench_attention_cpu.py {args}",
              f"# batch {a.batch}, 8/4 heads of 64, float32, bucket {a.bucket} slots, {a.buffers} buffers per call, "

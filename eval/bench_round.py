@@ -109,7 +109,8 @@ _LAYOUT = frozenset({"transpose", "copy", "bitcast", "reshape"})
 
 # ============================================================================= the fused-attention model
 
-FUSED_ATTENTION_TARGET = "python_cpu_callback"  # in the custom-call target jax.pure_callback lowers to on XLA:CPU
+# the custom-call target jax.pure_callback lowers to (xla_ffi_python_cpu_callback on XLA:CPU, ..._gpu_... on a GPU)
+FUSED_ATTENTION_TARGET = re.compile(r'custom_call_target="[\w]*python_\w*callback"')
 
 
 def fused_attention_model(q, parts, impl=None):
@@ -502,7 +503,7 @@ class HloCounter:
         return max(set(inner), key=inner.count) if inner else st
 
     def dot_flops(self, comp: Computation, ins: Instr) -> float:
-        if ins.op == "custom-call" and FUSED_ATTENTION_TARGET in ins.attrs:
+        if ins.op == "custom-call" and FUSED_ATTENTION_TARGET.search(ins.attrs):
             return fused_attention_flops([shape_arrays(comp.by_name[o].shape)[0][1] for o in ins.operands])
         if ins.op == "dot":
             lhs = comp.by_name.get(ins.operands[0])
