@@ -28,9 +28,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from sparkjax.convert import load_target  # noqa: E402
 from sparkjax.engine import generate  # noqa: E402
 from sparkjax.io.atomic import atomic_file  # noqa: E402
+from sparkjax.io.hf import load_target  # noqa: E402
 
 
 def _stats(times: list[float], tokens: int) -> dict:

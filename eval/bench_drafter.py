@@ -30,8 +30,8 @@ from safetensors.torch import load_file as load_torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparkjax import draft  # noqa: E402
-from sparkjax.convert import load_drafter  # noqa: E402
+from sparkjax.engine import drafting as draft  # noqa: E402
+from sparkjax.io.hf import load_drafter  # noqa: E402
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "tiny_dspark_b16")
 
@@ -192,7 +192,7 @@ def bench(name, folder, context_len, batch, repeats, log):
     x_start = rng.integers(0, cfg.vocab_size - 1, (batch,))
     start = np.full((batch,), context_len)
 
-    ctx = draft.append_context(drafter, draft.init_context(drafter, batch, context_len), jnp.asarray(feats),
+    ctx = draft.append_context(drafter, drafter.init_context(batch, context_len), jnp.asarray(feats),
                                jnp.asarray(start, jnp.int32))
     graphdef, state = nnx.split(drafter)
 

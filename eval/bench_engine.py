@@ -27,8 +27,8 @@ from flax import nnx
 
 from sparkjax import engine
 from sparkjax.config import DrafterConfig, Qwen3Config
-from sparkjax.convert import load_drafter, load_target
 from sparkjax.engine import AR, TREE_METHODS, Chain, Tree, api, programs
+from sparkjax.io.hf import load_drafter, load_target
 from sparkjax.nn.drafter import Drafter
 from sparkjax.nn.qwen3 import Qwen3
 

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparkjax import demo, tree
-from sparkjax.decode import generate
-from sparkjax.engine import drafting
+from sparkjax.engine import drafting, generate
 from sparkjax.engine.methods import Tree, parse_method
 from sparkjax.eval import datasets
 from sparkjax.text import encode_prompt

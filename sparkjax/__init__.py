@@ -1,21 +1,19 @@
 """sparkjax: SparklingTree speculative decoding in JAX / Flax NNX.
 
-Public API: :func:`load_target`, :func:`load_drafter`, :func:`generate`, :func:`stream`, the
-configs, the error classes, the method objects (:class:`AR`, :class:`Chain`, :class:`Tree`, :class:`Auto`,
-read from names by :func:`parse_method`), :func:`profile_costs` (``auto``'s cost table),
-:func:`required_cache_size` and :mod:`sparkjax.demo` (the bundled trained demo pair).
-Lower-level pieces live in ``sparkjax.engine`` (drafting, the round, the jitted programs), ``sparkjax.nn``,
-``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax.sampling``;
-``sparkjax.decode`` and ``sparkjax.draft`` are deprecated aliases of ``sparkjax.engine``.
+Public API: :func:`load_target`, :func:`load_drafter`, :func:`save_target`, :func:`save_drafter`,
+:func:`generate`, :func:`stream`, the configs, the error classes, the method objects (:class:`AR`,
+:class:`Chain`, :class:`Tree`, :class:`Auto`, read from names by :func:`parse_method`), :func:`profile_costs`
+(``auto``'s cost table), :func:`required_cache_size` and :mod:`sparkjax.demo` (the bundled trained demo pair).
+Lower-level pieces live in ``sparkjax.engine`` (drafting, the round, the jitted programs), ``sparkjax.io``
+(checkpoint files), ``sparkjax.nn``, ``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax.sampling``.
 """
 
 from . import _startup
 
 _startup.install()  # Ctrl-C while a ``python -m sparkjax...`` entry point imports: see _startup
 
-from . import decode, demo, draft  # noqa: F401 - decode, draft: deprecated aliases of sparkjax.engine
+from . import demo
 from .config import DrafterConfig, Qwen3Config
-from .convert import load_drafter, load_target, save_drafter, save_target
 from .engine import (
     AR,
     METHODS,
@@ -41,6 +39,7 @@ from .errors import (
     IncompatiblePairError,
     SparkjaxError,
 )
+from .io.hf import load_drafter, load_target, save_drafter, save_target
 
 __version__ = "0.1.0"
 

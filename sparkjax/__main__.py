@@ -19,8 +19,8 @@ import numpy as np
 
 from . import _startup, demo, engine
 from .cli import run_cli
-from .convert import load_drafter, load_target
 from .errors import SparkjaxError
+from .io.hf import load_drafter, load_target
 
 EXPLANATION = (
     "note: on a CPU with this tiny target, the drafter and the tree cost as much as the target itself, so the "

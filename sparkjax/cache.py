@@ -164,7 +164,7 @@ class ContextCache:
     Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed
     positions whose target features the drafter has seen (so ``lengths[b]`` equals the
     round's ``start``); anything after is scratch that no mask exposes. Block K/V never
-    enter this cache. Grow it with :meth:`append` (``sparkjax.draft.append_context``).
+    enter this cache. Grow it with :meth:`append` (``sparkjax.engine.drafting.append_context``).
     """
 
     k: Array

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import text as _text
 from .errors import CheckpointError
+from .io.hf import load_drafter, load_target
 
 
 def _bundled_dir() -> pathlib.Path:
@@ -81,8 +82,6 @@ class DemoPair:
 def load(dtype: Any = COMPUTE_DTYPE) -> DemoPair:
     """Loads the bundled target, both drafters and the tokenizer, cast to ``dtype`` (float32; None keeps the
     files' bfloat16)."""
-    from .convert import load_drafter, load_target
-
     target_dir = path("target")
     target = load_target(target_dir, dtype=dtype)
     dspark = load_drafter(path("dspark_b16"), target=target, dtype=dtype)

@@ -77,7 +77,7 @@ def ref() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="session")
 def fixture_target():
-    from sparkjax.convert import load_target
+    from sparkjax import load_target
 
     return load_target(FIXTURE / "target")
 

@@ -18,9 +18,8 @@ import pytest
 from flax import nnx
 
 import sparkjax
-from sparkjax import decode
-from sparkjax.decode import generate, launch, stream
-from sparkjax.engine import api, parse_method, programs
+from sparkjax.engine import api, bucket, generate, launch, parse_method, programs, stream
+from sparkjax.engine.round import flag_nonfinite
 
 P = [[1, 2, 3], [4, 5, 6]]  # the shape of every run in this file
 RUN = dict(max_new_tokens=2)
@@ -64,8 +63,8 @@ def test_good_seeds_run_and_large_ones_do_not_wrap(pair):
         out = generate(target, None, P, temperature=1.0, seed=seed, **RUN)
         assert [len(t) for t in out.tokens] == [2, 2]
     # jax.random.key alone maps 2**32 onto 0 without 64-bit mode; ours keeps them apart
-    assert not np.array_equal(jax.random.key_data(decode._key(2**32)), jax.random.key_data(decode._key(0)))
-    assert np.array_equal(jax.random.key_data(decode._key(12345)), jax.random.key_data(jax.random.key(12345)))
+    assert not np.array_equal(jax.random.key_data(api._key(2**32)), jax.random.key_data(api._key(0)))
+    assert np.array_equal(jax.random.key_data(api._key(12345)), jax.random.key_data(jax.random.key(12345)))
 
 
 # ----------------------------------------------------------------------------- widths
@@ -106,8 +105,8 @@ def test_eos_string_is_not_split_into_digits(pair):
 
 def test_eos_as_numpy_ints_is_fine(pair):
     target, _ = pair
-    assert decode.eos_array(np.array([105, 3], np.int16), 320).tolist() == [105, 3]
-    assert decode.eos_array(np.int64(9), 320).tolist() == [9]
+    assert api.eos_array(np.array([105, 3], np.int16), 320).tolist() == [105, 3]
+    assert api.eos_array(np.int64(9), 320).tolist() == [9]
     ref = generate(target, None, P, **RUN).tokens
     eos = ref[0][0]
     out = generate(target, None, P, eos_token_ids=np.array([eos]), **RUN).tokens
@@ -136,7 +135,7 @@ def test_shape_arguments_of_the_wrong_type_say_so(pair, name, value):
 
 def test_cache_smaller_than_the_padded_prompt_names_the_padding(pair):
     target, drafter = pair
-    width = decode.bucket(3)
+    width = bucket(3)
     for method in ("ar", "dspark"):
         with pytest.raises(sparkjax.ArgumentError) as info:
             generate(target, drafter, [[1, 2, 3]], method=method, cache_size=7, max_new_tokens=2)
@@ -159,17 +158,17 @@ def test_a_million_node_budget_is_refused_with_the_figure(pair, method):
     msg = str(info.value)
     assert msg.startswith("budget: a 1000000-node verify")
     plan = parse_method(method, budget=1_000_000).plan(target, drafter, False)
-    est = decode.estimate_memory(target, drafter, plan, 2, 16, 2**20, 32)
+    est = api.estimate_memory(target, drafter, plan, 2, 16, 2**20, 32)
     assert sum(est.values()) > 2 * 10**12  # the [B, M + 1, M + 1] ancestor mask alone is 2 TB
     assert f"{sum(est.values()) / 2**30:,.0f} GiB" in msg
-    limit, where = decode.available_memory()
+    limit, where = api.available_memory()
     assert where in msg
 
 
 def test_available_memory_on_cpu_is_the_host_memory():
     if jax.devices()[0].memory_stats():
         pytest.skip("this device reports memory stats; the host fallback does not apply")
-    limit, where = decode.available_memory()
+    limit, where = api.available_memory()
     assert limit == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert "host" in where
 
@@ -181,8 +180,8 @@ def test_device_memory_stats_are_used_when_present(pair, monkeypatch):
         def memory_stats(self):
             return {"bytes_limit": 2**30, "bytes_in_use": 2**29}
 
-    monkeypatch.setattr(decode.jax, "devices", lambda *a: [Dev()])
-    assert decode.available_memory() == (2**29, "this gpu device has 0.5 GiB free of 1.0 GiB")
+    monkeypatch.setattr(api.jax, "devices", lambda *a: [Dev()])
+    assert api.available_memory() == (2**29, "this gpu device has 0.5 GiB free of 1.0 GiB")
 
 
 @pytest.mark.parametrize("kw,name", [(dict(cache_size=2**28), "cache_size"),
@@ -201,8 +200,8 @@ def test_huge_caches_and_buffers_are_refused_before_compiling(pair, kw, name, mo
 def test_a_big_batch_names_the_prompts_and_scales_with_the_batch(pair, monkeypatch):
     target, drafter = pair
     plan = parse_method("sparklingtree", budget=64).plan(target, drafter, False)
-    one = sum(decode.estimate_memory(target, drafter, plan, 1, 16, 256, 32).values())
-    many = sum(decode.estimate_memory(target, drafter, plan, 64, 16, 256, 32).values())
+    one = sum(api.estimate_memory(target, drafter, plan, 1, 16, 256, 32).values())
+    many = sum(api.estimate_memory(target, drafter, plan, 64, 16, 256, 32).values())
     assert many == 64 * one
     monkeypatch.setattr(api, "available_memory", lambda: (one * 8, "this test device has a little"))
     generate_args = dict(method="sparklingtree", budget=64, **RUN)
@@ -279,9 +278,9 @@ def test_bad_temperatures_are_refused(pair, t):
 
 
 def test_the_documented_temperature_range_is_accepted():
-    for t in (0, 0.0, decode.MIN_TEMPERATURE, 1, 0.7, np.float32(0.7), decode.MAX_TEMPERATURE):
-        assert decode.check_temperature(t) == float(t)
-    assert np.isfinite(np.float32(decode.MAX_TEMPERATURE)) and np.float32(decode.MIN_TEMPERATURE) > 0
+    for t in (0, 0.0, api.MIN_TEMPERATURE, 1, 0.7, np.float32(0.7), api.MAX_TEMPERATURE):
+        assert api.check_temperature(t) == float(t)
+    assert np.isfinite(np.float32(api.MAX_TEMPERATURE)) and np.float32(api.MIN_TEMPERATURE) > 0
 
 
 # ----------------------------------------------------------------------------- the pair check
@@ -364,15 +363,15 @@ def test_the_flag_records_the_first_bad_round(pair):
     state = programs.spec_step(g_good, s_bad, state, args[2], args[3], args[4], plan=plan)
     assert np.asarray(state.nonfinite).tolist() == [1, 1]
     with pytest.raises(sparkjax.NumericalError, match="round 1 of sequence 0"):
-        decode.raise_if_nonfinite(state.nonfinite)
+        api.raise_if_nonfinite(state.nonfinite)
 
 
 def test_flag_names_the_earliest_sequence_and_skips_finished_ones():
     logits = jnp.zeros((3, 2, 5)).at[2, 1, 4].set(jnp.nan).at[0, 0, 0].set(jnp.inf)
-    flags = decode.flag_nonfinite(jnp.array([-1, -1, -1]), logits, jnp.array([False, True, True]), jnp.array(4))
+    flags = flag_nonfinite(jnp.array([-1, -1, -1]), logits, jnp.array([False, True, True]), jnp.array(4))
     assert np.asarray(flags).tolist() == [-1, -1, 4]  # sequence 0 was done: not flagged
-    flags = decode.flag_nonfinite(jnp.array([-1, 2, 4]), logits, jnp.array([True] * 3), jnp.array(7))
+    flags = flag_nonfinite(jnp.array([-1, 2, 4]), logits, jnp.array([True] * 3), jnp.array(7))
     assert np.asarray(flags).tolist() == [7, 2, 4]  # the first bad round is kept
     with pytest.raises(sparkjax.NumericalError, match=r"round 2 of sequence 1 \(3 of 3"):
-        decode.raise_if_nonfinite(flags)
-    decode.raise_if_nonfinite(np.array([-1, -1]))  # all finite: nothing raised
+        api.raise_if_nonfinite(flags)
+    api.raise_if_nonfinite(np.array([-1, -1]))  # all finite: nothing raised

@@ -156,7 +156,7 @@ def test_fixture_rounds_both_formulations(ref, fixture_target):
     """Every round of the upstream fixture's generation (its base logits, its x_start): the fixed-point chain
     equals the scan (batch 1 per round and all 41 rounds as one batch, greedy and sampled), and equals
     upstream DeepSpec's draft tokens at every decisive slot."""
-    from sparkjax.convert import load_drafter
+    from sparkjax import load_drafter
 
     drafter = load_drafter(os.path.join(FIX, "drafter"), target=fixture_target)
     assert not drafter.markov_head.gated  # the vanilla head ignores the block hidden states
@@ -187,7 +187,7 @@ def test_fixture_rounds_both_formulations(ref, fixture_target):
 
 
 def test_markov_chain_modes_and_errors(ref, fixture_target):
-    from sparkjax.convert import load_drafter
+    from sparkjax import load_drafter
 
     drafter = load_drafter(os.path.join(FIX, "drafter"), target=fixture_target)
     base = jnp.asarray(ref["b.base_logits"])
@@ -213,7 +213,7 @@ def test_markov_chain_modes_and_errors(ref, fixture_target):
 
 def test_fixed_point_loop_stays_on_device(ref, fixture_target):
     """The compiled chain is one program: a while loop, no host callback, no transfer to or from the host."""
-    from sparkjax.convert import load_drafter
+    from sparkjax import load_drafter
 
     drafter = load_drafter(os.path.join(FIX, "drafter"), target=fixture_target)
     gd, state = nnx.split(drafter)
@@ -250,8 +250,7 @@ def _program_with_chain_mode(mode):
 def test_generation_with_the_fixed_point_chain(ref, fixture_target, monkeypatch):
     """Inside the jitted generation loop the fixed-point chain reproduces DeepSpec's rounds on the fixture,
     greedy output equals ar at batch 3, and a sampled run equals the scan's draw for draw (same seed)."""
-    from sparkjax import generate
-    from sparkjax.convert import load_drafter
+    from sparkjax import generate, load_drafter
     from sparkjax.engine import api
 
     target = fixture_target

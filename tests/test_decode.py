@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 import sparkjax
+from sparkjax import load_drafter
 from sparkjax.config import DrafterConfig, Qwen3Config
-from sparkjax.convert import load_drafter
-from sparkjax.decode import generate, launch, stream
+from sparkjax.engine import generate, launch, stream
 from sparkjax.nn.drafter import Drafter
 from sparkjax.nn.qwen3 import Qwen3
 from tests.conftest import jit_call
@@ -289,7 +289,7 @@ def test_mismatched_pair_is_refused(pair, random_pair):
 def test_fixed_shapes_share_one_program(pair, prompts3, ar3):
     """prompt_width / capacity pin the shapes: a prefill-only run and a full run of other prompts reuse
     the compiled program, and the full run is still exact."""
-    from sparkjax.decode import _spec_program
+    from sparkjax.engine.programs import spec_program as _spec_program
 
     target, drafter = pair
     kw = dict(method="dspark", cache_size=256, prompt_width=64, capacity=40)

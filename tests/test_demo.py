@@ -45,7 +45,7 @@ class _Outputs(dict):
         which = dict(RUNS, ar=None)[method]
         drafter = getattr(self.pair, which) if which else None
         out = sparkjax.generate(self.pair.target, drafter, self.prompt_ids, method=method,
-                                budget=BUDGET if method in sparkjax.decode.TREE_METHODS else None,
+                                budget=BUDGET if method in sparkjax.engine.TREE_METHODS else None,
                                 max_new_tokens=MAX_NEW, eos_token_ids=self.pair.eos_token_ids)
         self[method] = out
         return out

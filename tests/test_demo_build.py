@@ -149,7 +149,7 @@ def _cfg(**kw):
 
 
 def _params(run_dir):
-    from sparkjax.convert import load_target
+    from sparkjax import load_target
 
     return load_target(run_dir)
 

@@ -23,16 +23,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from sparkjax import draft
+from sparkjax import load_drafter, save_drafter
 from sparkjax.config import DrafterConfig
-from sparkjax.convert import (
-    DRAFTER_KEYS,
-    SafetensorsFile,
-    _checkpoint_shape,
-    load_drafter,
-    param_keys,
-    save_drafter,
-)
+from sparkjax.engine import drafting as draft
 from sparkjax.errors import (
     ArgumentError,
     CheckpointError,
@@ -40,6 +33,8 @@ from sparkjax.errors import (
     IncompatiblePairError,
     SparkjaxError,
 )
+from sparkjax.io.keymaps import DRAFTER_KEYS, _checkpoint_shape, param_keys
+from sparkjax.io.safetensors import SafetensorsFile
 from sparkjax.nn.drafter import Drafter
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")

@@ -408,7 +408,7 @@ def test_malformed_rows_name_file_and_line(tmp_path, capsys):
 
 
 def test_raw_text_prompt_is_encoded_as_is():
-    from sparkjax.eval.tokenizer import encode_prompt, load_tokenizer
+    from sparkjax.text import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(TOKENIZER)
     text = "def add(a, b):\n    return a + b\n"
@@ -434,8 +434,8 @@ def standin(tmp_path_factory):
     Markov head and ``dflash_b16`` without one (block 8 here, to keep the test fast), and two prompt sets."""
     from flax import nnx
 
+    from sparkjax import save_drafter, save_target
     from sparkjax.config import Qwen3Config
-    from sparkjax.convert import save_drafter, save_target
     from sparkjax.nn.qwen3 import Qwen3
     from sparkjax.training.models import init_drafter, new_drafter_config
 
@@ -511,7 +511,7 @@ def test_baseline_drafter_runs_dflash_and_ddtree(baseline_run, standin):
 
 
 def test_raw_and_chat_prompts_reach_the_engine_as_encoded(baseline_run):
-    from sparkjax.eval.tokenizer import load_tokenizer
+    from sparkjax.text import load_tokenizer
 
     _, js, batches = baseline_run
     tok = load_tokenizer(TOKENIZER)

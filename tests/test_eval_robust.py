@@ -458,7 +458,7 @@ NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
 def test_no_pytorch_advisory_where_only_the_tokenizer_is_used():
     control = NO_TORCH + "import transformers\n"
-    eval_tok = NO_TORCH + f"from sparkjax.eval.tokenizer import load_tokenizer\nload_tokenizer({str(TOKENIZER)!r})\n"
+    eval_tok = NO_TORCH + f"from sparkjax.text import load_tokenizer\nload_tokenizer({str(TOKENIZER)!r})\n"
     demo_main = NO_TORCH + (
         "import sparkjax.__main__ as m, types\n"
         "m.engine.generate = lambda *a, **k: types.SimpleNamespace(tokens=[[1, 2]] * 3,"
@@ -480,7 +480,7 @@ def test_no_pytorch_advisory_where_only_the_tokenizer_is_used():
 
 
 def test_every_default_method_has_its_own_stable_style():
-    from sparkjax import decode
+    from sparkjax.engine import METHODS
     from sparkjax.eval.plots import method_style
 
     mcs, _ = harness.method_configs(harness.EvalConfig())
@@ -489,7 +489,7 @@ def test_every_default_method_has_its_own_stable_style():
     styles = [method_style(lab) for lab in labels]
     assert len({s["color"] for s in styles}) == len(labels)  # a distinct colour for each default method
     assert method_style("ar")["color"] != method_style("sparklingtree-beam@32")["color"]  # the clash
-    assert len({tuple(sorted(method_style(m).items())) for m in decode.METHODS}) == len(decode.METHODS)
+    assert len({tuple(sorted(method_style(m).items())) for m in METHODS}) == len(METHODS)
 
 
 def test_drafter_objects_get_the_one_pair_check(fixture_target):
@@ -500,7 +500,7 @@ def test_drafter_objects_get_the_one_pair_check(fixture_target):
     from flax import nnx
 
     import sparkjax
-    from sparkjax.convert import load_drafter
+    from sparkjax import load_drafter
     from sparkjax.nn.drafter import Drafter
 
     cfg = harness.EvalConfig(tokenizer=str(TOKENIZER), methods=("ar", "dspark"), datasets=("mbpp",))

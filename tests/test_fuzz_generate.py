@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import sparkjax
-from sparkjax import decode
 from sparkjax.engine import api
 
 VOCAB = 320  # the fixture pair's
@@ -82,10 +81,10 @@ good_prompts = st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size
 
 # coherent, mostly valid arguments (some combinations still fail, e.g. a cache too small for a big tree)
 VALID = {
-    "method": st.sampled_from(decode.METHODS),
+    "method": st.sampled_from(sparkjax.METHODS),
     "max_new_tokens": np_ints(st.integers(1, 8)),
     "seed": np_ints(st.integers(0, 2**32 - 1)) | st.integers(0, 2**63 - 1),
-    "temperature": st.sampled_from([0.0, 0, 0.7, 1]) | st.floats(decode.MIN_TEMPERATURE, decode.MAX_TEMPERATURE),
+    "temperature": st.sampled_from([0.0, 0, 0.7, 1]) | st.floats(api.MIN_TEMPERATURE, api.MAX_TEMPERATURE),
     "eos_token_ids": st.one_of(st.none(), np_ints(st.integers(0, VOCAB - 1)),
                                st.lists(st.integers(0, VOCAB - 1), max_size=3),
                                hnp.arrays(st.sampled_from([np.int32, np.int64, np.uint16]), st.integers(0, 3),
@@ -128,7 +127,7 @@ WILD = {
 def arguments(draw):
     """Valid arguments for a random method, then 0 to 3 of them (or the prompts) replaced by wild values."""
     kw = {name: draw(strategy) for name, strategy in VALID.items()}
-    if kw["method"] not in decode.TREE_METHODS:
+    if kw["method"] not in sparkjax.engine.TREE_METHODS:
         for name in TREE_ONLY:
             kw[name] = None
     prompt_ids = draw(good_prompts)
@@ -159,7 +158,7 @@ def stubbed_programs():
                 jnp.zeros((b, plan.depth), jnp.int32), z - 1)
 
     def instrumented(target, drafter, run):
-        return decode.GenerateOutput([[0]] * run.prompts.batch, [[1]] * run.prompts.batch)
+        return api.GenerateOutput([[0]] * run.prompts.batch, [[1]] * run.prompts.batch)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(api, "ar_program", ar)
@@ -187,10 +186,10 @@ def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entr
     if entry == "stream":
         kw = {k: v for k, v in kw.items() if k not in ("prompt_width", "capacity")}
     calls = {
-        "generate": lambda: decode.generate(target, drafter, prompt_ids, **kw),
-        "instrument": lambda: decode.generate(target, drafter, prompt_ids, instrument=True, **kw),
-        "launch": lambda: decode.launch(target, drafter, prompt_ids, **kw),
-        "stream": lambda: decode.stream(target, drafter, prompt_ids, **kw),
+        "generate": lambda: api.generate(target, drafter, prompt_ids, **kw),
+        "instrument": lambda: api.generate(target, drafter, prompt_ids, instrument=True, **kw),
+        "launch": lambda: api.launch(target, drafter, prompt_ids, **kw),
+        "stream": lambda: api.stream(target, drafter, prompt_ids, **kw),
     }
     with stubbed_programs():
         kind, value = outcome(calls[entry])
@@ -201,7 +200,7 @@ def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entr
         assert 1 <= kw["max_new_tokens"] <= target.config.max_position_embeddings
         assert isinstance(kw["seed"], int | np.integer) and 0 <= kw["seed"] < 2**63
         t = float(kw["temperature"])
-        assert t == 0 or decode.MIN_TEMPERATURE <= t <= decode.MAX_TEMPERATURE
+        assert t == 0 or api.MIN_TEMPERATURE <= t <= api.MAX_TEMPERATURE
         assert not isinstance(kw["eos_token_ids"], str | bytes)
 
 
@@ -209,10 +208,10 @@ def test_the_validation_fuzz_reaches_both_outcomes(pair):
     """The strategies are not all junk: valid draws get through validation (and junk does not)."""
     target, drafter = pair
     with stubbed_programs():
-        assert outcome(lambda: decode.generate(target, drafter, [[1, 2]], method="sparklingtree", budget=8,
+        assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="sparklingtree", budget=8,
                                                max_new_tokens=3, eos_token_ids=np.array([5]), seed=np.int64(3),
                                                temperature=0.5))[0] == "ok"
-        assert outcome(lambda: decode.generate(target, drafter, [[1, 2]], method="dspark", seed=1.5))[0] == "error"
+        assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="dspark", seed=1.5))[0] == "error"
 
 
 # ----------------------------------------------------------------------------- real runs on pinned shapes
@@ -229,7 +228,7 @@ def ar_reference(pair):
     def greedy(prompt_ids, max_new, eos):
         key = (str(prompt_ids), max_new, str(eos))
         if key not in cache:
-            cache[key] = decode.generate(pair[0], None, prompt_ids, max_new_tokens=max_new, eos_token_ids=eos,
+            cache[key] = api.generate(pair[0], None, prompt_ids, max_new_tokens=max_new, eos_token_ids=eos,
                                          prompt_width=16, capacity=2).tokens
         return cache[key]
 
@@ -257,7 +256,7 @@ def test_valid_runs_return_sane_tokens(pair, ar_reference, lengths, data, method
     as_array = data.draw(st.booleans()) and lengths[0] == lengths[1]
     if as_array:
         prompt_ids = np.array(prompt_ids, data.draw(st.sampled_from([np.int32, np.int64, np.uint16])))
-    kind, out = outcome(lambda: decode.generate(
+    kind, out = outcome(lambda: api.generate(
         target, drafter, prompt_ids, method=method, max_new_tokens=max_new, eos_token_ids=eos,
         temperature=temperature, seed=seed, prompt_width=16, capacity=2))
     assert kind == "ok", out

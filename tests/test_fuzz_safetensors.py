@@ -25,9 +25,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sparkjax import load_target
 from sparkjax.config import DrafterConfig, Qwen3Config
-from sparkjax.convert import SafetensorsFile, load_target, write_safetensors
 from sparkjax.errors import SparkjaxError
+from sparkjax.io.safetensors import SafetensorsFile, write_safetensors
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")
 EXAMPLES = int(os.environ.get("SPARKJAX_FUZZ_EXAMPLES", "60"))

@@ -26,7 +26,7 @@ def _run(code: str, *args: str, devices: int = 1, timeout: int = 300) -> str:
 
 
 def test_mesh_argument_is_checked():
-    from sparkjax.convert import load_drafter, load_target
+    from sparkjax import load_drafter, load_target
 
     with pytest.raises(ArgumentError, match="load_target: mesh must be a jax.sharding.Mesh.*got tuple"):
         load_target(os.path.join(FIXTURE, "target"), mesh=(2, 4))
@@ -39,7 +39,7 @@ import sys
 import jax, numpy as np
 from flax import nnx
 from sparkjax import sharding as S
-from sparkjax.convert import load_drafter, load_target
+from sparkjax import load_drafter, load_target
 from sparkjax.errors import ArgumentError
 from tests.conftest import make_hf_qwen3
 assert len(jax.devices()) == 8
@@ -141,7 +141,7 @@ _LOAD = r"""
 import json, sys
 import jax, jax.numpy as jnp
 from flax import nnx
-from sparkjax.convert import load_target
+from sparkjax import load_target
 
 def status(field):
     with open("/proc/self/status") as f:

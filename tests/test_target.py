@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import sparkjax
-from sparkjax.convert import load_target, save_target
-from sparkjax.decode import _ar_program, generate
+from sparkjax import generate, load_target, save_target
+from sparkjax.engine.programs import ar_program as _ar_program
 from tests.conftest import jit_call
 
 
@@ -261,7 +261,7 @@ def test_bf16_safetensors_round_trip(tmp_path, fixture_target):
 
 @pytest.mark.slow
 def test_orbax_checkpoint_round_trip(tmp_path, fixture_target):
-    from sparkjax.checkpoint import restore_model, save_model
+    from sparkjax.io.checkpoint import restore_model, save_model
 
     save_model(fixture_target, tmp_path / "ck")
     back = restore_model(tmp_path / "ck")

@@ -65,24 +65,19 @@ def tok(qwen3_dir):
 
 
 def test_demo_and_eval_give_the_same_ids(tok, qwen3_dir):
-    from sparkjax.eval import tokenizer as eval_tok
-
     pair = demo.DemoPair(target=None, dspark=None, dflash=None, tokenizer=tok, target_dir=qwen3_dir)
     by_demo = pair.encode_chat(QUESTION)
-    by_eval = eval_tok.encode_prompt(tok, QUESTION, "chat")
+    by_eval = text.encode_prompt(tok, QUESTION, "chat")
     assert by_demo == by_eval == text.encode_chat(tok, QUESTION)
     assert tok.decode(by_demo) == HEADER + "<think>\n\n</think>\n\n"
     # prompt-set rows: chat rows and raw rows, through either path
     for row in ({"turns": [QUESTION, "a second turn"]}, {"text": "def read(path):\n    "}):
         kind = "text" if "text" in row else "chat"
         prompt = row.get("text") or row["turns"][0]
-        assert pair.encode_row(row) == eval_tok.encode_prompt(tok, prompt, kind) == text.encode_row(tok, row)
+        assert pair.encode_row(row) == text.encode_prompt(tok, prompt, kind) == text.encode_row(tok, row)
     raw = pair.encode_text("def read(path):\n    ")
     assert raw == tok.encode("def read(path):\n    ", add_special_tokens=False) and 302 not in raw
-    # the eval's names are the shared functions themselves, not copies
-    assert eval_tok.encode_prompt is text.encode_prompt and eval_tok.load_tokenizer is text.load_tokenizer
-    assert eval_tok.eos_ids is text.eos_ids and eval_tok.quiet_transformers is text.quiet_transformers
-    assert pair.eos_token_ids == eval_tok.eos_ids(tok, qwen3_dir) == [301, 303]
+    assert pair.eos_token_ids == text.eos_ids(tok, qwen3_dir) == [301, 303]
 
 
 def test_the_thinking_switch_is_honoured(tok):

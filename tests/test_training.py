@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparkjax.checkpoint import TrainCheckpointer
+from sparkjax import load_drafter, save_drafter
 from sparkjax.config import DrafterConfig, Qwen3Config
-from sparkjax.convert import load_drafter, save_drafter
 from sparkjax.errors import ArgumentError, CheckpointError, IncompatiblePairError, SparkjaxError
+from sparkjax.io.checkpoint import TrainCheckpointer
 from sparkjax.nn.drafter import Drafter
 from sparkjax.nn.qwen3 import Qwen3
 from sparkjax.training import (
@@ -467,7 +467,7 @@ DP_SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from safetensors.numpy import load_file
-    from sparkjax.convert import load_drafter, load_target
+    from sparkjax import load_drafter, load_target
     from sparkjax.sharding import make_mesh
     import optax
     from sparkjax.training import OptimConfig, Trainer, make_optimizer
@@ -603,7 +603,7 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def test_jsonl_chat_tokenisation_masks_assistant_turns(tmp_path, tokenizer_dir):
-    from sparkjax.eval.tokenizer import load_tokenizer
+    from sparkjax.text import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
     path = str(tmp_path / "chat.jsonl")

@@ -342,7 +342,7 @@ def _late_tensorstore_read() -> None:
 
 
 def test_closed_loop_filter_drops_only_that_report(tmp_path, monkeypatch):
-    from sparkjax.checkpoint import TrainCheckpointer, _ClosedLoopFilter
+    from sparkjax.io.checkpoint import TrainCheckpointer, _ClosedLoopFilter
 
     seen = []
 

@@ -9,9 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkjax import tree
-from sparkjax.convert import load_drafter
-from sparkjax.decode import generate
+from sparkjax import generate, load_drafter, tree
 from sparkjax.engine import drafting
 from sparkjax.engine.methods import Tree, parse_method
 from sparkjax.errors import ArgumentError

@@ -18,19 +18,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import sparkjax
-from sparkjax import atomic
-from sparkjax.checkpoint import restore_model, save_model
-from sparkjax.convert import (
-    atomic_dir,
-    atomic_file,
-    load_drafter,
-    load_target,
-    save_drafter,
-    save_target,
-    write_safetensors,
-)
+from sparkjax import load_drafter, load_target, save_drafter, save_target
 from sparkjax.errors import ArgumentError, CheckpointError, SparkjaxError
+from sparkjax.io import atomic
+from sparkjax.io.atomic import atomic_dir, atomic_file
+from sparkjax.io.checkpoint import restore_model, save_model
+from sparkjax.io.safetensors import write_safetensors
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"
@@ -138,7 +131,7 @@ def test_overwrite_replaces_marked_and_empty_folders(tmp_path, target):
     out = tmp_path / "out"
     out.mkdir()  # empty: may be replaced
     save_target(target, out, overwrite=True)
-    assert sparkjax.atomic.is_sparkjax_output(out)
+    assert atomic.is_sparkjax_output(out)
     assert load_target(out).dtype == jnp.float32
     with pytest.raises(ArgumentError, match=rf"{out} already exists \(pass overwrite=True"):
         save_target(target, out)
@@ -161,8 +154,7 @@ def test_save_drafter_overwrites_its_own_output(tmp_path, target, drafter):
     save_drafter(drafter, out, overwrite=True, dtype="bfloat16")
     assert load_drafter(out, target=target).dtype == jnp.bfloat16
     assert atomic.is_sparkjax_output(out) and os.listdir(tmp_path) == ["d"]
-    # the old names stay importable from sparkjax.convert (training code and train/ scripts use them)
-    from sparkjax.convert import _umask, atomic_dir, atomic_file  # noqa: F401
+    from sparkjax.io.atomic import _umask
 
     old = os.umask(0o027)
     try:
@@ -357,7 +349,7 @@ def test_atomic_file_cleans_its_stale_temps_and_is_atomic(tmp_path):
             pathlib.Path(tmp).write_text("new")
             raise RuntimeError("boom")
     assert sorted(os.listdir(tmp_path)) == ["w.safetensors"]
-    from sparkjax.convert import SafetensorsFile
+    from sparkjax.io.safetensors import SafetensorsFile
 
     np.testing.assert_array_equal(SafetensorsFile(path).get("a"), np.arange(4, dtype=np.float32))
 
@@ -392,8 +384,8 @@ def test_without_renameat2_the_fallback_renames_work(tmp_path, monkeypatch, targ
 CHILD = textwrap.dedent(
     """
     import os, signal, sys
-    import sparkjax.atomic as A
-    from sparkjax.convert import load_target, save_target
+    import sparkjax.io.atomic as A
+    from sparkjax import load_target, save_target
 
     spec = os.environ["SPARKJAX_TEST_KILL"]  # "<where>:<n>:<before|after>" (read only by this test script)
     where, n, when = spec.split(":")

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         p.error("--target and --corpus are required (unless --drafters-only)")
 
     import sparkjax
-    from sparkjax.convert import atomic_dir
+    from sparkjax.io.atomic import atomic_dir
 
     if a.drafters_only:
         return bundle_drafters(a)

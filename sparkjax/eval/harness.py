@@ -546,7 +546,7 @@ def _is_path(x) -> bool:
 
 
 def _source(model) -> str | None:
-    from ..convert import source_of
+    from ..io.hf import source_of
 
     return source_of(model) or getattr(model, "source", None)
 
@@ -595,7 +595,7 @@ def load_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
               mcs: list[MethodConfig] | None = None) -> Pair:
     """Loads (or takes) the target, the drafter and the baseline drafter the methods ``mcs`` need
     (see :func:`resolve_pair` for the defaults); each drafter is checked against the target."""
-    from ..convert import load_drafter, load_target
+    from ..io.hf import load_drafter, load_target
 
     r = resolve_pair(cfg, target, drafter, baseline_drafter, mcs)
     t_src, t_dir, d_src, b_src = r["t_src"], r["t_dir"], r["d_src"], r["b_src"]

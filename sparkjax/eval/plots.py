@@ -217,7 +217,7 @@ def throughput_plot(results, path) -> pathlib.Path:
 
 def _save(fig, path) -> pathlib.Path:
     """Writes the figure atomically (a temp file renamed into place)."""
-    from ..convert import atomic_file
+    from ..io.atomic import atomic_file
 
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format="png")

@@ -14,8 +14,6 @@
 =========================  ===================================================================
 
 The orbax names are imported on first use, so ``import sparkjax.io`` does not import orbax.
-The old modules ``sparkjax.convert``, ``sparkjax.checkpoint`` and ``sparkjax.atomic`` remain as
-aliases.
 """
 
 from __future__ import annotations

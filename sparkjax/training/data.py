@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_file
+from ..io.atomic import atomic_file
 from .errors import DataError
 
 CHATML_HEADER = "<|im_start|>assistant\n"

@@ -4,7 +4,7 @@ Everything a run does around its steps lives here, the same for every task:
 
 * the output folder is checked before any work and locked for the run (:mod:`.outdir`); export
   destinations the task names are checked before any work too;
-* resume: the newest good checkpoint (:class:`~sparkjax.checkpoint.TrainCheckpointer`; a damaged
+* resume: the newest good checkpoint (:class:`~sparkjax.io.checkpoint.TrainCheckpointer`; a damaged
   one is moved aside and the previous one used) is restored after its config has been compared
   with the run's (:func:`check_config`: ``force_resume`` accepts changed settings, never the task's
   ``fixed`` keys); a folder holding checkpoints is refused without ``resume``;
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_file
-from ..checkpoint import TrainCheckpointer
 from ..errors import CheckpointError
+from ..io.atomic import atomic_file
+from ..io.checkpoint import TrainCheckpointer
 from .errors import TrainingError
 from .outdir import RunLock, check_overwritable, drop_metrics_after, prepare_output
 

@@ -1,7 +1,7 @@
 """Pre-training a Qwen3 target from scratch on a token stream (next-token cross-entropy).
 
 What the demo pair's target is trained with: optax AdamW (:mod:`.optim`'s schedule and
-clipping), orbax checkpoints through :class:`~sparkjax.checkpoint.TrainCheckpointer`, and a data
+clipping), orbax checkpoints through :class:`~sparkjax.io.checkpoint.TrainCheckpointer`, and a data
 order that is a pure function of ``(seed, step)``: batch ``s`` holds ``batch_size`` windows of
 ``seq_len + 1`` tokens at offsets drawn from ``numpy.random.default_rng([seed, s])``. A resumed
 run therefore continues with exactly the batches an uninterrupted one would have seen, with no
@@ -28,10 +28,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ..atomic import atomic_dir
-from ..checkpoint import TrainCheckpointer
 from ..config import Qwen3Config, read_json
 from ..errors import CheckpointError
+from ..io.atomic import atomic_dir
+from ..io.checkpoint import TrainCheckpointer
+from ..io.hf import save_target
+from ..nn.qwen3 import Qwen3
 from .errors import TrainingError
 from .fit import LoopSettings, Task, fit
 from .optim import OptimConfig, compose, make_optimizer, make_schedule
@@ -177,8 +179,6 @@ class LMResult:
 
 
 def _new_state(cfg: LMConfig):
-    from ..nn.qwen3 import Qwen3
-
     tx = make_optimizer(cfg.optim)
     model = Qwen3(cfg.qwen3_config(), rngs=nnx.Rngs(cfg.seed), dtype=jnp.float32)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -264,8 +264,6 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
 
     ``special_ids`` (``eos_token_id``, ``pad_token_id``, ``bos_token_id``) go into ``config.json``
     and ``generation_config.json``."""
-    from ..convert import save_target
-
     if overwrite:  # only a folder sparkjax wrote, or an empty one (checked before any work)
         check_overwritable(out, "export folder")
     if tokenizer is not None and not os.path.isdir(tokenizer):

@@ -32,9 +32,9 @@ from typing import Any
 
 import jax
 
-from ..checkpoint import TrainCheckpointer
-from ..convert import load_target
 from ..errors import ArgumentError, CheckpointError
+from ..io.checkpoint import TrainCheckpointer
+from ..io.hf import load_target
 from ..sharding import make_mesh
 from . import data as data_lib
 from .config import OPERATIONAL, TrainConfig

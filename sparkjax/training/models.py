@@ -21,8 +21,11 @@ import numpy as np
 from flax import nnx
 
 from ..config import DrafterConfig, Qwen3Config, read_json
-from ..convert import DRAFTER_KEYS, WeightFiles, load_into, resolve_dtype, source_of
 from ..errors import CheckpointError, ConfigError
+from ..io.hf import load_into, resolve_dtype, source_of
+from ..io.keymaps import DRAFTER_KEYS
+from ..io.safetensors import WeightFiles
+from ..nn.drafter import Drafter
 from ..pairing import check_pair
 
 NEW_DRAFTER_DEFAULTS: dict[str, Any] = {
@@ -72,8 +75,6 @@ def new_drafter_config(
 
 def init_drafter(target, config: DrafterConfig, *, seed: int = 0, dtype: Any = None):
     """A new drafter with random weights and the target's embedding / LM head (copied)."""
-    from ..nn.drafter import Drafter
-
     check_pair(target.config, config, target_source=_target_source(target), drafter_source="drafter settings")
     dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
     drafter = Drafter(config, rngs=nnx.Rngs(seed), dtype=dt)
@@ -90,8 +91,6 @@ def load_drafter_for_training(path: str, target, overrides: dict[str, Any] | Non
     Checks the pair against ``target``; tensors that do not fit the (overridden) config raise
     CheckpointError naming the file and the key.
     """
-    from ..nn.drafter import Drafter
-
     folder = str(path)
     config_path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):

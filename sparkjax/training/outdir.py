@@ -5,7 +5,7 @@
 * :class:`RunLock` -- one run per output folder: ``fcntl.flock`` on ``OUT/.sparkjax-lock``, held for
   the run's lifetime. The OS releases it when the process ends, even by SIGKILL, so a crashed run
   never leaves a stale lock; a second run into the same folder gets a :class:`TrainingError`.
-* :func:`check_overwritable` -- the overwrite rule of :mod:`sparkjax.atomic` for exports, checked
+* :func:`check_overwritable` -- the overwrite rule of :mod:`sparkjax.io.atomic` for exports, checked
   before any work: only a folder sparkjax wrote (it holds :data:`MARKER`) or an empty one.
 * :func:`export_drafter` -- every drafter export of the trainer goes through ``atomic_dir``, which
   leaves the marker, so the next export may replace it.
@@ -19,7 +19,8 @@ import contextlib
 import json
 import os
 
-from ..atomic import MARKER, atomic_dir, atomic_file, check_destination  # noqa: F401 - MARKER: for the trainers
+from ..io.atomic import MARKER, atomic_dir, atomic_file, check_destination  # noqa: F401 - MARKER: for the trainers
+from ..io.hf import save_drafter
 from .errors import TrainingError
 
 LOCK_NAME = ".sparkjax-lock"
@@ -106,7 +107,7 @@ class RunLock:
 def check_overwritable(path, what: str = "export folder") -> str:
     """Returns ``path`` (absolute) if an export may write there (absent, empty, or written by sparkjax).
 
-    The rule is :func:`sparkjax.atomic.check_destination`'s, the one every sparkjax writer applies."""
+    The rule is :func:`sparkjax.io.atomic.check_destination`'s, the one every sparkjax writer applies."""
     return check_destination(path, overwrite=True, what=what)
 
 
@@ -122,8 +123,6 @@ def save_into(folder: str, save, model, **kw) -> None:
 
 def export_drafter(drafter, out: str, *, dtype=None, what: str = "export folder") -> str:
     """Writes ``drafter`` (DeepSpec format) to ``out`` through ``atomic_dir``, refusing a folder it may not replace."""
-    from ..convert import save_drafter
-
     out = check_overwritable(out, what)
     with atomic_dir(out, overwrite=True) as tmp:
         save_into(tmp, save_drafter, drafter, dtype=dtype)
