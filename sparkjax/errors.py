@@ -31,3 +31,33 @@ class ArgumentError(SparkjaxError, ValueError):
 
 class CostTableError(SparkjaxError, ValueError):
     """A cost table file (``method='auto'``) is unreadable or was measured for another device or shape."""
+
+
+class WriteError(CheckpointError):
+    """An output could not be written (I/O error: read-only folder, full disk, ...); nothing was changed.
+
+    ``reason`` is the underlying cause alone (``strerror`` or the exception's name), without the path."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class EvalError(SparkjaxError, ValueError):
+    """A bad evaluation setting: an unknown method, a budget for chain-only methods, an unreadable results file."""
+
+
+class DatasetError(EvalError):
+    """A prompt set that is missing, unreadable, empty or malformed (the message names the file and line)."""
+
+
+class TokenizerError(EvalError):
+    """A tokenizer that cannot be loaded or does not fit the target."""
+
+
+class TrainingError(SparkjaxError, ValueError):
+    """A bad training setting: a learning rate or step count that makes no sense, a resume that does not fit."""
+
+
+class DataError(TrainingError):
+    """Training data that is missing, unreadable or malformed (the message names the file and line)."""

@@ -11,7 +11,7 @@
 * :func:`eos_ids`: the ids that end a generation (the target's ``generation_config.json`` plus the
   tokenizer's EOS token).
 
-A tokenizer that cannot be loaded or rendered raises :class:`sparkjax.eval.TokenizerError`; a bad ``kind``
+A tokenizer that cannot be loaded or rendered raises :class:`sparkjax.errors.TokenizerError`; a bad ``kind``
 raises :class:`sparkjax.ArgumentError`.
 """
 
@@ -24,15 +24,10 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .errors import ArgumentError, TokenizerError
+
 KINDS = ("chat", "text")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _tokenizer_error(message: str) -> Exception:
-    # Imported here: sparkjax.eval imports the harness (jax), and sparkjax.demo imports this module.
-    from .eval.errors import TokenizerError
-
-    return TokenizerError(message)
 
 
 @contextlib.contextmanager
@@ -70,9 +65,9 @@ def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer"):
     """``AutoTokenizer.from_pretrained(folder)`` offline; ``what`` names the argument in the one-line error."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        raise _tokenizer_error(f"{what}: {folder} is not a folder")
+        raise TokenizerError(f"{what}: {folder} is not a folder")
     if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        raise _tokenizer_error(f"{what}: {folder} holds no tokenizer ({', '.join(TOKENIZER_FILES)}: none found)")
+        raise TokenizerError(f"{what}: {folder} holds no tokenizer ({', '.join(TOKENIZER_FILES)}: none found)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         with quiet_transformers():
@@ -81,7 +76,7 @@ def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer"):
             return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise _tokenizer_error(f"{what}: cannot load a tokenizer from {folder} ({msg})") from None
+        raise TokenizerError(f"{what}: cannot load a tokenizer from {folder} ({msg})") from None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -95,10 +90,10 @@ def render_chat(tokenizer, question: str, *, enable_thinking: bool = False) -> s
         return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                              add_generation_prompt=True, enable_thinking=enable_thinking)
     except ImportError as e:  # jinja2 missing
-        raise _tokenizer_error(f"chat template: {e}") from None
+        raise TokenizerError(f"chat template: {e}") from None
     except Exception as e:  # noqa: BLE001 - a template that does not render (jinja2's TemplateError, ...)
         name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-        raise _tokenizer_error(f"{name}: its chat template does not render ({type(e).__name__}: {e})") from None
+        raise TokenizerError(f"{name}: its chat template does not render ({type(e).__name__}: {e})") from None
 
 
 def encode_chat(tokenizer, question: str, *, enable_thinking: bool = False) -> list[int]:
@@ -117,8 +112,6 @@ def encode_prompt(tokenizer, text: str, kind: str = "chat") -> list[int]:
     if kind == "text":
         return encode_text(tokenizer, text)
     if kind != "chat":
-        from .errors import ArgumentError
-
         raise ArgumentError(f"encode_prompt: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     return encode_chat(tokenizer, text)
 

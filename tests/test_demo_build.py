@@ -10,7 +10,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from sparkjax.training.errors import TrainingError
+from sparkjax.errors import TrainingError
 
 TRAIN = pathlib.Path(__file__).resolve().parents[1] / "train"
 

@@ -26,10 +26,10 @@ from contextlib import redirect_stdout
 
 import pytest
 
+from sparkjax.errors import EvalError
 from sparkjax.eval import harness, metrics, report
 from sparkjax.eval.cli import main
 from sparkjax.eval.engine import BatchOutput, MethodConfig
-from sparkjax.eval.errors import EvalError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"

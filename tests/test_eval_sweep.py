@@ -17,9 +17,9 @@ import types
 
 import pytest
 
+from sparkjax.errors import EvalError
 from sparkjax.eval import harness, report
 from sparkjax.eval.cli import main
-from sparkjax.eval.errors import EvalError
 from sparkjax.eval.sweep import check_batch_sizes, fill_batches, prompt_pool, summarize_sweep, sweep_block
 from tests.test_eval import _bad  # the one-line, exit-code-2 check of a CLI mistake
 

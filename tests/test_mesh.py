@@ -244,7 +244,7 @@ def test_two_processes_equal_one_process(tmp_path, xla_cache):
 
 
 def test_eval_mesh_flag():
-    from sparkjax.eval.errors import EvalError
+    from sparkjax.errors import EvalError
     from sparkjax.eval.harness import eval_mesh
 
     assert eval_mesh(None) is None

@@ -12,8 +12,8 @@ import os
 import sys
 
 from sparkjax.config import read_json
+from sparkjax.errors import TrainingError
 from sparkjax.training.cli import OneLineParser, run_cli
-from sparkjax.training.errors import TrainingError
 from sparkjax.training.lm import LMConfig, export_lm, train_lm
 from sparkjax.training.outdir import check_overwritable
 

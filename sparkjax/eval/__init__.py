@@ -80,9 +80,9 @@ models on accelerators. Importing this package loads no model and changes no glo
 
 from __future__ import annotations
 
+from ..errors import DatasetError, EvalError, TokenizerError
 from .cli import main
 from .engine import MethodConfig
-from .errors import DatasetError, EvalError, TokenizerError
 from .harness import EvalConfig, EvalResults, run
 
 __all__ = ["DatasetError", "EvalConfig", "EvalError", "EvalResults", "MethodConfig", "TokenizerError", "main", "run"]

@@ -8,8 +8,8 @@ import sys
 import time
 
 from .. import _startup, engine
+from ..errors import EvalError
 from . import datasets as ds
-from .errors import EvalError
 from .harness import BASELINE_METHODS, DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS
 
 DESCRIPTION = """\

@@ -25,8 +25,8 @@ import json
 import os
 import pathlib
 
+from ..errors import DatasetError
 from . import demo
-from .errors import DatasetError
 
 ENV_VAR = "SPARKJAX_EVAL_DATASETS"  # a folder holding the EVAL_SETS files (default: ./eval/datasets)
 DEMO_SETS = demo.SETS  # in the package: sparkjax/assets/demo/prompts

@@ -19,7 +19,7 @@ import pathlib
 
 from ..demo import COMPUTE_DTYPE, DEMO_DIR
 from ..demo import PROMPT_SETS as SETS
-from .errors import EvalError
+from ..errors import EvalError
 
 __all__ = ["COMPUTE_DTYPE", "DEMO_DIR", "NOTE", "SETS", "path", "target_dir"]
 NOTE = (

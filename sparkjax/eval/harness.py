@@ -63,12 +63,11 @@ import jax
 from .. import engine as core
 from ..config import read_json
 from ..engine.api import check_temperature
-from ..errors import ArgumentError
+from ..errors import ArgumentError, EvalError, TokenizerError
 from ..pairing import check_pair
 from . import datasets as ds
 from . import demo, metrics
 from .engine import BatchOutput, Engine, MethodConfig
-from .errors import EvalError, TokenizerError
 
 DEFAULT_BUDGETS = (16, 32, 64)
 DEFAULT_MAX_SAMPLES = 4

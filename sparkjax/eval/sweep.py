@@ -30,7 +30,7 @@ import statistics
 from typing import Any
 
 from ..engine.methods import AR_LABEL
-from .errors import EvalError
+from ..errors import EvalError
 
 FILL = "cycled"
 FILL_TEXT = ("prompts cycled to fill each batch: batch size B runs ceil(N / B) batches of B sequences, slot i of "

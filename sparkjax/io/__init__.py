@@ -18,7 +18,8 @@ The orbax names are imported on first use, so ``import sparkjax.io`` does not im
 
 from __future__ import annotations
 
-from .atomic import MARKER, WriteError, atomic_dir, atomic_file, check_destination, is_sparkjax_output, recover
+from ..errors import WriteError
+from .atomic import MARKER, atomic_dir, atomic_file, check_destination, is_sparkjax_output, recover
 from .hf import (
     export_tensors,
     load_drafter,

@@ -42,7 +42,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from ..errors import ArgumentError, CheckpointError
+from ..errors import ArgumentError, WriteError
 
 PathLike = str | os.PathLike
 
@@ -59,14 +59,6 @@ _MARKER_TEXT = (
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
-
-
-class WriteError(CheckpointError):
-    """An output could not be written (I/O error: read-only folder, full disk, ...); nothing was changed."""
-
-    def __init__(self, message: str, reason: str | None = None):
-        super().__init__(message)
-        self.reason = reason or message
 
 
 # ----------------------------------------------------------------------------- small helpers

@@ -21,8 +21,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from ..config import Qwen3Config, read_json
-from ..errors import ArgumentError, CheckpointError
-from .atomic import WriteError, atomic_dir, check_destination
+from ..errors import ArgumentError, CheckpointError, WriteError
+from .atomic import atomic_dir, check_destination
 
 PathLike = str | os.PathLike
 _META = "sparkjax.json"

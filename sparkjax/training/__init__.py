@@ -17,10 +17,10 @@ Pieces, from the bottom up:
   LM's (:class:`~.lm.LMTask`, :func:`~.lm.train_lm`); :mod:`.cli` -- ``train/train.py``.
 """
 
+from ..errors import DataError, TrainingError
 from .anchors import Blocks, anchor_candidates, anchors_from_uniforms, build_blocks, sample_anchors
 from .config import TrainConfig
 from .data import BatchStream, TokenData, load_jsonl, synthetic_data
-from .errors import DataError, TrainingError
 from .fit import LoopSettings, RunResult, Task, fit
 from .forward import TrainOutputs, batch_loss, drafter_outputs, target_features
 from .loop import DrafterTask, export_run, train

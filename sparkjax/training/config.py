@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from ..config import read_json
-from .errors import TrainingError
+from ..errors import TrainingError
 from .loss import Objective
 from .optim import OPTIM_KEYS, OptimConfig, compose
 

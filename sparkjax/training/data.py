@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import DataError
 from ..io.atomic import atomic_file
-from .errors import DataError
 
 CHATML_HEADER = "<|im_start|>assistant\n"
 CHATML_END = "<|im_end|>"

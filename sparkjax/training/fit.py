@@ -38,10 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TrainingError
 from ..io.atomic import atomic_file
 from ..io.checkpoint import TrainCheckpointer
-from .errors import TrainingError
 from .outdir import RunLock, check_overwritable, drop_metrics_after, prepare_output
 
 FORMAT_VERSION = 1

@@ -29,12 +29,11 @@ import optax
 from flax import nnx
 
 from ..config import Qwen3Config, read_json
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TrainingError
 from ..io.atomic import atomic_dir
 from ..io.checkpoint import TrainCheckpointer
 from ..io.hf import save_target
 from ..nn.qwen3 import Qwen3
-from .errors import TrainingError
 from .fit import LoopSettings, Task, fit
 from .optim import OptimConfig, compose, make_optimizer, make_schedule
 from .outdir import MARKER, check_overwritable, save_into

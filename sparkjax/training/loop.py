@@ -32,13 +32,12 @@ from typing import Any
 
 import jax
 
-from ..errors import ArgumentError, CheckpointError
+from ..errors import ArgumentError, CheckpointError, TrainingError
 from ..io.checkpoint import TrainCheckpointer
 from ..io.hf import load_target
 from ..sharding import make_mesh
 from . import data as data_lib
 from .config import OPERATIONAL, TrainConfig
-from .errors import TrainingError
 from .fit import LoopSettings, RunResult, Task, _stderr, fit
 from .models import init_drafter, load_drafter_for_training, new_drafter_config
 from .outdir import check_overwritable, export_drafter

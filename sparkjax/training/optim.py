@@ -21,7 +21,7 @@ from typing import Any
 
 import optax
 
-from .errors import TrainingError
+from ..errors import TrainingError
 
 SCHEDULES = ("cosine", "linear", "constant")
 

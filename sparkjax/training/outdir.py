@@ -19,9 +19,9 @@ import contextlib
 import json
 import os
 
+from ..errors import TrainingError
 from ..io.atomic import MARKER, atomic_dir, atomic_file, check_destination  # noqa: F401 - MARKER: for the trainers
 from ..io.hf import save_drafter
-from .errors import TrainingError
 
 LOCK_NAME = ".sparkjax-lock"
 
