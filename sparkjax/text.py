@@ -24,7 +24,7 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .errors import ArgumentError, TokenizerError
+from .errors import ArgumentError, SparkjaxError, TokenizerError
 
 KINDS = ("chat", "text")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -61,13 +61,15 @@ def quiet_transformers() -> Iterator[None]:
             os.environ[key] = previous
 
 
-def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer"):
-    """``AutoTokenizer.from_pretrained(folder)`` offline; ``what`` names the argument in the one-line error."""
+def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer",
+                   error: type[SparkjaxError] = TokenizerError):
+    """``AutoTokenizer.from_pretrained(folder)`` offline; ``what`` names the argument in the one-line ``error``
+    (:class:`~sparkjax.errors.TokenizerError`, or the caller's class: the trainer's is ``DataError``)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        raise TokenizerError(f"{what}: {folder} is not a folder")
+        raise error(f"{what}: {folder} is not a folder")
     if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        raise TokenizerError(f"{what}: {folder} holds no tokenizer ({', '.join(TOKENIZER_FILES)}: none found)")
+        raise error(f"{what}: {folder} holds no tokenizer ({', '.join(TOKENIZER_FILES)}: none found)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         with quiet_transformers():
@@ -76,7 +78,7 @@ def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer"):
             return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TokenizerError(f"{what}: cannot load a tokenizer from {folder} ({msg})") from None
+        raise error(f"{what}: cannot load a tokenizer from {folder} ({msg})") from None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

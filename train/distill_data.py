@@ -59,11 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    from transformers import AutoTokenizer
-
     import sparkjax
+    from sparkjax.text import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(a.target)
+    tok = load_tokenizer(a.target, what="--target")
     eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
     target = sparkjax.load_target(a.target, dtype="float32")
     prompts = pick_prompts(a.corpus, tok, a.num, a.seed, a.max_prompt)

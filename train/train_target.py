@@ -13,6 +13,7 @@ import sys
 
 from sparkjax.config import read_json
 from sparkjax.errors import TrainingError
+from sparkjax.text import load_tokenizer
 from sparkjax.training.cli import OneLineParser, run_cli
 from sparkjax.training.lm import LMConfig, export_lm, train_lm
 from sparkjax.training.outdir import check_overwritable
@@ -56,12 +57,7 @@ def _main(a) -> int:
         if a.tokenizer:
             if not os.path.isfile(os.path.join(a.tokenizer, "tokenizer.json")):
                 raise TrainingError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
-            from transformers import AutoTokenizer
-
-            try:
-                tok = AutoTokenizer.from_pretrained(a.tokenizer)
-            except Exception as e:  # noqa: BLE001 - any failure of the tokenizer files is reported in one line
-                raise TrainingError(f"--tokenizer {a.tokenizer}: cannot load it ({type(e).__name__}: {e})") from None
+            tok = load_tokenizer(a.tokenizer, error=TrainingError)
             special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
         export_lm(a.output, a.export, tokenizer=a.tokenizer, dtype=a.dtype, overwrite=True, special_ids=special)
         print(f"wrote {a.export}")

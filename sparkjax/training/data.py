@@ -7,8 +7,8 @@ Accepted JSONL lines (one JSON object per line, blank lines ignored):
   ``{"turns": [{"role": ..., "content": ...}, ...]}``
 * ``{"input_ids": [...], "loss_mask": [...]}`` (already tokenised; ``loss_mask`` defaults to all ones)
 
-Conversations are rendered with the target tokenizer's chat template (Hugging Face
-``AutoTokenizer`` from a local folder) and tokenised once; the loss mask covers the assistant
+Conversations are rendered with the target tokenizer's chat template (:func:`sparkjax.text.load_tokenizer`,
+a local folder) and tokenised once; the loss mask covers the assistant
 turns: the tokens after each ``assistant_header`` up to and including the next ``end_of_turn``
 (ChatML, Qwen's format, by default: ``<|im_start|>assistant\\n`` ... ``<|im_end|>``). Lines whose
 conversation has no assistant turn are skipped and counted.
@@ -104,25 +104,6 @@ class TokenData:
 
 
 # ----------------------------------------------------------------------------- JSONL
-
-
-def load_tokenizer(folder: str):
-    """``AutoTokenizer.from_pretrained(folder)`` offline; any failure is a :class:`DataError` naming the folder."""
-    folder = str(folder)
-    if not os.path.isdir(folder):
-        raise DataError(f"tokenizer: {folder} is not a folder")
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in files):
-        raise DataError(f"tokenizer: {folder} holds no tokenizer ({', '.join(files)}: none found)")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found" when torch is absent
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"tokenizer: cannot load a tokenizer from {folder} ({msg})") from None
 
 
 def read_jsonl(path: str) -> Iterator[tuple[int, Any]]:

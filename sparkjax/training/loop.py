@@ -32,10 +32,11 @@ from typing import Any
 
 import jax
 
-from ..errors import ArgumentError, CheckpointError, TrainingError
+from ..errors import ArgumentError, CheckpointError, DataError, TrainingError
 from ..io.checkpoint import TrainCheckpointer
 from ..io.hf import load_target
 from ..sharding import make_mesh
+from ..text import load_tokenizer
 from . import data as data_lib
 from .config import OPERATIONAL, TrainConfig
 from .fit import LoopSettings, RunResult, Task, _stderr, fit
@@ -111,7 +112,7 @@ def build_data(cfg: TrainConfig, target, drafter, output_dir: str | None,
         tok = None
         needs_tok = _has_chat_records(cfg.data) or (cfg.eval_data is not None and _has_chat_records(cfg.eval_data))
         if needs_tok:
-            tok = data_lib.load_tokenizer(cfg.tokenizer or cfg.target)
+            tok = load_tokenizer(cfg.tokenizer or cfg.target, what="tokenizer", error=DataError)
         kw = dict(block_size=block, vocab_size=vocab, tokenizer=tok, tokenizer_source=cfg.tokenizer or cfg.target,
                   packing=cfg.packing, assistant_header=cfg.assistant_header, end_of_turn=cfg.end_of_turn)
         train = data_lib.load_jsonl(cfg.data, cfg.seq_len, **kw)
