@@ -21,6 +21,7 @@ from . import _startup, demo, engine
 from .cli import run_cli
 from .errors import SparkjaxError
 from .io.hf import load_drafter, load_target
+from .text import quiet_transformers
 
 EXPLANATION = (
     "note: on a CPU with this tiny target, the drafter and the tree cost as much as the target itself, so the "
@@ -49,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.target is None:
             if args.drafter is not None:
                 raise SparkjaxError("--drafter: given without --target (the demo drafters fit only the demo target)")
-            from .text import quiet_transformers
-
             with quiet_transformers():  # no "PyTorch was not found" advisory: only the tokenizer is used
                 pair = demo.load()
             target, drafters, tok = pair.target, {"main": pair.dspark, "baseline": pair.dflash}, pair.tokenizer

@@ -26,6 +26,19 @@ import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import engine
+from .config import DrafterConfig, Qwen3Config
+from .io.atomic import atomic_file
+from .nn.drafter import Drafter
+from .nn.qwen3 import Qwen3
+from .sharding import make_mesh
+from .training import OptimConfig, Trainer
+
 DEFAULT_METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam", "auto")
 
 
@@ -36,14 +49,6 @@ def tiny_pair(seed: int = 0, vocab: int = 32, heads: int = 8, kv_heads: int = 8)
     depend on the order of a sharded reduction) and its LM head is untied (the tokens vary). The drafter's
     Markov head (rank = vocab) is set to the target's own bigram map ``prev -> argmax target([prev])``, so
     drafts are often accepted and rounds commit several tokens (the sharded commit path is exercised)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from .config import DrafterConfig, Qwen3Config
-    from .nn.drafter import Drafter
-    from .nn.qwen3 import Qwen3
-
     tcfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
                        max_position_embeddings=512, tie_word_embeddings=False)
@@ -65,8 +70,6 @@ def tiny_pair(seed: int = 0, vocab: int = 32, heads: int = 8, kv_heads: int = 8)
 
 def tiny_prompts(batch: int, vocab: int = 32, seed: int = 1) -> list[list[int]]:
     """``batch`` prompts of different lengths (3 to 10 tokens), the same on every process."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab - 1, 3 + (b * 5) % 8).tolist() for b in range(batch)]
 
@@ -80,12 +83,6 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def run(args) -> dict:
-    import jax
-    import numpy as np
-
-    from . import engine
-    from .sharding import make_mesh
-
     data, model = parse_mesh(args.mesh)
     mesh = make_mesh(data, model) if data * model > 1 else None
     target, drafter = tiny_pair(args.seed)
@@ -97,17 +94,13 @@ def run(args) -> dict:
         kw = {"budget": 8} if method in engine.TREE_METHODS else {}
         spec = method
         if method == "auto":  # a fixed cost table: every process makes the same choices, and none profiles
-            from .engine.auto import CostTable
-
             spec = engine.Auto(sizes=(0, "chain", 4, 8))
             labels = spec.resolve(drafter).labels()
-            spec = dataclasses.replace(spec, table=CostTable(labels, (1.0, 1.6, 1.5, 1.8)))
+            spec = dataclasses.replace(spec, table=engine.CostTable(labels, (1.0, 1.6, 1.5, 1.8)))
         out = engine.generate(target, None if method == "ar" else drafter, prompts, method=spec,
                               max_new_tokens=args.max_new, mesh=mesh, **kw)
         result["tokens"][method] = out.tokens
     if args.train_steps:
-        from .training import OptimConfig, Trainer
-
         train_mesh = make_mesh(data=jax.device_count()) if jax.device_count() > 1 else None
         trainer = Trainer(drafter, target, optim=OptimConfig(lr=1e-3, steps=args.train_steps, warmup_steps=0,
                                                              schedule="constant"),
@@ -141,8 +134,6 @@ def main(argv=None) -> int:
     if args.local_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.local_devices}".strip()
-    import jax
-
     if args.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
@@ -152,8 +143,6 @@ def main(argv=None) -> int:
         line = json.dumps(result)
         print(line)
         if args.out:
-            from .io.atomic import atomic_file
-
             with atomic_file(args.out) as tmp, open(tmp, "w") as f:
                 f.write(line + "\n")
     if args.coordinator:

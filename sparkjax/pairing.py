@@ -3,11 +3,13 @@
 :func:`check_pair` is what every entry point runs before a drafter is used with a target:
 ``load_drafter(target=)``, the decoders, the eval (drafter objects) and the trainer. Every mismatch
 raises :class:`~sparkjax.errors.IncompatiblePairError` whose message reads
-``drafter SRC does not fit target SRC: FIELD: detail``.
+``drafter SRC does not fit target SRC: FIELD: detail``. :func:`source_of` gives the folder a model was
+loaded from, which those messages name.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +18,20 @@ from .errors import ArgumentError, IncompatiblePairError
 
 # The DSpark drafter's own input/output tables, which must have the target's shapes.
 IO_TABLES = ("embed_tokens.weight", "lm_head.weight")
+
+# Where each loaded model came from. Kept outside the module: a plain attribute would become part of
+# the NNX graphdef, so the same architecture loaded from two folders would compile twice.
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def record_source(model, folder: str) -> None:
+    """Remembers that ``model`` was loaded from ``folder`` (the loaders of :mod:`sparkjax.io.hf` call this)."""
+    _SOURCES[model] = folder
+
+
+def source_of(model) -> str | None:
+    """The folder a model was loaded from (None for a model built in memory)."""
+    return _SOURCES.get(model)
 
 
 def _split(x: Any, argument: str, kind: type) -> tuple[Any, Any]:
@@ -39,8 +55,6 @@ def _source(model, given: str | None, what: str) -> str:
         return given
     if model is None:
         return f"<{what} config>"
-    from .io.hf import source_of
-
     src = source_of(model)
     return f"{src}/config.json" if src else f"<{what} model>"
 
@@ -67,7 +81,7 @@ def check_pair(
     ``target`` is a :class:`~sparkjax.nn.qwen3.Qwen3` or a :class:`~sparkjax.config.Qwen3Config`,
     ``drafter`` a :class:`~sparkjax.nn.drafter.Drafter` or a :class:`~sparkjax.config.DrafterConfig`
     (anything else: :class:`~sparkjax.errors.ArgumentError`). The sources named in messages default
-    to ``FOLDER/config.json`` of a loaded model (:func:`sparkjax.io.hf.source_of`), else
+    to ``FOLDER/config.json`` of a loaded model (:func:`source_of`), else
     ``<target model>`` / ``<drafter model>`` (``<... config>`` for a bare config).
 
     Checked, in this order: ``hidden_size`` and ``vocab_size`` equal; every ``target_layer_ids``

@@ -62,14 +62,6 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] =
     return model
 
 
-def cache_sharding(mesh: Mesh, layers: int, rules: Mapping[str, str | None] = DEFAULT_RULES):
-    """Shardings for a KVCache of ``layers`` layers (:func:`sparkjax.cache.kv_cache_shardings`;
-    for an existing cache use ``cache.shardings(mesh, rules)``)."""
-    from .cache import kv_cache_shardings
-
-    return kv_cache_shardings(mesh, layers, rules)
-
-
 def batch_sharding(mesh: Mesh, ndim: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> NamedSharding:
     """Sharding for a batch-first array of ``ndim`` dimensions."""
     return NamedSharding(mesh, PartitionSpec(rules.get("batch"), *([None] * (ndim - 1))))

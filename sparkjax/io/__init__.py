@@ -8,7 +8,7 @@
                            (:class:`WeightFiles`), the finiteness check
 :mod:`.keymaps`            HF Qwen3 and DeepSpec / DFlash drafter names <-> NNX paths, and layouts
 :mod:`.hf`                 :func:`load_target`, :func:`load_drafter`, :func:`save_target`,
-                           :func:`save_drafter`, :func:`source_of`
+                           :func:`save_drafter`
 :mod:`.checkpoint`         orbax (the only module that imports it): :func:`save_model`,
                            :func:`restore_model`, :class:`TrainCheckpointer`
 =========================  ===================================================================
@@ -28,7 +28,6 @@ from .hf import (
     resolve_dtype,
     save_drafter,
     save_target,
-    source_of,
 )
 from .keymaps import DRAFTER_KEYS, QWEN3_KEYS, Rule, param_keys
 from .safetensors import SafetensorsFile, WeightFiles, write_safetensors
@@ -39,7 +38,7 @@ __all__ = [
     "DRAFTER_KEYS", "MARKER", "QWEN3_KEYS", "Rule", "SafetensorsFile", "WeightFiles", "WriteError",
     "atomic_dir", "atomic_file", "check_destination", "export_tensors", "is_sparkjax_output", "load_drafter",
     "load_into", "load_target", "param_keys", "recover", "resolve_dtype", "save_drafter", "save_target",
-    "source_of", "write_safetensors", *_ORBAX,
+    "write_safetensors", *_ORBAX,
 ]
 
 

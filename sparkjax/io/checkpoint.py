@@ -12,17 +12,22 @@ check) so a corrupted folder raises instead of loading wrong weights.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from ..config import Qwen3Config, read_json
 from ..errors import ArgumentError, CheckpointError, WriteError
+from ..nn.qwen3 import Qwen3
 from .atomic import atomic_dir, check_destination
+from .hf import resolve_dtype
 
 PathLike = str | os.PathLike
 _META = "sparkjax.json"
@@ -35,8 +40,6 @@ def save_model(model: nnx.Module, path: PathLike, *, overwrite: bool = False) ->
     Refusals raise :class:`~sparkjax.errors.ArgumentError`, I/O failures :class:`~sparkjax.io.atomic.WriteError`
     (a :class:`~sparkjax.errors.CheckpointError`); both name the path, and the destination is left as it was.
     """
-    from ..nn.qwen3 import Qwen3
-
     if not isinstance(model, Qwen3):
         raise ArgumentError(f"save_model: model must be a Qwen3 target (sparkjax.nn.qwen3.Qwen3), "
                             f"got {type(model).__name__}; {path} was not written")
@@ -68,9 +71,6 @@ def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
     written before checksums existed skip this), and every floating tensor must be finite. A mismatch
     raises :class:`~sparkjax.errors.CheckpointError` naming the folder and the first bad tensor.
     """
-    from ..nn.qwen3 import Qwen3
-    from .hf import resolve_dtype
-
     folder = str(path)
     meta_path = os.path.join(folder, _META)
     meta = read_json(meta_path)
@@ -375,8 +375,6 @@ class TrainCheckpointer:
             )
 
     def _restore_one(self, step: int, abstract):
-        import numpy as np
-
         self._check_shapes(step, abstract)
         try:
             out = self._mngr.restore(
@@ -439,8 +437,6 @@ class TrainCheckpointer:
 
 
 def _stderr(msg: str) -> None:
-    import sys
-
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -490,8 +486,6 @@ class _DamagedReadsFilter:
 
     @classmethod
     def install(cls, folder: str) -> None:
-        import logging
-
         if cls._instance is None:
             cls._instance = cls()
             logging.getLogger("asyncio").addFilter(cls._instance)
@@ -510,7 +504,5 @@ class _DamagedReadsFilter:
 
 
 def _install_closed_loop_filter() -> None:
-    import sys
-
     if not isinstance(sys.unraisablehook, _ClosedLoopFilter):
         sys.unraisablehook = _ClosedLoopFilter(sys.unraisablehook)

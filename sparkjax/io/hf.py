@@ -7,15 +7,14 @@ is finite, puts it on its device (with ``mesh=``: straight onto its sharding, ea
 only its slice) and moves on; so peak host memory is the model's device copies plus about one tensor
 (the read pages of the mapping are released after each tensor). Missing, unexpected and mis-shaped
 tensors and truncated files raise :class:`~sparkjax.errors.CheckpointError` naming the file and
-the key. Saving writes a folder atomically (:mod:`sparkjax.io.atomic`). :func:`source_of` tells
-which folder a model came from (named in pair errors, :mod:`sparkjax.pairing`).
+the key. Saving writes a folder atomically (:mod:`sparkjax.io.atomic`). Each loaded model's folder is recorded
+for the pair errors (:func:`sparkjax.pairing.source_of`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,9 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from ..config import Qwen3Config
+from ..config import DrafterConfig, Qwen3Config
 from ..errors import ArgumentError, CheckpointError
+from ..nn.drafter import Drafter
+from ..nn.qwen3 import Qwen3
+from ..pairing import IO_TABLES, check_pair, record_source
+from ..sharding import DEFAULT_RULES, param_shardings
 from .atomic import atomic_dir, check_destination
 from .keymaps import DRAFTER_KEYS, QWEN3_KEYS, Rule, _checkpoint_shape, _to_checkpoint, _to_module, param_keys
 from .safetensors import _FLOAT_DTYPES, _ST_NAMES, WeightFiles, _all_finite, _non_finite_error, write_safetensors
@@ -98,8 +102,6 @@ def load_into(
     abstract = nnx.eval_shape(build)
     shardings = None
     if mesh is not None:
-        from ..sharding import DEFAULT_RULES, param_shardings
-
         try:
             tree = param_shardings(abstract, mesh, DEFAULT_RULES if sharding_rules is None else sharding_rules)
         except (ValueError, KeyError) as e:  # a rule names an axis the mesh does not have
@@ -154,8 +156,6 @@ def load_into(
 
 def _check_mesh(mesh: Any, func: str) -> None:
     """``mesh=`` of a loader: a :class:`jax.sharding.Mesh` (or None)."""
-    from jax.sharding import Mesh
-
     if mesh is not None and not isinstance(mesh, Mesh):
         raise ArgumentError(f"{func}: mesh must be a jax.sharding.Mesh (e.g. sparkjax.sharding.make_mesh), "
                             f"got {type(mesh).__name__}")
@@ -225,8 +225,6 @@ def load_target(path: PathLike, dtype: Any = None, *, mesh: Any = None, sharding
     A sharded dimension that does not divide over its mesh axis raises ArgumentError naming the
     parameter and both sizes, before any tensor is read.
     """
-    from ..nn.qwen3 import Qwen3
-
     _check_mesh(mesh, "load_target")
     folder = str(path)
     if not os.path.isdir(folder):
@@ -237,7 +235,7 @@ def load_target(path: PathLike, dtype: Any = None, *, mesh: Any = None, sharding
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     model = load_into(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), dtype=dt), files, QWEN3_KEYS, dtype=dt, ignore=ignore,
                       mesh=mesh, sharding_rules=sharding_rules)
-    _SOURCES[model] = folder  # named in drafter/target compatibility errors
+    record_source(model, folder)  # named in drafter/target compatibility errors
     return model
 
 
@@ -246,8 +244,6 @@ def save_target(model, path: PathLike, *, overwrite: bool = False, dtype: Any = 
 
     ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`).
     """
-    from ..nn.qwen3 import Qwen3
-
     _require_model(model, Qwen3, "save_target", "a Qwen3 target", "save_drafter")
     check_destination(path, overwrite=overwrite)  # before the export, so a refusal costs nothing
     cfg: Qwen3Config = model.config
@@ -269,16 +265,6 @@ def _write_hf_folder(path: PathLike, config: dict, tensors: dict, dtype: Any, ov
 
 # ----------------------------------------------------------------------------- drafters (DSpark / DFlash)
 
-# Where each loaded model came from. Kept outside the module: a plain attribute would become part of
-# the NNX graphdef, so the same architecture loaded from two folders would compile twice.
-_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def source_of(model) -> str | None:
-    """The folder a model was loaded from (None for a model built in memory)."""
-    return _SOURCES.get(model)
-
-
 def load_drafter(path: PathLike, target=None, dtype: Any = None, *, mesh: Any = None, sharding_rules: Any = None):
     """Loads a DeepSpec DSpark or z-lab DFlash drafter folder (``config.json`` + safetensors).
 
@@ -289,26 +275,19 @@ def load_drafter(path: PathLike, target=None, dtype: Any = None, *, mesh: Any = 
     ``lm_head`` (:func:`sparkjax.pairing.check_pair`, before any tensor is read); any mismatch raises
     :class:`~sparkjax.errors.IncompatiblePairError` naming both files;
     a ``target`` that is not such a model raises :class:`~sparkjax.errors.ArgumentError`.
-    ``dtype`` defaults to the checkpoint's. :func:`source_of` gives the folder it came from.
+    ``dtype`` defaults to the checkpoint's. :func:`sparkjax.pairing.source_of` gives the folder it came from.
     The files are validated as in :func:`load_target` (header, dtypes, finiteness). ``mesh`` /
     ``sharding_rules`` load every tensor straight onto its sharding, as in :func:`load_target`.
     """
-    from ..config import DrafterConfig
-    from ..nn.drafter import Drafter
-    from ..pairing import IO_TABLES, check_pair
-
     _check_mesh(mesh, "load_drafter")
     folder = str(path)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}: not a folder")
     config_path = os.path.join(folder, "config.json")
-    if target is not None:
-        from ..nn.qwen3 import Qwen3
-
-        if not isinstance(target, Qwen3):
-            raise ArgumentError(
-                f"target: expected a target model from sparkjax.load_target (a Qwen3), got {type(target).__name__}"
-            )
+    if target is not None and not isinstance(target, Qwen3):
+        raise ArgumentError(
+            f"target: expected a target model from sparkjax.load_target (a Qwen3), got {type(target).__name__}"
+        )
     cfg = DrafterConfig.from_hf_config(config_path)
     files = WeightFiles(folder)
     if target is not None:
@@ -318,7 +297,7 @@ def load_drafter(path: PathLike, target=None, dtype: Any = None, *, mesh: Any = 
     dt = resolve_dtype(dtype, files.dtype())
     model = load_into(lambda: Drafter(cfg, rngs=nnx.Rngs(0), dtype=dt), files, DRAFTER_KEYS, dtype=dt, mesh=mesh,
                       sharding_rules=sharding_rules)
-    _SOURCES[model] = folder
+    record_source(model, folder)
     return model
 
 
@@ -328,8 +307,6 @@ def save_drafter(drafter, path: PathLike, *, overwrite: bool = False, dtype: Any
     ``config.json`` (updated with the config's values, and ``dtype`` when converting).
 
     ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`)."""
-    from ..nn.drafter import Drafter
-
     _require_model(drafter, Drafter, "save_drafter", "a drafter", "save_target")
     check_destination(path, overwrite=overwrite)
     tensors = dict(sorted(export_tensors(drafter, DRAFTER_KEYS).items()))

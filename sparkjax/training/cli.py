@@ -19,6 +19,8 @@ from .. import _startup
 from ..cli import OneLineParser
 from ..cli import run_cli as _run_cli
 from ..errors import ArgumentError
+from .config import TrainConfig
+from .loop import export_run, train
 
 
 def run_cli(body) -> int:
@@ -96,8 +98,6 @@ def main(argv: list[str] | None = None, *, recipes_dir: str | None = None) -> in
 
 
 def _main(args, recipes_dir: str | None = None) -> int:
-    from .config import TrainConfig
-
     if args.export_to is not None and not args.export:
         raise ArgumentError("--export-to: only used with --export WHICH")
     overrides = _parse_set(args.set)
@@ -107,8 +107,6 @@ def _main(args, recipes_dir: str | None = None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from .loop import export_run, train
-
     if args.export:
         export_run(cfg, args.output, args.export, args.export_to)
         return 0

@@ -29,13 +29,20 @@ import dataclasses
 import hashlib
 import json
 import os
+import zipfile
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from ..engine import generate
 from ..errors import DataError
 from ..io.atomic import atomic_file
+from .forward import target_features
 
 CHATML_HEADER = "<|im_start|>assistant\n"
 CHATML_END = "<|im_end|>"
@@ -88,9 +95,6 @@ class TokenData:
     def load(cls, path: str) -> TokenData:
         """Reads what :meth:`save` wrote; anything unreadable (truncated, not an npz, wrong arrays)
         is a :class:`DataError` naming ``path``."""
-        import zipfile
-        import zlib
-
         try:
             with np.load(path) as z:
                 ids, mask = z["input_ids"], z["loss_mask"]
@@ -312,8 +316,6 @@ def synthetic_data(
     """Target-greedy continuations of random prompts: ``prompt_len`` ids uniform in ``[0, vocab_high)``
     then ``seq_len - prompt_len`` tokens of :func:`sparkjax.generate` (method ``ar``,
     temperature 0), ``batch`` prompts per call. The loss mask is 0 on the prompt and 1 on the continuation."""
-    from ..engine import generate
-
     if not 0 < prompt_len < seq_len:
         raise DataError(f"synthetic.prompt_len: must be in [1, seq_len) = [1, {seq_len}), got {prompt_len}")
     if num_sequences < 1:
@@ -343,12 +345,6 @@ def synthetic_data(
 def precompute_features(target, data: TokenData, layer_ids: tuple[int, ...], batch: int = 8) -> TokenData:
     """Adds the target's features and final-normed hidden states to ``data`` (small runs only: the
     features take ``N * S * len(ids) * D`` floats)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from .forward import target_features
-
     gdef, state = nnx.split(target)
 
     @jax.jit

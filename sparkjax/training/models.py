@@ -22,11 +22,11 @@ from flax import nnx
 
 from ..config import DrafterConfig, Qwen3Config, read_json
 from ..errors import CheckpointError, ConfigError
-from ..io.hf import load_into, resolve_dtype, source_of
+from ..io.hf import load_into, resolve_dtype
 from ..io.keymaps import DRAFTER_KEYS
 from ..io.safetensors import WeightFiles
 from ..nn.drafter import Drafter
-from ..pairing import check_pair
+from ..pairing import check_pair, source_of
 
 NEW_DRAFTER_DEFAULTS: dict[str, Any] = {
     "block_size": 16,
