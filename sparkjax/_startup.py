@@ -1,8 +1,8 @@
 """Ctrl-C while ``python -m sparkjax[.eval|.training]`` starts.
 
-Importing jax takes seconds, and a Ctrl-C in that window used to be swallowed (a KeyboardInterrupt raised
-inside a garbage-collection callback is only printed; the run went on and wrote its results) or, landing
-inside jaxlib's extension initialisation, to crash the process (SIGSEGV) or fail the import.
+Importing jax takes seconds, and an unguarded Ctrl-C in that window can be swallowed (a KeyboardInterrupt
+raised inside a garbage-collection callback is only printed; the run goes on and writes its results) or,
+landing inside jaxlib's extension initialisation, crash the process (SIGSEGV) or fail the import.
 
 When a ``-m`` entry point is starting (and Python's own handler is in place), :func:`install` (the first
 thing the package's ``__init__`` does) routes SIGINT to :func:`handler` and blocks SIGINT in the main
