@@ -12,7 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-PAGES = [README, *sorted(DOCS.glob("*.md")), ROOT / "train" / "README.md", ROOT / "eval" / "datasets" / "README.md"]
+PAGES = [README, *sorted(DOCS.glob("*.md")), ROOT / "train" / "README.md", ROOT / "eval" / "datasets" / "README.md",
+         ROOT / "sparkjax" / "assets" / "demo" / "MODEL_CARD.md"]
 RUNNABLE = [README, DOCS / "usage.md", DOCS / "auto.md"]  # every ```python block of these runs
 PLACEHOLDERS = {"path/to/Qwen3-4B": "target", "path/to/dspark_b16": "dspark_b16"}  # -> demo.path(...)
 MAX_README_BYTES = 10_000
