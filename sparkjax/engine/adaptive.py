@@ -1,18 +1,39 @@
-"""Method ``auto``: each round picks its verification size on device, from the drafter's own confidence
-and a measured cost table (the :class:`~sparkjax.engine.methods.Auto` method object holds the options).
+"""Method ``auto``, traced side: each round picks its verification size on device, from the drafter's own
+confidence and a measured cost table, and carries what it learned (:class:`AutoState`, :class:`AutoMemory`).
+The host side (the table: profiling, loading, saving, the per-machine cache) is :mod:`sparkjax.engine.costs`;
+the options are the :class:`~sparkjax.engine.methods.Auto` method object's.
 
-A round of ``auto`` (one branch per candidate size, inside the generation's ``while_loop``)::
+The cost table's seconds are a traced input of the program (:class:`AutoInputs`, carried in
+:attr:`AutoState.seconds`); what they decide statically sits in the plan's method: which sizes are viable
+(``Auto.viable``) and the probe gap's floor (``Auto.floor``). Tables that agree on those share one program.
 
-    decide="draft":    draft -> largest tree + chain -> predictions -> k = policy(...) -> select(k): verify...
-    decide="previous": k = policy(last round's predictions) -> k == 0: plain target steps, no draft;
-                                                               else draft -> tree + chain -> select(k): ...)
-                       a probe (the first round, and the draft after a burst of plain steps) re-decides from its
-                       own fresh predictions; if that is the plain step, its chain is kept as a shadow and scored
-                       later against the committed tokens (:func:`score_shadow`)
+**Modes.** ``idle``: plain target steps in a row since the last draft; ``gap``: plain steps before the next
+probe (it starts at the floor, and ``idle`` starts at ``gap``, so the first round is a probe)::
 
-``select`` is :func:`run_selected`: the branches run as while loops of 0 or 1 trips rather than a
-``lax.switch``/``lax.cond``, because XLA copies every cache into a conditional's branch (the demo pair's
-plain step cost about twice the target's own decode step that way) while a loop updates its carry in place.
+    state     trigger                          the round                                  next
+    --------  -------------------------------  -----------------------------------------  -------------------------
+    draft     decide="draft": every round      draft; build the largest tree and the      draft
+                                               chain; k = policy(their fresh predictions);
+                                               verify k (size 0: a plain step)
+    previous  decide="previous", idle < gap    k = policy(the last draft's predictions);  previous; burst if k is 0
+                                               k > 0: draft, build only the kind k
+                                               verifies, verify k
+    burst     previous picked size 0           gap - idle plain target steps in one loop, probe
+                                               no draft (no viable drafted size: plain
+                                               steps to the end, never a probe)
+    probe     idle >= gap                      size 0 barred; draft the chain (and the    previous (gap: the floor
+                                               tree; a shadowing method builds it only    if a draft pays next, else
+                                               when the fresh chain and the trees' last   x GAP_GROWTH, at most
+                                               predictions pick a tree, or none was       MAX_GAP); shadow if k is 0
+                                               built yet); shadowing: k re-decided from
+                                               the fresh predictions; verify k
+    shadow    a shadowing probe re-decides 0   one plain step; its unverified chain is    burst (gap x GAP_GROWTH)
+                                               scored later against the committed tokens
+                                               (:func:`score_shadow`)
+
+``decide="previous"`` without size 0 is ``previous`` every round. A round's branches run as while loops of 0
+or 1 trips (:func:`run_selected`), not a ``lax.switch``/``lax.cond``: XLA copies every cache into a
+conditional's branch, while a loop updates its carry in place.
 
 * **Candidates** (``Auto.sizes``): ``0`` (a plain target step over ``[x_start]``: one committed token, the
   drafter's context still extended), the chain, and tree sizes ``b``. One best-first tree of the largest
@@ -26,7 +47,7 @@ plain step cost about twice the target's own decode step that way) while a loop 
   drafts; the prediction is scaled by their ratio. A tree round also tells what every smaller tree would have
   accepted (the walk's nodes with index ``<= b``), so those are updated too.
 * **Policy** (:func:`policy`): the candidate with the most expected committed tokens (accepted + 1, summed
-  over the batch's active sequences) per second of round cost (:class:`CostTable`).
+  over the batch's active sequences) per second of round cost.
 * **Exactness.** Every branch verifies with the target and accepts exactly like the fixed methods (tree walk
   over the target's posterior; speculative sampling on the chain), and the choice reads only draft-side
   quantities and past rounds, never this round's verify: greedy output is the target's, sampling is lossless.
@@ -36,39 +57,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
-import statistics
-import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import sampling, tree
-from ..errors import ArgumentError, CostTableError
+from ..errors import ArgumentError
 from . import drafting
-from .checks import bucket, check_int, describe
-from .methods import CHAIN, Auto, Plan, parse_method
-from .round import (
-    COMMIT,
-    TREE,
-    VERIFY,
-    Acceptance,
-    Proposal,
-    SpecState,
-    accept,
-    commit,
-    draft,
-    flag_nonfinite,
-    stage,
-    verify,
-)
+from .checks import describe
+from .round import COMMIT, TREE, VERIFY, commit, draft, flag_nonfinite, stage, verify
+from .state import Acceptance, Plan, Proposal, SpecState
+
+if TYPE_CHECKING:
+    from .methods import Auto
 
 Array = jax.Array
 
+CHAIN = "chain"  # the chain entry of an auto candidate set
 CALIBRATION_DECAY = 0.8  # weight of the past in the running averages of realised / predicted accepted drafts
 CALIBRATION_PRIOR = 0.25  # accepted drafts added to both averages (ratio 1 until rounds are seen)
 MAX_RATIO = 2.0  # a calibration ratio is clipped to [0, MAX_RATIO]
@@ -85,10 +94,11 @@ class AutoState:
     ``[K]``: running averages of realised and predicted accepted drafts per candidate (the calibration);
     ``last`` ``[B, K]``: the last draft's raw predictions (``decide="previous"``); ``idle``: plain target
     steps in a row since the last draft (starts at the gap: the first round drafts); ``force``: a
-    candidate index every round takes (-1: the policy; :func:`profile_costs` times each candidate this way);
-    ``gap``: plain steps before the next probe draft (:func:`gap_floor`: ``probe``, or more when a drafted round
-    costs more plain steps; x :data:`GAP_GROWTH` after each probe that still
-    predicts size 0, up to :data:`MAX_GAP`; back to the floor when a draft predicts a larger size pays).
+    candidate index every round takes (-1: the policy; ``sparkjax.engine.costs.profile_costs`` times each
+    candidate this way); ``gap``: plain steps before the next probe draft (the floor ``Auto.floor``, see
+    :func:`gap_floor`; x :data:`GAP_GROWTH` after each probe that still predicts size 0, up to :data:`MAX_GAP`;
+    back to the floor when a draft predicts a larger size pays); ``seconds`` ``[K]``: the cost table's round
+    times (a traced input: :class:`AutoInputs`), what :func:`policy` divides by.
     ``shadow`` ``[B, D]``, ``shadow_at``, ``shadow_pred``, ``shadow_live`` ``[B]`` (:func:`shadowing` methods): the
     chain a probe drafted but did not verify (its fresh predictions chose the plain step), the output index of
     its first token, its raw prediction and whether it is still to be scored against the tokens the plain
@@ -102,6 +112,7 @@ class AutoState:
     idle: Array
     force: Array
     gap: Array
+    seconds: Array
     shadow: Array | None = None
     shadow_at: Array | None = None
     shadow_pred: Array | None = None
@@ -111,7 +122,7 @@ class AutoState:
 def shadowing(m: Auto) -> bool:
     """Whether a probe may choose the plain step from its own fresh draft and score the chain it did not verify
     against the tokens the plain steps commit (``decide="previous"`` with size 0 and the chain among the
-    sizes). A probe that verifies costs a whole drafted round for the 1-3 tokens hard text accepts; a shadow
+    sizes). A probe that verifies costs a whole drafted round for the few tokens hard text accepts; a shadow
     probe costs the draft and one plain step, and the chain's calibration still learns (greedy: the committed
     tokens are exactly what a verify would have accepted; sampling: the drawn ones, a conservative proxy)."""
     return m.decide == "previous" and 0 in m.sizes and CHAIN in m.sizes
@@ -128,9 +139,8 @@ class AutoMemory:
     predictions); ``gap``: the probe gap. A generation from a memory still starts with a probe (its prompt may
     be of another kind than the last one's), but a probe that finds the plain step best then waits the
     carried gap rather than the floor, and judges drafts with the carried calibration: on hard text one probe
-    per request instead of several. (Carrying the plain steps since the last probe too, so that a request
-    may start with no probe at all, made the first rounds after a switch from hard text to easy text plain
-    steps: on the default eval ``auto`` on synthetic math fell from 1.26-1.38x of ``ar`` to 0.98-1.10x.)
+    per request instead of several. The plain steps since the last probe are not carried, so that a request
+    of easy text after hard text still opens with a draft.
     ``labels``: the candidates they refer to (``Auto.labels()``); a memory only fits a method with the same ones.
     Carrying a memory changes which sizes are verified, never the tokens: greedy output is still the target's,
     sampling still lossless (the choice reads only the past). A seeded sampled run draws other random numbers
@@ -147,9 +157,9 @@ class AutoMemory:
 def fresh_memory(plan: Plan) -> AutoMemory:
     """The memory of a generation that starts from nothing: no calibration, no predictions, a probe due."""
     m: Auto = plan.method
-    k, floor = len(m.sizes), gap_floor(m, plan.depth)
+    k = len(m.sizes)
     return AutoMemory(real=np.zeros((k,), np.float32), pred=np.zeros((k,), np.float32),
-                      last=np.zeros((k,), np.float32), gap=np.int32(floor), labels=m.labels())
+                      last=np.zeros((k,), np.float32), gap=np.int32(floor_of(m)), labels=m.labels())
 
 
 def check_auto_memory(memory: Any, plan: Plan) -> AutoMemory:
@@ -191,10 +201,44 @@ def memory_of(st: AutoState, plan: Plan) -> AutoMemory:
                       labels=plan.method.labels())
 
 
-def init_state(plan: Plan, batch: int, buf_len: int, memory: AutoMemory | None = None) -> AutoState:
-    """The state of a generation's first round: from ``memory`` (:class:`AutoMemory`; None: a fresh one)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AutoInputs:
+    """The traced inputs of an ``auto`` program: the cost table's ``seconds`` ``[K]`` float32 (in ``sizes``
+    order) and the :class:`AutoMemory` the generation starts from."""
+
+    seconds: Any
+    memory: AutoMemory
+
+
+def auto_inputs(plan: Plan, memory: Any = None) -> AutoInputs:
+    """The inputs of a generation of ``plan`` (host arrays, or the device arrays of a chained memory): its
+    table's seconds (equal costs without a table: what ``profile_costs`` runs under, every size forced) and
+    ``memory`` checked (:func:`check_auto_memory`; None: :func:`fresh_memory`)."""
     m: Auto = plan.method
-    mem = fresh_memory(plan) if memory is None else memory
+    seconds = m.table.seconds if m.table is not None else (1.0,) * len(m.sizes)
+    mem = fresh_memory(plan) if memory is None else check_auto_memory(memory, plan)
+    return AutoInputs(np.asarray(seconds, np.float32), mem)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AutoResults:
+    """What an ``auto`` generation returns beside the tokens: ``choices`` ``[B, R]`` (each round's candidate
+    index into ``Auto.labels()``, -1 past the last round) and the final :class:`AutoMemory`."""
+
+    choices: Array
+    memory: AutoMemory
+
+
+def results_of(st: AutoState, plan: Plan) -> AutoResults:
+    return AutoResults(st.choices, memory_of(st, plan))
+
+
+def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> AutoState:
+    """The state of a generation's first round, from its :class:`AutoInputs`."""
+    m: Auto = plan.method
+    mem = inputs.memory
     gap = jnp.asarray(mem.gap, jnp.int32)  # idle = gap: the first round is a probe (a new prompt, fresh predictions)
     shadow = {}
     if shadowing(m):
@@ -203,8 +247,8 @@ def init_state(plan: Plan, batch: int, buf_len: int, memory: AutoMemory | None =
     return AutoState(choices=jnp.full((batch, buf_len), -1, jnp.int32),
                      real=jnp.asarray(mem.real, jnp.float32), pred=jnp.asarray(mem.pred, jnp.float32),
                      last=jnp.broadcast_to(jnp.asarray(mem.last, jnp.float32), (batch, len(m.sizes))),
-                     idle=gap, force=jnp.full((), -1, jnp.int32),
-                     gap=gap, **shadow)
+                     idle=gap, force=jnp.full((), -1, jnp.int32), gap=gap,
+                     seconds=jnp.asarray(inputs.seconds, jnp.float32), **shadow)
 
 
 def score_shadow(m: Auto, st: AutoState, state: SpecState, now: Any) -> AutoState:
@@ -266,45 +310,53 @@ def policy(expected: Any, costs: Any, active: Any = None, allowed: Any = None) -
     return jnp.argmax(rate).astype(jnp.int32)
 
 
-def viable(m: Auto, depth: int) -> tuple[bool, ...]:
-    """Per candidate, whether it may pay with this cost table: a drafted size whose round costs at least
+def viable(m: Auto, depth: int, seconds: Sequence[float]) -> tuple[bool, ...]:
+    """Per candidate, whether it may pay with these round times: a drafted size whose round costs at least
     ``m.viable_share`` x its most committed tokens per round (its depth + 1) in plain steps is never chosen,
-    and never probed. At share 1 that is a size that cannot pay even when every draft is accepted; at the
-    default 0.5 also one that pays only when more than half are (on this CPU every drafted size at batch 16
-    and 64, where the chain costs 9-11 plain steps: probing it there held ``auto`` to 0.84x / 0.79x of ``ar``
-    in README's sweep, against 1.04x / 1.10x with the default)."""
-    if m.table is None or 0 not in m.sizes:
+    and never probed (at share 1: a size that cannot pay even when every draft is accepted; at the default 0.5
+    also one that pays only when more than half are). Every size is viable without the plain step."""
+    if 0 not in m.sizes:
         return (True,) * len(m.sizes)
-    seconds = m.table.seconds
     plain = seconds[m.sizes.index(0)]
     most = [1 if v == 0 else depth + 1 if v == CHAIN else min(v, depth) + 1 for v in m.sizes]
     share = m.viable_share
     return tuple(v == 0 or share * n * plain > c for v, n, c in zip(m.sizes, most, seconds, strict=True))
 
 
-def drafts_can_pay(m: Auto, depth: int, trees: bool = False) -> bool:
-    """Whether any drafted size is :func:`viable` (else a generation is plain steps only, with no probe); with
-    ``trees``, any tree size (else no tree is ever built)."""
-    return any(good for v, good in zip(m.sizes, viable(m, depth), strict=True) if v != 0 and not (trees and v == CHAIN))
-
-
-def keeps_context(plan: Plan) -> bool:
-    """Whether a generation of ``plan`` needs the drafter's context: every method but an ``auto`` that decides
-    from the previous round (``decide="previous"``) and whose cost table lets no draft pay (plain steps only)."""
-    return not plan.is_auto or plan.method.decide == "draft" or drafts_can_pay(plan.method, plan.depth)
-
-
-def gap_floor(m: Auto, depth: int) -> int:
+def gap_floor(m: Auto, depth: int, seconds: Sequence[float]) -> int:
     """Plain steps between two probe drafts, at least: ``probe``, and as many plain steps as the cheapest
     viable drafted round costs (a probe that finds nothing then costs at most about as much as the steps
     before it; the gap still grows x :data:`GAP_GROWTH` from there)."""
-    if m.table is None or 0 not in m.sizes:
+    if 0 not in m.sizes:
         return m.probe
-    plain = m.table.seconds[m.sizes.index(0)]
-    drafted = [c for v, c, good in zip(m.sizes, m.table.seconds, viable(m, depth), strict=True) if v != 0 and good]
+    plain = seconds[m.sizes.index(0)]
+    ok = viable(m, depth, seconds)
+    drafted = [c for v, c, good in zip(m.sizes, seconds, ok, strict=True) if v != 0 and good]
     if not drafted:
         return m.probe
     return int(min(MAX_GAP, max(m.probe, math.ceil(min(drafted) / max(plain, 1e-12)))))
+
+
+def viable_of(m: Auto) -> tuple[bool, ...]:
+    """The plan's static viability (every size without a table)."""
+    return m.viable if m.viable is not None else (True,) * len(m.sizes)
+
+
+def floor_of(m: Auto) -> int:
+    """The plan's static probe-gap floor (``probe`` without a table)."""
+    return m.floor if m.floor is not None else m.probe
+
+
+def drafts_can_pay(m: Auto, trees: bool = False) -> bool:
+    """Whether any drafted size is viable (else a generation is plain steps only, with no probe); with
+    ``trees``, any tree size (else no tree is ever built)."""
+    return any(good for v, good in zip(m.sizes, viable_of(m), strict=True) if v != 0 and not (trees and v == CHAIN))
+
+
+def keeps_context(plan: Plan) -> bool:
+    """Whether an ``auto`` generation needs the drafter's context: unless it decides from the previous round
+    (``decide="previous"``) and its cost table lets no draft pay (plain steps only)."""
+    return plan.method.decide == "draft" or drafts_can_pay(plan.method)
 
 
 def calibrated(st: AutoState, raw: Array) -> Array:
@@ -363,9 +415,7 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     build both, so every candidate's prediction is refreshed there, except that a :func:`shadowing` method's
     probe builds the tree only when the policy over the fresh chain prediction and the trees' last ones picks a
     tree, or no tree has been built yet (no tree prediction to compare). A probe that picks the chain therefore
-    costs a chain round, not a chain and a 64-node tree: on the default eval's synthetic math, where a probe
-    opens every request and picks the chain, ``auto`` went from 1.34-1.53x of ``ar`` to 1.61-1.66x (dspark
-    1.64-1.68x in the same runs; ``python -m sparkjax.eval --methods ar,dspark,auto --stage-samples 0``)."""
+    costs a chain round, not a chain and the largest tree."""
     m: Auto = plan.method
     b = state.x_start.shape[0]
 
@@ -390,7 +440,7 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
         return lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
 
     is_chain = jnp.asarray(k) == m.sizes.index(CHAIN)
-    refresh = state.auto.idle > 0  # the first draft and every probe after plain steps (both kinds; see below)
+    refresh = state.extra.idle > 0  # the first draft and every probe after plain steps (both kinds; see below)
     tree_cols = jnp.asarray([v != 0 and v != CHAIN for v in m.sizes])
     chain_cols = jnp.asarray([v == CHAIN for v in m.sizes])
     chain_prop, chain_p = jax.lax.cond(is_chain | refresh, build_chain, empty(build_chain))
@@ -399,18 +449,18 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
         # a probe builds the chain first and the tree only if drafting may pay: the policy over the fresh chain
         # prediction and the trees' last ones; when it says the plain step, the probe is a shadow of the chain
         # and the (costlier) tree is not built
-        chain_raw = jnp.where(chain_cols[None], predictions(m, b, None, chain_p), state.auto.last)
-        pick = _choose(state.auto, chain_raw, plan, ~state.done)
+        chain_raw = jnp.where(chain_cols[None], predictions(m, b, None, chain_p), state.extra.last)
+        pick = _choose(state.extra, chain_raw, plan, ~state.done)
         # no tree built yet (no prediction to compare), and some tree size is viable (else none is ever built)
-        never = ~jnp.any(jnp.where(tree_cols[None], state.auto.last, 0.0) > 0)
-        unknown = never & drafts_can_pay(m, plan.depth, trees=True)
+        never = ~jnp.any(jnp.where(tree_cols[None], state.extra.last, 0.0) > 0)
+        unknown = never & drafts_can_pay(m, trees=True)
         picks_tree = (pick != m.sizes.index(0)) & (pick != m.sizes.index(CHAIN))
         want_tree = jnp.where(refresh, picks_tree | unknown, ~is_chain)
     tree_prop, scores = jax.lax.cond(want_tree, build_tree, empty(build_tree))
     raw = predictions(m, b, scores, chain_p)
     chain_built = is_chain | refresh
     stale = (tree_cols & ~want_tree) | (chain_cols & ~chain_built)  # a kind not built keeps its last predictions
-    return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.auto.last, raw), want_tree)
+    return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.extra.last, raw), want_tree)
 
 
 def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos, plan: Plan, features: bool = True):
@@ -424,7 +474,7 @@ def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos,
     start = state.cache.lengths
     with jax.named_scope(VERIFY):
         out = target(tokens, start[:, None], cache=state.cache, mask=jnp.ones((b, 1, 1), bool),
-                     hidden_layers=plan.layer_ids if features else ())
+                     hidden_layers=plan.layer_ids if features else (), attention=plan.options.attend)
     logits = out.logits.astype(jnp.float32)
     bonus = sampling.posterior(logits, temperature, key if plan.sampling else None)[:, 0]
     active = ~state.done
@@ -468,7 +518,7 @@ def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temp
     else:
         sub, prop = m.tree_plan(plan), slice_tree(aprop.tree, v)
     ver = verify(target, drafter, state, prop, plan=sub)
-    acc = accept(prop, ver, temperature, key, plan=sub)
+    acc = sub.method.accept(prop, ver, temperature, key, plan=sub)
     return commit(drafter, state, ver, acc, max_new, eos, plan=plan), acc
 
 
@@ -515,16 +565,14 @@ def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc:
         plain_next = _choose(new, raw, plan, ~done) == m.sizes.index(0)
         was_probe = st.idle > 0  # this draft came after plain steps
         gap = jnp.where(plain_next, jnp.where(was_probe, jnp.minimum(GAP_GROWTH * st.gap, MAX_GAP), st.gap),
-                        gap_floor(m, plan.depth))
+                        floor_of(m))
         new = dataclasses.replace(new, gap=gap.astype(jnp.int32))
     return new
 
 
 def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any = None) -> Array:
-    m: Auto = plan.method
-    costs = jnp.asarray(m.table.seconds if m.table is not None else [1.0] * len(m.sizes), jnp.float32)
-    ok = jnp.asarray(viable(m, plan.depth))
-    k = policy(calibrated(st, raw), costs, active, ok if allowed is None else ok & allowed)
+    ok = jnp.asarray(viable_of(plan.method))
+    k = policy(calibrated(st, raw), st.seconds, active, ok if allowed is None else ok & allowed)
     return jnp.where(st.force >= 0, st.force, k)
 
 
@@ -548,7 +596,7 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
     """Chooses the round's size (``decide="draft"``; else takes ``k_prev``), then verifies, accepts and
     commits it (:func:`run_selected` over the candidates)."""
     m: Auto = plan.method
-    st = state.auto
+    st = state.extra
     k = _choose(st, aprop.raw, plan, ~state.done) if m.decide == "draft" else k_prev
     probe = st.idle > 0  # a probe (or the first draft): every candidate's prediction is fresh
     if shadowing(m):  # a probe decides from its own draft; the plain step leaves its chain as a shadow
@@ -569,7 +617,7 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
             shadow_at=jnp.where(keep, state.n, upd.shadow_at),
             shadow_pred=jnp.where(keep, aprop.raw[:, m.sizes.index(CHAIN)], upd.shadow_pred),
             shadow_live=jnp.where(keep, live, upd.shadow_live))
-    return dataclasses.replace(new, auto=upd)
+    return dataclasses.replace(new, extra=upd)
 
 
 @stage(COMMIT)
@@ -581,7 +629,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     The steps run in a ``while_loop`` inside this one branch: XLA copies the caches into a conditional's
     branch, so a burst of steps pays that copy once rather than once per token. The drafter's context is
     extended once per chunk of up to ``depth + 1`` steps. Step j samples with ``fold_in(key, j)``."""
-    st = state.auto
+    st = state.extra
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
     steps = jnp.maximum(st.gap - st.idle, 1)
@@ -614,10 +662,10 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
             new, f, step, _ = _plain_target_step(target, s, temperature, jax.random.fold_in(key, j0 + i), max_new,
                                                  eos, plan, features=track)
             r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
-            choices = s.auto.choices.at[jnp.arange(b), r].set(i0, mode="drop")
+            choices = s.extra.choices.at[jnp.arange(b), r].set(i0, mode="drop")
             if track:
                 feats = jax.lax.dynamic_update_slice_in_dim(feats, f.astype(feats.dtype), i, axis=1)
-            return i + 1, dataclasses.replace(new, auto=dataclasses.replace(s.auto, choices=choices)), feats, \
+            return i + 1, dataclasses.replace(new, extra=dataclasses.replace(s.extra, choices=choices)), feats, \
                 count + step
 
         init = (jnp.zeros((), jnp.int32), s0, jnp.zeros((b, chunk, feat_size), dtype), jnp.zeros((b,), jnp.int32))
@@ -629,7 +677,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
         return j0 + i, dataclasses.replace(s, ctx=drafting.append_context(drafter, s.ctx, feats, count))
 
     j, new = jax.lax.while_loop(chunk_cond, chunk_body, (jnp.zeros((), jnp.int32), state))
-    return dataclasses.replace(new, auto=dataclasses.replace(new.auto, idle=st.idle + j))
+    return dataclasses.replace(new, extra=dataclasses.replace(new.extra, idle=st.idle + j))
 
 
 def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, call=None) -> SpecState:
@@ -653,15 +701,15 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
 
     if m.decide == "draft":
         return drafted(state, None)
-    st = state.auto
+    st = state.extra
     if 0 not in m.sizes:
         return drafted(state, _choose(st, st.last, plan, ~state.done))
     i0 = m.sizes.index(0)
     # after `gap` plain steps in a row, draft again (the predictions are stale)
-    probe_due = (st.idle >= st.gap) & drafts_can_pay(m, plan.depth)  # never a probe when no draft can pay
+    probe_due = (st.idle >= st.gap) & drafts_can_pay(m)  # never a probe when no draft can pay
     # a shadow chain is scored once its places are committed, and before the next probe can replace it
     st = score_shadow(m, st, state, probe_due)
-    state = dataclasses.replace(state, auto=st)
+    state = dataclasses.replace(state, extra=st)
     allowed = jnp.arange(len(m.sizes)) != jnp.where(probe_due, i0, -1)
     k = _choose(st, st.last, plan, ~state.done, allowed)
     if eager:
@@ -675,232 +723,3 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
     return run_selected(jnp.where(plain, 1, 0), [lambda s: (drafted(s, k), ()), lambda s: (s, ())], state)[0]
 
 
-# ============================================================================ the cost table
-
-
-@dataclasses.dataclass(frozen=True)
-class CostTable:
-    """Seconds per round of each candidate of an ``auto`` method, measured on one device at one shape.
-
-    ``labels``: the candidates (``Auto.labels()``: ``ar``, the chain's kind, ``tree@b``); ``seconds``: the
-    median round time of each; ``best``: the fastest; ``key``: what the times depend on (device kind,
-    batch, cache size, model dims, dtype, sampling, decide), as ``(name, value)`` pairs.
-    """
-
-    labels: tuple[str, ...]
-    seconds: tuple[float, ...]
-    best: tuple[float, ...] = ()
-    key: tuple[tuple[str, Any], ...] = ()
-
-    def __post_init__(self):
-        if len(self.labels) != len(self.seconds) or not self.labels:
-            raise ArgumentError(f"seconds: {len(self.seconds)} times for {len(self.labels)} candidates")
-        for lab, s in zip(self.labels, self.seconds, strict=True):
-            if not isinstance(s, int | float) or not np.isfinite(s) or s <= 0:
-                raise ArgumentError(f"seconds: candidate {lab!r} has a round time {describe(s)}; expected > 0")
-
-    @property
-    def key_dict(self) -> dict[str, Any]:
-        return dict(self.key)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"format": "sparkjax-cost-table", "version": 1, "key": self.key_dict,
-                "candidates": [{"label": lab, "seconds": s, "best": b}
-                               for lab, s, b in zip(self.labels, self.seconds, self.best or self.seconds,
-                                                    strict=True)]}
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Writes the table as JSON (atomically)."""
-        from ..io.atomic import atomic_file
-
-        with atomic_file(path) as tmp, open(tmp, "w") as f:
-            json.dump(self.as_dict(), f, indent=1)
-
-    def __str__(self) -> str:
-        rows = [f"{lab:>18s} {1e3 * s:9.3f} ms/round" for lab, s in zip(self.labels, self.seconds, strict=True)]
-        return "\n".join(rows)
-
-
-def _tuple(v):
-    return tuple(_tuple(x) for x in v) if isinstance(v, list | tuple) else v
-
-
-def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int) -> tuple[tuple[str, Any], ...]:
-    """What a cost table's times depend on (the JSON key, and the process cache's)."""
-    tc, dc = target.config, drafter.config
-    dev = jax.devices()[0]
-    m: Auto = plan.method
-    try:
-        dtype = str(np.dtype(target.dtype))
-    except (AttributeError, TypeError):
-        dtype = "float32"
-    return (
-        ("device", f"{dev.platform}:{dev.device_kind}"),
-        ("batch", int(batch)),
-        ("cache_size", int(cache_size)),
-        ("target", (tc.vocab_size, tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers,
-                    tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim)),
-        ("drafter", (dc.kind, dc.hidden_size, dc.num_hidden_layers, dc.block_size, dc.markov_rank)),
-        ("dtype", dtype),
-        ("sampling", bool(plan.sampling)),
-        ("decide", m.decide),
-        ("candidates", tuple(m.labels())),
-        ("top_c", int(plan.top_c)),
-    )
-
-
-def load_cost_table(path: str | os.PathLike, *, target=None, drafter=None, method: Any = "auto",
-                    batch_size: int | None = None, cache_size: int | None = None, temperature: float = 0.0
-                    ) -> CostTable:
-    """Reads a table :meth:`CostTable.save` wrote. With ``target``, ``drafter``, ``batch_size`` and
-    ``cache_size`` given, its key must match this device and shape. An unreadable file or a mismatched key
-    raises :class:`~sparkjax.errors.CostTableError` naming the file (and the key)."""
-    name = os.fspath(path)
-    try:
-        with open(name) as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or data.get("format") != "sparkjax-cost-table":
-            raise ValueError("not a sparkjax cost table (no 'format': 'sparkjax-cost-table')")
-        key = tuple((k, _tuple(v)) for k, v in data["key"].items())
-        cands = data["candidates"]
-        table = CostTable(tuple(str(c["label"]) for c in cands), tuple(float(c["seconds"]) for c in cands),
-                          tuple(float(c.get("best", c["seconds"])) for c in cands), key)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArgumentError) as e:
-        raise CostTableError(f"cost table {name}: unreadable ({type(e).__name__}: {e})") from None
-    if target is not None and drafter is not None and batch_size is not None and cache_size is not None:
-        spec = parse_method(method)
-        if not isinstance(spec, Auto):
-            raise ArgumentError(f"method: cost tables are for method 'auto', got {describe(method)}")
-        plan = spec.plan(target, drafter, temperature > 0)
-        want = dict(cost_key(target, drafter, plan, batch_size, cache_size))
-        have = table.key_dict
-        for k, v in want.items():
-            if k not in have or have[k] != v:
-                raise CostTableError(f"cost table {name}: key {k!r} is {have.get(k, '<missing>')!r}, this run "
-                                     f"needs {v!r} (profile again with sparkjax.profile_costs)")
-    return table
-
-
-_CACHE: dict[tuple, CostTable] = {}  # the process's profiled tables, by cost_key
-
-
-PROFILE_ROUNDS = 8  # rounds per timed call of profile_costs (inside one jitted loop, like a generation's)
-PROFILE_BURST = 32  # plain steps in the one burst that times the plain step
-
-
-@functools.lru_cache(maxsize=1)
-def _forced_rounds_fn():
-    from .programs import merge_pair
-    from .round import spec_round
-
-    @functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "rounds"))
-    def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
-        """``rounds`` rounds of candidate ``force`` in a ``fori_loop``, each from ``start``'s lengths (the state
-        is carried, so nothing is dead code, but every round verifies at the same place in the cache)."""
-        target, drafter = merge_pair(graphdefs, states)
-
-        def body(_, s):
-            s = dataclasses.replace(s, auto=dataclasses.replace(s.auto, force=force))
-            s = spec_round(target, drafter, s, plan, max_new, eos, temperature)
-            return dataclasses.replace(
-                s, cache=s.cache.with_lengths(start.cache.lengths),
-                ctx=dataclasses.replace(s.ctx, lengths=start.ctx.lengths), n=start.n, done=start.done,
-                rounds=start.rounds)
-
-        return jax.lax.fori_loop(0, rounds, body, start)
-
-    return forced_rounds
-
-
-def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1, cache_size: int | None = None,
-                  prompt_length: int = 16, temperature: float = 0.0, repeats: int = 5, seed: int = 0) -> CostTable:
-    """Times one ``auto`` round at each candidate size on the current device and returns the :class:`CostTable`.
-
-    One program (:data:`PROFILE_ROUNDS` rounds with the size forced in a ``fori_loop``, compiled once) runs
-    from one state after a prefill of ``batch_size`` random prompts of ``prompt_length`` tokens in a
-    ``cache_size``-slot cache (default: what a 128-token generation needs); after a warm-up call per
-    candidate, ``repeats`` interleaved repetitions (every candidate in turn, A B C A B C); a round's time is
-    the call's, less that of a call of no round (the dispatch, which a generation's loop does not pay per
-    round), over :data:`PROFILE_ROUNDS`: the median (and the fastest) per candidate. The plain step (size 0,
-    ``decide="previous"``) is timed inside one burst of :data:`PROFILE_BURST` steps, as generations run it.
-    ``method``: ``"auto"`` or an :class:`~sparkjax.engine.Auto` (its sizes and options; its table is ignored).
-    """
-    from ..engine.checks import check_models
-    from .api import check_temperature, required_cache_size
-    from .programs import spec_start, split_pair
-
-    check_models(target, drafter)
-    spec = parse_method(method)
-    if not isinstance(spec, Auto):
-        raise ArgumentError(f"method: profile_costs times the candidates of method 'auto', got {describe(method)}")
-    batch_size = check_int("batch_size", batch_size)
-    prompt_length = check_int("prompt_length", prompt_length)
-    repeats = check_int("repeats", repeats)
-    temperature = check_temperature(temperature)
-    spec = dataclasses.replace(spec, table=None)
-    plan = spec.plan(target, drafter, temperature > 0)
-    if cache_size is None:
-        cache_size = required_cache_size(prompt_length, 128, [plan])
-    cache_size = check_int("cache_size", cache_size)
-    if cache_size < prompt_length + plan.scratch + 1:
-        raise ArgumentError(f"cache_size: {cache_size} slots cannot hold a {prompt_length}-token prompt and a "
-                            f"round's {plan.scratch} scratch rows")
-    rng = np.random.default_rng(seed)
-    vocab = target.config.vocab_size
-    tokens = jnp.asarray(rng.integers(0, vocab, (batch_size, bucket(prompt_length))), jnp.int32)
-    lengths = jnp.full((batch_size,), prompt_length, jnp.int32)
-    max_new, eos, temp = jnp.int32(2**20), jnp.asarray([-1], jnp.int32), jnp.float32(temperature)
-    graphdefs, states = split_pair(target, drafter)
-    buf_len = bucket(plan.depth + 2, 1)
-    start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed), plan=plan,
-                       cache_size=cache_size, buf_len=buf_len)
-    # time the steady state: a drafted round that is not a probe (it builds only the kind it verifies), and a
-    # plain step inside a burst (plain steps come in bursts until the next probe: one round of a burst of
-    # PROFILE_ROUNDS steps, its time over the steps; a burst of one would add the round's own overhead to
-    # every plain step and make drafted rounds look cheaper than they are)
-    zero = jnp.zeros((), jnp.int32)
-    start = dataclasses.replace(start, auto=dataclasses.replace(start.auto, idle=zero, gap=jnp.ones((), jnp.int32)))
-    burst = dataclasses.replace(start, auto=dataclasses.replace(start.auto, gap=jnp.int32(PROFILE_BURST)))
-    fn = _forced_rounds_fn()
-    k = len(spec.sizes)
-    plain = spec.sizes.index(0) if 0 in spec.sizes and spec.decide == "previous" else -1
-
-    def call(i: int, rounds: int) -> float:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(graphdefs, states, burst if i == plain else start, jnp.int32(i), max_new, eos, temp,
-                                 plan=plan, rounds=rounds))
-        return time.perf_counter() - t0
-
-    def once(i: int) -> float:
-        """Seconds per round (per step of the burst for the plain step), less the call's own overhead (a call
-        of no round, timed next to it); a difference that is not positive (a busy machine) keeps the whole."""
-        rounds, steps = (1, PROFILE_BURST) if i == plain else (PROFILE_ROUNDS, PROFILE_ROUNDS)
-        whole = call(i, rounds)
-        net = whole - call(i, 0)
-        return (net if net > 0 else whole) / steps
-
-    for i in range(k):  # compile (once) and warm every branch
-        once(i)
-    times: list[list[float]] = [[] for _ in range(k)]
-    for _ in range(repeats):
-        for i in range(k):
-            times[i].append(once(i))
-    return CostTable(tuple(plan.method.labels()), tuple(float(statistics.median(t)) for t in times),
-                     tuple(float(min(t)) for t in times), cost_key(target, drafter, plan, batch_size, cache_size))
-
-
-def with_costs(target, drafter, plan: Plan, batch: int, cache_size: int) -> Plan:
-    """``plan`` with its cost table: the method's own, else the process's for this key, else profiled now
-    (at this batch and cache size) and kept for the process."""
-    m: Auto = plan.method
-    if m.table is not None:
-        return plan
-    key = cost_key(target, drafter, plan, batch, cache_size) + (("sizes", m.sizes), ("probe", m.probe))
-    if key not in _CACHE:
-        _CACHE[key] = profile_costs(target, drafter, method=m, batch_size=batch, cache_size=cache_size,
-                                    temperature=1.0 if plan.sampling else 0.0)
-    return dataclasses.replace(plan, method=dataclasses.replace(m, table=_CACHE[key]))
-
-
-__all__ = ["AutoMemory", "AutoState", "CostTable", "auto_round", "calibrated", "load_cost_table", "policy",
-           "predictions", "profile_costs", "slice_tree", "with_costs"]

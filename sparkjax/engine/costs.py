@@ -1,0 +1,267 @@
+"""Method ``auto``, host side: its cost table (:class:`CostTable`), measured by :func:`profile_costs`, saved and
+loaded as JSON, and kept per process and per machine.
+
+A run of ``auto`` without a table of its own takes the table for its key (:func:`cost_key`: device, jax version,
+pair, dtype, batch, cache size, candidates) from the process, else from the user's cache folder
+(:mod:`sparkjax.cachedir`, ``costs/``), else profiles it once and writes it there (atomically), so the next
+process on this machine starts without profiling. A cache file that cannot be read or was written for another
+key is ignored with one warning and written again. The table's seconds are a traced input of the program
+(:mod:`sparkjax.engine.adaptive`): tables that agree on which sizes are viable and on the probe gap's floor run
+one compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import cachedir
+from ..errors import ArgumentError, CostTableError, SparkjaxError
+from ..io.atomic import atomic_file
+from .adaptive import auto_inputs, auto_round
+from .checks import bucket, check_int, describe
+from .programs import merge_pair, spec_start, split_pair
+from .state import Plan
+
+if TYPE_CHECKING:
+    from .methods import Auto
+
+FORMAT = "sparkjax-cost-table"
+PROFILE_ROUNDS = 8  # rounds per timed call of profile_costs (inside one jitted loop, like a generation's)
+PROFILE_BURST = 32  # plain steps in the one burst that times the plain step
+PROFILE_NEW_TOKENS = 128  # the generation length whose cache profile_costs sizes by default
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Seconds per round of each candidate of an ``auto`` method, measured on one device at one shape.
+
+    ``labels``: the candidates (``Auto.labels()``: ``ar``, the chain's kind, ``tree@b``); ``seconds``: the
+    median round time of each; ``best``: the fastest; ``key``: what the times depend on (:func:`cost_key`),
+    as ``(name, value)`` pairs.
+    """
+
+    labels: tuple[str, ...]
+    seconds: tuple[float, ...]
+    best: tuple[float, ...] = ()
+    key: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        if len(self.labels) != len(self.seconds) or not self.labels:
+            raise ArgumentError(f"seconds: {len(self.seconds)} times for {len(self.labels)} candidates")
+        for lab, s in zip(self.labels, self.seconds, strict=True):
+            if not isinstance(s, int | float) or not np.isfinite(s) or s <= 0:
+                raise ArgumentError(f"seconds: candidate {lab!r} has a round time {describe(s)}; expected > 0")
+
+    @property
+    def key_dict(self) -> dict[str, Any]:
+        return dict(self.key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": 1, "key": self.key_dict,
+                "candidates": [{"label": lab, "seconds": s, "best": b}
+                               for lab, s, b in zip(self.labels, self.seconds, self.best or self.seconds,
+                                                    strict=True)]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the table as JSON (atomically)."""
+        with atomic_file(path) as tmp, open(tmp, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+
+    def __str__(self) -> str:
+        rows = [f"{lab:>18s} {1e3 * s:9.3f} ms/round" for lab, s in zip(self.labels, self.seconds, strict=True)]
+        return "\n".join(rows)
+
+
+def _tuple(v):
+    return tuple(_tuple(x) for x in v) if isinstance(v, list | tuple) else v
+
+
+def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int) -> tuple[tuple[str, Any], ...]:
+    """What a cost table's times depend on: the JSON key, and the key of the process's and the machine's
+    caches (another device kind, platform or jax version profiles again)."""
+    tc, dc = target.config, drafter.config
+    dev = jax.devices()[0]
+    m: Auto = plan.method
+    try:
+        dtype = str(np.dtype(target.dtype))
+    except (AttributeError, TypeError):
+        dtype = "float32"
+    return (
+        ("device", f"{dev.platform}:{dev.device_kind}"),
+        ("jax", jax.__version__),
+        ("batch", int(batch)),
+        ("cache_size", int(cache_size)),
+        ("target", (tc.vocab_size, tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers,
+                    tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim)),
+        ("drafter", (dc.kind, dc.hidden_size, dc.num_hidden_layers, dc.block_size, dc.markov_rank)),
+        ("dtype", dtype),
+        ("sampling", bool(plan.sampling)),
+        ("decide", m.decide),
+        ("candidates", tuple(m.labels())),
+        ("top_c", int(plan.top_c)),
+    )
+
+
+def read_table(path: str | os.PathLike, key: tuple[tuple[str, Any], ...] | None = None) -> CostTable:
+    """The table :meth:`CostTable.save` wrote to ``path``; with ``key``, its key must be that one.
+    :class:`~sparkjax.errors.CostTableError` naming the file (and the key) otherwise."""
+    name = os.fspath(path)
+    try:
+        with open(name) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a sparkjax cost table (no 'format': '{FORMAT}')")
+        have = tuple((k, _tuple(v)) for k, v in data["key"].items())
+        cands = data["candidates"]
+        table = CostTable(tuple(str(c["label"]) for c in cands), tuple(float(c["seconds"]) for c in cands),
+                          tuple(float(c.get("best", c["seconds"])) for c in cands), have)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArgumentError) as e:
+        raise CostTableError(f"cost table {name}: unreadable ({type(e).__name__}: {e})") from None
+    found = table.key_dict
+    for k, v in key or ():
+        if k not in found or found[k] != v:
+            raise CostTableError(f"cost table {name}: key {k!r} is {found.get(k, '<missing>')!r}, this run "
+                                 f"needs {v!r} (profile again with sparkjax.profile_costs)")
+    return table
+
+
+@functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "rounds"))
+def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
+    """``rounds`` rounds of candidate ``force`` in a ``fori_loop``, each from ``start``'s lengths (the state is
+    carried, so nothing is dead code, but every round verifies at the same place in the cache)."""
+    target, drafter = merge_pair(graphdefs, states)
+
+    def body(_, s):
+        s = dataclasses.replace(s, extra=dataclasses.replace(s.extra, force=force))
+        s = auto_round(target, drafter, s, plan, max_new, eos, temperature)
+        return dataclasses.replace(
+            s, cache=s.cache.with_lengths(start.cache.lengths),
+            ctx=dataclasses.replace(s.ctx, lengths=start.ctx.lengths), n=start.n, done=start.done,
+            rounds=start.rounds)
+
+    return jax.lax.fori_loop(0, rounds, body, start)
+
+
+def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int | None = None,
+            prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0
+            ) -> CostTable:
+    """Times one round of each candidate of ``plan``'s ``auto`` method on the current device and returns the
+    :class:`CostTable` (the table the method carries, if any, is not used).
+
+    One program (:data:`PROFILE_ROUNDS` rounds with the size forced in a ``fori_loop``, compiled once) runs
+    from one state after a prefill of ``batch_size`` random prompts of ``prompt_length`` tokens in a
+    ``cache_size``-slot cache (default: what a :data:`PROFILE_NEW_TOKENS`-token generation needs), sampled
+    at ``temperature`` (default: 1 for a sampling plan, else greedy); after a
+    warm-up call per candidate, ``repeats`` interleaved repetitions (every candidate in turn, A B C A B C); a
+    round's time is the call's, less that of a call of no round (the dispatch, which a generation's loop does
+    not pay per round), over :data:`PROFILE_ROUNDS`: the median (and the fastest) per candidate. The plain step
+    (size 0, ``decide="previous"``) is timed inside one burst of :data:`PROFILE_BURST` steps, as generations
+    run it. Public entry point: :func:`sparkjax.engine.api.profile_costs` (which checks its arguments).
+    """
+    batch_size = check_int("batch_size", batch_size)
+    prompt_length = check_int("prompt_length", prompt_length)
+    repeats = check_int("repeats", repeats)
+    cachedir.enable_compilation_cache()
+    spec = dataclasses.replace(plan.method, table=None, viable=None, floor=None)
+    plan = dataclasses.replace(plan, method=spec)  # unbound: every size viable, equal costs (each size is forced)
+    if temperature is None:
+        temperature = 1.0 if plan.sampling else 0.0
+    if cache_size is None:
+        cache_size = bucket(prompt_length + PROFILE_NEW_TOKENS + plan.scratch)
+    cache_size = check_int("cache_size", cache_size)
+    if cache_size < prompt_length + plan.scratch + 1:
+        raise ArgumentError(f"cache_size: {cache_size} slots cannot hold a {prompt_length}-token prompt and a "
+                            f"round's {plan.scratch} scratch rows")
+    rng = np.random.default_rng(seed)
+    vocab = target.config.vocab_size
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch_size, bucket(prompt_length))), jnp.int32)
+    lengths = jnp.full((batch_size,), prompt_length, jnp.int32)
+    max_new, eos, temp = jnp.int32(2**20), jnp.asarray([-1], jnp.int32), jnp.float32(temperature)
+    graphdefs, states = split_pair(target, drafter)
+    buf_len = bucket(plan.depth + 2, 1)
+    start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed),
+                       auto_inputs(plan), plan=plan, cache_size=cache_size, buf_len=buf_len)
+    # time the steady state: a drafted round that is not a probe (it builds only the kind it verifies), and a
+    # plain step inside a burst (plain steps come in bursts until the next probe: one round of a burst of
+    # PROFILE_BURST steps, its time over the steps; a burst of one would add the round's own overhead to
+    # every plain step and make drafted rounds look cheaper than they are)
+    zero = jnp.zeros((), jnp.int32)
+    start = dataclasses.replace(start, extra=dataclasses.replace(start.extra, idle=zero, gap=jnp.ones((), jnp.int32)))
+    burst = dataclasses.replace(start, extra=dataclasses.replace(start.extra, gap=jnp.int32(PROFILE_BURST)))
+    k = len(spec.sizes)
+    plain = spec.sizes.index(0) if 0 in spec.sizes and spec.decide == "previous" else -1
+
+    def call(i: int, rounds: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(forced_rounds(graphdefs, states, burst if i == plain else start, jnp.int32(i), max_new,
+                                            eos, temp, plan=plan, rounds=rounds))
+        return time.perf_counter() - t0
+
+    def once(i: int) -> float:
+        """Seconds per round (per step of the burst for the plain step), less the call's own overhead (a call
+        of no round, timed next to it); a difference that is not positive (a busy machine) keeps the whole."""
+        rounds, steps = (1, PROFILE_BURST) if i == plain else (PROFILE_ROUNDS, PROFILE_ROUNDS)
+        whole = call(i, rounds)
+        net = whole - call(i, 0)
+        return (net if net > 0 else whole) / steps
+
+    for i in range(k):  # compile (once) and warm every branch
+        once(i)
+    times: list[list[float]] = [[] for _ in range(k)]
+    for _ in range(repeats):
+        for i in range(k):
+            times[i].append(once(i))
+    return CostTable(tuple(plan.method.labels()), tuple(float(statistics.median(t)) for t in times),
+                     tuple(float(min(t)) for t in times), cost_key(target, drafter, plan, batch_size, cache_size))
+
+
+_TABLES: dict[tuple, CostTable] = {}  # the process's tables, by cost_key
+
+
+def cache_file(key: tuple[tuple[str, Any], ...]):
+    """The machine's cache file of the table for ``key`` (None when caching is off)."""
+    folder = cachedir.subdir("costs")
+    if folder is None:
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return folder / f"{digest}.json"
+
+
+def table_for(target, drafter, plan: Plan, batch: int, cache_size: int) -> CostTable:
+    """The table of an ``auto`` run of ``plan`` at this batch and cache size: the process's, else the one in the
+    machine's cache folder, else profiled now (and kept in both)."""
+    key = cost_key(target, drafter, plan, batch, cache_size)
+    if key in _TABLES:
+        return _TABLES[key]
+    path = cache_file(key)
+    table = None
+    if path is not None and path.exists():
+        try:
+            table = read_table(path, key)
+        except CostTableError as e:
+            warnings.warn(f"ignoring a damaged cost table cache file, profiling again: {e}", stacklevel=3)
+            table = None
+    if table is None:
+        table = profile(target, drafter, plan, batch_size=batch, cache_size=cache_size)
+        if path is not None:
+            try:
+                table.save(path)
+            except (OSError, SparkjaxError) as e:  # a read-only cache folder: the process still has the table
+                warnings.warn(f"could not write the cost table cache file {path}: {e}", stacklevel=3)
+    _TABLES[key] = table
+    return table
+
+
+__all__ = ["CostTable", "cost_key", "profile", "read_table", "table_for"]
