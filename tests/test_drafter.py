@@ -93,14 +93,21 @@ def fns(drafter):
     )
 
 
+@pytest.fixture(scope="module")
+def b0(ref, drafter, fns):
+    """Round 0's inputs: the prompt's features, their count, the context cache they fill, the first token."""
+    feats = jnp.asarray(ref["b.context_features"])
+    p = feats.shape[1]
+    ctx = fns["append"](drafter.init_context(1, 64), feats, jnp.array([p]))
+    return feats, p, ctx, jnp.asarray(ref["b.first_token"], jnp.int32)
+
+
 # ----------------------------------------------------------------------------- group b
 
 
-def test_round0_matches_reference(ref, drafter, fns):
+def test_round0_matches_reference(ref, drafter, fns, b0):
     cfg = drafter.config
-    feats = jnp.asarray(ref["b.context_features"])
-    p = feats.shape[1]
-    ctx = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([p]))
+    feats, p, ctx, x0 = b0
     assert int(ctx.lengths[0]) == p
 
     close(drafter.project_context(feats), ref["b.context_projected"], what="hidden_norm(fc(features))")
@@ -108,7 +115,6 @@ def test_round0_matches_reference(ref, drafter, fns):
     close(ctx.k[:, :, :, :p], ref["b.drafter_cache_keys"], what="context keys")
     close(ctx.v[:, :, :, :p], ref["b.drafter_cache_values"], what="context values")
 
-    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
     np.testing.assert_array_equal(draft.block_tokens(drafter, x0), ref["b.draft_input_ids"])
     positions = ref["b.draft_position_ids"][0]
     np.testing.assert_array_equal(positions[p:], p + np.arange(cfg.block_size))
@@ -127,6 +133,15 @@ def test_round0_matches_reference(ref, drafter, fns):
     close(conf_forced, ref["b.confidence_logits"], what="confidence logits (given prev ids)")
     verify = np.concatenate([np.asarray(x0)[:, None], np.asarray(chain.tokens)], axis=1)
     np.testing.assert_array_equal(verify, ref["b.verify_input_ids"])
+    # the Markov features and W2 build the bias: f @ W2.T is the bias of every candidate prev token
+    cands = jnp.asarray(np.random.default_rng(0).integers(0, 320, (1, 16, 5)), jnp.int32)
+    f = draft.markov_features(drafter, blk.hidden, cands)
+    w2 = draft.markov_w2(drafter)
+    assert f.shape == (1, 16, 5, cfg.markov_rank) and w2.shape == (320, cfg.markov_rank)
+    table = jnp.einsum("bgcr,vr->bgcv", f, w2)
+    for c in range(5):
+        close(table[:, :, c], draft.markov_bias(drafter, blk.hidden, cands[..., c]), dict(rtol=1e-5, atol=1e-5))
+    close(f, drafter.markov_head.markov_w1.weight[...][cands], dict(rtol=0, atol=0))  # vanilla: W1[prev]
 
 
 # ----------------------------------------------------------------------------- group c
@@ -146,7 +161,7 @@ def test_all_rounds_with_incremental_context(ref, target, drafter, fns):
     feats = jnp.pad(feats, ((0, 0), (0, g + 1), (0, 0)))  # room for the last round's A = G + 1 rows
 
     starts, accs = ref["c.round_start"], ref["c.acceptance_lengths"]
-    ctx = fns["append"](draft.init_context(drafter, 1, 128), feats[:, :p], jnp.array([p]))
+    ctx = fns["append"](drafter.init_context(1, 128), feats[:, :p], jnp.array([p]))
     chain_matches = 0
     for r in range(len(starts)):
         start = int(starts[r])
@@ -179,14 +194,14 @@ def test_context_cache_batching_and_scratch(ref, drafter, fns):
     p = feats.shape[1]
     short = p - 5
     batch_feats = jnp.concatenate([feats, feats.at[:, short:].set(37.0)], axis=0)  # row 1: garbage past length
-    ctx2 = fns["append"](draft.init_context(drafter, 2, 64), batch_feats, jnp.array([p, short]))
+    ctx2 = fns["append"](drafter.init_context(2, 64), batch_feats, jnp.array([p, short]))
     assert ctx2.lengths.tolist() == [p, short]
     x0 = jnp.asarray([int(ref["b.first_token"][0]), 17], jnp.int32)
     prev = jnp.zeros((2, drafter.config.block_size), jnp.int32)
     blk2, chain2, *_ = fns["round"](ctx2, x0, ctx2.lengths, prev)
 
-    ctx_a = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([p]))
-    ctx_b = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([short]))  # same rows, shorter count
+    ctx_a = fns["append"](drafter.init_context(1, 64), feats, jnp.array([p]))
+    ctx_b = fns["append"](drafter.init_context(1, 64), feats, jnp.array([short]))  # same rows, shorter count
     blk_a, chain_a, *_ = fns["round"](ctx_a, x0[:1], jnp.array([p]), prev[:1])
     blk_b, chain_b, *_ = fns["round"](ctx_b, x0[1:], jnp.array([short]), prev[:1])
     close(blk2.logits[0], blk_a.logits[0], dict(rtol=1e-5, atol=1e-5))
@@ -195,7 +210,7 @@ def test_context_cache_batching_and_scratch(ref, drafter, fns):
     assert not np.allclose(blk2.logits[0], blk2.logits[1], atol=1e-2)
 
     # appending past the end drops the overflow rows without touching committed slots
-    small = fns["append"](draft.init_context(drafter, 1, 30), feats, jnp.array([p]))
+    small = fns["append"](drafter.init_context(1, 30), feats, jnp.array([p]))
     grown = draft.append_context(drafter, small, feats[:, :17], jnp.array([3]))
     assert int(grown.lengths[0]) == p + 3
     np.testing.assert_array_equal(grown.k[:, :, :, :p], small.k[:, :, :, :p])
@@ -206,11 +221,8 @@ def test_context_cache_batching_and_scratch(ref, drafter, fns):
 # ----------------------------------------------------------------------------- sampling
 
 
-def test_markov_chain_sampling_draws_from_returned_logits(ref, drafter, fns):
-    feats = jnp.asarray(ref["b.context_features"])
-    p = feats.shape[1]
-    ctx = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([p]))
-    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+def test_markov_chain_sampling_draws_from_returned_logits(drafter, fns, b0):
+    _, p, ctx, x0 = b0
     blk, greedy, *_ = fns["round"](ctx, x0, jnp.array([p]), jnp.zeros((1, 16), jnp.int32))
     temp = 1.5
     n = 4000
@@ -238,21 +250,6 @@ def test_markov_chain_sampling_draws_from_returned_logits(ref, drafter, fns):
     close(l0[1], greedy.logits[0], dict(rtol=1e-6, atol=1e-6))
     with pytest.raises(ArgumentError, match="key"):
         draft.markov_chain(drafter, blk.logits, blk.hidden, x0, 0.7)
-
-
-def test_markov_features_and_w2_build_the_bias(ref, drafter, fns):
-    feats = jnp.asarray(ref["b.context_features"])
-    ctx = fns["append"](draft.init_context(drafter, 1, 64), feats, jnp.array([feats.shape[1]]))
-    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
-    blk, *_ = fns["round"](ctx, x0, ctx.lengths, jnp.zeros((1, 16), jnp.int32))
-    cands = jnp.asarray(np.random.default_rng(0).integers(0, 320, (1, 16, 5)), jnp.int32)
-    f = draft.markov_features(drafter, blk.hidden, cands)
-    w2 = draft.markov_w2(drafter)
-    assert f.shape == (1, 16, 5, drafter.config.markov_rank) and w2.shape == (320, drafter.config.markov_rank)
-    table = jnp.einsum("bgcr,vr->bgcv", f, w2)
-    for c in range(5):
-        close(table[:, :, c], draft.markov_bias(drafter, blk.hidden, cands[..., c]), dict(rtol=1e-5, atol=1e-5))
-    close(f, drafter.markov_head.markov_w1.weight[...][cands], dict(rtol=0, atol=0))  # vanilla: W1[prev]
 
 
 def test_gated_markov_head(ref, drafter):
@@ -334,7 +331,7 @@ def write_dflash(folder, *, drop_dflash_config=False):
     return folder
 
 
-def test_dflash_checkpoint_drafts_with_dflash_alignment(ref, tmp_path, target, drafter, fns):
+def test_dflash_checkpoint_drafts_with_dflash_alignment(ref, tmp_path, target, drafter, b0):
     folder = write_dflash(str(tmp_path / "dflash"))
     dfl = load_drafter(folder, target=target)
     cfg = dfl.config
@@ -344,10 +341,8 @@ def test_dflash_checkpoint_drafts_with_dflash_alignment(ref, tmp_path, target, d
     np.testing.assert_array_equal(drafter.embed_tokens.embedding[...], target.embed_tokens.embedding[...])
     np.testing.assert_array_equal(drafter.lm_head.weight[...], target.embed_tokens.embedding[...])
 
-    feats = jnp.asarray(ref["b.context_features"])
-    p = feats.shape[1]
-    ctx = draft.append_context(dfl, draft.init_context(dfl, 1, 64), feats, jnp.array([p]))
-    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+    feats, p, _, x0 = b0
+    ctx = draft.append_context(dfl, dfl.init_context(1, 64), feats, jnp.array([p]))
 
     def run(d, t, ctx, x0, start):
         blk = draft.draft_block(d, ctx, x0, start, t)
@@ -379,7 +374,7 @@ def test_dflash_checkpoint_drafts_with_dflash_alignment(ref, tmp_path, target, d
 # ----------------------------------------------------------------------------- export
 
 
-def test_export_roundtrip(tmp_path, target, drafter, ref, fns):
+def test_export_roundtrip(tmp_path, target, drafter, ref, b0):
     out = save_drafter(drafter, str(tmp_path / "exported"))
     orig = SafetensorsFile(os.path.join(DRAFTER_DIR, "model.safetensors"))
     new = SafetensorsFile(os.path.join(out, "model.safetensors"))
@@ -393,9 +388,8 @@ def test_export_roundtrip(tmp_path, target, drafter, ref, fns):
 
     again = load_drafter(out, target=target)
     assert again.config == drafter.config
-    feats = jnp.asarray(ref["b.context_features"])
-    ctx = draft.append_context(again, draft.init_context(again, 1, 64), feats, jnp.array([feats.shape[1]]))
-    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
+    feats, p, _, x0 = b0
+    ctx = draft.append_context(again, again.init_context(1, 64), feats, jnp.array([p]))
     blk = draft.draft_block(again, ctx, x0, ctx.lengths)
     blk_ref = draft.draft_block(drafter, ctx, x0, ctx.lengths)
     np.testing.assert_array_equal(blk.logits, blk_ref.logits)
