@@ -1,4 +1,4 @@
-"""``python -m sparkjax.eval``: the benchmark harness (see ``--help``)."""
+"""``python -m sparkjax.eval``: the benchmark harness's command line (see ``--help``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ import sys
 import time
 
 from .. import _startup, engine
-from ..errors import EvalError
+from ..errors import EvalError, SparkjaxError
 from . import datasets as ds
-from .harness import BASELINE_METHODS, DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS
+from .config import DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS, EvalConfig
+from .harness import run
+from .pair import BASELINE_METHODS
+from .report import compare
+from .results import EvalResults
+from .runner import sigint_flag
 
 DESCRIPTION = """\
 Benchmark speculative decoding on a target/drafter pair: per prompt set and method, the
@@ -19,50 +24,36 @@ in the same run), per-depth acceptance rates and per-stage time per round. Print
 writes results.json, results.csv and PNG plots to --out.
 
 With no argument it runs the demo pair bundled in the package (sparkjax/assets/demo: a small
-Qwen3 trained from scratch on Python's stdlib sources, Python docs and synthetic math, with
-block-16 drafters trained against it with the Markov head (dspark_b16: dspark, sparklingtree,
-sparklingtree-beam) and without it (dflash_b16: dflash, ddtree)) on its three prompt sets
-(python_docs, stdlib_code, synthetic_math), in a few minutes on a laptop CPU."""
+Qwen3 with block-16 drafters trained with the Markov head (dspark_b16: dspark, sparklingtree,
+sparklingtree-beam, auto) and without it (dflash_b16: dflash, ddtree)) on its three prompt sets."""
 
 EPILOG = """\
-timing protocol: every method is compiled and run once before anything is timed. Then, per batch,
---repeats repetitions, interleaved: repetition r runs every method in turn (A B C, A B C, not
-A A B B), each a full run (max_new_tokens new tokens) followed by a prefill-only run (same compiled
-program, max_new_tokens=1: prefill, first token, drafter context of the prompt, no round). decode
-time = median(full) - median(prefill-only), and the best case min(full) - min(prefill-only); a
-difference that is not positive (a busy machine) is "not measured" and left out, never 0. TPOT =
-decode time / output tokens (mean over batches), tok/s = 1/TPOT, speedup = TPOT(ar) / TPOT(method).
-The table shows the median and the best case, the spread (max - min) / median of the full runs,
-and warns when a spread exceeds 25% or the load average exceeded the CPU count. Per-stage times
-come from a separate, synced pass of the engine's instrumented mode.
+timing protocol: every method is compiled and run once before anything is timed; then, per batch,
+--repeats interleaved repetitions (A B C, A B C): each a full run followed by a prefill-only run of
+the same compiled program. decode time = median(full) - median(prefill-only) (best case: min - min);
+a difference that is not positive is "not measured", never 0. TPOT = decode time / output tokens,
+tok/s = 1/TPOT, speedup = TPOT(ar) / TPOT(method). The table warns when a spread (max - min) / median
+exceeds 25% or the load average exceeded the CPU count. Per-stage times come from a separate, synced
+instrumented pass.
 
-batch-size sweep (--batch-sizes 1,4,16,64): instead of the per-set table, every method runs at
-every batch size on the pool of selected prompts (--max-samples per set, the sets taken in turn),
-cycled to fill each batch: size B runs ceil(N / B) batches of exactly B sequences, slot i of batch
-j holding prompt (j * B + i) mod N, so a size above N repeats prompts. Each batch is timed as
-above (warm-up of the new shape, then interleaved repetitions; no stage pass). tok/s = output
-tokens / decode seconds summed over a size's batches (median and best case, with the spread),
-speedup = tok/s over ar's at the same size. Writes results.json (its "sweep" object),
-batch_sweep.csv and throughput_vs_batch.png (tok/s against batch size per method, ar included).
---batch-size and --batch-sizes exclude each other.
+batch-size sweep (--batch-sizes 1,4,16,64): instead of the per-set table, every method runs at every
+batch size on the pool of selected prompts, cycled to fill each batch (size B: ceil(N / B) batches of
+B sequences). Writes results.json (its "sweep" object), batch_sweep.csv and throughput_vs_batch.png.
 
 examples:
   python -m sparkjax.eval
   python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16,64 --datasets stdlib_code,my.jsonl
-  python -m sparkjax.eval --target Qwen3-4B --drafter dspark-4b --baseline-drafter dflash-4b --dtype bfloat16 \
+  python -m sparkjax.eval --target Qwen3-4B --drafter dspark-4b --baseline-drafter dflash-4b --dtype bfloat16 \\
       --datasets gsm8k,mt-bench --max-new-tokens 256 --out runs/q4b
-  python -m sparkjax.eval --target tests/fixtures/tiny_dspark_b16/target \
-      --drafter tests/fixtures/tiny_dspark_b16/drafter --tokenizer eval/default_pair/tokenizer
-  python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16 --batch-sizes 1,4,16,64 --max-samples 2
+  python -m sparkjax.eval --methods ar,dspark --budgets 16 --batch-sizes 1,4,16,64 --max-samples 2
   python -m sparkjax.eval --compare runs/a/results.json runs/b/results.json
 
 --out is created and tested for writing before any work. Each results file is written atomically;
 outputs an earlier run left in the same folder (results.json, results.csv, batch_sweep.csv, the PNGs) are
 replaced or removed, and no other file is touched.
 
-Ctrl-C stops the run after the current step (a timed run, a warm-up, a stage pass; a compilation
-in progress finishes first) and writes the batches every method had finished, marked interrupted;
-a second Ctrl-C stops at once.
+Ctrl-C stops the run after the current step and writes the batches every method had finished, marked
+interrupted; a second Ctrl-C stops at once.
 
 exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (partial results written, or
 nothing if no batch had finished)."""
@@ -133,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated methods out of {','.join(engine.METHODS)} (default: all); ar is always run, "
                         "as the speedup reference")
     g.add_argument("--budgets", type=_csv(int), metavar="LIST",
-                   help="tree sizes (nodes per round) for ddtree / sparklingtree / sparklingtree-beam; each tree "
+                   help=f"tree sizes (nodes per round) for {' / '.join(engine.TREE_METHODS)}; each tree "
                         f"method runs once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}); an error "
                         "with chain-only methods")
     g.add_argument("--top-c", type=int, metavar="C",
@@ -184,48 +175,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace):
-    from .harness import EvalConfig
-
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
     out = args.out or os.path.join("eval", "out", time.strftime("%Y%m%d-%H%M%S"))
     return EvalConfig(
         target=args.target, drafter=args.drafter, baseline_drafter=args.baseline_drafter, tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        methods=tuple(args.methods), budgets=args.budgets, top_c=args.top_c, temperature=args.temperature,
-        datasets=tuple(args.datasets), max_samples=None if args.max_samples == 0 else args.max_samples,
-        max_new_tokens=args.max_new_tokens, batch_size=1 if args.batch_size is None else args.batch_size,
-        batch_sizes=args.batch_sizes, seed=args.seed, repeats=args.repeats,
-        stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out, plots=not args.no_plots,
-        mesh=args.mesh, fresh_auto=args.fresh_auto,
+        dtype=args.dtype, methods=tuple(args.methods), budgets=args.budgets, top_c=args.top_c,
+        temperature=args.temperature, datasets=tuple(args.datasets),
+        max_samples=None if args.max_samples == 0 else args.max_samples, max_new_tokens=args.max_new_tokens,
+        batch_size=1 if args.batch_size is None else args.batch_size, batch_sizes=args.batch_sizes, seed=args.seed,
+        repeats=args.repeats, stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out,
+        plots=not args.no_plots, mesh=args.mesh, fresh_auto=args.fresh_auto,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
-    from .harness import sigint_flag
-
     with sigint_flag():  # Ctrl-C sets a flag the run checks between steps (the previous handler comes back after)
         _startup.check()  # a Ctrl-C while jax was imported: exit 130, nothing written
         return _main(argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    from ..errors import SparkjaxError
-
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a malformed flag (2, already reported in one line)
         return int(e.code or 0)
     try:
         if args.compare:
-            from .harness import EvalResults
-            from .report import compare
-
             a, b = (EvalResults.load(p) for p in args.compare)
             print(compare(a, b, *args.compare))
             return 0
-        from .harness import run
-
         if args.max_samples is not None and args.max_samples < 0:
             raise EvalError(f"--max-samples: expected a positive integer or 0 (all), got {args.max_samples}")
         cfg = config_from_args(args)
@@ -239,12 +218,8 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.flush()
         return 130 if results.interrupted else 0
     except SparkjaxError as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the first batch finished (e.g. while loading): nothing to write
         print("interrupted before any result (nothing written)", file=sys.stderr)
         return 130
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__

@@ -1,39 +1,44 @@
-"""The harness's view of the engine: fixed-shape launches, prefill-only launches, instrumented runs.
+"""The eval's view of the engine: fixed-shape launches, prefill-only launches, instrumented runs.
 
-Every batch of a run is padded to one prompt width (the power of two above the longest prompt of
-the whole run), one cache size and one output capacity (``prompt_width``, ``cache_size`` and
-``capacity`` of :func:`sparkjax.engine.launch`). So each method compiles once per run, and the
-*prefill-only* run (``max_new_tokens = 1``, which stops before the first round) reuses the very
-same compiled program as the timed run: ``max_new_tokens`` is a traced value in the engine.
+Every batch of a run is padded to one prompt width (the power of two above the longest prompt of the whole
+run), one cache size and one output capacity (``prompt_width``, ``cache_size`` and ``capacity`` of
+:func:`sparkjax.engine.launch`). So each method compiles once per batch size, and the *prefill-only* run
+(``max_new_tokens = 1``, which stops before the first round) reuses the very same compiled program as the
+timed run: ``max_new_tokens`` is a traced value in the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
+
+import jax
 
 from .. import engine as core
 from ..engine.api import check_temperature
 from ..engine.methods import Method, parse_method
+from ..engine.placement import axis_size, check_mesh, place_model, to_host
+from ..errors import EvalError
 
 
 @dataclasses.dataclass(frozen=True)
 class MethodConfig:
-    """One column of the benchmark: a method and (for trees) its budget."""
+    """One column of the benchmark: a method name and (for the tree methods) its budget."""
 
     method: str
     budget: int | None = None
     top_c: int | None = None
 
-    @property
-    def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method}@{self.budget}"
-
     @functools.cached_property
     def spec(self) -> Method:
         """The method object (:func:`sparkjax.engine.parse_method` of the name, budget and top-c)."""
         return parse_method(self.method, budget=self.budget, top_c=self.top_c)
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
 
     @property
     def speculative(self) -> bool:
@@ -42,15 +47,33 @@ class MethodConfig:
 
 @dataclasses.dataclass
 class BatchOutput:
+    """Host copies of one batch's outputs, per sequence: tokens, per-round acceptance lengths, rounds reaching
+    each draft depth, and (method ``auto``) each round's verified size; ``stage_seconds`` from the instrumented
+    mode only."""
+
     tokens: list[list[int]]
     acceptance_lengths: list[list[int]]
     accepted_per_depth: list[list[int]]
     stage_seconds: dict[str, float] | None = None
-    size_choices: list[list[str]] | None = None  # method auto: each round's verification size (its label)
+    size_choices: list[list[str]] | None = None
+
+
+def memory_limit() -> int | None:
+    """The device's memory in bytes (the host's RAM on a CPU; None when unknown)."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 class Engine:
-    """Runs one pair with a fixed cache size, EOS set and temperature."""
+    """Runs one pair with a fixed cache size, EOS set, temperature and output capacity (``max_new_tokens``)."""
+
+    path = "fixed-shape"  # recorded in results.json: every batch shares one prompt width, cache and capacity
 
     def __init__(self, target, drafter, *, eos: list[int], temperature: float, max_new_tokens: int,
                  cache_size: int, prompt_width: int, mesh=None, carry_auto: bool = True):
@@ -61,23 +84,17 @@ class Engine:
         self.cache_size = int(cache_size)
         self.prompt_width = int(prompt_width)
         self.mesh = mesh  # a jax.sharding.Mesh (data x model) or None: one device
-        if mesh is not None:  # place the weights once, not per launch (a launch reuses placed arrays)
-            from ..engine.placement import check_mesh, place_model
-
+        if mesh is not None:  # place the weights once, not per launch
             check_mesh(mesh, target, drafter)
             place_model(target, mesh)
             if drafter is not None:
                 place_model(drafter, mesh)
+        self.carry_auto = bool(carry_auto)
         self._plans: dict[MethodConfig, Any] = {}
-        self.carry_auto = bool(carry_auto)  # method auto: each chain of launches carries its AutoMemory
         self._memories: dict[tuple, Any] = {}
 
-    path = "fixed-shape"  # recorded in results.json: every batch shares one prompt width, cache and capacity
-
-    # ------------------------------------------------------------------ validation and shapes
-
     def plan(self, mc: MethodConfig):
-        """The engine's static plan for ``mc`` (None for ``ar``); raises ArgumentError when it does not apply."""
+        """The engine's static plan for ``mc`` (None for ``ar``); ArgumentError when it does not fit the pair."""
         if mc not in self._plans:
             self._plans[mc] = mc.spec.plan(self.target, self.drafter, self.temperature > 0)
         return self._plans[mc]
@@ -87,13 +104,34 @@ class Engine:
         return 0 if p is None else int(p.depth)
 
     def describe(self, mc: MethodConfig) -> dict[str, Any]:
+        """The ``setup.methods`` entry of ``mc``: its label, name, budget, and the resolved plan's depth, nodes
+        and method fields (every default resolved for this pair)."""
         p = self.plan(mc)
         d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
         if p is not None:
-            d.update(depth=p.depth, nodes=p.nodes, top_c=p.top_c or None,
-                     widths=list(p.widths) if p.widths else None, normalization=p.normalization,
-                     candidates=p.candidates)
+            d.update(depth=p.depth, nodes=p.nodes)
+            d.update({f.name: _plain(getattr(p.method, f.name)) for f in dataclasses.fields(p.method)
+                      if f.name not in d})
         return d
+
+    def check_memory(self, mc: MethodConfig, batch_size: int, *, flag: str = "--budgets") -> None:
+        """Refuses, before anything is compiled, a method whose verify step cannot fit in memory: a rough lower
+        bound of what one round holds (the KV cache, one layer's attention scores over the cache for
+        ``nodes + 1`` rows (ar: 1), their logits and the tree mask) against :func:`memory_limit`. The EvalError
+        names ``flag``."""
+        c, p = self.target.config, self.plan(mc)
+        rows = 1 if p is None else int(p.nodes) + 1
+        heads = int(c.num_attention_heads)
+        kv, hd = int(c.num_key_value_heads), int(c.head_dim or c.hidden_size // heads)
+        need = 4 * batch_size * (2 * int(c.num_hidden_layers) * self.cache_size * kv * hd
+                                 + heads * rows * self.cache_size + rows * int(c.vocab_size) + rows * rows)
+        limit = memory_limit()
+        if limit and need > limit:
+            hint = "use a smaller budget" if flag == "--budgets" else "use smaller batch sizes (or a smaller budget)"
+            raise EvalError(
+                f"{flag}: {mc.label} needs about {need / 2**30:.1f} GiB for one verify step (budget {rows - 1}: "
+                f"{rows} rows against a {self.cache_size}-slot cache, batch {batch_size}), more than the "
+                f"{limit / 2**30:.1f} GiB this device has; {hint}")
 
     def shape_key(self, mc: MethodConfig, batch: list[list[int]]) -> tuple:
         return (mc, len(batch), self.prompt_width)
@@ -103,67 +141,66 @@ class Engine:
                     temperature=self.temperature, seed=seed, cache_size=self.cache_size,
                     prompt_width=self.prompt_width, capacity=self.max_new_tokens, mesh=self.mesh)
 
-    def padded(self, batch: list[list[int]]) -> list[list[int]]:
-        """``batch`` padded (with copies of its last prompt) to a multiple of the mesh's data axis; the
-        extra rows' outputs are dropped by :meth:`outputs` / :meth:`instrumented`."""
-        from ..engine.placement import axis_size
-
+    def _padded(self, batch: list[list[int]]) -> list[list[int]]:
+        """``batch`` padded (with copies of its last prompt) to a multiple of the mesh's data axis; the extra
+        rows' outputs are dropped by :meth:`outputs` / :meth:`instrumented`."""
         d = 1 if self.mesh is None else axis_size(self.mesh, "data")
         return list(batch) + [batch[-1]] * (-len(batch) % d)
 
-    # ------------------------------------------------------------------ runs
-
     def launch(self, mc: MethodConfig, batch: list[list[int]], seed: int, *, prefill_only: bool = False,
-               auto_memory=None):
+               auto_memory=None) -> core.Launch:
         """Dispatches one generation without waiting; ``prefill_only`` stops before the first round.
         ``auto_memory``: method ``auto``'s memory to start from (:meth:`memory`; None: a fresh one)."""
         max_new = 1 if prefill_only else self.max_new_tokens
         drafter = self.drafter if mc.speculative else None
-        return core.launch(self.target, drafter, self.padded(batch), report_nonfinite=True,
-                           auto_memory=auto_memory, **self._kwargs(mc, max_new, seed))
+        return core.launch(self.target, drafter, self._padded(batch), auto_memory=auto_memory,
+                           **self._kwargs(mc, max_new, seed))
 
     def memory(self, mc: MethodConfig, batch: int, chain: int):
         """Method ``auto``: the memory chain ``chain`` (a repetition index) of batches of ``batch`` sequences
-        ended with, to start the next launch from (None: a fresh one; always None without ``carry_auto``)."""
+        ended with (None: start fresh; always None without ``carry_auto``)."""
         return self._memories.get((mc, batch, chain)) if self.carry_auto else None
 
-    def remember(self, mc: MethodConfig, batch: int, chain: int, res) -> None:
-        """Keeps the memory a finished launch of method ``auto`` returned (device arrays, no copy)."""
-        mem = [x for x in res if isinstance(x, core.AutoMemory)]
-        if mem and self.carry_auto:
-            self._memories[(mc, batch, chain)] = mem[0]
+    def remember(self, mc: MethodConfig, batch: int, chain: int, res: core.Launch) -> None:
+        """Keeps the memory a finished launch returned in ``extra`` (method ``auto``; device arrays, no copy)."""
+        memory = getattr(res.extra, "memory", None)
+        if memory is not None and self.carry_auto:
+            self._memories[(mc, batch, chain)] = memory
 
     def instrumented(self, mc: MethodConfig, batch: list[list[int]], seed: int) -> BatchOutput:
         """The engine's instrumented mode (each stage its own jitted call, synced and timed)."""
-        out = core.generate(self.target, self.drafter, self.padded(batch), instrument=True,
+        out = core.generate(self.target, self.drafter, self._padded(batch), instrument=True,
                             **self._kwargs(mc, self.max_new_tokens, seed))
         n = len(batch)
         sizes = None if out.size_choices is None else out.size_choices[:n]
         return BatchOutput([list(t) for t in out.tokens[:n]], [list(a) for a in out.acceptance_lengths[:n]],
                            [list(h) for h in out.accepted_per_depth[:n]], dict(out.stage_seconds or {}), sizes)
 
-    def size_labels(self, mc: MethodConfig) -> tuple[str, ...]:
-        """Method ``auto``: the labels of its candidate sizes (what its ``choices`` index); else empty."""
-        p = self.plan(mc)
-        return p.method.labels() if p is not None and p.is_auto else ()
-
     @staticmethod
-    def outputs(res, size: int | None = None, labels: tuple[str, ...] = ()) -> BatchOutput:
-        """Host copies of a finished launch's arrays (the first ``size`` sequences: the rest pad a batch to
-        the mesh's data axis); raises NumericalError if the target's logits were not finite. ``labels``:
-        method ``auto``'s candidate labels (:meth:`size_labels`), to name its per-round choices."""
-        from ..engine.placement import to_host
-
-        arrays = [to_host(x)[:size] for x in res if not isinstance(x, core.AutoMemory)]
-        core.raise_if_nonfinite(arrays.pop())  # the target's logits must stay finite (NumericalError)
-        out, n = arrays[0], arrays[1]
+    def outputs(res: core.Launch, size: int | None = None) -> BatchOutput:
+        """Host copies of a finished launch (its first ``size`` sequences: the rest pad a batch to the mesh's
+        data axis); NumericalError if the target's logits were not finite."""
+        core.raise_if_nonfinite(to_host(res.nonfinite)[:size])
+        out, n = to_host(res.out)[:size], to_host(res.n)[:size]
         tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-        if len(arrays) == 2:  # ar: one token per step
+        if res.accept_lens is None:  # ar: one token per step
             return BatchOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
-        accept_lens, rounds, hits = arrays[2], arrays[3], arrays[4]
-        lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
+        lens_all, rounds = to_host(res.accept_lens)[:size], to_host(res.rounds)[:size]
+        lens = [lens_all[b, : rounds[b]].tolist() for b in range(out.shape[0])]
+        hits = to_host(res.depth_hits)[:size].tolist()
+        choices = getattr(res.extra, "choices", None)
         sizes = None
-        if len(arrays) > 5:  # auto: each round's chosen candidate index
-            sizes = [[labels[i] if 0 <= i < len(labels) else str(i) for i in arrays[5][b, : rounds[b]].tolist()]
+        if choices is not None:  # each round's candidate index into res.labels
+            ch = to_host(choices)[:size]
+            sizes = [[res.labels[i] if 0 <= i < len(res.labels) else str(i) for i in ch[b, : rounds[b]].tolist()]
                      for b in range(out.shape[0])]
-        return BatchOutput(tokens, lens, hits.tolist(), None, sizes)
+        return BatchOutput(tokens, lens, hits, None, sizes)
+
+
+def _plain(x):
+    """A JSON-friendly copy of a method field (tuples as lists, other objects as their text)."""
+    if x is None or isinstance(x, bool | int | float | str):
+        return x
+    if isinstance(x, tuple | list):
+        return [_plain(v) for v in x]
+    return str(x)

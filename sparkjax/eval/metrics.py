@@ -99,17 +99,6 @@ def decode_seconds_min(run_seconds: Sequence[float], prefill_seconds: Sequence[f
     return d if d > 0 else None
 
 
-def spread(values: Sequence[float]) -> float | None:
-    """Relative spread of repeated timings: (max - min) / median (None for fewer than 2 values or a median <= 0)."""
-    vals = [float(v) for v in values]
-    if len(vals) < 2:
-        return None
-    med = statistics.median(vals)
-    if not (med > 0):
-        return None
-    return (max(vals) - min(vals)) / med
-
-
 def rate(tpot_seconds: float) -> float:
     """Tokens per second = 1 / TPOT (NaN for a TPOT that is not a positive number)."""
     return 1.0 / tpot_seconds if isinstance(tpot_seconds, int | float) and tpot_seconds > 0 else math.nan

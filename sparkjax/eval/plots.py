@@ -8,24 +8,17 @@ import pathlib
 
 import numpy as np
 
-from ..engine.methods import AR_LABEL
+from ..engine.methods import AR_LABEL, METHODS
 from ..engine.round import STAGES
+from ..io.atomic import atomic_file
 
 STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
 
-# One colour per method family; the budget of a tree method sets the shade (lighter for smaller trees), the
-# line style, the marker and the bar hatch. A label's style depends on the label alone, so it is the same in
-# every plot of every run, whichever other methods run beside it.
-FAMILY_COLORS = {
-    "ar": "#4d4d4d",
-    "dflash": "#1f77b4",
-    "dspark": "#d62728",
-    "ddtree": "#2ca02c",
-    "sparklingtree": "#ff7f0e",
-    "sparklingtree-beam": "#9467bd",
-    "auto": "#17becf",
-}
-_OTHER_COLORS = ("#8c564b", "#e377c2", "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#843c39")
+# One colour per method family, in the order of the engine's table of names (so a new method gets the next
+# colour); the budget of a tree method sets the shade (lighter for smaller trees), the line style, the marker and
+# the bar hatch. A label's style depends on the label alone, so it is the same in every plot of every run.
+_PALETTE = ("#4d4d4d", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2",
+            "#bcbd22", "#393b79", "#637939", "#843c39")
 _LINESTYLES = ("-", "--", ":", "-.")
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 _HATCHES = ("", "//", "..", "xx", "\\\\", "++")
@@ -41,9 +34,10 @@ def method_style(label: str) -> dict:
     """The plot style of a method label (``"ar"``, ``"dspark"``, ``"sparklingtree@32"``, ...): ``color``,
     ``linestyle``, ``marker`` and ``hatch``. Stable: a function of the label only."""
     family, _, budget = label.partition("@")
-    base = FAMILY_COLORS.get(family)
-    if base is None:  # a method this module does not know: a fixed colour picked from its name
-        base = _OTHER_COLORS[int(hashlib.md5(family.encode()).hexdigest(), 16) % len(_OTHER_COLORS)]
+    if family in METHODS:
+        base = _PALETTE[METHODS.index(family) % len(_PALETTE)]
+    else:  # a name the engine does not know (an older results file): a fixed colour picked from the name
+        base = _PALETTE[int(hashlib.md5(family.encode()).hexdigest(), 16) % len(_PALETTE)]
     if not budget:
         return {"color": base, "linestyle": "-", "marker": "o", "hatch": ""}
     try:
@@ -85,7 +79,7 @@ def _val(x) -> float:
 
 def acceptance_plot(results, path) -> pathlib.Path:
     """accept_rate@k against depth k, one line per method, one panel per dataset (+ all)."""
-    sets = list(dict.fromkeys(r["dataset"] for r in results.summary if r["accept_rate"]))
+    sets = list(dict.fromkeys(r.dataset for r in results.summary if r.accept_rate))
     n = max(len(sets), 1)
     cols = min(n, 3)
     rows = math.ceil(n / cols)
@@ -94,12 +88,12 @@ def acceptance_plot(results, path) -> pathlib.Path:
     for i, name in enumerate(sets):
         ax = fig.add_subplot(rows, cols, i + 1)
         for label in labels:
-            row = next((r for r in results.rows(name) if r["label"] == label), None)
-            if not row or not row["accept_rate"]:
+            row = next((r for r in results.rows(name) if r.label == label), None)
+            if not row or not row.accept_rate:
                 continue
-            k = np.arange(1, len(row["accept_rate"]) + 1)
+            k = np.arange(1, len(row.accept_rate) + 1)
             st = method_style(label)
-            ax.plot(k, [_val(x) for x in row["accept_rate"]], marker=st["marker"], ms=3, ls=st["linestyle"],
+            ax.plot(k, [_val(x) for x in row.accept_rate], marker=st["marker"], ms=3, ls=st["linestyle"],
                     label=label, color=st["color"])
         ax.set_title(f"{name}")
         ax.set_xlabel("draft depth k")
@@ -115,7 +109,7 @@ def acceptance_plot(results, path) -> pathlib.Path:
 
 def tau_speedup_plot(results, path) -> pathlib.Path:
     """Grouped bars per dataset: tau (pooled) on top, speedup over ar below."""
-    sets = list(dict.fromkeys(r["dataset"] for r in results.summary))
+    sets = list(dict.fromkeys(r.dataset for r in results.summary))
     labels = list(results.setup["labels"])
     fig = _figure(min(14.0, max(7.5, 0.3 * len(sets) * max(1, len(labels)) + 2)), 7.0)
     x = np.arange(len(sets))
@@ -126,8 +120,8 @@ def tau_speedup_plot(results, path) -> pathlib.Path:
         for j, label in enumerate(labels):
             vals = []
             for name in sets:
-                row = next((r for r in results.rows(name) if r["label"] == label), None)
-                vals.append(_val(row[field]) if row else float("nan"))
+                row = next((r for r in results.rows(name) if r.label == label), None)
+                vals.append(_val(getattr(row, field)) if row else float("nan"))
             st = method_style(label)
             ax.bar(x + (j - (len(labels) - 1) / 2) * width, vals, width, label=label, color=st["color"],
                    hatch=st["hatch"] or None, edgecolor="white" if st["hatch"] else None, linewidth=0)
@@ -144,26 +138,26 @@ def tau_speedup_plot(results, path) -> pathlib.Path:
 
 def stage_plot(results, path) -> pathlib.Path:
     """Stacked bars: ms per round per stage for each method (pooled over datasets), with ar's TPOT."""
-    scope = "all" if any(r["dataset"] == "all" for r in results.summary) else results.summary[0]["dataset"]
-    rows = [r for r in results.rows(scope) if r.get("stage_ms_per_round")]
+    scope = "all" if any(r.dataset == "all" for r in results.summary) else results.summary[0].dataset
+    rows = [r for r in results.rows(scope) if r.stage_ms_per_round]
     fig = _figure(max(7.5, 0.9 * len(rows) + 4.5), 4.8)
     ax = fig.add_subplot(1, 1, 1)
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
     for stage in STAGES:
-        vals = np.array([_val((r["stage_ms_per_round"] or {}).get(stage)) for r in rows])
+        vals = np.array([_val((r.stage_ms_per_round or {}).get(stage)) for r in rows])
         ax.bar(x, np.nan_to_num(vals), 0.6, bottom=bottom, label=stage, color=STAGE_COLORS[stage])
         bottom += np.nan_to_num(vals)
-    fused = [_val(r.get("round_ms")) for r in rows]
+    fused = [_val(r.round_ms) for r in rows]
     if rows and any(v == v for v in fused):
         ax.plot(x, fused, "kD", ms=5, label="same round in the fused loop (timed pass)")
-    ar = next((r for r in results.rows(scope) if r["label"] == AR_LABEL), None)
-    if ar and _val(ar.get("round_ms")) == _val(ar.get("round_ms")):
-        ax.axhline(ar["round_ms"], color="k", ls="--", lw=1,
-                   label=f"ar: ms per token, fused loop ({ar['round_ms']:.2f})")
+    ar = next((r for r in results.rows(scope) if r.label == AR_LABEL), None)
+    if ar and _val(ar.round_ms) == _val(ar.round_ms):
+        ax.axhline(ar.round_ms, color="k", ls="--", lw=1,
+                   label=f"ar: ms per token, fused loop ({ar.round_ms:.2f})")
     for xi, r, top in zip(x, rows, bottom, strict=True):
-        ax.text(xi, top, f"tau {_val(r['tau_pooled']):.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(x, [r["label"] for r in rows], rotation=20, ha="right")
+        ax.text(xi, top, f"tau {_val(r.tau_pooled):.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [r.label for r in rows], rotation=20, ha="right")
     ax.set_ylabel("ms per round")
     ax.set_title("bars: instrumented pass (each stage its own synced call); markers: fused on-device loop", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -178,24 +172,24 @@ def throughput_plot(results, path) -> pathlib.Path:
     """The batch-size sweep: throughput (tokens/s, log scale) against batch size (log2) per method, ar
     included, with a bar from the median to the best case; below, the speedup over ar at each size."""
     rows = results.sweep_rows
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    sizes = sorted({int(r["batch_size"]) for r in rows})
+    labels = list(dict.fromkeys(r.label for r in rows))
+    sizes = sorted({int(r.batch_size) for r in rows})
     fig = _figure(8.0, 7.5)
     top = fig.add_subplot(2, 1, 1)
     bottom = fig.add_subplot(2, 1, 2, sharex=top)
     for label in labels:
-        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["batch_size"])
-        xs = np.array([float(r["batch_size"]) for r in mine])
-        med = np.array([_val(r.get("tokens_per_s")) for r in mine])
-        best = np.array([_val(r.get("tokens_per_s_best")) for r in mine])
+        mine = sorted((r for r in rows if r.label == label), key=lambda r: r.batch_size)
+        xs = np.array([float(r.batch_size) for r in mine])
+        med = np.array([_val(r.tokens_per_s) for r in mine])
+        best = np.array([_val(r.tokens_per_s_best) for r in mine])
         st = method_style(label)
         kw = dict(color=st["color"], ls=st["linestyle"], marker=st["marker"], ms=5)
         top.plot(xs, med, label=f"{label} (median)", lw=2.2 if label == AR_LABEL else 1.5, **kw)
         top.vlines(xs, np.fmin(med, best), np.fmax(med, best), color=st["color"], lw=3, alpha=0.35)
         if label != AR_LABEL:
-            bottom.plot(xs, [_val(r.get("speedup")) for r in mine], label=label, **kw)
+            bottom.plot(xs, [_val(r.speedup) for r in mine], label=label, **kw)
     top.set_xscale("log", base=2)
-    if any(_val(r.get("tokens_per_s")) > 0 for r in rows):  # NaN (not measured) > 0 is False
+    if any(_val(r.tokens_per_s) > 0 for r in rows):  # NaN (not measured) > 0 is False
         top.set_yscale("log")
     top.set_ylabel("throughput (output tokens / s, all sequences)")
     top.set_title("tokens/s against batch size (line: median runs; bar: up to the fastest runs)", fontsize=9)
@@ -209,7 +203,7 @@ def throughput_plot(results, path) -> pathlib.Path:
     if sizes:
         bottom.set_xticks(sizes, [str(b) for b in sizes])
         bottom.set_xlim(sizes[0] / 1.4, sizes[-1] * 1.4)
-    fill = (results.sweep or {}).get("fill", "?")
+    fill = results.sweep.fill
     fig.suptitle(f"Batch-size sweep: throughput per method (prompts {fill} to fill each batch)\n"
                  + _subtitle(results), fontsize=9)
     return _save(fig, path)
@@ -217,8 +211,6 @@ def throughput_plot(results, path) -> pathlib.Path:
 
 def _save(fig, path) -> pathlib.Path:
     """Writes the figure atomically (a temp file renamed into place)."""
-    from ..io.atomic import atomic_file
-
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format="png")
     return pathlib.Path(path)
@@ -232,7 +224,7 @@ def make_plots(results, folder, written: list | None = None) -> list[pathlib.Pat
     written = [] if written is None else written
     plots = [(acceptance_plot, "acceptance_per_depth.png"), (tau_speedup_plot, "tau_speedup.png"),
              (stage_plot, "stage_time.png")] if results.summary else []
-    if getattr(results, "sweep_rows", None):
+    if results.sweep_rows:
         plots.append((throughput_plot, "throughput_vs_batch.png"))
     for plot, name in plots:
         written.append(plot(results, folder / name))

@@ -9,7 +9,9 @@ import os
 import pathlib
 from typing import Any
 
+from ..engine.methods import AR_LABEL
 from ..engine.round import STAGES
+from ..io.atomic import atomic_file
 
 
 def _num(x, fmt: str, none: str = "-") -> str:
@@ -33,10 +35,10 @@ def timing_warnings(results, threshold: float | None = None) -> list[str]:
     if threshold is None:
         threshold = timing.get("spread_warning", 0.25)
     out = []
-    rows = [*results.summary, *_sweep_rows(results)]
-    noisy = [r for r in rows if _ok(r.get("timing_spread")) and r["timing_spread"] > threshold]
+    rows = [*results.summary, *results.sweep_rows]
+    noisy = [r for r in rows if _ok(r.timing_spread) and r.timing_spread > threshold]
     if noisy:
-        shown = ", ".join(f"{_where(r)}/{r['label']} {100 * r['timing_spread']:.0f}%" for r in noisy[:6])
+        shown = ", ".join(f"{_where(r)}/{r.label} {100 * r.timing_spread:.0f}%" for r in noisy[:6])
         more = f" and {len(noisy) - 6} more" if len(noisy) > 6 else ""
         out.append(f"WARNING: timing spread above {100 * threshold:.0f}% ({shown}{more}): these timings are noisy; "
                    "rerun on a quieter machine or with more --repeats")
@@ -44,24 +46,17 @@ def timing_warnings(results, threshold: float | None = None) -> list[str]:
     if _ok(load) and _ok(cpus) and load > cpus:
         out.append(f"WARNING: the load average reached {load:.1f} during the run, above the {cpus} CPU cores: other "
                    "processes competed for the CPU, so tok/s and speedups are unreliable")
-    unmeasured = [r for r in rows if r.get("unmeasured_batches")]
+    unmeasured = [r for r in rows if r.unmeasured_batches]
     if unmeasured:
         out.append("WARNING: decode time not measured for some batches (prefill-only took as long as the full run): "
-                   + ", ".join(f"{_where(r)}/{r['label']} {r['unmeasured_batches']}/{r.get('timed_batches')}"
+                   + ", ".join(f"{_where(r)}/{r.label} {r.unmeasured_batches}/{r.timed_batches}"
                                for r in unmeasured[:6]))
     return ([""] + out) if out else []
 
 
-def _sweep_rows(results) -> list[dict[str, Any]]:
-    """The batch-size sweep's rows (none in a normal run or in a file written before the sweep existed)."""
-    sweep = getattr(results, "sweep", None)
-    rows = sweep.get("rows") if isinstance(sweep, dict) else None
-    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
-
-
 def _where(row: dict[str, Any]) -> str:
     """The row's scope in messages: its dataset, or ``batch B`` for a sweep row."""
-    return str(row["dataset"]) if "dataset" in row else f"batch {row.get('batch_size')}"
+    return f"batch {row.batch_size}" if hasattr(row, "batch_size") else str(row.dataset)
 
 
 def _clean(x):
@@ -77,8 +72,6 @@ def _clean(x):
 
 def write_json(results, path: str | os.PathLike) -> pathlib.Path:
     """Writes ``results.json`` atomically (a temp file beside it, renamed into place when complete)."""
-    from ..io.atomic import atomic_file
-
     path = pathlib.Path(path)
     text = json.dumps(_clean(results.to_dict()), indent=1, allow_nan=False) + "\n"
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -86,56 +79,46 @@ def write_json(results, path: str | os.PathLike) -> pathlib.Path:
     return path
 
 
-def flat_row(row: dict[str, Any], setup: dict[str, Any] | None = None) -> dict[str, Any]:
+def flat_row(row, setup: dict[str, Any] | None = None) -> dict[str, Any]:
     """A summary row as flat columns: accept_rate@k and stage_<name>_ms spread out."""
-    out = {k: v for k, v in row.items() if k not in ("accept_rate", "stage_ms_per_round", "size_share")}
-    for label, share in (row.get("size_share") or {}).items():  # method auto: share of rounds per size
+    out = {k: v for k, v in row.to_dict().items() if k not in ("accept_rate", "stage_ms_per_round", "size_share")}
+    for label, share in (row.size_share or {}).items():  # method auto: share of rounds per size
         out[f"chosen_{label}"] = share
-    stage = row.get("stage_ms_per_round") or {}
+    stage = row.stage_ms_per_round or {}
     for name in (*STAGES, "total"):
         out[f"stage_{name}_ms_per_round"] = stage.get(name)
-    depth = max((len(r) for r in [row.get("accept_rate") or []]), default=0)
+    depth = len(row.accept_rate or [])
     if setup:
         depth = max([depth, *setup.get("depths", {}).values()])
-    rates = row.get("accept_rate") or []
+    rates = row.accept_rate or []
     for k in range(1, depth + 1):
         out[f"accept_rate@{k}"] = rates[k - 1] if k <= len(rates) else None
     return out
 
 
-def write_csv(results, path: str | os.PathLike) -> pathlib.Path:
+def _write_rows(path, rows: list[dict[str, Any]], empty: list[str]) -> pathlib.Path:
+    """Writes flat rows as CSV atomically (None and non-finite numbers as empty cells)."""
     path = pathlib.Path(path)
-    rows = [flat_row(r, results.setup) for r in results.summary]
     fields: list[str] = []
     for r in rows:
         fields += [k for k in r if k not in fields]
-    from ..io.atomic import atomic_file
-
     with atomic_file(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=fields or ["dataset"])
+        w = csv.DictWriter(f, fieldnames=fields or empty)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v)
+            w.writerow({k: "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
                         for k, v in r.items()})
     return path
+
+
+def write_csv(results, path: str | os.PathLike) -> pathlib.Path:
+    """Writes ``results.csv`` atomically: one flat row (:func:`flat_row`) per summary row."""
+    return _write_rows(path, [flat_row(r, results.setup) for r in results.summary], ["dataset"])
 
 
 def write_sweep_csv(results, path: str | os.PathLike) -> pathlib.Path:
     """Writes ``batch_sweep.csv`` atomically: one row per (batch size, method) of the batch-size sweep."""
-    from ..io.atomic import atomic_file
-
-    path = pathlib.Path(path)
-    rows = _sweep_rows(results)
-    fields: list[str] = []
-    for r in rows:
-        fields += [k for k in r if k not in fields]
-    with atomic_file(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=fields or ["batch_size", "label"])
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v)
-                        for k, v in r.items()})
-    return path
+    return _write_rows(path, [r.to_dict() for r in results.sweep_rows], ["batch_size", "label"])
 
 
 def _batch_text(c: dict[str, Any]) -> str:
@@ -166,7 +149,7 @@ def format_table(results) -> str:
     lines = _header(results)
     if results.interrupted:
         lines.append("  INTERRUPTED: partial results (the samples every method had finished)")
-    if not results.summary and getattr(results, "sweep", None) is not None:
+    if not results.summary and results.sweep is not None:
         lines += format_sweep(results)
         lines += timing_warnings(results)
         lines += [f"note: {n}" for n in results.notes]
@@ -175,8 +158,8 @@ def format_table(results) -> str:
         lines.append("\n(no finished sample)")
         lines += [f"note: {n}" for n in results.notes]
         return "\n".join(lines)
-    dw = max(7, *(len(r["dataset"]) for r in results.summary))
-    mw = max(6, *(len(r["label"]) for r in results.summary))
+    dw = max(7, *(len(r.dataset) for r in results.summary))
+    mw = max(6, *(len(r.label) for r in results.summary))
     head = (f"{'dataset':<{dw}}  {'method':<{mw}}  {'n':>3}  {'tau':>6}  {'tau':>6}  {'tok/s':>8}  {'tok/s':>8}  "
             f"{'spread':>6}  {'speedup':>7}  {'speedup':>7}  {'TPOT':>7}  {'round':>6}  {'same':>5}  "
             f"| {'stage ms per round (instrumented pass)':<38}")
@@ -186,42 +169,42 @@ def format_table(results) -> str:
     lines += ["", head, sub, "-" * len(sub)]
     prev = None
     for r in results.summary:
-        if prev is not None and r["dataset"] != prev:
+        if prev is not None and r.dataset != prev:
             lines.append("")
-        prev = r["dataset"]
-        st = r.get("stage_ms_per_round") or {}
+        prev = r.dataset
+        st = r.stage_ms_per_round or {}
         stages = " ".join(f"{_num(st.get(k), '6.2f'):>6}" for k in (*STAGES, "total"))
-        spread = r.get("timing_spread")
-        same = r.get("same_as_ar")
+        spread = r.timing_spread
+        same = r.same_as_ar
         lines.append(
-            f"{r['dataset']:<{dw}}  {r['label']:<{mw}}  {r['n_samples']:>3}  {_num(r['tau_pooled'], '6.2f'):>6}  "
-            f"{_num(r['tau_per_response'], '6.2f'):>6}  {_num(r.get('tokens_per_s'), '8.1f'):>8}  "
-            f"{_num(r.get('tokens_per_s_best'), '8.1f'):>8}  "
+            f"{r.dataset:<{dw}}  {r.label:<{mw}}  {r.n_samples:>3}  {_num(r.tau_pooled, '6.2f'):>6}  "
+            f"{_num(r.tau_per_response, '6.2f'):>6}  {_num(r.tokens_per_s, '8.1f'):>8}  "
+            f"{_num(r.tokens_per_s_best, '8.1f'):>8}  "
             f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
-            f"{_times(r.get('speedup')):>7}  {_times(r.get('speedup_best')):>7}  "
-            f"{_num(r.get('tpot_ms'), '7.3f'):>7}  {_num(r.get('round_ms'), '6.2f'):>6}  "
-            f"{(_num(same, '.2f') if r['label'] != 'ar' else '-'):>5}  | {stages}"
+            f"{_times(r.speedup):>7}  {_times(r.speedup_best):>7}  "
+            f"{_num(r.tpot_ms, '7.3f'):>7}  {_num(r.round_ms, '6.2f'):>6}  "
+            f"{(_num(same, '.2f') if r.label != AR_LABEL else '-'):>5}  | {stages}"
         )
     lines += timing_warnings(results)
-    scope = "all" if any(r["dataset"] == "all" for r in results.summary) else results.summary[0]["dataset"]
-    rows = [r for r in results.rows(scope) if r["accept_rate"]]
+    scope = "all" if any(r.dataset == "all" for r in results.summary) else results.summary[0].dataset
+    rows = [r for r in results.rows(scope) if r.accept_rate]
     if rows:
-        depth = max(len(r["accept_rate"]) for r in rows)
+        depth = max(len(r.accept_rate) for r in rows)
         # show the depths up to one past the deepest accepted draft (at least 4); the rest are all zero
-        reached = max((k + 1 for r in rows for k, x in enumerate(r["accept_rate"]) if _ok(x) and x > 0), default=0)
+        reached = max((k + 1 for r in rows for k, x in enumerate(r.accept_rate) if _ok(x) and x > 0), default=0)
         shown = min(depth, max(4, reached + 1))
         lines += ["", f"accept_rate@k ({scope}): fraction of rounds whose accepted path reached draft depth k"]
         lines.append(f"{'method':<{mw}}  " + " ".join(f"{'@' + str(k):>5}" for k in range(1, shown + 1)))
         for r in rows:
-            lines.append(f"{r['label']:<{mw}}  " + " ".join(f"{_num(x, '5.2f'):>5}" for x in r["accept_rate"][:shown]))
+            lines.append(f"{r.label:<{mw}}  " + " ".join(f"{_num(x, '5.2f'):>5}" for x in r.accept_rate[:shown]))
         if shown < depth:
             lines.append(f"(@{shown + 1} to @{depth}: 0.00 for every method)")
-    chosen = [r for r in results.summary if r.get("size_share")]
+    chosen = [r for r in results.summary if r.size_share]
     if chosen:
         lines += ["", "auto: share of rounds that verified each size (ar = a plain target step, no draft)"]
         for r in chosen:
-            shares = "  ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(r["size_share"].items(), key=lambda kv: -kv[1]))
-            lines.append(f"{r['dataset']:<{dw}}  {r['label']:<{mw}}  {shares}")
+            shares = "  ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(r.size_share.items(), key=lambda kv: -kv[1]))
+            lines.append(f"{r.dataset:<{dw}}  {r.label:<{mw}}  {shares}")
     lines += [
         "",
         "tau pooled = sum of acceptance lengths / rounds (DeepSpec); tau resp = mean of per-response means (DDTree);",
@@ -238,15 +221,12 @@ def format_table(results) -> str:
 
 def format_sweep(results) -> list[str]:
     """The batch-size sweep's table: one line per (batch size, method)."""
-    sweep = results.sweep if isinstance(getattr(results, "sweep", None), dict) else {}
-    rows = _sweep_rows(results)
-    per_set = sweep.get("prompts_per_set") or {}
-    sets = ", ".join(f"{k} {v}" for k, v in per_set.items())
-    lines = ["", f"batch-size sweep: {sweep.get('prompts', '?')} prompts ({sets}); "
-             + (sweep.get("fill_text") or f"fill: {sweep.get('fill')}")]
+    sweep, rows = results.sweep, results.sweep_rows
+    sets = ", ".join(f"{k} {v}" for k, v in sweep.prompts_per_set.items())
+    lines = ["", f"batch-size sweep: {sweep.prompts} prompts ({sets}); " + (sweep.fill_text or f"fill: {sweep.fill}")]
     if not rows:
         return [*lines, "(no finished batch)"]
-    mw = max(6, *(len(r["label"]) for r in rows))
+    mw = max(6, *(len(r.label) for r in rows))
     head = (f"{'batch':>5}  {'method':<{mw}}  {'seqs':>4}  {'tau':>6}  {'tok/s':>9}  {'tok/s':>9}  {'spread':>6}  "
             f"{'speedup':>7}  {'speedup':>7}  {'same':>5}  {'same':>7}")
     sub = (f"{'size':>5}  {'':<{mw}}  {'':>4}  {'pooled':>6}  {'median':>9}  {'best':>9}  {'':>6}  "
@@ -254,17 +234,17 @@ def format_sweep(results) -> list[str]:
     lines += [head, sub, "-" * len(sub)]
     prev = None
     for r in rows:
-        if prev is not None and r["batch_size"] != prev:
+        if prev is not None and r.batch_size != prev:
             lines.append("")
-        prev = r["batch_size"]
-        spread, same, across = r.get("timing_spread"), r.get("same_as_ar"), r.get("same_across_batches")
+        prev = r.batch_size
+        spread, same, across = r.timing_spread, r.same_as_ar, r.same_across_batches
         lines.append(
-            f"{r['batch_size']:>5}  {r['label']:<{mw}}  {r.get('n_sequences', 0):>4}  "
-            f"{_num(r.get('tau_pooled'), '6.2f'):>6}  {_num(r.get('tokens_per_s'), '9.1f'):>9}  "
-            f"{_num(r.get('tokens_per_s_best'), '9.1f'):>9}  "
+            f"{r.batch_size:>5}  {r.label:<{mw}}  {r.n_sequences:>4}  "
+            f"{_num(r.tau_pooled, '6.2f'):>6}  {_num(r.tokens_per_s, '9.1f'):>9}  "
+            f"{_num(r.tokens_per_s_best, '9.1f'):>9}  "
             f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
-            f"{_times(r.get('speedup')):>7}  {_times(r.get('speedup_best')):>7}  "
-            f"{(_num(same, '.2f') if r['label'] != 'ar' else '-'):>5}  {_num(across, '.2f'):>7}"
+            f"{_times(r.speedup):>7}  {_times(r.speedup_best):>7}  "
+            f"{(_num(same, '.2f') if r.label != AR_LABEL else '-'):>5}  {_num(across, '.2f'):>7}"
         )
     lines += [
         "",
@@ -282,10 +262,10 @@ COMPARED = (("tau_pooled", "tau pooled", ".2f"), ("tau_per_response", "tau resp"
 
 def compare(a, b, name_a: str = "A", name_b: str = "B") -> str:
     """Per (dataset, method): each metric in run A, in run B, and B - A (with the relative change)."""
-    ia = {(r["dataset"], r["label"]): r for r in a.summary}
-    ib = {(r["dataset"], r["label"]): r for r in b.summary}
-    ia.update({(_where(r), r["label"]): r for r in _sweep_rows(a)})  # sweep rows: "batch B" / method
-    ib.update({(_where(r), r["label"]): r for r in _sweep_rows(b)})
+    ia = {(r.dataset, r.label): r for r in a.summary}
+    ib = {(r.dataset, r.label): r for r in b.summary}
+    ia.update({(_where(r), r.label): r for r in a.sweep_rows})  # sweep rows: "batch B" / method
+    ib.update({(_where(r), r.label): r for r in b.sweep_rows})
     keys = [k for k in ia if k in ib]
     lines = [f"A = {name_a}", f"B = {name_b}", ""]
     dw = max([7, *(len(k[0]) for k in keys)])
@@ -296,7 +276,7 @@ def compare(a, b, name_a: str = "A", name_b: str = "B") -> str:
     for k in keys:
         cells = []
         for field, _, fmt in COMPARED:
-            x, y = ia[k].get(field), ib[k].get(field)
+            x, y = getattr(ia[k], field), getattr(ib[k], field)
             x = x if _ok(x) else None  # a missing, null, NaN or non-number value (an older or edited file): "-"
             y = y if _ok(y) else None
             if x is None or y is None:

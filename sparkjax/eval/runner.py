@@ -1,0 +1,193 @@
+"""The eval's timing protocol: how one batch is timed with every method, and how a run is interrupted.
+
+Timing protocol (per batch of prompts):
+
+1. Warm-up: before a shape is timed, every method is compiled and run once on it (a full run and a
+   prefill-only run), and all of a batch's warm-ups come before any of its timed runs.
+2. Timed pass, interleaved (:func:`sparkjax.bench.timing.interleave`): for repetition r = 1..repeats, every
+   method in turn (A B C, A B C, not A A B B C C) runs (a) the full generation, the engine's one jitted loop
+   with no host sync, and right after it (b) a prefill-only run of the same compiled program with
+   ``max_new_tokens = 1`` (prefill, first token, drafter context of the prompt, no round). Each run is
+   timed from dispatch to ``jax.block_until_ready``. Method ``auto`` (unless ``fresh_auto``) starts repetition r
+   of a batch from the memory repetition r of the previous batch of the same size ended with: each repetition
+   is one chain of requests through the prompts in order, as a server carries it.
+3. Decode seconds = median(a) - median(b), the best case min(a) - min(b), the spread (max(a) - min(a)) /
+   median(a). Prefill, the first token and the prompt part of the first draft pass are excluded; round 1's
+   drafter block pass stays in. A difference that is not positive (a busy machine) is "not measured" (None),
+   never 0, and is left out of TPOT, tok/s and speedup.
+4. TPOT = decode seconds / output tokens of the batch (all generated tokens, the first included); a method's
+   TPOT is the mean over its timed batches; tok/s = 1 / TPOT; speedup = TPOT(ar) / TPOT(method), ar timed in
+   the same run, on the same batches, with the same cache size. The table warns when a row's spread exceeds
+   25 % or the 1-minute load average (sampled between batches) exceeded the CPU count.
+5. Stage pass (separate, synced, on the first ``stage_samples`` prompts of each set that have a round): the
+   engine's instrumented mode runs the batch stage by stage (draft, tree, verify, commit), blocking after
+   each, so it includes per-call overhead the fused loop does not pay. Its functions are warmed up first.
+
+Ctrl-C: while a run is under :func:`sigint_flag`, SIGINT only sets a flag, which is checked before each unit
+of work (each warm-up, each timed run, each stage pass): the run stops at the next one and keeps the batches
+every method had finished. A second Ctrl-C raises KeyboardInterrupt at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+from typing import Any
+
+import jax
+
+from ..bench.timing import interleave
+from .engine import BatchOutput, Engine, MethodConfig
+
+SPREAD_WARNING = 0.25  # the table warns when a row's timing spread ((max - min) / median) is above this
+
+
+class Stopped(Exception):
+    """Raised by :meth:`Interrupt.check` when the Ctrl-C flag is set; the run keeps what it finished."""
+
+
+class Interrupt:
+    """The Ctrl-C flag of a run, set by the SIGINT handler :func:`sigint_flag` installs."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.count = 0
+
+    def handler(self, signum, frame) -> None:
+        self.count += 1
+        self.requested = True
+        if self.count == 1:
+            print("\nCtrl-C: stopping after the current step; the finished batches will be written "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            return
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.requested:
+            raise Stopped
+
+
+@contextlib.contextmanager
+def sigint_flag():
+    """Routes SIGINT to an :class:`Interrupt` flag for the block, then restores the previous handler. Reuses
+    the flag when one is already installed; outside the main thread Ctrl-C stays a KeyboardInterrupt."""
+    current = signal.getsignal(signal.SIGINT)
+    owner = getattr(current, "__self__", None)
+    if isinstance(owner, Interrupt):
+        yield owner
+        return
+    flag = Interrupt()
+    try:
+        signal.signal(signal.SIGINT, flag.handler)
+    except ValueError:  # not the main thread
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, current if current is not None else signal.default_int_handler)
+
+
+class LoadMonitor:
+    """Samples the 1-minute load average (where the OS has one) between units of work."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            self.samples.append(float(os.getloadavg()[0]))
+
+    def block(self, repeats: int) -> dict[str, Any]:
+        """The ``setup.timing`` object of results.json."""
+        return {"order": "interleaved: per batch, repetition r runs every method in turn (full run, then "
+                         "prefill-only)",
+                "repeats": repeats,
+                "statistics": "median and min over repetitions; spread = (max - min) / median of the full runs",
+                "spread_warning": SPREAD_WARNING, "load_average_max": max(self.samples, default=None),
+                "load_average_samples": len(self.samples), "cpu_count": os.cpu_count() or 1}
+
+
+@dataclasses.dataclass
+class Timed:
+    """One method's timed batch: the outputs, the seconds of each full and prefill-only run, the loop
+    iterations of the longest sequence, and the stage pass (None when not run)."""
+
+    output: BatchOutput
+    run_seconds: list[float]
+    prefill_seconds: list[float]
+    iterations: int
+    stage: dict[str, Any] | None = None
+
+
+def warm_up(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: int, stages: bool) -> bool:
+    """Compiles and runs once everything :func:`time_batch` times for this shape; returns whether the
+    instrumented mode got warm too (its stage functions compile only when the batch has a round)."""
+    jax.block_until_ready(engine.launch(mc, batch, seed))
+    jax.block_until_ready(engine.launch(mc, batch, seed, prefill_only=True))
+    return stages and mc.speculative and any(engine.instrumented(mc, batch, seed).acceptance_lengths)
+
+
+def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]], *, seed: int, repeats: int,
+               stages: bool, warmed: set, stop: Interrupt | None = None) -> dict[MethodConfig, Timed]:
+    """Times ``batch`` with every ``(engine, method)`` unit by the protocol above. ``warmed`` holds the shapes
+    already compiled (updated here). Raises :class:`Stopped` when ``stop`` is set between two units of work
+    (the batch is then dropped whole)."""
+    check = stop.check if stop is not None else (lambda: None)
+    for eng, mc in units:
+        key = eng.shape_key(mc, batch)
+        if key not in warmed:
+            check()
+            warm_up(eng, mc, batch, seed=seed, stages=False)
+            warmed.add(key)
+    last: dict[MethodConfig, Any] = {}
+    reps = {mc: 0 for _, mc in units}
+
+    def full(eng, mc):
+        def go():
+            check()
+            r = reps[mc]
+            reps[mc] += 1
+            res = last[mc] = eng.launch(mc, batch, seed, auto_memory=eng.memory(mc, len(batch), r))
+            eng.remember(mc, len(batch), r, res)
+            return res
+        return go
+
+    def prefill(eng, mc):
+        def go():
+            check()
+            return eng.launch(mc, batch, seed, prefill_only=True)
+        return go
+
+    variants = {}
+    for eng, mc in units:
+        variants[mc, "full"], variants[mc, "prefill"] = full(eng, mc), prefill(eng, mc)
+    stats = interleave(variants, repeats)
+    out: dict[MethodConfig, Timed] = {}
+    for eng, mc in units:
+        res = eng.outputs(last[mc], len(batch))
+        if mc.speculative:
+            iterations = max((len(a) for a in res.acceptance_lengths), default=0)
+        else:  # ar: the first token comes from the prefill, then one loop step per token
+            iterations = max((len(t) for t in res.tokens), default=1) - 1
+        stage = None
+        if stages and mc.speculative and iterations > 0:  # a batch without a round has no stage to time
+            key = (eng.shape_key(mc, batch), "stages")
+            if key not in warmed:
+                check()
+                eng.instrumented(mc, batch, seed)
+                warmed.add(key)
+            check()
+            ins = eng.instrumented(mc, batch, seed)
+            stage = {"seconds": ins.stage_seconds, "rounds": max((len(a) for a in ins.acceptance_lengths), default=0),
+                     "acceptance_lengths": ins.acceptance_lengths}
+        out[mc] = Timed(res, list(stats[mc, "full"].samples), list(stats[mc, "prefill"].samples), iterations, stage)
+    return out
+
+
+def protocol_text() -> str:
+    """The timing protocol above as one paragraph (``setup.protocol`` of results.json)."""
+    return " ".join((__doc__ or "").split("Timing protocol", 1)[-1].split("Ctrl-C:", 1)[0].split())
