@@ -82,6 +82,13 @@ def fixture_target():
     return load_target(FIXTURE / "target")
 
 
+@pytest.fixture(scope="session")
+def fixture_drafter(fixture_target):
+    from sparkjax import load_drafter
+
+    return load_drafter(FIXTURE / "drafter", target=fixture_target)
+
+
 def make_hf_qwen3(folder, *, tied=True, layers=3, heads=4, kv_heads=2, vocab=160, hidden=64, ffn=128,
                   head_dim=16, attention_bias=False, seed=0, max_positions=512, dtype="float32", **save_kwargs):
     """Saves a tiny random transformers Qwen3ForCausalLM with sharp logits to ``folder``; returns the torch model."""

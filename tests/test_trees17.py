@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkjax import generate, load_drafter, tree
+from sparkjax import generate, tree
 from sparkjax.engine import drafting
 from sparkjax.engine.methods import Tree, parse_method
 from sparkjax.errors import ArgumentError
@@ -127,8 +127,8 @@ def test_tree_options_validate():
 
 
 @pytest.fixture(scope="module")
-def pair(fixture_target, fixture_dir):
-    return fixture_target, load_drafter(fixture_dir / "drafter", target=fixture_target)
+def pair(fixture_target, fixture_drafter):
+    return fixture_target, fixture_drafter
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def prompts(ref):
 
 @pytest.fixture(scope="module")
 def ar(pair, prompts):
-    return generate(pair[0], None, prompts, max_new_tokens=40).tokens
+    return generate(pair[0], None, prompts, max_new_tokens=24).tokens
 
 
 @pytest.mark.parametrize("method,kw", [
@@ -150,7 +150,7 @@ def ar(pair, prompts):
 ])
 def test_greedy_equals_ar_with_tree_options(pair, prompts, ar, method, kw):
     target, drafter = pair
-    out = generate(target, drafter, prompts, method=method, budget=8, max_new_tokens=40, **kw)
+    out = generate(target, drafter, prompts, method=method, budget=8, max_new_tokens=24, **kw)
     assert out.tokens == ar
     assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
 
