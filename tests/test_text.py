@@ -106,7 +106,7 @@ def test_eos_ids_from_generation_config_and_tokenizer(tok, tmp_path):
 
 
 def test_tokenizer_errors_name_the_folder(tok, tmp_path, qwen3_dir):
-    from sparkjax.eval import TokenizerError
+    from sparkjax.errors import TokenizerError
 
     missing = tmp_path / "nope"
     with pytest.raises(TokenizerError, match=re.escape(f"--tokenizer: {missing} is not a folder")):
@@ -125,7 +125,7 @@ def test_tokenizer_errors_name_the_folder(tok, tmp_path, qwen3_dir):
 
 
 def test_public_prompt_sets_are_found_from_the_working_folder_or_the_env_var(tmp_path, monkeypatch):
-    from sparkjax.eval import DatasetError
+    from sparkjax.errors import DatasetError
     from sparkjax.eval import datasets as ds
 
     monkeypatch.delenv(ds.ENV_VAR, raising=False)
