@@ -11,7 +11,6 @@ token prompts instead.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -44,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     def run() -> None:
-        methods = [engine.parse_method(m) for m in names]
-        methods = [dataclasses.replace(m, budget=args.budget) if isinstance(m, engine.Tree) else m for m in methods]
+        methods = [engine.parse_method(m, budget=args.budget if m in engine.TREE_METHODS else None) for m in names]
         tok = None
         if args.target is None:
             if args.drafter is not None:

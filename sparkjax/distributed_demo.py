@@ -91,14 +91,13 @@ def run(args) -> dict:
               "local_devices": jax.local_device_count(), "mesh": [data, model],
               "collectives": jax.config.jax_cpu_collectives_implementation, "tokens": {}}
     for method in args.methods.split(","):
-        kw = {"budget": 8} if method in engine.TREE_METHODS else {}
-        spec = method
-        if method == "auto":  # a fixed cost table: every process makes the same choices, and none profiles
-            spec = engine.Auto(sizes=(0, "chain", 4, 8))
+        spec = engine.parse_method(method, budget=8 if method in engine.TREE_METHODS else None)
+        if spec.labels():  # a method choosing among candidates gets a fixed cost table: every process makes
+            spec = engine.Auto(sizes=(0, "chain", 4, 8))  # the same choices, and none profiles
             labels = spec.resolve(drafter).labels()
             spec = dataclasses.replace(spec, table=engine.CostTable(labels, (1.0, 1.6, 1.5, 1.8)))
-        out = engine.generate(target, None if method == "ar" else drafter, prompts, method=spec,
-                              max_new_tokens=args.max_new, mesh=mesh, **kw)
+        out = engine.generate(target, drafter if spec.speculative else None, prompts, method=spec,
+                              max_new_tokens=args.max_new, mesh=mesh)
         result["tokens"][method] = out.tokens
     if args.train_steps:
         train_mesh = make_mesh(data=jax.device_count()) if jax.device_count() > 1 else None
