@@ -33,6 +33,10 @@ class CostTableError(SparkjaxError, ValueError):
     """A cost table file (``method='auto'``) is unreadable or was measured for another device or shape."""
 
 
+class NumericalError(SparkjaxError, FloatingPointError):
+    """The target produced non-finite logits (NaN or Inf) during a generation: its output is garbage."""
+
+
 class WriteError(CheckpointError):
     """An output could not be written (I/O error: read-only folder, full disk, ...); nothing was changed.
 

@@ -30,6 +30,7 @@ __all__ = [
     "log_softmax",
     "markov_tables",
     "naive_sparkling_tree",
+    "pctree",
     "table_heap",
     "top_k",
 ]
@@ -237,6 +238,37 @@ def beam_tree(tables: np.ndarray, cand_tokens: np.ndarray, widths: Sequence[int]
         [s for s, _ in kept],
         [p[-1] for _, p in kept],
         int(sum(widths)),
+    )
+
+
+def pctree(tables: np.ndarray, cand_tokens: np.ndarray, k: int, nodes: int) -> RefTree:
+    """PCTree reference (:func:`sparkjax.tree.layer_beam`): at depth ``d + 1`` list every extension of every
+    kept depth-``d`` node, sort by (score descending, candidate-index path ascending) and keep the first ``k``;
+    then list the kept nodes of every depth by (score descending, depth ascending, path ascending) and keep
+    the first ``nodes``."""
+    t = np.minimum(np.asarray(tables, np.float32), np.float32(0))
+    cand_tokens = np.asarray(cand_tokens)
+    d, c, _ = t.shape
+    kept: list[tuple[np.float32, tuple[int, ...]]] = []
+    frontier: list[tuple[np.float32, tuple[int, ...]]] = [(np.float32(0), ())]
+    for level in range(d):
+        ext = []
+        for score, path in frontier:
+            row = t[level, path[-1] if path else 0]
+            ext += [(np.float32(score + row[j]), (*path, j)) for j in range(c) if row[j] > -np.inf]
+        ext.sort(key=lambda e: (-float(e[0]), e[1]))
+        frontier = ext[:k]
+        kept += frontier
+    kept.sort(key=lambda e: (-float(e[0]), len(e[1]), e[1]))
+    kept = kept[:nodes]
+    index = {path: n + 1 for n, (_, path) in enumerate(kept)}
+    return _pad(
+        [int(cand_tokens[len(p) - 1, p[-1]]) for _, p in kept],
+        [index[p[:-1]] if len(p) > 1 else 0 for _, p in kept],
+        [len(p) for _, p in kept],
+        [s for s, _ in kept],
+        [p[-1] for _, p in kept],
+        nodes,
     )
 
 

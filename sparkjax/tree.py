@@ -72,6 +72,7 @@ __all__ = [
     "chunked_top_k",
     "ddtree_tables",
     "even_widths",
+    "layer_beam",
     "markov_candidates",
     "markov_tables",
     "merge_candidates",
@@ -83,7 +84,6 @@ __all__ = [
 Normalization = Literal["exact", "fast"]
 CandidateMode = Literal["base", "corrected", "union"]
 CANDIDATE_MODES: tuple[str, ...] = ("base", "corrected", "union")  # see markov_candidates
-UNION_TOP_K: int | None = None  # markov_candidates' default union_k (None: C // 4); read at trace time
 
 
 class Tree(NamedTuple):
@@ -271,8 +271,8 @@ def markov_candidates(
       corrected_logits: [D, V] Markov-corrected logits as above (ignored for ``"base"``).
       top_c: candidates per depth (static); ``C = min(top_c, V)``.
       mode: ``"base"``, ``"corrected"`` or ``"union"``.
-      union_k: corrected candidates per depth >= 2 of ``"union"``, ``1 <= k <= C`` (default
-        :data:`UNION_TOP_K`, or ``C // 4`` (>= 1) when that is None; clipped to C).
+      union_k: static, corrected candidates per depth >= 2 of ``"union"``, ``1 <= k <= C`` (default
+        None: ``C // 4``, at least 1).
 
     Returns:
       int32[D, C] distinct tokens per depth; the order within a row is the tie-break order of the builders.
@@ -294,10 +294,7 @@ def markov_candidates(
     if mode == "corrected" or base_tokens.shape[0] == 1:
         return corr_tokens
     c = corr_tokens.shape[1]
-    if union_k is None:
-        k = max(1, c // 4) if UNION_TOP_K is None else min(_check_int("UNION_TOP_K", UNION_TOP_K, 1), c)
-    else:
-        k = _check_int("union_k", union_k, 1)
+    k = max(1, c // 4) if union_k is None else _check_int("union_k", union_k, 1)
     if k > c:
         raise ArgumentError(f"union_k must be <= top_c = {c}, got {k}")
     pool = jnp.concatenate([corr_tokens[1:, :k], base_tokens[1:]], axis=1)  # [D - 1, k + C]
@@ -531,14 +528,17 @@ def _preorder(parent_slot: jax.Array) -> jax.Array:
     return above[:n] + slot + below[level, slot]
 
 
-def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array, m: int) -> Tree:
-    """Global top-``m`` of all beam entries in the tree order, as a :class:`Tree`."""
+def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array, m: int,
+           by_depth: bool = False) -> Tree:
+    """Global top-``m`` of all beam entries as a :class:`Tree`: by score, ties in the tree order (the
+    candidate-index path), or with ``by_depth`` to the shallower entry, then to the lower beam slot."""
     scores, parent_slot, cand = beams
     d, k = scores.shape
     n = d * k
     s = scores.reshape(n)
-    pre = _preorder(parent_slot)
-    *_, order = jax.lax.sort((-s, pre, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
+    flat = jnp.arange(n, dtype=jnp.int32)  # depth-major: shallower first, then the slot (lexicographic path)
+    tie = flat if by_depth else _preorder(parent_slot)
+    *_, order = jax.lax.sort((-s, tie, flat), num_keys=2)
     sel = order[:m]
     valid = s[sel] > -jnp.inf
     level = sel // k
@@ -581,6 +581,33 @@ def best_first(tables: jax.Array, cand_tokens: jax.Array, budget: int) -> Tree:
     budget = _check_int("budget", budget, 1)
     d, _ = _check_tables(tables, cand_tokens)
     return _merge(_expand(tables, (budget,) * d), jnp.asarray(cand_tokens, jnp.int32), budget)
+
+
+def layer_beam(tables: jax.Array, cand_tokens: jax.Array, k: int, nodes: int) -> Tree:
+    """PCTree's tree (arXiv 2608.02123): a beam of ``k`` nodes per depth, then the global top ``nodes``.
+
+    At depth ``d + 1`` every kept depth-``d`` node's children are scored from its row of the tables (its
+    path score plus ``tables[d, parent_cand, :]``) and the ``k`` best of all those (parent, child) pairs are
+    kept (ties: the lower candidate-index path). The tree is then the ``nodes`` best kept nodes of all depths
+    by path score, ties to the shallower node, then to the lower path within its depth. It is prefix-closed:
+    a child never outscores its parent and is deeper, so its parent ranks before it.
+
+    Args:
+      tables: float32[D, C, C] log-prob tables (:func:`markov_tables`; entries clipped to <= 0).
+      cand_tokens: int[D, C] the candidates the tables refer to.
+      k: static beam width per depth, >= 1.
+      nodes: static number of nodes ``M`` (the root excluded), ``1 <= M <= k * D``.
+
+    Returns:
+      A :class:`Tree` of ``M`` nodes in that order (parents before children; padding at the end when fewer
+      than ``M`` kept nodes exist).
+    """
+    d, _ = _check_tables(tables, cand_tokens)
+    k = _check_int("k", k, 1)
+    nodes = _check_int("nodes", nodes, 1)
+    if nodes > k * d:
+        raise ArgumentError(f"nodes must be <= k * D = {k * d} (the nodes the beam keeps), got {nodes}")
+    return _merge(_expand(tables, (k,) * d), jnp.asarray(cand_tokens, jnp.int32), nodes, by_depth=True)
 
 
 def even_widths(budget: int, depth: int) -> tuple[int, ...]:

@@ -12,27 +12,31 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..errors import ArgumentError, SparkjaxError
-from .auto import AutoMemory, check_auto_memory, fresh_memory, memory_of, with_costs
-from .checks import MAX_SLOTS, bucket, check_int, check_models, describe, is_int
-from .methods import Auto, Method, Plan, parse_method
+from .. import cachedir
+from ..errors import ArgumentError, NumericalError
+from .checks import MAX_SLOTS, bucket, check_int, check_models, check_temperature, describe, is_int
+from .costs import CostTable, cost_key, profile, read_table
+from .methods import Auto, Method, parse_method
+from .options import Options, check_options
 from .placement import check_mesh, place_args, place_state, put, to_host
-from .programs import ar_program, spec_program, spec_start, spec_step, split_pair, stage_call
-from .round import STAGES, spec_round
-from .state import DeviceArgs
+from .programs import spec_start, spec_step, split_pair, stage_call
+from .round import STAGES
+from .state import DeviceArgs, Launch, Plan
+
+if TYPE_CHECKING:
+    from .adaptive import AutoMemory
 
 Array = jax.Array
 
 MAX_SEED = 2**63  # seeds are Python / numpy ints in [0, MAX_SEED)
-MIN_TEMPERATURE = 1e-6  # a positive temperature below this overflows logits / T in float32
-MAX_TEMPERATURE = 1e4  # above this every distribution is uniform to float32 precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,24 +199,6 @@ def check_lengths(
     return cache_size
 
 
-def check_temperature(temperature: float) -> float:
-    """0 (greedy) or a real number in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]`` (finite in float32)."""
-    if isinstance(temperature, bool | np.bool_) or not isinstance(temperature, int | float | np.integer | np.floating):
-        raise ArgumentError(f"temperature: expected a real number, got {describe(temperature)}")
-    try:
-        t = float(temperature)
-    except OverflowError:
-        raise ArgumentError(f"temperature: {temperature!r} is not finite in float32") from None
-    if not np.isfinite(t) or t < 0:
-        raise ArgumentError(f"temperature: must be finite and >= 0, got {temperature!r}")
-    if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
-        raise ArgumentError(
-            f"temperature: {t!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (or 0 for greedy): "
-            "logits / temperature would overflow or underflow in float32"
-        )
-    return t
-
-
 @dataclasses.dataclass
 class GenerateOutput:
     """What :func:`generate` returns.
@@ -224,7 +210,7 @@ class GenerateOutput:
     ``stage_seconds``: per-stage wall time summed over rounds (instrumented mode only).
     ``size_choices``: method ``auto`` only, per sequence, the candidate each round verified (its label:
     ``ar``, the chain's kind or ``tree@b``), parallel to ``acceptance_lengths``; None for other methods.
-    ``auto_memory``: method ``auto`` only, what it learned (:class:`~sparkjax.engine.auto.AutoMemory`, host
+    ``auto_memory``: method ``auto`` only, what it learned (:class:`~sparkjax.engine.adaptive.AutoMemory`, host
     arrays): pass it as ``generate(..., auto_memory=)`` to start the next generation from it.
     """
 
@@ -251,10 +237,6 @@ class GenerateOutput:
         return counts
 
 
-class NumericalError(SparkjaxError, FloatingPointError):
-    """The target produced non-finite logits (NaN or Inf) during a generation: its output is garbage."""
-
-
 def raise_if_nonfinite(nonfinite: Any) -> None:
     """Raises :class:`NumericalError` if any entry of a run's ``nonfinite`` flags (``[B]`` int32: the first
     round whose target logits were not finite, 0 for the prefill; -1 when all were finite) is set."""
@@ -272,27 +254,22 @@ def raise_if_nonfinite(nonfinite: Any) -> None:
     )
 
 
-def _outputs(out, n, accept_lens=None, rounds=None, depth_hits=None, choices=None, memory=None, *,
-             stage_seconds=None, labels: Sequence[str] = ()) -> GenerateOutput:
-    out, n = to_host(out), to_host(n)
+def _outputs(res: Launch, stage_seconds: dict[str, float] | None = None) -> GenerateOutput:
+    """The host-side :class:`GenerateOutput` of a finished :class:`~sparkjax.engine.state.Launch`."""
+    out, n = to_host(res.out), to_host(res.n)
     tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-    if accept_lens is None:
+    if res.accept_lens is None:
         return GenerateOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
-    accept_lens, rounds, depth_hits = to_host(accept_lens), to_host(rounds), to_host(depth_hits)
+    accept_lens, rounds, depth_hits = to_host(res.accept_lens), to_host(res.rounds), to_host(res.depth_hits)
     lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
+    choices, memory = getattr(res.extra, "choices", None), getattr(res.extra, "memory", None)
     sizes = None
     if choices is not None:
         choices = to_host(choices)
-        sizes = [[labels[int(i)] for i in choices[b, : rounds[b]]] for b in range(out.shape[0])]
+        sizes = [[res.labels[int(i)] for i in choices[b, : rounds[b]]] for b in range(out.shape[0])]
     if memory is not None:
-        memory = host_memory(memory)
+        memory = jax.tree.map(to_host, memory)
     return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds, sizes, memory)
-
-
-def host_memory(memory: AutoMemory) -> AutoMemory:
-    """A copy of an :class:`~sparkjax.engine.auto.AutoMemory` on the host (numpy arrays)."""
-    return dataclasses.replace(memory, **{f.name: to_host(getattr(memory, f.name))
-                                          for f in dataclasses.fields(memory) if f.name != "labels"})
 
 
 def _itemsize(model) -> int:
@@ -416,8 +393,9 @@ def _key(seed: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A validated generation: the method, the padded prompts, the EOS ids, the temperature, the static
-    plan (None for ``ar``), the cache size, the output-buffer length, the seed, ``max_new_tokens`` and the
-    device mesh (None: one device)."""
+    plan (None for ``ar``), the cache size, the output-buffer length, the seed, ``max_new_tokens``, the
+    device mesh (None: one device), the trace-time options and the method's traced ``inputs``
+    (:meth:`~sparkjax.engine.methods.Method.inputs`)."""
 
     method: Method
     prompts: Prompts
@@ -429,19 +407,18 @@ class Run:
     seed: int
     max_new_tokens: int
     mesh: Any = None
-    memory: AutoMemory | None = None  # method auto: the memory it starts from (a fresh one unless given)
+    options: Options = Options()
+    inputs: Any = None
 
-    def device_memory(self) -> AutoMemory | None:
-        """:attr:`memory` on device (replicated over the mesh when there is one); None unless method ``auto``."""
-        if self.memory is None:
+    def device_inputs(self) -> Any:
+        """:attr:`inputs` on device (replicated over the mesh when there is one)."""
+        if self.inputs is None:
             return None
         if self.mesh is None:
-            return jax.tree.map(jnp.asarray, self.memory)
-        from jax.sharding import NamedSharding, PartitionSpec
-
+            return jax.tree.map(jnp.asarray, self.inputs)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable  # placed already
-                            else put(x, replicated), self.memory)
+                            else put(x, replicated), self.inputs)
 
     def device_args(self) -> DeviceArgs:
         """The run's traced inputs, on device (placed on the mesh when there is one)."""
@@ -465,9 +442,12 @@ def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, tempera
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
              normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
-             cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None) -> Run:
-    """Validates every argument of a generation (those of :func:`generate`) and returns the :class:`Run`."""
+             cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None, options=None) -> Run:
+    """Validates every argument of a generation (those of :func:`generate`) and returns the :class:`Run`.
+    The first call turns on the persistent compilation cache (:func:`sparkjax.cachedir.enable_compilation_cache`)."""
     check_models(target, drafter)
+    cachedir.enable_compilation_cache()
+    options = check_options(options)
     method = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
                           candidates=candidates)
     if prompt_ids is None:
@@ -480,19 +460,17 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     prompts = prepare_prompts(prompt_ids, cfg.vocab_size, prompt_width)
     eos = eos_array(eos_token_ids, cfg.vocab_size)
     temperature = check_temperature(temperature)
-    plan = method.plan(target, drafter, temperature > 0)
+    plan = method.plan(target, drafter, temperature > 0, options)
     mesh = check_mesh(mesh, target, drafter if plan is not None else None, prompts.batch)
     size = check_lengths(prompts, max_new_tokens, cfg.max_position_embeddings, cache_size, plan)
     buf_len = _buf_len(max_new_tokens, capacity, plan)
     check_memory(target, drafter, plan, prompts, size, buf_len, cache_size=cache_size, capacity=capacity,
                  prompt_width=prompt_width)
-    memory = None
-    if plan is not None and plan.is_auto:  # its cost table: given, cached in the process, or profiled now
-        plan = with_costs(target, drafter, plan, prompts.batch, size)
-        memory = fresh_memory(plan) if auto_memory is None else check_auto_memory(auto_memory, plan)
-    elif auto_memory is not None:
-        raise ArgumentError(f"auto_memory: only method 'auto' starts from a memory, not {method.name!r}")
-    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, memory)
+    kw = dict(target=target, drafter=drafter, batch=prompts.batch, cache_size=size)
+    if plan is not None:
+        plan = method.bind(plan, **kw)
+    inputs = method.inputs(plan, **kw, memory=auto_memory)
+    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, options, inputs)
 
 
 def generate(
@@ -516,6 +494,7 @@ def generate(
     instrument: bool = False,
     mesh: Any = None,
     auto_memory: AutoMemory | None = None,
+    options: Options | None = None,
 ) -> GenerateOutput:
     """Generates continuations of ``prompt_ids`` (``[B, P]`` ints or a list of lists).
 
@@ -561,64 +540,56 @@ def generate(
     ``auto_memory``: method ``auto`` only, the ``auto_memory`` of an earlier :class:`GenerateOutput` (of the same
     candidates): this generation starts from its calibration, predictions and probe gap instead of from
     nothing, so on hard text a request pays its one opening probe rather than a probe every few tokens. Tokens
-    are unchanged (see :class:`~sparkjax.engine.auto.AutoMemory`).
+    are unchanged (see :class:`~sparkjax.engine.adaptive.AutoMemory`).
+
+    ``options``: the trace-time settings (:class:`~sparkjax.engine.options.Options`: the attention
+    implementation, the chain mode, ...; None: the defaults). They change the compiled program, never the
+    tokens beyond float rounding.
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
-    options = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
-                   candidates=candidates, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                   temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
-                   capacity=capacity, mesh=mesh, auto_memory=auto_memory)
+    kw = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
+              candidates=candidates, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+              temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
+              capacity=capacity, mesh=mesh, auto_memory=auto_memory, options=options)
+    run = validate(target, drafter, prompt_ids, **kw)
     if instrument:
-        run = validate(target, drafter, prompt_ids, **options)
         if run.plan is None:
-            raise ArgumentError("instrument: the instrumented mode times speculative rounds; method 'ar' has none")
+            raise ArgumentError(f"instrument: the instrumented mode times speculative rounds; method "
+                                f"{run.method.name!r} has none")
         return _instrumented(target, drafter, run)
-    *res, nonfinite = launch(target, drafter, prompt_ids, report_nonfinite=True, **options)
-    raise_if_nonfinite(to_host(nonfinite))
-    spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
-    return _outputs(*res, labels=spec.resolve(drafter).labels() if isinstance(spec, Auto) else ())
+    res = run.method.launch(run, target, drafter)
+    raise_if_nonfinite(to_host(res.nonfinite))
+    return _outputs(res)
 
 
 def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget=None, top_c=None,
            widths=None, normalization="fast", candidates=None, max_new_tokens: int = 128, eos_token_ids=None,
            temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
-           capacity: int | None = None, report_nonfinite: bool = False, mesh: Any = None,
-           auto_memory: AutoMemory | None = None) -> tuple[Array, ...]:
+           capacity: int | None = None, mesh: Any = None, auto_memory: AutoMemory | None = None,
+           options: Options | None = None) -> Launch:
     """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
 
-    Returns device arrays: ``(out [B, buf], n [B])`` for ``ar``, plus ``(accept_lens [B, R],
-    rounds [B], depth_hits [B, D])`` for speculative methods, plus ``choices [B, R]`` (each round's
-    candidate index into ``Auto.labels()``, -1 past the last round) and the final
-    :class:`~sparkjax.engine.auto.AutoMemory` (device arrays; ``auto_memory`` of the next launch) for ``auto``.
-    Nothing is copied to the host.
+    Returns a :class:`~sparkjax.engine.state.Launch` of device arrays (nothing is copied to the host):
+    ``out [B, buf]`` and ``n [B]``; for speculative methods ``accept_lens [B, R]``, ``rounds [B]`` and
+    ``depth_hits [B, D]`` (None for ``ar``); ``nonfinite [B]`` int32, the first round whose target logits
+    held a NaN or an Inf (0 for the prefill; -1 when all were finite): ``launch`` never syncs, so it cannot
+    raise on them itself, and :func:`raise_if_nonfinite` checks them once the caller syncs; ``extra``, the
+    method's own results (``auto``: ``choices [B, R]``, each round's candidate index into ``labels``, -1 past
+    the last round, and the final :class:`~sparkjax.engine.adaptive.AutoMemory`, the ``auto_memory`` of the next
+    launch); the static ``plan`` and ``labels``.
     ``max_new_tokens=1`` stops after the prefill and its first token (no round), in the same
     compiled program as a longer run of the same shapes: that is how to time prefill alone.
-
-    ``launch`` never syncs, so it cannot raise on non-finite logits itself: with
-    ``report_nonfinite=True`` it appends the ``nonfinite [B]`` int32 flags (the first round whose
-    target logits held a NaN or an Inf, 0 for the prefill; -1 when all were finite), which
-    :func:`raise_if_nonfinite` checks once the caller syncs.
 
     ``mesh``: as in :func:`generate`; the returned arrays are then global arrays sharded over the
     batch (:func:`sparkjax.engine.placement.to_host` copies one to the host, across processes too).
     """
-    if not isinstance(report_nonfinite, bool | np.bool_):
-        raise ArgumentError(f"report_nonfinite: expected True or False, got {describe(report_nonfinite)}")
     run = validate(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
                    normalization=normalization, candidates=candidates, max_new_tokens=max_new_tokens,
                    eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
-                   prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory)
-    args = run.device_args()
-    if run.plan is None:
-        gdef, state = run.split(target)
-        res = ar_program(gdef, state, *args, buf_len=run.buf_len, cache_size=run.cache_size,
-                         sampling=run.temperature > 0, mesh=run.mesh)
-    else:
-        graphdefs, states = run.split(target, drafter)
-        res = spec_program(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len,
-                           mesh=run.mesh, memory=run.device_memory())
-    return tuple(res) if report_nonfinite else tuple(res[:-1])
+                   prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory,
+                   options=options)
+    return run.method.launch(run, target, drafter)
 
 
 def stream(
@@ -639,6 +610,7 @@ def stream(
     cache_size: int | None = None,
     mesh: Any = None,
     auto_memory: AutoMemory | None = None,
+    options: Options | None = None,
 ):
     """Like :func:`generate`, but yields each round's new tokens: a list per sequence (possibly empty).
 
@@ -652,18 +624,23 @@ def stream(
     spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
                         candidates=candidates)
     if not spec.speculative:
-        raise ArgumentError("method: stream() runs speculative rounds; use generate(method='ar') for the target alone")
+        raise ArgumentError(f"method: stream() runs speculative rounds; {spec.name!r} has none (use generate() for "
+                            "the target alone)")
     run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
                    eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
-                   mesh=mesh, auto_memory=auto_memory)
+                   mesh=mesh, auto_memory=auto_memory, options=options)
     return _stream_rounds(target, drafter, run)
+
+
+def _start(graphdefs, states, run: Run) -> Any:
+    return spec_start(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
+                      cache_size=run.cache_size, buf_len=run.buf_len, mesh=run.mesh)
 
 
 def _stream_rounds(target, drafter, run: Run):
     graphdefs, states = run.split(target, drafter)
     args = run.device_args()
-    state = spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len,
-                       mesh=run.mesh, memory=run.device_memory())
+    state = _start(graphdefs, states, run)
     batch = run.prompts.batch
     seen = np.zeros(batch, np.int64)
     while True:
@@ -678,12 +655,11 @@ def _stream_rounds(target, drafter, run: Run):
 
 
 def _instrumented(target, drafter, run: Run) -> GenerateOutput:
-    """Runs the round of :func:`~sparkjax.engine.round.spec_round` with each stage as its own jitted call,
-    blocking after each, and sums the wall time of each stage."""
+    """Runs the method's round (``plan.method.round``) with each stage as its own jitted call, blocking
+    after each, and sums the wall time of each stage."""
     graphdefs, states = run.split(target, drafter)
     args, plan = run.device_args(), run.plan
-    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len,
-                       mesh=run.mesh, memory=run.device_memory())
+    state = _start(graphdefs, states, run)
     times = dict.fromkeys(STAGES, 0.0)
 
     def timed(fn, *stage_args, plan):
@@ -692,12 +668,53 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
         times[fn.stage] += time.perf_counter() - t0
         return res
 
-    timed.eager = True  # each stage is its own synced call: method auto reads its choice on the host
+    timed.eager = True  # each stage is its own synced call: a method may read its choice on the host
     while not bool(to_host(state.done).all()):
-        state = spec_round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
+        state = plan.method.round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
     raise_if_nonfinite(to_host(state.nonfinite))
-    choices = state.auto.choices if plan.is_auto else None
-    memory = memory_of(state.auto, plan) if plan.is_auto else None
-    labels = plan.method.labels() if plan.is_auto else ()
-    return _outputs(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, choices, memory,
-                    stage_seconds=times, labels=labels)
+    res = Launch(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite,
+                 plan.method.results(state, plan), plan, plan.method.labels())
+    return _outputs(res, stage_seconds=times)
+
+
+def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **kwargs) -> str:
+    """The compiled text of one speculative round (``spec_step``, the body of :func:`stream` and of the
+    generation's ``while_loop``) on ``mesh``, for the arguments of :func:`generate`."""
+    run = validate(target, drafter, prompt_ids, mesh=mesh, **kwargs)
+    if run.plan is None:
+        raise ArgumentError(f"method: a round is speculative; {run.method.name!r} has none")
+    graphdefs, states = run.split(target, drafter)
+    args = run.device_args()
+    state = _start(graphdefs, states, run)
+    lowered = spec_step.lower(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan,
+                              mesh=mesh)
+    return lowered.compile().as_text()
+
+
+def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1, cache_size: int | None = None,
+                  prompt_length: int = 16, temperature: float = 0.0, repeats: int = 5, seed: int = 0,
+                  options: Options | None = None) -> CostTable:
+    """Times one round of each candidate size of method ``auto`` on the current device and returns its
+    :class:`~sparkjax.engine.costs.CostTable` (the protocol: :func:`sparkjax.engine.costs.profile`).
+    ``method``: ``"auto"`` or an :class:`~sparkjax.engine.Auto` (its sizes and options; its table is ignored);
+    ``cache_size`` default: what a 128-token generation of a ``prompt_length``-token prompt needs."""
+    check_models(target, drafter)
+    spec = Auto.of(method, "profile_costs times the candidates of method 'auto'")
+    temperature = check_temperature(temperature)
+    plan = spec.plan(target, drafter, temperature > 0, check_options(options))
+    return profile(target, drafter, plan, batch_size=batch_size, cache_size=cache_size, prompt_length=prompt_length,
+                   temperature=temperature, repeats=repeats, seed=seed)
+
+
+def load_cost_table(path: str | os.PathLike, *, target=None, drafter=None, method: Any = "auto",
+                    batch_size: int | None = None, cache_size: int | None = None, temperature: float = 0.0
+                    ) -> CostTable:
+    """Reads a table :meth:`~sparkjax.engine.costs.CostTable.save` wrote. With ``target``, ``drafter``,
+    ``batch_size`` and ``cache_size`` given, its key must match this device and shape
+    (:func:`~sparkjax.engine.costs.cost_key`). An unreadable file or a mismatched key raises
+    :class:`~sparkjax.errors.CostTableError` naming the file (and the key)."""
+    if target is None or drafter is None or batch_size is None or cache_size is None:
+        return read_table(path)
+    spec = Auto.of(method, "cost tables are for method 'auto'")
+    plan = spec.plan(target, drafter, check_temperature(temperature) > 0)
+    return read_table(path, cost_key(target, drafter, plan, batch_size, cache_size))

@@ -17,6 +17,8 @@ from ..nn.qwen3 import Qwen3
 from ..pairing import check_pair
 
 MAX_SLOTS = 2**30  # cache slots, prompt width and output capacity are int32 positions on device
+MIN_TEMPERATURE = 1e-6  # a positive temperature below this overflows logits / T in float32
+MAX_TEMPERATURE = 1e4  # above this every distribution is uniform to float32 precision
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -106,3 +108,21 @@ def check_drafter(target, drafter, method) -> None:
             f"method: {method.name!r} needs a drafter with a Markov head; this {dc.kind} drafter has none "
             "(use 'dflash' or 'ddtree')"
         )
+
+
+def check_temperature(temperature: float) -> float:
+    """0 (greedy) or a real number in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]`` (finite in float32)."""
+    if isinstance(temperature, bool | np.bool_) or not isinstance(temperature, int | float | np.integer | np.floating):
+        raise ArgumentError(f"temperature: expected a real number, got {describe(temperature)}")
+    try:
+        t = float(temperature)
+    except OverflowError:
+        raise ArgumentError(f"temperature: {temperature!r} is not finite in float32") from None
+    if not np.isfinite(t) or t < 0:
+        raise ArgumentError(f"temperature: must be finite and >= 0, got {temperature!r}")
+    if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise ArgumentError(
+            f"temperature: {t!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (or 0 for greedy): "
+            "logits / temperature would overflow or underflow in float32"
+        )
+    return t

@@ -119,12 +119,14 @@ def draft_block(
     target=None,
     *,
     return_layers: bool = False,
+    attention="auto",
 ) -> DraftBlock:
     """Runs one block ``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``.
 
     Each block query sees context slots ``< ctx.lengths`` (which should equal ``start``) and
     every slot of the block. The context cache is read, not written. ``target`` is required for
-    DFlash drafters (embedding and LM head) and ignored by DSpark ones.
+    DFlash drafters (embedding and LM head) and ignored by DSpark ones. ``attention``: as in
+    :meth:`sparkjax.nn.drafter.Drafter.run_block`.
     """
     c = drafter.config
     g = c.block_size
@@ -134,7 +136,7 @@ def draft_block(
     x = drafter.embed(tokens, target)
     block_mask = jnp.ones((1, g, g), bool)
     out = drafter.run_block(
-        x, positions, ctx.k, ctx.v, ctx.visible(g), block_mask, return_layers=return_layers
+        x, positions, ctx.k, ctx.v, ctx.visible(g), block_mask, return_layers=return_layers, attention=attention
     )
     return DraftBlock(drafter.logits(out.hidden, target), out.hidden, out.layers)
 
@@ -209,19 +211,12 @@ def markov_bias(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Ar
 CHAIN_MODES = ("auto", "fixed_point", "scan")
 
 
-# What ``mode="auto"`` resolves to; None: by backend. Set at trace time, e.g. by ``eval/bench_round.py``,
-# which compiles for XLA:CPU but projects the GPU program, so it asks for the GPU's chain.
-AUTO_CHAIN_MODE: str | None = None
-
-
 def chain_mode(mode: str = "auto") -> str:
     """The chain formulation ``mode`` resolves to: ``auto`` is ``scan`` on the CPU backend, ``fixed_point``
     elsewhere (GPU / TPU, where the chain's cost is reading ``W2``)."""
     if mode not in CHAIN_MODES:
         raise ArgumentError(f"mode: expected one of {CHAIN_MODES}, got {mode!r}")
     if mode == "auto":
-        if AUTO_CHAIN_MODE is not None:
-            return AUTO_CHAIN_MODE
         return "scan" if jax.default_backend() == "cpu" else "fixed_point"
     return mode
 
@@ -436,17 +431,18 @@ def markov_chain_fixed_point(
 
 
 def candidate_chain_logits(
-    drafter: Drafter, base_logits: Array, block_hidden: Array, x_start: Array, *, max_passes: int | None = 1
+    drafter: Drafter, base_logits: Array, block_hidden: Array, x_start: Array, *, max_passes: int | None = 1,
+    mode: str = "auto",
 ) -> Array:
     """Each slot's logits corrected for the greedy DSpark chain's token before it ``[B, G, V]`` (float32): what
     the tree's ``"corrected"`` / ``"union"`` candidates rank (:func:`sparkjax.tree.markov_candidates`).
 
-    On the ``scan`` chain's backend (:func:`chain_mode`: XLA:CPU) the exact sequential chain, the cheap one there
-    (0.3 ms against 10 ms for one fixed-point pass on the demo pair); elsewhere ``max_passes`` passes of
+    With the ``scan`` chain (``mode``, resolved by :func:`chain_mode`: XLA:CPU for ``"auto"``) the exact sequential
+    chain, the cheap one there; with the ``fixed_point`` chain ``max_passes`` passes of
     :func:`markov_chain_fixed_point` (default one: every slot corrected for the restricted chain's guess of its
     prev, one product over ``W2`` and no loop; None: to convergence). Only the tree's reach depends on it.
     """
-    if chain_mode() == "scan":
+    if chain_mode(mode) == "scan":
         return markov_chain(drafter, base_logits, block_hidden, x_start, mode="scan").logits
     return markov_chain_fixed_point(drafter, base_logits, block_hidden, x_start, max_passes=max_passes)[0].logits
 

@@ -1,11 +1,17 @@
-"""Decoding methods as objects: :class:`AR`, :class:`Chain` and :class:`Tree`.
+"""Decoding methods as objects: the :class:`Method` protocol and one class per method.
 
 A method validates itself when it is built (an :class:`~sparkjax.errors.ArgumentError` naming the
-argument), knows its depth and node count for a drafter, whether it needs a Markov head, resolves
-into the static :class:`Plan` of a compiled program, and builds a round's proposal (the draft ->
-chain or draft -> tree step). Method *names* (``"sparklingtree"``, ``"sparklingtree@64"``) are read
-in exactly one place, :func:`parse_method`, from the one table of names at the end of this module:
-a new method is one new class plus one entry there.
+argument), knows its depth and node count for a drafter and whether it needs a Markov head, and
+resolves into the static :class:`~sparkjax.engine.state.Plan` of a compiled program. It owns its
+round: :meth:`Method.round` (by default draft -> :meth:`~Method.propose` -> verify ->
+:meth:`~Method.accept` -> commit over the stages of :mod:`sparkjax.engine.round`), the state it
+carries between rounds (:meth:`~Method.init_state`), the traced inputs its program takes
+(:meth:`~Method.inputs`), its extra results (:meth:`~Method.results`) and which program runs it
+(:meth:`~Method.launch`). The programs and the entry points reach a method only through these hooks.
+
+Method *names* (``"sparklingtree"``, ``"sparklingtree@64"``) are read in exactly one place,
+:func:`parse_method`, from the one table of names at the end of this module: a new method is one new
+class plus one entry there.
 """
 
 from __future__ import annotations
@@ -17,85 +23,37 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from .. import tree
+from .. import sampling, tree
 from ..errors import ArgumentError
-from . import drafting
+from . import adaptive, costs, drafting, programs
+from . import round as stages
+from .adaptive import CHAIN
 from .checks import MAX_SLOTS, check_drafter, check_int, check_int_list, describe, is_int
-from .state import Proposal
+from .options import Options, check_options
+from .state import Acceptance, Launch, Plan, Proposal, SpecState, Verified
 
 Array = jax.Array
 
 DEFAULT_BUDGET = 64  # tree nodes verified per round when no budget is given
 NORMALIZATIONS = ("fast", "exact")  # how the Markov tables are normalized (see sparkjax.tree.markov_tables)
 DEFAULT_CANDIDATES = "union"  # the Markov trees' candidates when none is given (see sparkjax.tree.markov_candidates)
-# Passes of the fixed-point DSpark chain behind the corrected / union candidates on accelerators (static; None: to
-# convergence, the exact greedy chain in a while loop). One pass: every depth corrected for the restricted chain's
-# guess of its parent (the chain through the base top-32), one product over W2 and no loop. XLA:CPU runs the exact
-# sequential chain instead (drafting.candidate_chain_logits).
-CANDIDATE_CHAIN_PASSES: int | None = 1
 WIDTH_PROFILES = ("auto", "even")  # named beam profiles: sparkjax.tree.auto_widths, sparkjax.tree.even_widths
 DEFAULT_WIDTHS = "auto"  # the beam's profile when none is given
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The static shape of a speculative program (anything that changes it recompiles).
-
-    ``method``: the method with every default resolved for this pair (a tree's ``top_c`` and
-    ``widths``); ``depth`` D: drafted depths per round; ``nodes`` M: nodes verified per round (D for
-    chains); ``sampling``: temperature > 0; ``layer_ids``: the target layers the drafter reads.
-    """
-
-    method: Chain | Tree | Auto
-    depth: int
-    nodes: int
-    sampling: bool = False
-    layer_ids: tuple[int, ...] = ()
-
-    @property
-    def is_chain(self) -> bool:
-        return isinstance(self.method, Chain)
-
-    @property
-    def is_auto(self) -> bool:
-        """The round picks its verification size on device (:class:`Auto`, :mod:`sparkjax.engine.auto`)."""
-        return isinstance(self.method, Auto)
-
-    @property
-    def top_c(self) -> int:
-        """Candidates per depth (trees; 0 for a chain)."""
-        return 0 if self.is_chain else self.method.top_c or 0  # an auto without tree sizes has none
-
-    @property
-    def widths(self) -> tuple[int, ...] | None:
-        """The beam's nodes per depth (sparklingtree-beam), else None."""
-        return None if self.is_chain else self.method.widths
-
-    @property
-    def normalization(self) -> str:
-        return "fast" if self.is_chain else self.method.normalization
-
-    @property
-    def candidates(self) -> str | None:
-        """The trees' candidate sets (``union`` / ``corrected`` / ``base``; auto: those of the tree it builds;
-        None for a chain or an auto without a tree size)."""
-        if self.is_chain:
-            return None
-        if self.is_auto:
-            return self.method.tree_plan(self).candidates if self.method.tree_sizes else None
-        return self.method.candidates
-
-    @property
-    def scratch(self) -> int:
-        """Cache rows a round needs past the committed tokens: it may overshoot by D and verifies M + 1 rows."""
-        return self.depth + self.nodes + 2
-
-
 class Method:
     """What every method answers. Subclasses are frozen dataclasses (hashable: a method is part of the
-    static plan of a jitted program)."""
+    static plan of a jitted program).
+
+    The class attributes ``top_c``, ``widths``, ``normalization`` and ``candidates`` describe a method's
+    tree (what :class:`~sparkjax.engine.state.Plan` reports); a method without one keeps the defaults.
+    """
 
     speculative: ClassVar[bool] = True
+    top_c: ClassVar[int | None] = None
+    widths: ClassVar[tuple[int, ...] | None] = None
+    normalization: ClassVar[str] = "fast"
+    candidates: ClassVar[str | None] = None
 
     @property
     def name(self) -> str:
@@ -120,16 +78,65 @@ class Method:
         return drafter.config.block_size - drafter.config.first_draft_slot
 
     def nodes(self, drafter) -> int:
-        """Nodes the target verifies per round with ``drafter`` (0 for ``ar``)."""
+        """Nodes the target verifies per round with ``drafter``, the root aside (0 for ``ar``)."""
         raise NotImplementedError
 
-    def plan(self, target, drafter, sampling: bool) -> Plan | None:
-        """Checks the method against the pair and returns the static :class:`Plan` (None for ``ar``)."""
+    def labels(self) -> tuple[str, ...]:
+        """The names the choices among ``results(...)`` index (``auto``'s candidates); empty for most methods."""
+        return ()
+
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan | None:
+        """Checks the method against the pair and returns the static :class:`Plan` (None for ``ar``);
+        ``options``: the trace-time :class:`~sparkjax.engine.options.Options` it carries (None: defaults)."""
         raise NotImplementedError
+
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int) -> Plan:
+        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (default: ``plan`` itself;
+        a method whose static shape depends on measurements at that size refines it here)."""
+        return plan
+
+    def inputs(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, memory: Any = None) -> Any:
+        """The pytree of arrays the program takes as a traced argument (default None). ``memory``: what an
+        earlier generation learned (``generate(auto_memory=)``); a method that keeps none refuses it."""
+        if memory is not None:
+            raise ArgumentError(f"auto_memory: method {self.name!r} keeps no memory between generations")
+        return None
+
+    def init_state(self, plan: Plan, batch: int, buf_len: int, inputs: Any) -> Any:
+        """The method's own carried state before the first round (``SpecState.extra``; default None)."""
+        return None
+
+    def keeps_context(self, plan: Plan) -> bool:
+        """Whether the generation fills the drafter's context (default True)."""
+        return True
 
     def propose(self, drafter, x_start: Array, blk: drafting.DraftBlock, plan: Plan, temperature, key) -> Proposal:
         """The round's proposal (a chain or a tree of ``plan.nodes`` nodes) from the drafter's block."""
         raise NotImplementedError
+
+    def accept(self, prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Acceptance:
+        """The accepted path (default: the tree walk over the target's posterior,
+        :func:`~sparkjax.engine.round.walk`, exact under greedy and lossless when sampling)."""
+        return stages.walk(prop, ver, temperature, key, plan=plan)
+
+    def round(self, target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
+              call=None) -> SpecState:
+        """One round, a pure function of the state (default: :func:`~sparkjax.engine.round.run_stages`, draft ->
+        propose -> verify -> accept -> commit). ``call(stage_fn, *args, plan=plan)`` runs each stage: the mesh
+        placement and the instrumented mode pass their own."""
+        return stages.run_stages(target, drafter, state, plan, max_new, eos, temperature, call)
+
+    def results(self, state: SpecState, plan: Plan) -> Any:
+        """Extra outputs of a finished generation (``Launch.extra``; default None)."""
+        return None
+
+    def launch(self, run, target, drafter) -> Launch:
+        """Dispatches the validated ``run`` (:class:`~sparkjax.engine.api.Run`) to its jitted program without
+        waiting (default: :func:`~sparkjax.engine.programs.spec_program`)."""
+        graphdefs, states = run.split(target, drafter)
+        res = programs.spec_program(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
+                                    cache_size=run.cache_size, buf_len=run.buf_len, mesh=run.mesh)
+        return Launch(*res, plan=run.plan, labels=run.plan.method.labels())
 
     @classmethod
     def from_options(cls, name: str, *, budget: Any, top_c: Any, widths: Any, normalization: Any) -> Method:
@@ -140,7 +147,8 @@ class Method:
 
 @dataclasses.dataclass(frozen=True)
 class AR(Method):
-    """The target alone, one token per step (the reference every method must equal at temperature 0)."""
+    """The target alone, one token per step (the reference every method must equal at temperature 0):
+    :func:`~sparkjax.engine.programs.ar_program`, with no drafter and no plan."""
 
     speculative: ClassVar[bool] = False
 
@@ -154,8 +162,16 @@ class AR(Method):
     def nodes(self, drafter) -> int:
         return 0
 
-    def plan(self, target, drafter, sampling: bool) -> None:
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> None:
+        check_options(options)
         return None
+
+    def launch(self, run, target, drafter) -> Launch:
+        gdef, state = run.split(target)
+        out, n, bad = programs.ar_program(gdef, state, *run.device_args(), buf_len=run.buf_len,
+                                          cache_size=run.cache_size, sampling=run.temperature > 0, mesh=run.mesh,
+                                          options=run.options)
+        return Launch(out, n, None, None, None, bad)
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> AR:
@@ -168,7 +184,8 @@ class AR(Method):
 @dataclasses.dataclass(frozen=True)
 class Chain(Method):
     """One drafted node per depth: ``dflash`` (the drafter's per-position choice) or ``dspark`` (the
-    Markov-corrected chain, which needs a Markov head)."""
+    Markov-corrected chain, which needs a Markov head). Sampled chains are accepted by speculative
+    sampling (:func:`sparkjax.sampling.speculative_chain`), greedy ones by the tree walk."""
 
     kind: str = "dflash"
 
@@ -182,16 +199,17 @@ class Chain(Method):
     def nodes(self, drafter) -> int:
         return self.depth(drafter)
 
-    def plan(self, target, drafter, sampling: bool) -> Plan:
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
         check_drafter(target, drafter, self)
         d = self.depth(drafter)
-        return Plan(self, d, d, bool(sampling), tuple(drafter.config.target_layer_ids))
+        return Plan(self, d, d, bool(sampling), tuple(drafter.config.target_layer_ids), check_options(options))
 
     def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
         b, d = x_start.shape[0], plan.depth
         k, temp = (key, temperature) if plan.sampling else (None, 0.0)
         if self.needs_markov:
-            chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x_start, temp, k)
+            chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x_start, temp, k,
+                                          mode=plan.options.chain_mode)
         elif plan.sampling:
             chain = drafting.sample_chain(drafter, blk.logits, temp, k)
         else:
@@ -201,6 +219,13 @@ class Chain(Method):
         depths = jnp.broadcast_to(jnp.arange(1, d + 1, dtype=jnp.int32), (b, d))
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((d + 1, d + 1), bool)), (b, d + 1, d + 1))
         return Proposal(tokens, parents, depths, mask, chain.logits[:, :d])
+
+    def accept(self, prop, ver, temperature, key, *, plan) -> Acceptance:
+        if not plan.sampling:
+            return super().accept(prop, ver, temperature, key, plan=plan)
+        n_acc, nxt = sampling.speculative_chain(ver.logits, prop.draft_logits, prop.tokens, temperature, key)
+        j = jnp.arange(plan.depth + 1, dtype=jnp.int32)
+        return Acceptance(jnp.where(j[None] <= n_acc[:, None], j[None], -1), n_acc + 1, nxt)
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> Chain:
@@ -229,7 +254,7 @@ class Tree(Method):
     candidates: str | None = None  # None: the method's default (DEFAULT_CANDIDATES for Markov trees, base for ddtree)
 
     def __post_init__(self):
-        entry = _entry(self.kind, Tree, "kind")
+        entry = _entry(self.kind, type(self), "kind")
         beam = entry.beam
         if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
             raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
@@ -271,7 +296,7 @@ class Tree(Method):
     def nodes(self, drafter) -> int:
         return self.budget
 
-    def plan(self, target, drafter, sampling: bool) -> Plan:
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
         check_drafter(target, drafter, self)
         depth = self.depth(drafter)
         budget, v = self.budget, target.config.vocab_size
@@ -296,7 +321,8 @@ class Tree(Method):
             if any(w[first_zero:]):
                 raise ArgumentError(f"widths: zeros may only come at the end (deepest depths), got {w}")
         resolved = dataclasses.replace(self, top_c=c, widths=w)
-        return Plan(resolved, depth, budget, bool(sampling), tuple(drafter.config.target_layer_ids))
+        return Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids),
+                    check_options(options))
 
     def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
         t = self.build(drafter, x_start, blk, plan)
@@ -314,6 +340,7 @@ class Tree(Method):
         """The batched log-prob tables float32[B, D, C, C] and their candidates int[B, D, C] that :meth:`build`
         selects the tree from (the input of :func:`sparkjax.tree.best_first` / :func:`sparkjax.tree.beam`)."""
         b = x_start.shape[0]
+        opts = plan.options
         # per-depth base logits [B, D, V] and the block hidden states of the same slots [B, D, Dm]
         logits = drafting.aligned_logits(drafter, blk.logits).astype(jnp.float32)
         hidden = blk.hidden[:, drafter.config.first_draft_slot :]
@@ -325,10 +352,12 @@ class Tree(Method):
                 corrected = logits  # unused
             else:  # depth d's logits corrected for the DSpark greedy chain's token of depth d - 1
                 corrected = drafting.candidate_chain_logits(
-                    drafter, blk.logits, blk.hidden, x_start, max_passes=CANDIDATE_CHAIN_PASSES
+                    drafter, blk.logits, blk.hidden, x_start, max_passes=opts.candidate_chain_passes,
+                    mode=opts.chain_mode,
                 )[:, : logits.shape[1]]
-            cand_tokens = jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None))(
-                logits, corrected, plan.top_c, self.candidates
+            union_k = None if opts.union_top_k is None else min(opts.union_top_k, min(plan.top_c, logits.shape[-1]))
+            cand_tokens = jax.vmap(tree.markov_candidates, in_axes=(0, 0, None, None, None))(
+                logits, corrected, plan.top_c, self.candidates, union_k
             )
             c = cand_tokens.shape[-1]
             prev = jnp.concatenate([jnp.broadcast_to(x_start[:, None, None], (b, 1, c)), cand_tokens[:, :-1]], axis=1)
@@ -344,7 +373,6 @@ class Tree(Method):
         return cls(name, DEFAULT_BUDGET if budget is None else budget, top_c, widths, normalization)
 
 
-CHAIN = "chain"  # the chain entry of an :class:`Auto` candidate set
 DEFAULT_SIZES: tuple[int | str, ...] = (0, CHAIN, 8, 16, 32, 64)  # Auto's default candidate verification sizes
 DECIDE = ("draft", "previous")  # when Auto decides: after this round's draft, or from the previous round's
 AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every drafted round, whatever its size)
@@ -352,7 +380,7 @@ AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every 
 
 @dataclasses.dataclass(frozen=True)
 class Auto(Method):
-    """Picks each round's verification size on device: ``auto`` (:mod:`sparkjax.engine.auto`).
+    """Picks each round's verification size on device: ``auto`` (its round: :mod:`sparkjax.engine.adaptive`).
 
     ``sizes``: the candidate set, out of ``0`` (a plain target step: verify ``[x_start]`` alone and commit
     one token), ``"chain"`` (the drafter's chain: ``dspark`` with a Markov head, else ``dflash``; or
@@ -370,8 +398,13 @@ class Auto(Method):
     steps than ``viable_share * (depth + 1)``. At 1 a size is dropped only when it cannot pay at all; the
     default 0.5 also drops sizes that pay only on near-perfect acceptance, whose probes cost more than they find
     (at a large batch the batch-mean acceptance is far from its best sequence's).
-    ``table``: a :class:`~sparkjax.engine.auto.CostTable` for these
-    sizes (default: profiled once per process and shape by :func:`~sparkjax.engine.auto.profile_costs`).
+    ``table``: a :class:`~sparkjax.engine.costs.CostTable` for these sizes (default: the one measured for
+    this device and shape, kept per process and in the user's cache folder, else profiled by
+    :func:`~sparkjax.engine.costs.profile_costs`). Its seconds are a traced input of the program, so the
+    table is not compared (two methods that differ only in their table are equal and share one program);
+    what it decides statically is set on the plan's method when the table is bound (:meth:`bind`):
+    ``viable`` (per size, whether it may pay: :func:`~sparkjax.engine.adaptive.viable`) and ``floor``
+    (the probe gap's least value: :func:`~sparkjax.engine.adaptive.gap_floor`); leave those two unset.
     ``top_c`` (default 32, at most the vocabulary: the largest tree is built every drafted round, so its
     tables are kept small) and ``normalization``: the tree's, as for :class:`Tree`.
     """
@@ -385,7 +418,9 @@ class Auto(Method):
     decide: str = "previous"
     probe: int = 4
     viable_share: float = 0.5
-    table: Any = None  # a sparkjax.engine.auto.CostTable, or None
+    table: Any = dataclasses.field(default=None, compare=False)  # a sparkjax.engine.costs.CostTable, or None
+    viable: tuple[bool, ...] | None = None
+    floor: int | None = None
 
     def __post_init__(self):
         sizes = self.sizes
@@ -434,15 +469,33 @@ class Auto(Method):
         if self.table is not None:
             labels = getattr(self.table, "labels", None)
             if labels is None or not hasattr(self.table, "seconds"):
-                raise ArgumentError(f"table: expected a sparkjax.engine.auto.CostTable, got {describe(self.table)}")
+                raise ArgumentError(f"table: expected a sparkjax.engine.costs.CostTable, got {describe(self.table)}")
 
     @property
     def name(self) -> str:
         return "auto"
 
+    measured: ClassVar[bool] = True  # its round reads a cost table measured on the device
+
     @property
     def widths(self) -> None:
         return None
+
+    @property
+    def candidates(self) -> str | None:
+        """The candidate sets of the tree it builds (None without a tree size or before :meth:`resolve`)."""
+        if not self.tree_sizes or self.tree is None:
+            return None
+        return Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization).candidates
+
+    @classmethod
+    def of(cls, method: Any, what: str) -> Auto:
+        """``method`` (a name or a method object) as an :class:`Auto`; ArgumentError naming ``method`` (with
+        ``what``: why only ``auto`` will do) for any other method."""
+        spec = parse_method(method)
+        if not isinstance(spec, cls):
+            raise ArgumentError(f"method: {what}, got {describe(method)}")
+        return spec
 
     @property
     def tree_sizes(self) -> tuple[int, ...]:
@@ -468,7 +521,7 @@ class Auto(Method):
         chain_kind = self.chain or ("dspark" if markov else "dflash")
         return dataclasses.replace(self, tree=tree_kind, chain=chain_kind)
 
-    def plan(self, target, drafter, sampling: bool) -> Plan:
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
         if drafter is None:
             raise ArgumentError("drafter: method 'auto' needs a drafter (use method='ar' without one)")
         resolved = self.resolve(drafter)
@@ -478,21 +531,57 @@ class Auto(Method):
         c = None  # no tree size: no candidates
         if trees:
             top_c = min(AUTO_TOP_C, target.config.vocab_size) if self.top_c is None else self.top_c
-            sub = Tree(resolved.tree, trees[-1], top_c, None, self.normalization).plan(target, drafter, sampling)
+            sub = Tree(resolved.tree, trees[-1], top_c, None, self.normalization).plan(target, drafter, sampling,
+                                                                                      options)
             c = sub.top_c
-        if self.table is not None and tuple(self.table.labels) != resolved.labels():
-            raise ArgumentError(f"table: its candidates {list(self.table.labels)} are not this method's "
-                                f"{list(resolved.labels())}")
-        resolved = dataclasses.replace(resolved, top_c=c)
-        return Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids))
+        resolved = dataclasses.replace(resolved, top_c=c, table=None, viable=None, floor=None)
+        plan = Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids),
+                    check_options(options))
+        return plan if self.table is None else resolved.with_table(plan, self.table)
+
+    def with_table(self, plan: Plan, table: Any) -> Plan:
+        """``plan`` bound to the cost ``table``: the method carries it, with its static part (``viable``,
+        ``floor``) for ``plan.depth``. ArgumentError naming ``table`` when it is for other candidates."""
+        if tuple(table.labels) != self.labels():
+            raise ArgumentError(f"table: its candidates {list(table.labels)} are not this method's "
+                                f"{list(self.labels())}")
+        seconds = tuple(table.seconds)
+        bound = dataclasses.replace(self, table=table, viable=adaptive.viable(self, plan.depth, seconds),
+                                    floor=adaptive.gap_floor(self, plan.depth, seconds))
+        return dataclasses.replace(plan, method=bound)
+
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int) -> Plan:
+        """``plan`` with its cost table: the method's own, else the one for this device, batch and cache size
+        (:func:`~sparkjax.engine.costs.table_for`: the process's, the cache folder's, or profiled now)."""
+        if plan.method.table is not None:
+            return plan
+        return plan.method.with_table(plan, costs.table_for(target, drafter, plan, batch, cache_size))
+
+    def inputs(self, plan: Plan, *, target=None, drafter=None, batch=None, cache_size=None, memory: Any = None
+               ) -> adaptive.AutoInputs:
+        """The table's seconds and the memory to start from (:func:`~sparkjax.engine.adaptive.auto_inputs`)."""
+        return adaptive.auto_inputs(plan, memory)
+
+    def init_state(self, plan: Plan, batch: int, buf_len: int, inputs: adaptive.AutoInputs) -> adaptive.AutoState:
+        return adaptive.init_state(plan, batch, buf_len, inputs)
+
+    def keeps_context(self, plan: Plan) -> bool:
+        return adaptive.keeps_context(plan)
+
+    def round(self, target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
+              call=None) -> SpecState:
+        return adaptive.auto_round(target, drafter, state, plan, max_new, eos, temperature, call)
+
+    def results(self, state: SpecState, plan: Plan) -> adaptive.AutoResults:
+        return adaptive.results_of(state.extra, plan)
 
     def tree_plan(self, plan: Plan) -> Plan:
         """The plan of the largest tree (the one built each round)."""
         return Plan(Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization), plan.depth,
-                    self.tree_sizes[-1], plan.sampling, plan.layer_ids)
+                    self.tree_sizes[-1], plan.sampling, plan.layer_ids, plan.options)
 
     def chain_plan(self, plan: Plan) -> Plan:
-        return Plan(Chain(self.chain), plan.depth, plan.depth, plan.sampling, plan.layer_ids)
+        return Plan(Chain(self.chain), plan.depth, plan.depth, plan.sampling, plan.layer_ids, plan.options)
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> Auto:
@@ -528,8 +617,8 @@ _TABLE: dict[str, _Entry] = {
 }
 
 METHODS: tuple[str, ...] = tuple(_TABLE)
-CHAIN_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.cls is Chain)
-TREE_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.cls is Tree)
+CHAIN_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if issubclass(e.cls, Chain))
+TREE_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if issubclass(e.cls, Tree))
 MARKOV_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.markov)
 AR_LABEL: str = AR().label  # the reference row of every result table
 

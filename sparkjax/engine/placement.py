@@ -36,18 +36,22 @@ same prompts and weights on each), and :func:`to_host` gathers a global output b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..cache import KV_AXES, ContextCache, KVCache
 from ..errors import ArgumentError
 from ..sharding import DEFAULT_RULES, logical_to_spec
 from .checks import describe
+from .drafting import DraftBlock
 
 MESH_AXES = ("data", "model")  # the axis names a generation mesh may have (a subset, in any order)
 CTX_AXES: tuple[str | None, ...] = (None, *KV_AXES)  # drafter context [L, B, K, S, H]
@@ -157,8 +161,6 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
 
 
 def _is_draft_block(x) -> bool:
-    from .drafting import DraftBlock
-
     return isinstance(x, DraftBlock)
 
 
@@ -185,8 +187,6 @@ def place_args(args: Any, mesh: Mesh | None) -> Any:
 def model_shardings(state: Any, mesh: Mesh) -> Any:
     """NamedShardings for an ``nnx.split`` state: each Variable by its ``axes`` metadata under
     :func:`rules_for` ``(mesh)``, replicated when it has none."""
-    from flax import nnx
-
     rules = rules_for(mesh)
 
     def spec(v):
@@ -203,8 +203,6 @@ def place_state(state: Any, mesh: Mesh | None) -> Any:
     on their sharding are reused as they are, so a model placed once (``sharding.shard_model``) costs nothing."""
     if mesh is None:
         return state
-    from flax import nnx
-
     shardings = model_shardings(state, mesh)
 
     def move(sharding, variable):
@@ -217,8 +215,6 @@ def place_model(model, mesh: Mesh | None):
     """Places ``model``'s weights on ``mesh`` in place (:func:`place_state`; returns the model), so that later
     generations on that mesh reuse them instead of placing them per call. Multi-process safe."""
     if mesh is not None:
-        from flax import nnx
-
         nnx.update(model, place_state(nnx.state(model), mesh))
     return model
 
@@ -236,8 +232,6 @@ def to_host(x: Any) -> np.ndarray:
     """A device array as a numpy array on this process: a global array that spans other processes is
     gathered first (every process gets the whole value)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
@@ -257,8 +251,6 @@ def per_sequence(fn, mesh: Mesh, module, *args):
     builder's ``top_k`` over a batch-sharded operand is partitioned by all-gathering the whole batch onto
     every data shard (measured: 5 all-gathers of ``[B, top_c * V]`` scores per round). Random draws inside
     would see the local batch, so callers use it for deterministic (greedy) work."""
-    from flax import nnx
-
     graphdef, weights = nnx.split(module)
 
     def local(weights, *a):
@@ -283,8 +275,6 @@ def collective_ops(hlo_text: str) -> list[tuple[str, str]]:
     """``(kind, result type)`` of every collective op (:data:`COLLECTIVES`, async ``-start`` forms included)
     in a compiled module's text, e.g. ``("all-reduce", "f32[4,9,64]{2,1,0}")``: static occurrences (an op
     inside a loop body is listed once)."""
-    import re
-
     pattern = re.compile(r"= (.*?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
     ops = []
     for line in hlo_text.splitlines():
@@ -300,20 +290,3 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     for kind, _ in collective_ops(hlo_text):
         counts[kind] += 1
     return counts
-
-
-def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **options) -> str:
-    """The compiled text of one speculative round (``spec_step``, the body of :func:`~sparkjax.engine.stream`
-    and of the generation's ``while_loop``) on ``mesh``, for the arguments of :func:`~sparkjax.engine.generate`."""
-    from . import api, programs
-
-    run = api.validate(target, drafter, prompt_ids, mesh=mesh, **options)
-    if run.plan is None:
-        raise ArgumentError("method: a round is speculative; method 'ar' has none")
-    graphdefs, states = run.split(target, drafter)
-    args = run.device_args()
-    state = programs.spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size,
-                                buf_len=run.buf_len, mesh=mesh)
-    lowered = programs.spec_step.lower(graphdefs, states, state, args.max_new, args.eos, args.temperature,
-                                       plan=run.plan, mesh=mesh)
-    return lowered.compile().as_text()

@@ -1,8 +1,11 @@
 """The jitted programs: the target's prefill, the AR program and the speculative program.
 
 Every generation is one jitted ``jax.lax.while_loop`` over fixed-shape state: nothing returns to the
-host until it ends. :func:`spec_start` / :func:`spec_step` are the same prefill and round as separate
-jitted calls (for ``stream``, one host sync per round by design).
+host until it ends. The speculative programs reach the method only through the static plan's
+``plan.method`` (its ``keeps_context``, ``init_state``, ``round`` and ``results``), and take the
+method's ``inputs`` (:meth:`~sparkjax.engine.methods.Method.inputs`) as a traced argument.
+:func:`spec_start` / :func:`spec_step` are the same prefill and round as separate jitted calls (for
+``stream``, one host sync per round by design).
 """
 
 from __future__ import annotations
@@ -14,13 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..sampling import pick
-from .auto import init_state as init_auto
-from .auto import keeps_context, memory_of
 from .drafting import append_context
-from .methods import Plan
+from .options import DEFAULT_OPTIONS
 from .placement import constrain, per_sequence
-from .round import expand, flag_nonfinite, spec_round
-from .state import SpecState
+from .round import expand, flag_nonfinite
+from .state import Plan, SpecState
 
 
 def split_pair(target, drafter):
@@ -34,28 +35,30 @@ def merge_pair(graphdefs, states):
     return nnx.merge(graphdefs[0], states[0]), nnx.merge(graphdefs[1], states[1])
 
 
-def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, ...] = ()):
+def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, ...] = (), attention="auto"):
     """Runs the prompt through the target. Returns (cache with committed lengths, last logits [B, V], hidden)."""
     b, p = tokens.shape
     cache = model.init_cache(b, cache_size)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     out = model(tokens, positions, cache=cache, hidden_layers=hidden_layers, logits_at=(lengths - 1)[:, None],
-                fresh_cache=True)
+                fresh_cache=True, attention=attention)
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh", "options"))
 def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size,
-               sampling=True, mesh=None):
+               sampling=True, mesh=None, options=DEFAULT_OPTIONS):
     """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite)``.
 
     ``sampling`` (static) is False for a greedy run (temperature 0): the program is then a plain argmax loop
     with no key splitting and no sampling branch, the baseline every speculative method is measured against.
     ``mesh`` (static): the carried cache and buffers are pinned to their shardings
-    (:func:`~sparkjax.engine.placement.state_shardings`)."""
+    (:func:`~sparkjax.engine.placement.state_shardings`). ``options`` (static): the trace-time settings
+    (:class:`~sparkjax.engine.options.Options`: the attention)."""
     model = nnx.merge(graphdef, state)
+    attention = options.attend
     b = tokens.shape[0]
-    cache, logits, _ = prefill(model, tokens, lengths, cache_size)
+    cache, logits, _ = prefill(model, tokens, lengths, cache_size, attention=attention)
     cache = constrain(cache, mesh)
     sub = None
     if sampling:
@@ -72,7 +75,7 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
     def body(carry):
         cache, out, n, done, key, bad = carry
         cur = jnp.take_along_axis(out, (n - 1)[:, None], axis=1)
-        step = model(cur, cache.lengths[:, None], cache=cache)
+        step = model(cur, cache.lengths[:, None], cache=cache, attention=attention)
         cache = step.cache.with_lengths(cache.lengths + (~done).astype(jnp.int32))
         sub = None
         if sampling:
@@ -90,14 +93,15 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
     return out, n, bad
 
 
-def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan: Plan,
-                 cache_size: int, buf_len: int, memory=None) -> SpecState:
-    """Prefill the target, take the first token, and fill the drafter context with the prompt's features.
-    ``memory``: method ``auto``'s :class:`~sparkjax.engine.auto.AutoMemory` to start from (None: a fresh one)."""
+def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan: Plan,
+                 cache_size: int, buf_len: int) -> SpecState:
+    """Prefill the target, take the first token, and fill the drafter context with the prompt's features
+    (unless the method keeps no context); the method's state comes from its ``init_state(..., inputs)``."""
     b = tokens.shape[0]
-    # an ``auto`` whose cost table lets no draft pay runs plain steps only: the drafter's context stays empty
-    track = keeps_context(plan)
-    cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids if track else ())
+    method = plan.method
+    track = method.keeps_context(plan)
+    cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids if track else (),
+                                    attention=plan.options.attend)
     key, sub = jax.random.split(key)
     first = pick(logits, temperature, sub if plan.sampling else None)
     ctx = drafter.init_context(b, cache_size)
@@ -112,70 +116,75 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
         nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
                                  jnp.zeros((b,), jnp.int32)),
-        auto=init_auto(plan, b, buf_len, memory) if plan.is_auto else None,
+        extra=method.init_state(plan, b, buf_len, inputs),
     )
 
 
 _STATIC = ("graphdefs", "plan", "cache_size", "buf_len", "mesh")
 
 
-def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, mesh=None) -> SpecState:
-    """:func:`~sparkjax.engine.round.spec_round` with every stage's output pinned to its sharding on
-    ``mesh`` (:func:`~sparkjax.engine.placement.constrain`: the drafter block, the tree arrays and the
-    verify logits batch over ``data`` and replicated over ``model``, caches over ``data`` x KV heads).
-    The greedy tree builder runs per data shard (:func:`~sparkjax.engine.placement.per_sequence`).
-    Without a mesh it is ``spec_round`` itself."""
+def placed_call(target, drafter, plan: Plan, mesh=None):
+    """The ``call`` a round's stages run through (:func:`~sparkjax.engine.round.run_stages`): None without a
+    mesh (each stage directly); on ``mesh``, every stage's output pinned to its sharding
+    (:func:`~sparkjax.engine.placement.constrain`: the drafter block, the tree arrays and the verify logits
+    batch over ``data`` and replicated over ``model``, caches over ``data`` x KV heads), and the greedy tree
+    builder run per data shard (:func:`~sparkjax.engine.placement.per_sequence`)."""
     if mesh is None:
-        return spec_round(target, drafter, state, plan, max_new, eos, temperature)
+        return None
 
     def call(fn, *args, **kwargs):
         if fn is expand and not plan.sampling:  # the greedy tree builder: per sequence, no collective
             return per_sequence(lambda d, *a: fn(target, d, *a, **kwargs), mesh, drafter, *args)
         return constrain(fn(target, drafter, *args, **kwargs), mesh)
 
-    return spec_round(target, drafter, state, plan, max_new, eos, temperature, call=call)
+    return call
+
+
+def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, mesh=None) -> SpecState:
+    """The method's round (``plan.method.round``) through :func:`placed_call`."""
+    return plan.method.round(target, drafter, state, plan, max_new, eos, temperature,
+                             call=placed_call(target, drafter, plan, mesh))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
-                 mesh=None, memory=None):
+def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
+                 buf_len, mesh=None):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
-    depth_hits, nonfinite)``; method ``auto`` adds ``choices [B, R]`` and the final
-    :class:`~sparkjax.engine.auto.AutoMemory` before ``nonfinite`` (``memory``, traced: the one it starts from).
-    ``mesh`` (static): the state and each stage's output are pinned to their shardings (:func:`placed_round`)."""
+    depth_hits, nonfinite, extra)`` (``extra``: the method's ``results``). ``inputs`` (traced): the method's
+    :meth:`~sparkjax.engine.methods.Method.inputs`. ``mesh`` (static): the state and each stage's output are
+    pinned to their shardings (:func:`placed_call`)."""
     target, drafter = merge_pair(graphdefs, states)
-    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len,
-                         memory)
+    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
+                         buf_len)
     state = jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
         lambda s: placed_round(target, drafter, s, plan, max_new, eos, temperature, mesh),
         constrain(state, mesh),
     )
-    res = (state.out, state.n, state.accept_lens, state.rounds, state.depth_hits)
-    if plan.is_auto:  # method 'auto' also returns each round's chosen candidate [B, R] and what it learned
-        res += (state.auto.choices, memory_of(state.auto, plan))
-    return (*res, state.nonfinite)
+    return (state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite,
+            plan.method.results(state, plan))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, *, plan, cache_size, buf_len,
-               mesh=None, memory=None):
+def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
+               buf_len, mesh=None):
     """:func:`spec_prefill` as its own jitted call: the state before the first round."""
     target, drafter = merge_pair(graphdefs, states)
-    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, plan, cache_size, buf_len,
-                         memory)
+    state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
+                         buf_len)
     return constrain(state, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "mesh"), donate_argnames=("state",))
 def spec_step(graphdefs, states, state, max_new, eos, temperature, *, plan, mesh=None):
-    """One :func:`~sparkjax.engine.round.spec_round` as its own jitted call (the state is donated)."""
+    """One round (``plan.method.round``) as its own jitted call (the state is donated)."""
     target, drafter = merge_pair(graphdefs, states)
     return constrain(placed_round(target, drafter, state, plan, max_new, eos, temperature, mesh), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdefs", "fn", "plan"))
 def stage_call(graphdefs, states, args, *, fn, plan):
-    """One stage of the round (``fn``, a :mod:`sparkjax.engine.round` stage) as its own jitted call."""
+    """One stage of the round (``fn``, a :mod:`sparkjax.engine.round` stage or a method's own) as its own
+    jitted call."""
     target, drafter = merge_pair(graphdefs, states)
     return fn(target, drafter, *args, plan=plan)

@@ -1,10 +1,12 @@
-"""One speculative round: draft -> expand (tree) -> verify -> accept -> commit, one function each.
+"""The stages of a speculative round: draft -> expand (tree) -> verify -> accept -> commit, one function each.
 
 Every stage is a pure function of the models and named dataclasses (:mod:`sparkjax.engine.state`)
-and runs under :func:`jax.named_scope` of its stage name, so a profile reads by stage. The fused
-round (:func:`spec_round`, the body of the generation's ``while_loop``) and the instrumented mode
-(``generate(instrument=True)``, which jits and times each stage) run these same functions: the
-instrumented mode passes :func:`spec_round` a ``call`` that runs each stage as its own jitted call.
+and runs under :func:`jax.named_scope` of its stage name, so a profile reads by stage. A stage takes
+``(target, drafter, *args, plan=plan)`` and reaches the method only through ``plan.method`` (its
+``propose`` and ``accept``). :func:`run_stages` is the generic round over them
+(:meth:`sparkjax.engine.methods.Method.round`); it runs each stage through a ``call``: directly in the
+fused program, pinned to its shardings on a mesh, or as its own jitted, timed call in the instrumented
+mode (``generate(instrument=True)``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import jax.numpy as jnp
 
 from .. import sampling, tree
 from . import drafting
-from .methods import Plan
-from .state import Acceptance, Proposal, SpecState, Verified  # noqa: F401 - Verified is re-exported
+from .state import Acceptance, Plan, Proposal, SpecState, Verified
 
 Array = jax.Array
 
@@ -56,7 +57,8 @@ def flag_nonfinite(flags: Array, logits: Array, active: Array, round_index: Arra
 @stage(DRAFT)
 def draft(target, drafter, state: SpecState, *, plan: Plan) -> drafting.DraftBlock:
     """The drafter's block from ``x_start`` at the committed length (every stage takes ``plan``)."""
-    return drafting.draft_block(drafter, state.ctx, state.x_start, state.cache.lengths, target)
+    return drafting.draft_block(drafter, state.ctx, state.x_start, state.cache.lengths, target,
+                                attention=plan.options.attend)
 
 
 @stage(TREE)
@@ -72,18 +74,16 @@ def verify(target, drafter, state: SpecState, prop: Proposal, *, plan: Plan) -> 
     tokens = jnp.concatenate([state.x_start[:, None], jnp.maximum(prop.tokens, 0)], axis=1)
     zero = jnp.zeros_like(prop.depths[:, :1])
     positions = start[:, None] + jnp.concatenate([zero, prop.depths], axis=1)
-    out = target(tokens, positions, cache=state.cache, mask=prop.mask, hidden_layers=plan.layer_ids)
+    out = target(tokens, positions, cache=state.cache, mask=prop.mask, hidden_layers=plan.layer_ids,
+                 attention=plan.options.attend)
     feats = jnp.concatenate(out.hidden, axis=-1)
     return Verified(out.logits.astype(jnp.float32), feats, out.cache, tokens)
 
 
-def accept(prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Acceptance:
-    """The accepted path: speculative sampling along a chain, else the tree walk over the target's posterior."""
+def walk(prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Acceptance:
+    """The tree walk over the target's posterior (its argmax, or a sample at temperature > 0, which is
+    lossless for any tree): the accepted path of every tree method."""
     d = plan.depth
-    if plan.sampling and plan.is_chain:
-        n_acc, nxt = sampling.speculative_chain(ver.logits, prop.draft_logits, prop.tokens, temperature, key)
-        j = jnp.arange(d + 1, dtype=jnp.int32)
-        return Acceptance(jnp.where(j[None] <= n_acc[:, None], j[None], -1), n_acc + 1, nxt)
     post = sampling.posterior(ver.logits, temperature, key if plan.sampling else None)
     # all depths at once, reusing the verify step's ancestor mask (complete: no node is deeper than D)
     acc = jax.vmap(lambda p, t, q, m: tree.accept(p, t, q, d, mask=m))(prop.parents, prop.tokens, post, prop.mask)
@@ -121,32 +121,31 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
         cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,
         key=state.key, accept_lens=accept_lens, rounds=state.rounds + active.astype(jnp.int32),
         depth_hits=state.depth_hits + hits.astype(jnp.int32),
-        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, state.rounds + 1), auto=state.auto,
+        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, state.rounds + 1), extra=state.extra,
     )
 
 
 @stage(COMMIT)
 def accept_and_commit(target, drafter, state: SpecState, prop: Proposal, ver: Verified, max_new, eos, temperature,
                       key, *, plan: Plan) -> SpecState:
-    """The round's last stage: :func:`accept` a path, then :func:`commit` it."""
-    acc = accept(prop, ver, temperature, key, plan=plan)
+    """The round's last stage: the method's :meth:`~sparkjax.engine.methods.Method.accept` picks a path,
+    then :func:`commit` writes it."""
+    acc = plan.method.accept(prop, ver, temperature, key, plan=plan)
     return commit(drafter, state, ver, acc, max_new, eos, plan=plan)
 
 
 Call = Callable[..., object]
 
 
-def spec_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
+def run_stages(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
                call: Call | None = None) -> SpecState:
-    """One round: draft, expand, verify, accept and commit. A pure function of the state.
+    """The generic round: draft, expand (``plan.method.propose``), verify, accept (``plan.method.accept``)
+    and commit. A pure function of the state.
 
     ``call(stage_fn, *args, plan=plan)`` runs each stage (default: directly, with ``target, drafter``
-    first); the instrumented mode passes one that runs the stage as its own jitted, timed call.
+    first); a mesh run passes one that pins each stage's output to its sharding, the instrumented mode one
+    that runs the stage as its own jitted, timed call.
     """
-    if plan.is_auto:
-        from .auto import auto_round  # auto builds on this module's stages
-
-        return auto_round(target, drafter, state, plan, max_new, eos, temperature, call)
     if call is None:
         def call(fn, *args, **kwargs):
             return fn(target, drafter, *args, **kwargs)

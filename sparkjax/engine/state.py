@@ -1,9 +1,10 @@
-"""The data a generation carries on device, as registered dataclasses (pytrees with named fields).
+"""The data a generation carries, as dataclasses (the device-side ones registered as pytrees).
 
-:class:`DeviceArgs` are a run's traced inputs, :class:`SpecState` the carry of the speculative
-``while_loop``; a round passes :class:`~sparkjax.engine.drafting.DraftBlock` (draft) ->
-:class:`Proposal` (tree) -> :class:`Verified` (verify) -> :class:`Acceptance` (accept) -> a new
-:class:`SpecState` (commit).
+:class:`Plan` is the static shape of a speculative program, :class:`DeviceArgs` a run's traced inputs,
+:class:`SpecState` the carry of the speculative ``while_loop``; a round passes
+:class:`~sparkjax.engine.drafting.DraftBlock` (draft) -> :class:`Proposal` (tree) -> :class:`Verified`
+(verify) -> :class:`Acceptance` (accept) -> a new :class:`SpecState` (commit). :class:`Launch` is what
+:func:`~sparkjax.engine.launch` returns.
 """
 
 from __future__ import annotations
@@ -13,7 +14,53 @@ from typing import Any, NamedTuple
 
 import jax
 
+from .options import DEFAULT_OPTIONS, Options
+
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static shape of a speculative program (anything that changes it recompiles: it is hashed into
+    jit's cache key).
+
+    ``method``: the :class:`~sparkjax.engine.methods.Method` with every default resolved for this pair
+    (a tree's ``top_c`` and ``widths``); ``depth`` D: drafted depths per round; ``nodes`` M: nodes verified
+    per round (D for chains); ``sampling``: temperature > 0; ``layer_ids``: the target layers the drafter
+    reads; ``options``: the trace-time :class:`~sparkjax.engine.options.Options`.
+    """
+
+    method: Any
+    depth: int
+    nodes: int
+    sampling: bool = False
+    layer_ids: tuple[int, ...] = ()
+    options: Options = DEFAULT_OPTIONS
+
+    @property
+    def top_c(self) -> int:
+        """Candidates per depth of the method's tree (0 without one)."""
+        return self.method.top_c or 0
+
+    @property
+    def widths(self) -> tuple[int, ...] | None:
+        """The beam's nodes per depth (``sparklingtree-beam``), else None."""
+        return self.method.widths
+
+    @property
+    def normalization(self) -> str:
+        """The Markov tables' normalization (``fast`` or ``exact``)."""
+        return self.method.normalization
+
+    @property
+    def candidates(self) -> str | None:
+        """The tree's candidate sets (``union`` / ``corrected`` / ``base``; None without a tree)."""
+        return self.method.candidates
+
+    @property
+    def scratch(self) -> int:
+        """Cache rows a round needs past the committed tokens: it may overshoot by D and verifies M + 1 rows."""
+        return self.depth + self.nodes + 2
 
 
 class DeviceArgs(NamedTuple):
@@ -50,7 +97,7 @@ class SpecState:
     rounds: Array
     depth_hits: Array
     nonfinite: Array  # [B] int32: first round with non-finite target logits (0 = prefill), -1 if none
-    auto: Any = None  # method 'auto' only: its sparkjax.engine.auto.AutoState (choices, calibration)
+    extra: Any = None  # the method's own carried state (Method.init_state; None for most methods)
 
 
 @jax.tree_util.register_dataclass
@@ -87,3 +134,34 @@ class Acceptance:
     indices: Array
     length: Array
     bonus: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What :func:`~sparkjax.engine.launch` returns: device arrays, nothing synced (a pytree, so
+    ``jax.block_until_ready`` waits for it; ``plan`` and ``labels`` are static).
+
+    ``out`` ``[B, buf]`` generated tokens (``n`` ``[B]`` of them per sequence); ``accept_lens`` ``[B, R]``,
+    ``rounds`` ``[B]``, ``depth_hits`` ``[B, D]`` as in :class:`SpecState` (None for ``ar``); ``nonfinite``
+    ``[B]`` int32, the first round whose target logits held a NaN or an Inf (0: the prefill; -1: none;
+    :func:`~sparkjax.engine.api.raise_if_nonfinite` checks it); ``extra``: the method's
+    :meth:`~sparkjax.engine.methods.Method.results` (None for most; ``auto``: its ``choices`` and
+    ``memory``); ``plan``: the static plan (None for ``ar``); ``labels``: the names ``extra``'s choices
+    index (``auto``'s candidates; empty otherwise).
+    """
+
+    out: Array
+    n: Array
+    accept_lens: Array | None
+    rounds: Array | None
+    depth_hits: Array | None
+    nonfinite: Array
+    extra: Any = None
+    plan: Plan | None = None
+    labels: tuple[str, ...] = ()
+
+
+jax.tree_util.register_dataclass(
+    Launch, data_fields=["out", "n", "accept_lens", "rounds", "depth_hits", "nonfinite", "extra"],
+    meta_fields=["plan", "labels"],
+)

@@ -31,6 +31,7 @@ Parameter paths mirror the DeepSpec checkpoint keys (see
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from flax import nnx
 from ..cache import ContextCache
 from ..config import DrafterConfig
 from ..errors import ArgumentError
-from .layers import Embed, Linear, RMSNorm, attend, rope_cos_sin
+from .layers import Embed, Linear, RMSNorm, attend, attention_fn, rope_cos_sin
 from .qwen3 import DecoderLayer, LMHead
 
 Array = jax.Array
@@ -131,12 +132,13 @@ class DrafterLayer(DecoderLayer):
         return self.self_attn.keys_values(ctx, cos, sin)
 
     def block(
-        self, x: Array, cos: Array, sin: Array, ctx_k: Array, ctx_v: Array, ctx_mask: Array, block_mask: Array
+        self, x: Array, cos: Array, sin: Array, ctx_k: Array, ctx_v: Array, ctx_mask: Array, block_mask: Array,
+        attention=attend,
     ) -> Array:
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
-        attn = attend(q, [(ctx_k, ctx_v, ctx_mask), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), block_mask)])
+        attn = attention(q, [(ctx_k, ctx_v, ctx_mask), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), block_mask)])
         x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -221,17 +223,20 @@ class Drafter(nnx.Module):
         block_mask: Array,
         *,
         return_layers: bool = False,
+        attention: str | Callable = "auto",
     ) -> BlockOutput:
         """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``.
 
         ``ctx_k``/``ctx_v`` ``[L, B, K, S, H]`` (heads-major, as :class:`ContextCache` holds them) are the
         context rows, ``ctx_mask`` ``[B, Q, S]`` and ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say
-        which context rows / block slots each query sees.
+        which context rows / block slots each query sees. ``attention``: as in
+        :meth:`sparkjax.nn.qwen3.Qwen3.__call__`.
         """
+        fn = attention_fn(attention)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         outs = []
         for i, layer in enumerate(self.layers):
-            x = layer.block(x, cos, sin, ctx_k[i], ctx_v[i], ctx_mask, block_mask)
+            x = layer.block(x, cos, sin, ctx_k[i], ctx_v[i], ctx_mask, block_mask, fn)
             outs.append(x)
         return BlockOutput(self.norm(x), jnp.stack(outs) if return_layers else None)
 
@@ -245,6 +250,7 @@ class Drafter(nnx.Module):
         *,
         target=None,
         return_layers: bool = False,
+        attention: str | Callable = "auto",
     ) -> BlockOutput:
         """Cache-free forward (training): context ``features [B, S, F]`` at ``feature_positions [B, S]``,
         block ``tokens [B, Q]`` at ``positions [B, Q]``, boolean ``mask [B, Q, S + Q]`` (columns:
@@ -259,4 +265,5 @@ class Drafter(nnx.Module):
         k, v = self.context_kv(features, feature_positions)
         k, v = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)  # heads-major, as run_block takes them
         x = self.embed(tokens, target)
-        return self.run_block(x, positions, k, v, mask[..., :s], mask[..., s:], return_layers=return_layers)
+        return self.run_block(x, positions, k, v, mask[..., :s], mask[..., s:], return_layers=return_layers,
+                              attention=attention)

@@ -11,7 +11,8 @@ K kv heads, H head dim, F ffn dim, V vocab.
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -122,35 +123,18 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
-# Which attention implementation :func:`attend` runs when none is passed (see :func:`attend`). Read at
-# trace time: set it before the first call of a jitted program (or clear jax's caches after a change).
-# "auto" (the default) is "blocked" on the CPU backend and "einsum" elsewhere. On this CPU the blocked
-# path reads only the live chunks of the cache bucket and never materialises the full scores: greedy AR
-# at batch 64 ran 2.2x faster than with "einsum" (934.7 vs 425.4 tok/s, eval/bench_ar.py). On a GPU its
-# per-layer loop costs sequential kernels (issue 14, finding 3), so accelerators keep the reference
-# "einsum" until "dpa" (cuDNN) is measured there. "dpa" is slower on CPU: jax.nn.dot_product_attention
-# takes token-major keys, so that path transposes the heads-major cache back.
-ATTENTION_IMPLS = ("auto", "einsum", "dpa", "blocked", "prefix")
-ATTENTION_IMPL = "auto"
-BLOCK_SLOTS = 128  # cache slots per chunk of the blocked path
+ATTENTION_IMPLS = ("auto", "einsum", "dpa", "blocked", "prefix")  # the names :func:`attend` takes as ``impl``
+BLOCK_SLOTS = 128  # the blocked path's default cache slots per chunk
 
 
-@contextlib.contextmanager
-def attention_impl(impl: str):
-    """Traces the enclosed calls with ``impl`` as the default attention (:data:`ATTENTION_IMPL` is read at trace
-    time). Training uses ``"einsum"``: the blocked path's loop has a run-time trip count, which reverse-mode
-    differentiation cannot go through, and a training forward attends over whole sequences anyway."""
-    global ATTENTION_IMPL
-    if impl not in ATTENTION_IMPLS:
-        raise ArgumentError(f"attention_impl: {impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
-    before, ATTENTION_IMPL = ATTENTION_IMPL, impl
-    try:
-        yield
-    finally:
-        ATTENTION_IMPL = before
+def attention_fn(attention: str | Callable = "auto") -> Callable:
+    """The attention a model call runs: ``attention`` itself when it is a callable with the signature of
+    :func:`attend` (``fn(q, parts)``), else :func:`attend` with ``impl=attention``."""
+    return attention if callable(attention) else functools.partial(attend, impl=attention)
 
 
-def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str | None = None) -> Array:
+def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str = "auto",
+           block_slots: int = BLOCK_SLOTS) -> Array:
     """Grouped-query attention over one or several key/value sets sharing one softmax.
 
     ``q`` ``[B, T, N, H]``; each part is ``(k [B, K, S_i, H], v [B, K, S_i, H], mask [B, T, S_i])``:
@@ -160,23 +144,22 @@ def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str | Non
     without copying the (possibly large) context keys/values. Scores and softmax in float32, scale
     ``H ** -0.5``; a fully masked row returns zeros.
 
-    ``impl`` (default: the module's :data:`ATTENTION_IMPL`; ``"auto"`` is ``"blocked"`` on the CPU
-    backend and ``"einsum"`` elsewhere):
+    ``impl`` (``"auto"``, the default, is ``"blocked"`` on the CPU backend, where it reads only the live
+    chunks of the cache bucket, and ``"einsum"`` elsewhere, where a per-layer loop costs sequential kernels):
 
     - ``"einsum"``: the reference. Full ``[B, N, T, S]`` float32 scores, one softmax.
     - ``"dpa"``: :func:`jax.nn.dot_product_attention` (cuDNN on a GPU for bfloat16 / float16,
       XLA elsewhere) over the parts concatenated token-major (that API takes ``[B, S, K, H]``
       keys, so this path transposes the keys and values).
-    - ``"blocked"``: the first part in chunks of :data:`BLOCK_SLOTS` slots with an online softmax,
+    - ``"blocked"``: the first part in chunks of ``block_slots`` slots with an online softmax,
       stopping after the last chunk any query can see (a dynamic trip count: reads grow with the
       live length, not the cache bucket), then the other parts; never materialises the full scores.
     - ``"prefix"``: the reference over the shortest power-of-two prefix (at least
-      :data:`BLOCK_SLOTS` slots) of the first part that holds every visible slot, picked at run
+      ``block_slots`` slots) of the first part that holds every visible slot, picked at run
       time by one ``lax.switch``: reads bounded by the live length with no loop (the same kernels
       as the reference, once).
     """
-    impl = ATTENTION_IMPL if impl is None else impl
-    if impl not in ATTENTION_IMPLS:
+    if not isinstance(impl, str) or impl not in ATTENTION_IMPLS:
         raise ArgumentError(f"attend: impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
     if impl == "auto":
         impl = "blocked" if jax.default_backend() == "cpu" else "einsum"
@@ -185,10 +168,10 @@ def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str | Non
     if impl == "dpa":
         return _attend_dpa(q, parts)
     size = parts[0][0].shape[2]
-    if impl == "blocked" and size > BLOCK_SLOTS and size % BLOCK_SLOTS == 0:
-        return _attend_blocked(q, parts)
-    if impl == "prefix" and size > BLOCK_SLOTS:
-        return _attend_prefix(q, parts)
+    if impl == "blocked" and size > block_slots and size % block_slots == 0:
+        return _attend_blocked(q, parts, block_slots)
+    if impl == "prefix" and size > block_slots:
+        return _attend_prefix(q, parts, block_slots)
     return _attend_einsum(q, parts)
 
 
@@ -198,12 +181,12 @@ def _live_slots(mask: Array) -> Array:
     return jnp.max(jnp.where(cols, jnp.arange(cols.shape[0], dtype=jnp.int32) + 1, 0))
 
 
-def _attend_prefix(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+def _attend_prefix(q: Array, parts: list[tuple[Array, Array, Array]], block_slots: int) -> Array:
     (k0, v0, m0), rest = parts[0], parts[1:]
     size = k0.shape[2]
     sizes = []
     n = size
-    while n > BLOCK_SLOTS // 2 and (not sizes or n < sizes[-1]):
+    while n > block_slots // 2 and (not sizes or n < sizes[-1]):
         sizes.append(n)
         n = n // 2
     sizes = sizes[::-1]  # ascending, ending with the whole first part
@@ -265,7 +248,7 @@ def _attend_dpa(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
     return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
-def _attend_blocked(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+def _attend_blocked(q: Array, parts: list[tuple[Array, Array, Array]], block_slots: int) -> Array:
     h = q.shape[-1]
     (k0, v0, m0), rest = parts[0], parts[1:]
     b, t, n, _ = q.shape
@@ -288,7 +271,7 @@ def _attend_blocked(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
         pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return new, l, acc * corr[..., None] + pv
 
-    c = BLOCK_SLOTS
+    c = block_slots
     # chunks past the last slot any query sees are skipped: the trip count follows the live length
     trips = (_live_slots(m0) + c - 1) // c
 

@@ -12,6 +12,7 @@ decoder layer ``l``, and ``l = L - 1`` the final-normed state.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import nnx
 from ..cache import KVCache, attention_mask, causal_block
 from ..config import Qwen3Config
 from ..errors import ArgumentError
-from .layers import MLP, AttentionProjections, Embed, RMSNorm, attend, rope_cos_sin
+from .layers import MLP, AttentionProjections, Embed, RMSNorm, attend, attention_fn, rope_cos_sin
 
 Array = jax.Array
 
@@ -47,7 +48,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(
         self, x: Array, cos: Array, sin: Array, mask: Array, cache: KVCache | None, index: int,
-        fresh: bool = False,
+        fresh: bool = False, attention=attend,
     ) -> tuple[Array, KVCache | None]:
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
@@ -58,7 +59,7 @@ class DecoderLayer(nnx.Module):
             k, v = cache.k[index], cache.v[index]  # heads-major [B, K, S, H]
         else:  # no cache, or a fresh one holding nothing before the block: attend to the block alone
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-        x = x + self.self_attn.o_proj(attend(q, [(k, v, mask)]))
+        x = x + self.self_attn.o_proj(attention(q, [(k, v, mask)]))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
 
@@ -109,6 +110,7 @@ class Qwen3(nnx.Module):
         logits_at: Array | None = None,
         compute_logits: bool = True,
         fresh_cache: bool = False,
+        attention: str | Callable = "auto",
     ) -> Qwen3Output:
         """Runs the decoder over new tokens ``[B, T]`` at ``positions`` ``[B, T]``.
 
@@ -119,7 +121,9 @@ class Qwen3(nnx.Module):
         visible, row = query), causal when omitted. ``logits_at`` ``[B, K]``
         restricts logits to K token indices per sequence. ``fresh_cache=True`` promises that the
         cache is empty (prefill): attention then runs over the new tokens only, ``O(T^2)`` rather
-        than ``O(T * S)``, and the keys/values are still written to the cache.
+        than ``O(T * S)``, and the keys/values are still written to the cache. ``attention``: the
+        attention implementation (an ``impl`` of :func:`~sparkjax.nn.layers.attend`, or a callable with
+        its signature; :func:`~sparkjax.nn.layers.attention_fn`).
         """
         n_layers = self.config.num_hidden_layers
         for lid in hidden_layers:
@@ -131,11 +135,12 @@ class Qwen3(nnx.Module):
             full_mask = jnp.broadcast_to(block, (b, t, t))
         else:
             full_mask = attention_mask(cache.lengths, block, cache.size)
+        fn = attention_fn(attention)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(tokens)
         states = {-1: x}
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, full_mask, cache, i, fresh_cache)
+            x, cache = layer(x, cos, sin, full_mask, cache, i, fresh_cache, fn)
             states[i] = x
         h = self.norm(x)
         states[n_layers - 1] = h

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from .. import pairing
 from ..engine import drafting
 from ..errors import ArgumentError
-from ..nn.layers import attention_impl
 from .anchors import Blocks, build_blocks
 from .loss import LossSums, Objective, dspark_loss_sums
 
@@ -44,8 +43,8 @@ def target_features(target, input_ids: Array, layer_ids: tuple[int, ...]) -> tup
     b, s = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
     last = target.config.num_hidden_layers - 1
-    with attention_impl(TRAIN_ATTENTION):
-        out = target(input_ids.astype(jnp.int32), positions, hidden_layers=(*layer_ids, last), compute_logits=False)
+    out = target(input_ids.astype(jnp.int32), positions, hidden_layers=(*layer_ids, last), compute_logits=False,
+                 attention=TRAIN_ATTENTION)
     feats = drafting.features_from_hidden(out.hidden[:-1])
     return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(out.hidden[-1])
 
@@ -71,8 +70,8 @@ def drafter_outputs(drafter, blocks: Blocks, features: Array, last_hidden: Array
     a frozen copy of the target's, when no target is given, as upstream does).
     """
     b, a, g = blocks.target_ids.shape
-    with attention_impl(TRAIN_ATTENTION):
-        out = drafter(features, blocks.context_positions, blocks.tokens, blocks.positions, blocks.mask, target=None)
+    out = drafter(features, blocks.context_positions, blocks.tokens, blocks.positions, blocks.mask, target=None,
+                  attention=TRAIN_ATTENTION)
     hidden = out.hidden.reshape(b, a, g, -1)
     base = drafter.logits(hidden)
     flat = hidden.reshape(b * a, g, -1)
