@@ -108,8 +108,9 @@ def reused(tmp_path_factory):
         mp.setattr(harness, "Engine", FakeEngine)
         mp.setattr(os, "getloadavg", lambda: (99.0, 1.0, 1.0))
         FakeEngine.LOG = []
-        rc, stdout = cli(*PAIR, "--methods", "dspark,sparklingtree", "--budgets", "16", "--datasets", "mbpp,mt-bench",
-                         "--max-samples", "2", "--max-new-tokens", "8", "--repeats", "3", "--no-plots", "--out", str(out))
+        rc, stdout = cli(*PAIR, "--methods", "dspark,sparklingtree", "--budgets", "16", "--datasets",
+                         "mbpp,mt-bench", "--max-samples", "2", "--max-new-tokens", "8", "--repeats", "3", "--no-plots",
+                         "--out", str(out))
     return types.SimpleNamespace(rc=rc, out=out, stdout=stdout, log=FakeEngine.LOG,
                                  js=json.loads((out / "results.json").read_text()))
 
