@@ -13,6 +13,9 @@ import pytest
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "tiny_dspark_b16"
 
+# No test reads or writes the user's cache folder (cost tables, compilation cache) unless it sets its own.
+os.environ.setdefault("SPARKJAX_CACHE_DIR", "off")
+
 # One persistent XLA compilation cache for the whole test session, shared with the subprocesses the tests
 # start (CLI runs, kill and Ctrl-C tests): the same program is then compiled once per session, not once per
 # process. Set before anything imports jax; a cache dir the caller already chose is kept.
@@ -87,6 +90,70 @@ def fixture_drafter(fixture_target):
     from sparkjax import load_drafter
 
     return load_drafter(FIXTURE / "drafter", target=fixture_target)
+
+
+# The shapes the engine tests share, so that their compiled programs are reused: a batch of three prompts of
+# at most 32 tokens (one prompt bucket) and these generation lengths (``max_new_tokens`` is traced, but it sets
+# the output buffer's bucket).
+NEW_SHORT, NEW_LONG = 8, 24
+PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
+
+
+def make_random_pair(vocab=16, seed=0, markov=True, block=4):
+    """A tiny random target and DSpark drafter (vanilla Markov head, sharpened) that fit each other."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from sparkjax.config import DrafterConfig, Qwen3Config
+    from sparkjax.nn.drafter import Drafter
+    from sparkjax.nn.qwen3 import Qwen3
+
+    tcfg = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                       tie_word_embeddings=True)
+    target = Qwen3(tcfg, rngs=nnx.Rngs(seed))
+    # sharpen the random target so its distributions are far from uniform
+    nnx.update(target, jax.tree.map(lambda x: x * 8.0, nnx.state(target.embed_tokens, nnx.Param)))
+    fields = {f.name: getattr(tcfg, f.name) for f in dataclasses.fields(Qwen3Config)}
+    dcfg = DrafterConfig(**{**fields, "num_hidden_layers": 1, "tie_word_embeddings": False}, kind="dspark",
+                         block_size=block, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_target_layers=3,
+                         markov_rank=4 if markov else 0, markov_head_type="vanilla" if markov else None)
+    drafter = Drafter(dcfg, rngs=nnx.Rngs(seed + 100))
+    if markov:
+        head = drafter.markov_head
+        nnx.update(head, jax.tree.map(lambda x: x * 30.0, nnx.state(head, nnx.Param)))
+    return target, drafter
+
+
+@pytest.fixture(scope="session")
+def random_pair():
+    """The session's random pair (:func:`make_random_pair` with its defaults)."""
+    return make_random_pair()
+
+
+# The short drafter training run the training tests resume, damage and export: train/recipes/tiny.json for
+# 4 steps, checkpoints at steps 2 and 4 (one set of shapes and optimizer settings, so one compiled step).
+TINY_RUN = dict(steps=4, checkpoint_every=2, log_every=1, eval_size=0, seq_len=48, batch_size=8, warmup_steps=1,
+                keep_last=3, synthetic={"num_sequences": 16, "prompt_len": 16, "seed": 1, "vocab_high": 300})
+TINY_RECIPE = str(pathlib.Path(__file__).parents[1] / "train" / "recipes" / "tiny.json")
+
+
+def tiny_run_config(**kw):
+    from sparkjax.training import TrainConfig
+
+    return TrainConfig.from_file(TINY_RECIPE, {**TINY_RUN, **kw})
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> str:
+    """The folder of one finished TINY_RUN (tests copy it before they change anything)."""
+    from sparkjax.training import train
+
+    out = str(tmp_path_factory.mktemp("tiny_run"))
+    assert train(tiny_run_config(), out, progress=False, log=lambda m: None).step == 4
+    return out
 
 
 def make_hf_qwen3(folder, *, tied=True, layers=3, heads=4, kv_heads=2, vocab=160, hidden=64, ffn=128,

@@ -55,6 +55,7 @@ from sparkjax.training import (
 )
 from sparkjax.training.data import BatchStream, TokenData, as_batch, fixed_batches, precompute_features
 from sparkjax.training.loop import build_models
+from tests.conftest import tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures", "tiny_dspark_b16")
@@ -214,7 +215,7 @@ def test_trainer_step_matches_a_plain_optax_step(target, drafter, tiny_data):
     """The jitted step = value_and_grad of the loss + clip + AdamW, on the trainable params only."""
     import optax
 
-    cfg = run_config()
+    cfg = run_config(warmup_steps=2)
     batch = BatchStream(tiny_data, cfg.batch_size, seed=0).batch(0)
     tr = Trainer(drafter, target, optim=cfg.optim, num_anchors=cfg.num_anchors, seed=0)
     params0 = jax.tree.map(np.asarray, jax.device_get(tr.state["params"]))
@@ -301,15 +302,8 @@ def test_learning_reduces_loss_and_raises_heldout_tau(target, tiny_data):
 
 # ----------------------------------------------------------------------------- runs, resume, checkpoints
 
-N = 4  # checkpoint interval; the straight run takes 2N steps
-
-
-def run_config(**kw) -> TrainConfig:
-    over = dict(steps=2 * N, checkpoint_every=N, log_every=1, eval_size=0, seq_len=48, batch_size=8,
-                warmup_steps=2, keep_last=3, synthetic={"num_sequences": 32, "prompt_len": 16, "seed": 1,
-                                                        "vocab_high": 300})
-    over.update(kw)
-    return TrainConfig.from_file(os.path.join(RECIPES, "tiny.json"), over)
+N = 2  # checkpoint interval of the shared tiny run (conftest.tiny_run), which takes 2N steps
+run_config = tiny_run_config
 
 
 def train_losses(out_dir):
@@ -325,11 +319,9 @@ def tensors(folder):
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("straight"))
-    result = train(run_config(), out, progress=False, log=lambda m: None)
-    assert result.step == 2 * N and sorted(train_losses(out)) == list(range(1, 2 * N + 1))
-    return out
+def straight_run(tiny_run):
+    assert sorted(train_losses(tiny_run)) == list(range(1, 2 * N + 1))
+    return tiny_run
 
 
 KILL_SCRIPT = textwrap.dedent("""
@@ -526,10 +518,10 @@ def test_data_parallel_on_8_cpu_devices_matches_one_device(xla_cache):
 # ----------------------------------------------------------------------------- export and reload
 
 
-def test_export_round_trip_and_block7_to_block16(tmp_path, ref, target, drafter, tiny_data):
+def test_export_round_trip_and_block7_to_block16(tmp_path, ref, target, drafter, straight_run):
     cfg = run_config()
     tr = Trainer(drafter, target, optim=cfg.optim, num_anchors=cfg.num_anchors, seed=0)
-    tr.step(BatchStream(tiny_data, cfg.batch_size, seed=0).batch(0))
+    tr.step(BatchStream(TokenData.load(os.path.join(straight_run, "data", "train.npz")), cfg.batch_size).batch(0))
     trained = tr.drafter()
     out = save_drafter(trained, str(tmp_path / "exported"))
     again = load_drafter(out, target=target)
@@ -638,10 +630,9 @@ def test_jsonl_chat_run_end_to_end(tmp_path, tokenizer_dir):
             answer = " ".join(rng.choice(words, 6))
             f.write(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
                                              {"role": "assistant", "content": answer}]}) + "\n")
-    cfg = run_config(synthetic=None, data=path, tokenizer=tokenizer_dir, eval_size=8, steps=2, eval_every=2,
-                     checkpoint_every=2, warmup_steps=0)
+    cfg = run_config(synthetic=None, data=path, tokenizer=tokenizer_dir, eval_size=8, eval_every=2 * N)
     result = train(cfg, str(tmp_path / "run"), progress=False, log=lambda m: None)
-    assert result.step == 2 and result.last_eval is not None
+    assert result.step == 2 * N and result.last_eval is not None
     assert result.last_eval["supervised_slots"] > 0 and np.isfinite(result.last_eval["loss"])
     again = load_drafter(result.drafter_dir)
     assert again.config.block_size == 16 and os.path.isdir(result.best_dir)
@@ -746,11 +737,9 @@ def test_train_step_differentiates_sequences_longer_than_an_attention_chunk(targ
     s = 2 * layers.BLOCK_SLOTS  # a whole number of chunks: the blocked path applies
     ids = np.random.default_rng(0).integers(4, target.config.vocab_size, size=(2, s)).astype(np.int32)
     batch = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
-    before = layers.ATTENTION_IMPL
     for objective in (Objective(), Objective(tree_alpha=1.0, tree_top_c=4)):
         tr = Trainer(drafter, target, optim=OptimConfig(lr=1e-3, steps=2, warmup_steps=0), num_anchors=4,
                      objective=objective)
         sums, _ = tr.step(batch)
         loss = float(sums.losses(objective)["loss"])
         assert np.isfinite(loss) and loss > 0
-    assert layers.ATTENTION_IMPL == before  # the training forward's choice does not leak

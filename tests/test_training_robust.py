@@ -1,4 +1,4 @@
-"""Robustness of the trainers (issue 12): exports never replace user files, one run per output folder,
+"""Robustness of the trainers: exports never replace user files, one run per output folder,
 output and data-cache problems are one clear error, a damaged checkpoint's fallback is one line, a
 resumed run keeps each metric step once, and the CLIs answer every mistake with one line and exit 2.
 
@@ -23,17 +23,15 @@ import numpy as np
 import pytest
 
 from sparkjax.errors import ArgumentError, SparkjaxError
-from sparkjax.training import DataError, TrainConfig, TrainingError, export_run, train
+from sparkjax.training import DataError, TrainingError, export_run, train
 from sparkjax.training import cli as train_cli
 from sparkjax.training.data import TokenData
 from sparkjax.training.lm import LMConfig, export_lm, train_lm
 from sparkjax.training.outdir import LOCK_NAME, MARKER, RunLock, check_overwritable, drop_metrics_after
+from tests.conftest import TINY_RECIPE, TINY_RUN, tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "train", "recipes", "tiny.json")
-# a short drafter run: checkpoints at steps 2 and 4
-OVER = dict(steps=4, checkpoint_every=2, log_every=1, eval_size=0, seq_len=48, batch_size=8, warmup_steps=1,
-            keep_last=3, synthetic={"num_sequences": 16, "prompt_len": 16, "seed": 1, "vocab_high": 300})
+RECIPE, OVER = TINY_RECIPE, TINY_RUN  # the shared short drafter run: checkpoints at steps 2 and 4
 LM_MODEL = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -51,8 +49,7 @@ def _train_target_module():
 train_target = _train_target_module()
 
 
-def cfg(**kw) -> TrainConfig:
-    return TrainConfig.from_file(RECIPE, {**OVER, **kw})
+cfg = tiny_run_config
 
 
 def cli_sets(**kw) -> list[str]:
@@ -89,11 +86,9 @@ def survives(folder: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, xla_cache):
-    out = str(tmp_path_factory.mktemp("run"))
-    result = train(cfg(), out, progress=False, log=lambda m: None)
-    assert result.step == 4 and os.path.isfile(os.path.join(out, "drafter", MARKER))
-    return out
+def run(tiny_run):
+    assert os.path.isfile(os.path.join(tiny_run, "drafter", MARKER))
+    return tiny_run
 
 
 @pytest.fixture(scope="module")
@@ -400,11 +395,14 @@ def test_lm_resume_drops_the_metric_lines_past_its_checkpoint(tmp_path, lm_run, 
     if how == "damaged":
         assert os.path.isdir(os.path.join(out, "checkpoints", "corrupt-4-0"))
         assert sum("falling back to step 2" in m for m in messages) == 1
-    # a new run into a run folder without a checkpoint (killed before its first) starts the metrics afresh
+
+
+def test_lm_run_without_a_checkpoint_starts_its_metrics_afresh(tmp_path, lm_run, tokens):
+    # a run folder killed before its first checkpoint: its metrics and lock file, no checkpoints
     fresh = str(tmp_path / "fresh")
     os.makedirs(fresh)
-    shutil.copy(metrics, os.path.join(fresh, "metrics.jsonl"))
-    shutil.copy(os.path.join(out, LOCK_NAME), os.path.join(fresh, LOCK_NAME))
+    shutil.copy(os.path.join(lm_run, "metrics.jsonl"), os.path.join(fresh, "metrics.jsonl"))
+    shutil.copy(os.path.join(lm_run, LOCK_NAME), os.path.join(fresh, LOCK_NAME))
     train_lm(lm_cfg(steps=2), fresh, log=lambda *_: None, **tokens)
     assert steps_of(os.path.join(fresh, "metrics.jsonl")) == [1, 2]
 
