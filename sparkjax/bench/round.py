@@ -92,8 +92,9 @@ def compile_round(preset: str, label: str, batch: int, context: int, opts: Optio
     drafter = dspark if m.needs_markov else dflash
     plan = m.plan(target, drafter, False, opts)
     graphdefs, states = split_pair(target, drafter)
+    inputs = m.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
     t0 = time.perf_counter()
-    text = spec_program.lower(graphdefs, states, *abstract_args(batch, 16), plan=plan, cache_size=context,
+    text = spec_program.lower(graphdefs, states, *abstract_args(batch, 16), inputs, plan=plan, cache_size=context,
                               buf_len=64).compile().as_text()
     return text, time.perf_counter() - t0
 

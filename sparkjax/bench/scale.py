@@ -432,11 +432,12 @@ def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: 
                 if time.perf_counter() > deadline:
                     return False
                 args = abstract_args(b, prompt)
-                plan = parse_method(m).plan(target, drafter, False)
+                method = parse_method(m)
+                plan = method.plan(target, drafter, False)  # None for ar
                 t0 = time.perf_counter()
-                if plan.method.speculative:
+                if method.speculative:
                     graphdefs, states = split_pair(target, drafter)
-                    inputs = plan.method.inputs(plan, target=target, drafter=drafter, batch=b, cache_size=ctx)
+                    inputs = method.inputs(plan, target=target, drafter=drafter, batch=b, cache_size=ctx)
                     lowered = spec_program.lower(graphdefs, states, *args, inputs, plan=plan, cache_size=ctx,
                                                  buf_len=512)
                 else:
@@ -445,7 +446,7 @@ def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: 
                 t1 = time.perf_counter()
                 ma = lowered.compile().memory_analysis()
                 t2 = time.perf_counter()
-                spec = plan.method.speculative
+                spec = method.speculative
                 est = estimate_memory(target, drafter if spec else None, plan if spec else None, b, prompt, ctx, 512)
                 weights = sum(int(x.size) * x.dtype.itemsize
                               for x in jax.tree.leaves(nnx.state((target, drafter) if spec else target)))
