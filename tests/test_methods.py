@@ -3,7 +3,8 @@
 import pytest
 
 import sparkjax
-from sparkjax.engine import AR, METHODS, TREE_METHODS, Chain, Tree, parse_method
+from sparkjax.engine import AR, METHODS, TREE_METHODS, Chain, Options, PCTree, Tree, parse_method
+from sparkjax.engine.options import check_options
 
 
 def test_the_parser_round_trips_every_method_string():
@@ -14,7 +15,7 @@ def test_the_parser_round_trips_every_method_string():
         assert parse_method(m) is m
     for name in TREE_METHODS:
         m = parse_method(f"{name}@16")
-        assert m == Tree(name, budget=16) and m.label == f"{name}@16"
+        assert isinstance(m, Tree) and m == type(m)(name, budget=16) and m.label == f"{name}@16"
     assert parse_method("ar") == AR() and parse_method("dspark") == Chain("dspark")
     assert parse_method("sparklingtree", budget=8, top_c=4, normalization="exact") == Tree(
         "sparklingtree", 8, 4, None, "exact")
@@ -36,6 +37,19 @@ def test_the_parser_round_trips_every_method_string():
     (lambda: parse_method("ar", budget=8), "budget"),
     (lambda: parse_method("dflash", top_c=8), "top_c"),
     (lambda: parse_method(Tree(), budget=8), "budget"),
+    (lambda: PCTree(k=0), "k"),
+    (lambda: PCTree(k=2.5), "k"),
+    (lambda: PCTree(budget=1), "budget"),
+    (lambda: parse_method("pctree@1"), "budget"),
+    (lambda: PCTree(widths=(4, 4)), "widths"),
+    (lambda: Tree("pctree"), "kind"),
+    (lambda: Options(attention="flash"), "attention"),
+    (lambda: Options(attention=[]), "attention"),
+    (lambda: Options(chain_mode="jacobi"), "chain_mode"),
+    (lambda: Options(candidate_chain_passes=0), "candidate_chain_passes"),
+    (lambda: Options(union_top_k=True), "union_top_k"),
+    (lambda: Options(block_slots=2.0), "block_slots"),
+    (lambda: check_options("einsum"), "options"),
 ])
 def test_method_objects_validate_themselves(bad, name):
     with pytest.raises(sparkjax.ArgumentError) as info:
@@ -49,3 +63,6 @@ def test_methods_know_what_they_need():
     assert not Tree("ddtree").needs_markov and Tree("sparklingtree-beam").needs_markov
     assert Tree("sparklingtree-beam", budget=8, widths=[4, 4]).widths == (4, 4)
     assert hash(Tree()) == hash(Tree("sparklingtree", 64))
+    pc = parse_method("pctree")
+    assert pc == PCTree() == PCTree("pctree", 32, k=4) and pc.label == "pctree@32" and pc.needs_markov
+    assert hash(Options()) == hash(Options("auto", "auto", 1, None, 128)) and Options() != Options(block_slots=16)

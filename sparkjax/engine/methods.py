@@ -373,6 +373,54 @@ class Tree(Method):
         return cls(name, DEFAULT_BUDGET if budget is None else budget, top_c, widths, normalization)
 
 
+PCTREE_BUDGET = 32  # pctree's default N: nodes of the selected tree, the root included
+PCTREE_K = 4  # pctree's default beam width per depth
+
+
+@dataclasses.dataclass(frozen=True)
+class PCTree(Tree):
+    """PCTree (arXiv 2608.02123): a layer-wise beam over the DSpark drafter, its children re-scored by the
+    Markov head per parent, then a global prefix-closed top-N (:func:`sparkjax.tree.layer_beam`).
+
+    The candidates and tables are ``sparklingtree``'s (each child's log-prob comes from its parent's row
+    of the Markov table; ``top_c``, ``normalization`` and ``candidates`` as for :class:`Tree`). At every
+    depth the ``k`` best (parent, child) extensions of the depth above's kept nodes by path score are
+    kept; the tree is then the ``budget`` best kept nodes *counting the root* (the paper's N): ``budget - 1``
+    drafted nodes are verified, so ``pctree@32`` verifies the same rows as ``sparklingtree@31``. Ties go
+    to the shallower node, then to the lower (lexicographic) path. Verified by the tree walk: exact under
+    greedy, lossless when sampling.
+    """
+
+    kind: str = "pctree"
+    budget: int = PCTREE_BUDGET
+    k: int = PCTREE_K
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.budget < 2:
+            raise ArgumentError(f"budget: pctree's budget counts the root, so it needs at least 2 nodes, "
+                                f"got {self.budget}")
+        object.__setattr__(self, "k", check_int("k", self.k, unit="of nodes kept per depth"))
+
+    def nodes(self, drafter) -> int:
+        return self.budget - 1
+
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
+        plan = super().plan(target, drafter, sampling, options)
+        if plan.nodes > self.k * plan.depth:
+            raise ArgumentError(f"budget: {self.budget} nodes (the root and {plan.nodes} drafted) exceed the "
+                                f"{self.k * plan.depth} nodes the beam keeps (k={self.k} x depth {plan.depth})")
+        return plan
+
+    def build(self, drafter, x_start, blk, plan) -> tree.Tree:
+        tables, cand_tokens = self.tables(drafter, x_start, blk, plan)
+        return jax.vmap(tree.layer_beam, in_axes=(0, 0, None, None))(tables, cand_tokens, self.k, plan.nodes)
+
+    @classmethod
+    def from_options(cls, name, *, budget, top_c, widths, normalization) -> PCTree:
+        return cls(name, PCTREE_BUDGET if budget is None else budget, top_c, widths, normalization)
+
+
 DEFAULT_SIZES: tuple[int | str, ...] = (0, CHAIN, 8, 16, 32, 64)  # Auto's default candidate verification sizes
 DECIDE = ("draft", "previous")  # when Auto decides: after this round's draft, or from the previous round's
 AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every drafted round, whatever its size)
@@ -613,6 +661,7 @@ _TABLE: dict[str, _Entry] = {
     "ddtree": _Entry(Tree),
     "sparklingtree": _Entry(Tree, markov=True),
     "sparklingtree-beam": _Entry(Tree, markov=True, beam=True),
+    "pctree": _Entry(PCTree, markov=True),
     "auto": _Entry(Auto),
 }
 
