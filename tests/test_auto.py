@@ -1,10 +1,16 @@
-"""Method ``auto``: the policy, nested best-first prefixes, the switch branches' layouts, exactness, no host sync,
-the cost table (profile, save, load) and bad input."""
+"""Method ``auto``: the policy, nested best-first prefixes, the branches' layouts, exactness, no host sync, the
+memory, the cost table (a traced input: tables that agree on what they decide statically share one program;
+profile, save, load, the per-machine cache) and bad input.
+
+Most generations here run one program: the sizes ``SIZES``, ``decide="previous"``, the three prompts and 24 new
+tokens, under tables whose every size is viable with the probe floor 4 (any such table reuses it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import types
 
 import jax
@@ -14,15 +20,28 @@ import pytest
 
 import sparkjax
 from sparkjax import tree
-from sparkjax.engine import Auto, CostTable, generate, launch, load_cost_table, parse_method, policy, profile_costs
-from sparkjax.engine import auto as auto_mod
+from sparkjax.engine import (
+    Auto,
+    CostTable,
+    adaptive,
+    costs,
+    generate,
+    launch,
+    load_cost_table,
+    parse_method,
+    policy,
+    profile_costs,
+)
 from sparkjax.engine.api import validate
 from sparkjax.engine.programs import spec_program, spec_start, split_pair
 from sparkjax.errors import ArgumentError, CostTableError, SparkjaxError
-from tests.test_decode import _random_pair
+from tests.conftest import make_random_pair as _random_pair
 
 PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
 SIZES = (0, "chain", 2, 6, 16)
+NEW = 24
+BASE = (1.0, 1.3, 1.4, 1.6, 1.9)  # every size viable (each pays at half its depth + 1 tokens), probe floor 4
+OTHER = (1.0, 1.1, 1.2, 1.5, 1.8)  # other seconds, the same static part
 
 
 @pytest.fixture(scope="module")
@@ -30,30 +49,53 @@ def random_pair():
     return _random_pair()
 
 
-def _table(pair, sizes=SIZES, seconds=None, **kw) -> CostTable:
-    labels = Auto(sizes=sizes, **kw).resolve(pair[1]).labels()
-    return CostTable(labels, tuple(seconds or [1.0 + 0.1 * i for i in range(len(labels))]))
+@pytest.fixture(autouse=True)
+def no_cache_dir(monkeypatch):
+    """No test here reads or writes the user's cache folder unless it sets its own."""
+    monkeypatch.setenv("SPARKJAX_CACHE_DIR", "off")
+    monkeypatch.setattr(costs, "_TABLES", {})
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(random_pair):
+    return functools.lru_cache(lambda prompts: generate(random_pair[0], None, [list(p) for p in prompts],
+                                                        max_new_tokens=NEW).tokens)
+
+
+def _table(pair, sizes=SIZES, seconds=BASE) -> CostTable:
+    return CostTable(Auto(sizes=sizes).resolve(pair[1]).labels(), tuple(seconds))
+
+
+def _auto(pair, seconds=BASE, sizes=SIZES, **kw) -> Auto:
+    return Auto(sizes=sizes, table=_table(pair, sizes, seconds), **kw)
+
+
+def _state(**kw) -> adaptive.AutoState:
+    k = len(kw["real"])
+    base = dict(choices=jnp.zeros((1, 4), jnp.int32), last=jnp.zeros((1, k)), idle=jnp.int32(0),
+                force=jnp.int32(-1), gap=jnp.int32(4), seconds=jnp.ones((k,)))
+    return adaptive.AutoState(**{**base, **kw})
 
 
 # ----------------------------------------------------------------------------- the policy and the predictions
 
 
 def test_policy_picks_most_tokens_per_cost_on_hand_made_tables():
-    costs = np.array([1.0, 1.5, 2.0, 4.0])  # ar, chain, tree@8, tree@64
+    costs_ = np.array([1.0, 1.5, 2.0, 4.0])  # ar, chain, tree@8, tree@64
     # a confident drafter: the big tree commits 9 tokens for 4x the cost of a plain step
-    assert int(policy(np.array([1.0, 3.0, 5.0, 9.0]), costs)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
-    assert int(policy(np.array([1.0, 3.0, 5.0, 12.0]), costs)) == 3
+    assert int(policy(np.array([1.0, 3.0, 5.0, 9.0]), costs_)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
+    assert int(policy(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
     # a hopeless drafter: the plain step wins
-    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs)) == 0
+    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_)) == 0
     # per sequence: summed over the active ones only
     per_seq = np.array([[1.0, 4.0, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0]])
-    assert int(policy(per_seq, costs)) == 1
-    assert int(policy(per_seq, costs, active=np.array([False, True]))) == 0
+    assert int(policy(per_seq, costs_)) == 1
+    assert int(policy(per_seq, costs_, active=np.array([False, True]))) == 0
     # a candidate that is not allowed is never picked; ties go to the first
-    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs, allowed=np.array([False, True, True, True]))) == 1
+    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_, allowed=np.array([False, True, True, True]))) == 1
     assert int(policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
     # jit-able, same answer
-    assert int(jax.jit(policy)(np.array([1.0, 3.0, 5.0, 12.0]), costs)) == 3
+    assert int(jax.jit(policy)(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
 
 
 def test_shadow_chain_is_scored_against_the_committed_tokens():
@@ -63,38 +105,34 @@ def test_shadow_chain_is_scored_against_the_committed_tokens():
     m = Auto(sizes=(0, "chain", 4))
     c = m.sizes.index("chain")
     out = jnp.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 8, 9, 1, 2, 0], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
-    st = auto_mod.AutoState(
-        choices=jnp.zeros((3, 8), jnp.int32), real=jnp.zeros((3,)), pred=jnp.zeros((3,)), last=jnp.zeros((3, 3)),
-        idle=jnp.int32(0), force=jnp.int32(-1), gap=jnp.int32(4),
-        shadow=jnp.asarray([[6, 7, 0], [6, 7, 9], [9, 9, 9]], jnp.int32), shadow_at=jnp.asarray([1, 1, 2], jnp.int32),
-        shadow_pred=jnp.asarray([2.0, 3.0, 1.0]), shadow_live=jnp.asarray([True, True, False]))
+    st = _state(choices=jnp.zeros((3, 8), jnp.int32), real=jnp.zeros((3,)), pred=jnp.zeros((3,)),
+                last=jnp.zeros((3, 3)), shadow=jnp.asarray([[6, 7, 0], [6, 7, 9], [9, 9, 9]], jnp.int32),
+                shadow_at=jnp.asarray([1, 1, 2], jnp.int32), shadow_pred=jnp.asarray([2.0, 3.0, 1.0]),
+                shadow_live=jnp.asarray([True, True, False]))
 
     def state(n, done):
         return types.SimpleNamespace(out=out, n=jnp.asarray(n, jnp.int32), done=jnp.asarray(done))
 
     # row 0: 2 of 3 places committed, not done: waits; row 1: all committed -> 2 leading hits (6, 7; then 9 != 8)
-    new = auto_mod.score_shadow(m, st, state([3, 4, 8], [False, False, False]), False)
+    new = adaptive.score_shadow(m, st, state([3, 4, 8], [False, False, False]), False)
     np.testing.assert_array_equal(new.shadow_live, [True, False, False])
-    a = auto_mod.CALIBRATION_DECAY
+    a = adaptive.CALIBRATION_DECAY
     np.testing.assert_allclose(new.real, [0.0, (1 - a) * 2.0, 0.0], rtol=1e-6)
     np.testing.assert_allclose(new.pred, [0.0, (1 - a) * 3.0, 0.0], rtol=1e-6)
     # forced (a probe is due): row 0 scored on what is committed: 6, 7 match, the third place is not committed
-    forced = auto_mod.score_shadow(m, new, state([3, 4, 8], [False, False, False]), True)
+    forced = adaptive.score_shadow(m, new, state([3, 4, 8], [False, False, False]), True)
     assert not bool(forced.shadow_live.any())
     np.testing.assert_allclose(forced.real[c], a * new.real[c] + (1 - a) * 2.0, rtol=1e-6)
     np.testing.assert_allclose(forced.pred[c], a * new.pred[c] + (1 - a) * 2.0, rtol=1e-6)
     # a method without the chain or the plain step keeps no shadow
-    assert not auto_mod.shadowing(Auto(sizes=(0, 4))) and not auto_mod.shadowing(Auto(sizes=("chain", 4)))
-    assert not auto_mod.shadowing(Auto(sizes=(0, "chain", 4), decide="draft"))
+    assert not adaptive.shadowing(Auto(sizes=(0, 4))) and not adaptive.shadowing(Auto(sizes=("chain", 4)))
+    assert not adaptive.shadowing(Auto(sizes=(0, "chain", 4), decide="draft"))
 
 
 def test_calibration_scales_the_predictions():
-    st = auto_mod.AutoState(choices=jnp.zeros((1, 4), jnp.int32), real=jnp.array([0.0, 1.0, 0.0]),
-                            pred=jnp.array([0.0, 3.0, 0.0]), last=jnp.zeros((1, 3)), idle=jnp.int32(0),
-                            force=jnp.int32(-1), gap=jnp.int32(4))
-    raw = jnp.array([[0.0, 2.0, 2.0]])
-    exp = np.asarray(auto_mod.calibrated(st, raw))
-    p = auto_mod.CALIBRATION_PRIOR
+    st = _state(real=jnp.array([0.0, 1.0, 0.0]), pred=jnp.array([0.0, 3.0, 0.0]))
+    exp = np.asarray(adaptive.calibrated(st, jnp.array([[0.0, 2.0, 2.0]])))
+    p = adaptive.CALIBRATION_PRIOR
     np.testing.assert_allclose(exp[0], [1.0, 1.0 + 2.0 * (1.0 + p) / (3.0 + p), 3.0], rtol=1e-6)
 
 
@@ -102,10 +140,10 @@ def test_predictions_from_hand_made_scores_and_chain_probabilities():
     m = Auto(sizes=(0, "chain", 1, 3))
     scores = jnp.log(jnp.array([[0.5, 0.25, 0.1, 0.05]]))
     chain_p = jnp.array([[0.5, 0.5, 1.0]])
-    raw = np.asarray(auto_mod.predictions(m, 1, scores, chain_p))
+    raw = np.asarray(adaptive.predictions(m, 1, scores, chain_p))
     np.testing.assert_allclose(raw[0], [0.0, 0.5 + 0.25 + 0.25, 0.5, 0.85], rtol=1e-6)
     padded = jnp.array([[np.log(0.5), -np.inf, -np.inf, -np.inf]])  # padding nodes add nothing
-    np.testing.assert_allclose(np.asarray(auto_mod.predictions(m, 1, padded, chain_p))[0, 3], 0.5, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(adaptive.predictions(m, 1, padded, chain_p))[0, 3], 0.5, rtol=1e-6)
 
 
 def test_best_first_prefixes_are_nested():
@@ -128,32 +166,75 @@ def test_best_first_prefixes_are_nested():
         assert int(np.asarray(big.parents)[:b].max()) <= b  # every parent of a kept node is kept
 
 
+def test_viability_and_the_probe_floor_from_the_seconds():
+    """A drafted size whose round costs at least ``viable_share`` x its depth + 1 tokens in plain steps is not
+    viable; probes wait as many plain steps as the cheapest viable drafted round costs (at least ``probe``)."""
+    m = Auto(sizes=(0, "chain", 8), viable_share=1)
+    assert adaptive.viable(m, 16, (1.0, 30.0, 5.0)) == (True, False, True)  # chain: 17 tokens < 30 steps
+    assert adaptive.gap_floor(m, 16, (1.0, 30.0, 5.0)) == 5  # max(probe=4, ceil(5 / 1))
+    half = Auto(sizes=(0, "chain", 8))  # the default share 0.5: tree@8 must pay at 4.5 tokens, the chain at 8.5
+    assert half.viable_share == 0.5 and adaptive.viable(half, 16, (1.0, 8.0, 5.0)) == (True, True, False)
+    assert adaptive.gap_floor(half, 16, (1.0, 8.0, 5.0)) == 8
+    assert adaptive.gap_floor(half, 16, (1.0, 2.0, 3.0)) == 4
+    assert adaptive.viable(Auto(sizes=("chain", 8)), 16, (50.0, 90.0)) == (True, True)  # no plain step to beat
+    assert adaptive.viable_of(half) == (True,) * 3 and adaptive.floor_of(half) == 4  # unbound: every size, probe
+
+
+# ----------------------------------------------------------------------------- the cost table is a traced input
+
+
+def test_two_cost_tables_share_one_compiled_program(random_pair, ar_tokens, caplog):
+    """Tables with other seconds but the same static part (viability, probe floor) bind to equal plans and run
+    one compiled program (counted by JAX: the jitted program's cache and its compile log); each run's tokens are
+    the target's greedy ones, and the policy reads each table's own seconds."""
+    target, drafter = random_pair
+    runs = [validate(target, drafter, PROMPTS3, method=_auto(random_pair, s), max_new_tokens=NEW)
+            for s in (BASE, OTHER)]
+    assert runs[0].plan == runs[1].plan and hash(runs[0].plan) == hash(runs[1].plan)
+    np.testing.assert_allclose(runs[1].inputs.seconds, OTHER)
+    first = generate(target, drafter, PROMPTS3, method=_auto(random_pair, BASE), max_new_tokens=NEW)
+    assert first.tokens == ar_tokens(tuple(map(tuple, PROMPTS3)))
+    programs = spec_program._cache_size()
+    caplog.set_level(logging.WARNING, logger="jax")
+    with jax.log_compiles():
+        second = generate(target, drafter, PROMPTS3, method=_auto(random_pair, OTHER), max_new_tokens=NEW)
+        jax.jit(lambda x: x * 3)(jnp.ones(7))  # the log works: this one compiles
+    assert second.tokens == first.tokens
+    assert spec_program._cache_size() == programs
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("Compiling jit(<lambda>)") for m in logged)
+    assert not [m for m in logged if "jit(spec_program)" in m]
+    # a table with another static part is another program
+    hopeless = validate(target, drafter, PROMPTS3, method=_auto(random_pair, (1.0, 9.0, 9.0, 9.0, 9.0)),
+                        max_new_tokens=NEW)
+    assert hopeless.plan != runs[0].plan and hopeless.plan.method.viable == (True, False, False, False, False)
+
+
 # ----------------------------------------------------------------------------- the round
 
 
-def test_switch_branches_return_identical_state_layouts(random_pair):
+def test_branches_return_identical_state_layouts(random_pair):
     target, drafter = random_pair
-    run = validate(target, drafter, PROMPTS3, method=Auto(sizes=SIZES, table=_table(random_pair)),
-                   max_new_tokens=20)
+    run = validate(target, drafter, PROMPTS3, method=_auto(random_pair), max_new_tokens=NEW)
     plan = run.plan
     graphdefs, states = split_pair(target, drafter)
     args = run.device_args()
-    # shapes only (traced, never run: running the start, draft and expansion op by op took ~15 s)
-    state = jax.eval_shape(lambda a: spec_start(graphdefs, states, *a, plan=plan, cache_size=run.cache_size,
-                                                buf_len=run.buf_len), args)
-    blk = jax.eval_shape(lambda s: auto_mod.draft(target, drafter, s, plan=plan), state)
-    aprop = jax.eval_shape(lambda s, b: auto_mod.auto_expand(target, drafter, s, b, args.temperature,
+    # shapes only (traced, never run)
+    state = jax.eval_shape(lambda a, i: spec_start(graphdefs, states, *a, i, plan=plan, cache_size=run.cache_size,
+                                                   buf_len=run.buf_len), args, run.device_inputs())
+    blk = jax.eval_shape(lambda s: adaptive.draft(target, drafter, s, plan=plan), state)
+    aprop = jax.eval_shape(lambda s, b: adaptive.auto_expand(target, drafter, s, b, args.temperature,
                                                              jax.random.key(1), plan=plan), state, blk)
     assert aprop.raw.shape == (3, len(SIZES))
     layouts = []
     for i in range(len(SIZES)):
         out = jax.eval_shape(
-            lambda s, a, i=i: auto_mod._branch(i, target, drafter, s, a, args.temperature, jax.random.key(2),
+            lambda s, a, i=i: adaptive._branch(i, target, drafter, s, a, args.temperature, jax.random.key(2),
                                                args.max_new, args.eos, plan=plan), state, aprop)
         layouts.append((jax.tree.structure(out), [(x.shape, x.dtype) for x in jax.tree.leaves(out)]))
     assert all(lay == layouts[0] for lay in layouts[1:])
     # the auto round keeps the state's own layout (the while_loop carry)
-    new = jax.eval_shape(lambda s: auto_mod.auto_round(target, drafter, s, plan, args.max_new, args.eos,
+    new = jax.eval_shape(lambda s: adaptive.auto_round(target, drafter, s, plan, args.max_new, args.eos,
                                                        args.temperature), state)
     assert jax.tree.structure(new) == jax.tree.structure(state)
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(new)] == [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
@@ -164,56 +245,56 @@ def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(rando
     chain prediction and the trees' last ones picks a tree, or when no tree prediction exists yet and some tree
     size is viable (with no viable tree size no tree is ever built)."""
     target, drafter = random_pair
-
     graphdefs, states = split_pair(target, drafter)
-    cheap = (1.0, 1.1, 1.2, 1.3, 1.4)
-    run = validate(target, drafter, PROMPTS3, method=Auto(sizes=SIZES, table=_table(random_pair, seconds=cheap)),
-                   max_new_tokens=20)
+    run = validate(target, drafter, PROMPTS3, method=_auto(random_pair), max_new_tokens=NEW)
     args = run.device_args()
-    state = spec_start(graphdefs, states, *args, plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
-    assert int(state.auto.idle) > 0  # the first round is a probe
-    blk = auto_mod.draft(target, drafter, state, plan=run.plan)
+    state = spec_start(graphdefs, states, *args, run.device_inputs(), plan=run.plan, cache_size=run.cache_size,
+                       buf_len=run.buf_len)
+    assert int(state.extra.idle) > 0  # the first round is a probe
+    blk = adaptive.draft(target, drafter, state, plan=run.plan)
 
-    def probe_builds_tree(seconds, last):
-        plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method,
-                                                                        table=_table(random_pair, seconds=seconds)))
-        st = dataclasses.replace(state, auto=dataclasses.replace(state.auto, last=jnp.asarray(last, jnp.float32)))
-        aprop = auto_mod.auto_expand(target, drafter, st, blk, args.temperature, jax.random.key(1),
-                                     jnp.int32(SIZES.index("chain")), plan=plan)
-        return bool(aprop.tree_built)
+    @functools.partial(jax.jit, static_argnames="plan")
+    def builds_tree(st, *, plan):
+        return adaptive.auto_expand(target, drafter, st, blk, args.temperature, jax.random.key(1),
+                                    jnp.int32(SIZES.index("chain")), plan=plan).tree_built
+
+    def probe_builds_tree(last, plan=run.plan):
+        st = dataclasses.replace(state, extra=dataclasses.replace(state.extra, last=jnp.asarray(last, jnp.float32)))
+        return bool(builds_tree(st, plan=plan))
 
     k = len(SIZES)
-    assert probe_builds_tree(cheap, np.zeros((3, k)))  # no tree prediction yet: built
-    assert probe_builds_tree(cheap, np.tile([0, 0, 50.0, 60.0, 70.0], (3, 1)))  # trees promise far more: a tree
-    assert not probe_builds_tree(cheap, np.tile([0, 0, 1e-3, 1e-3, 1e-3], (3, 1)))  # known, hopeless: no tree
+    assert probe_builds_tree(np.zeros((3, k)))  # no tree prediction yet: built
+    assert probe_builds_tree(np.tile([0, 0, 50.0, 60.0, 70.0], (3, 1)))  # trees promise far more: a tree
+    assert not probe_builds_tree(np.tile([0, 0, 1e-3, 1e-3, 1e-3], (3, 1)))  # known, hopeless: no tree
     # every tree size costs more plain steps than half its most tokens: not viable, never built, even unknown
-    assert not probe_builds_tree((1.0, 1.1, 50.0, 60.0, 70.0), np.zeros((3, k)))
+    costly = run.plan.method.with_table(run.plan, _table(random_pair, seconds=(1.0, 1.1, 50.0, 60.0, 70.0)))
+    assert not probe_builds_tree(np.zeros((3, k)), costly)
 
 
 def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
     """A burst of plain steps projects the drafter's context once per chunk of ``depth + 1`` steps; the context
     (and everything else) must equal that of the steps taken one by one, each extending the context."""
     target, drafter = random_pair
-    run = validate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 16), table=_table(random_pair, sizes=(0, 16))),
-                   max_new_tokens=48)
+    run = validate(target, drafter, PROMPTS3, method=_auto(random_pair), max_new_tokens=NEW)
     plan, args = run.plan, run.device_args()
     graphdefs, states = split_pair(target, drafter)
-    state = spec_start(graphdefs, states, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    state = spec_start(graphdefs, states, *args, run.device_inputs(), plan=plan, cache_size=run.cache_size,
+                       buf_len=run.buf_len)
     steps = 2 * (plan.depth + 1) + 3  # two whole chunks and a partial one
-    state = dataclasses.replace(state, auto=dataclasses.replace(state.auto, gap=jnp.int32(steps), idle=jnp.int32(0)))
+    state = dataclasses.replace(state, extra=dataclasses.replace(state.extra, gap=jnp.int32(steps), idle=jnp.int32(0)))
     key = jax.random.key(3)
-    burst = jax.jit(lambda s: auto_mod.auto_plain(target, drafter, s, args.max_new, args.eos, args.temperature, key,
+    burst = jax.jit(lambda s: adaptive.auto_plain(target, drafter, s, args.max_new, args.eos, args.temperature, key,
                                                   plan=plan))(state)
 
     @jax.jit
     def one(s, j):
-        return auto_mod._plain_step(target, drafter, s, args.temperature, jax.random.fold_in(key, j), args.max_new,
+        return adaptive._plain_step(target, drafter, s, args.temperature, jax.random.fold_in(key, j), args.max_new,
                                     args.eos, plan)[0]
 
     single = state
     for j in range(steps):
         single = one(single, j)
-    assert int(burst.auto.idle) == steps
+    assert int(burst.extra.idle) == steps
     np.testing.assert_array_equal(burst.out, single.out)
     np.testing.assert_array_equal(burst.ctx.lengths, single.ctx.lengths)
     np.testing.assert_array_equal(burst.cache.lengths, single.cache.lengths)
@@ -224,21 +305,18 @@ def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
 
 
 # both batch sizes and both decide modes in the default run; the other two pairings are slow
-@pytest.mark.parametrize(("batch", "decide"), [(1, "draft"), (3, "previous"),
+@pytest.mark.parametrize(("batch", "decide"), [(3, "previous"), (1, "draft"),
                                                pytest.param(1, "previous", marks=pytest.mark.slow),
                                                pytest.param(3, "draft", marks=pytest.mark.slow)])
-def test_greedy_auto_equals_ar(random_pair, decide, batch):
+def test_greedy_auto_equals_ar(random_pair, ar_tokens, decide, batch):
     target, drafter = random_pair
     prompts = PROMPTS3[:batch]
-    ar = generate(target, None, prompts, max_new_tokens=30).tokens
-    # costs that make every candidate worth choosing sometimes
-    table = _table(random_pair, seconds=(1.0, 1.3, 1.4, 1.6, 2.5), decide=decide)
-    out = generate(target, drafter, prompts, method=Auto(sizes=SIZES, decide=decide, table=table),
-                   max_new_tokens=30)
-    assert out.tokens == ar
+    m = _auto(random_pair, decide=decide)
+    out = generate(target, drafter, prompts, method=m, max_new_tokens=NEW)
+    assert out.tokens == ar_tokens(tuple(map(tuple, prompts)))
     assert [len(c) for c in out.size_choices] == out.rounds
     assert sum(out.size_counts.values()) == sum(out.rounds)
-    assert set(out.size_counts) <= set(table.labels)
+    assert set(out.size_counts) <= set(m.table.labels)
     for lens, sizes in zip(out.acceptance_lengths, out.size_choices, strict=True):
         for n, label in zip(lens, sizes, strict=True):
             assert n == 1 or label != "ar"  # a plain step commits exactly one token
@@ -246,17 +324,16 @@ def test_greedy_auto_equals_ar(random_pair, decide, batch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("decide", ["draft", "previous"])
-def test_every_candidate_alone_is_exact(random_pair, decide):
+def test_every_candidate_alone_is_exact(random_pair, ar_tokens, decide):
     """A cost table that makes one candidate far cheaper forces it each round (but the probe drafts of
     decide="previous" when it is the plain step): each branch is exact on its own."""
     target, drafter = random_pair
-    ar = generate(target, None, PROMPTS3, max_new_tokens=16).tokens
     labels = Auto(sizes=SIZES).resolve(drafter).labels()
     for i, label in enumerate(labels):
         seconds = tuple(1e-3 if j == i else 1.0 for j in range(len(labels)))
-        out = generate(target, drafter, PROMPTS3, max_new_tokens=16,
+        out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW,
                        method=Auto(sizes=SIZES, decide=decide, table=CostTable(labels, seconds)))
-        assert out.tokens == ar, label
+        assert out.tokens == ar_tokens(tuple(map(tuple, PROMPTS3))), label
         counts = out.size_counts
         if decide == "draft" or label != "ar":
             assert set(counts) == {label}, (label, counts)
@@ -265,78 +342,57 @@ def test_every_candidate_alone_is_exact(random_pair, decide):
 
 
 @pytest.mark.slow
-def test_default_auto_profiles_once_and_is_exact(random_pair, monkeypatch):
+def test_instrumented_and_stream_auto_match(random_pair, ar_tokens):
     target, drafter = random_pair
-    monkeypatch.setattr(auto_mod, "_CACHE", {})
-    calls = []
-    real = auto_mod.profile_costs
-
-    def counting(*a, **k):
-        calls.append(k.get("batch_size"))
-        return real(*a, **{**k, "repeats": 1})
-
-    monkeypatch.setattr(auto_mod, "profile_costs", counting)
-    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
-    assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=20).tokens == ar
-    assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=12).tokens == [t[:12] for t in ar]
-    assert calls == [3]  # profiled once for this batch and cache size, then cached in the process
-
-
-@pytest.mark.slow
-def test_instrumented_and_stream_auto_match(random_pair):
-    target, drafter = random_pair
-    table = _table(random_pair)
-    m = Auto(sizes=SIZES, table=table)
-    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
-    inst = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, instrument=True)
+    m = _auto(random_pair)
+    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    inst = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, instrument=True)
     assert inst.tokens == ar and inst.size_counts
-    chunks = list(sparkjax.stream(target, drafter, PROMPTS3, method=m, max_new_tokens=20))
+    chunks = list(sparkjax.stream(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))
     assert [sum((c[b] for c in chunks), []) for b in range(3)] == ar
 
 
 def test_no_host_transfer_during_an_auto_generation(random_pair):
     target, drafter = random_pair
-    m = Auto(sizes=SIZES, table=_table(random_pair))
-    jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20))  # compile
+    m = _auto(random_pair)
+    jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))  # compile
     with jax.transfer_guard_device_to_host("disallow"):
-        res = launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
-        jax.block_until_ready(res)
-    assert len(res) == 7 and int(np.asarray(res[1]).min()) == 20  # ..., depth_hits, choices, memory
-    assert isinstance(res[6], auto_mod.AutoMemory)
+        res = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))
+    assert int(np.asarray(res.n).min()) == NEW and isinstance(res.extra.memory, adaptive.AutoMemory)
+    assert res.extra.choices.shape[0] == 3 and res.labels == m.resolve(drafter).labels()
     # a launch started from the last one's memory (device arrays): still no transfer to the host, and no new
     # program (a memory is a traced input, fresh or carried, on device or on the host)
     programs = spec_program._cache_size()
     with jax.transfer_guard_device_to_host("disallow"):
-        again = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=20,
-                                             auto_memory=res[6]))
-    host = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=again[6]).auto_memory
-    generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=host)
+        again = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW,
+                                             auto_memory=res.extra.memory))
+    host = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=again.extra.memory)
+    generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=host.auto_memory)
     assert spec_program._cache_size() == programs
-    # the compiled program alone, with its inputs already on device: no transfer of any kind
-    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
+    # the compiled program alone, with its inputs (the table's seconds, the memory) already on device: no
+    # transfer of any kind
+    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW)
     graphdefs, states = split_pair(target, drafter)
-    args = jax.block_until_ready(run.device_args())
+    args, inputs = jax.block_until_ready((run.device_args(), run.device_inputs()))
     kw = dict(plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
-    jax.block_until_ready(spec_program(graphdefs, states, *args, **kw))
     with jax.transfer_guard("disallow"):
-        out = jax.block_until_ready(spec_program(graphdefs, states, *args, **kw))
-    assert len(out) == 8
+        jax.block_until_ready(spec_program(graphdefs, states, *args, inputs, **kw))
 
 
 # ----------------------------------------------------------------------------- the memory carried across generations
 
 
-@pytest.mark.slow  # the default run keeps a carried memory's exactness in the first-round and eval-engine tests
+@pytest.mark.slow  # the default run keeps a carried memory's exactness in the first-round and no-transfer tests
 @pytest.mark.parametrize("batch", [1, 3])
-def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, batch):
+def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, ar_tokens, batch):
     """A chain of generations, each from the last one's memory (host copies, across batch sizes too): the tokens
     are the target's greedy ones; the memory has the method's candidates and sane values."""
     target, drafter = random_pair
-    m = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 1.3, 1.4, 1.6, 2.5)))
+    m = _auto(random_pair)
     memory = None
     for prompts in (PROMPTS3[:batch], PROMPTS3[::-1][:batch], PROMPTS3[1:2]):
-        out = generate(target, drafter, prompts, method=m, max_new_tokens=24, auto_memory=memory)
-        assert out.tokens == generate(target, None, prompts, max_new_tokens=24).tokens
+        out = generate(target, drafter, prompts, method=m, max_new_tokens=NEW, auto_memory=memory)
+        assert out.tokens == ar_tokens(tuple(map(tuple, prompts)))
         memory = out.auto_memory
         assert memory.labels == m.resolve(drafter).labels()
         assert all(np.asarray(getattr(memory, f)).shape == (len(SIZES),) for f in ("real", "pred", "last"))
@@ -344,39 +400,41 @@ def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, bat
     assert generate(target, drafter, PROMPTS3[:1], method="dspark", max_new_tokens=8).auto_memory is None
 
 
-def test_auto_memory_sets_the_first_round_state(random_pair):
+def test_auto_memory_sets_the_first_round_state(random_pair, ar_tokens):
     """init_state from a memory: its calibration, predictions and gap, and a probe due at the first round (idle =
     gap); from none, the fresh state. And the memory decides: one that says drafts accept nothing (realised 0 of
-    many predicted) makes every round of a generation a plain step, while a fresh start drafts."""
+    many predicted) makes every round of a generation a plain step, while a fresh start under a table that makes
+    drafts cheap drafts (both in the one program of these tables)."""
     target, drafter = random_pair
-    m = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 1.3, 1.4, 1.6, 2.5)))
-    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=20)
+    m = _auto(random_pair)
+    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW)
     k = len(SIZES)
-    mem = auto_mod.AutoMemory(real=np.zeros(k, np.float32), pred=np.full(k, 50.0, np.float32),
+    mem = adaptive.AutoMemory(real=np.zeros(k, np.float32), pred=np.full(k, 50.0, np.float32),
                               last=np.arange(k, dtype=np.float32), gap=np.int32(40), labels=run.plan.method.labels())
-    st = auto_mod.init_state(run.plan, 3, 20, auto_mod.check_auto_memory(mem, run.plan))
+    st = adaptive.init_state(run.plan, 3, 20, run.plan.method.inputs(run.plan, memory=mem))
     np.testing.assert_array_equal(st.pred, mem.pred)
     np.testing.assert_array_equal(st.last, np.broadcast_to(mem.last, (3, k)))
+    np.testing.assert_allclose(st.seconds, BASE)
     assert int(st.gap) == 40 and int(st.idle) == 40
-    fresh = auto_mod.init_state(run.plan, 3, 20)
-    floor = auto_mod.gap_floor(run.plan.method, run.plan.depth)
-    assert int(fresh.gap) == int(fresh.idle) == floor and not np.asarray(fresh.pred).any()
-    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
-    hopeless = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=20, auto_memory=mem)
+    fresh = adaptive.init_state(run.plan, 3, 20, run.inputs)
+    assert int(fresh.gap) == int(fresh.idle) == run.plan.method.floor == 4 and not np.asarray(fresh.pred).any()
+    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    hopeless = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=mem)
     assert hopeless.tokens == ar and set(hopeless.size_counts) == {"ar"}
-    eager = Auto(sizes=SIZES, table=_table(random_pair, seconds=(1.0, 0.01, 0.01, 0.01, 0.01)))
-    assert set(generate(target, drafter, PROMPTS3, method=eager, max_new_tokens=20).size_counts) != {"ar"}
+    eager = generate(target, drafter, PROMPTS3, method=_auto(random_pair, (1.0, 0.01, 0.01, 0.01, 0.01)),
+                     max_new_tokens=NEW)
+    assert eager.tokens == ar and set(eager.size_counts) != {"ar"}
 
 
 def test_bad_auto_memory_names_the_argument(random_pair):
     target, drafter = random_pair
-    m = Auto(sizes=SIZES, table=_table(random_pair))
+    m = _auto(random_pair)
     # a well-formed memory without a generation (memory is checked before anything compiles; a real output's
     # memory is accepted in the memory tests above)
-    good = auto_mod.fresh_memory(validate(target, drafter, PROMPTS3[:1], method=m, max_new_tokens=6).plan)
-    other = Auto(sizes=(0, "chain", 8), table=_table(random_pair, sizes=(0, "chain", 8)))
+    good = adaptive.fresh_memory(validate(target, drafter, PROMPTS3[:1], method=m, max_new_tokens=6).plan)
+    other = _auto(random_pair, sizes=(0, "chain", 8), seconds=(1.0, 1.3, 1.4))
     bad = [
-        (dict(method="dspark", auto_memory=good), "only method 'auto'"),
+        (dict(method="dspark", auto_memory=good), "keeps no memory"),
         (dict(method=m, auto_memory={"real": [0.0]}), "AutoMemory"),
         (dict(method=other, auto_memory=good), "candidates"),
         (dict(method=m, auto_memory=dataclasses.replace(good, real=np.full(5, np.nan, np.float32))), "real"),
@@ -391,24 +449,23 @@ def test_bad_auto_memory_names_the_argument(random_pair):
         assert words in str(e.value), (kw, e.value)
 
 
-def test_eval_engine_carries_auto_memory_per_chain(random_pair, monkeypatch):
+def test_eval_engine_carries_auto_memory_per_chain(random_pair, ar_tokens, monkeypatch):
     """The eval's engine keeps the memory of each chain (batch size, repetition) of method auto, and none without
-    carry_auto or for other methods."""
+    carry_auto or for other methods; its default auto takes the table for its shape (here a hand-made one)."""
     from sparkjax.eval.engine import Engine, MethodConfig
 
     target, drafter = random_pair
-    monkeypatch.setattr(auto_mod, "_CACHE", {})  # a hand-made table instead of profiling (the engine's own path)
-    monkeypatch.setattr(auto_mod, "profile_costs", lambda t, d, *, method, **kw: _table(
-        random_pair, sizes=method.sizes, seconds=[1.0 + 0.1 * i for i in range(len(method.sizes))]))
+    monkeypatch.setattr(costs, "profile", lambda t, d, plan, **kw: _table(random_pair, plan.method.sizes,
+                                                                           BASE[: len(plan.method.sizes)]))
     kw = dict(eos=[], temperature=0.0, max_new_tokens=6, cache_size=64, prompt_width=8)
     eng = Engine(target, drafter, **kw)
     mc = MethodConfig("auto", 16)
     assert eng.memory(mc, 1, 0) is None
     res = eng.launch(mc, PROMPTS3[:1], 0)
     eng.remember(mc, 1, 0, res)
-    assert isinstance(eng.memory(mc, 1, 0), auto_mod.AutoMemory) and eng.memory(mc, 1, 1) is None
-    assert eng.outputs(eng.launch(mc, PROMPTS3[:1], 0, auto_memory=eng.memory(mc, 1, 0)), 1).tokens == \
-        generate(target, None, PROMPTS3[:1], max_new_tokens=6).tokens
+    assert isinstance(eng.memory(mc, 1, 0), adaptive.AutoMemory) and eng.memory(mc, 1, 1) is None
+    out = eng.outputs(eng.launch(mc, PROMPTS3[:1], 0, auto_memory=eng.memory(mc, 1, 0)), 1)
+    assert out.tokens == [t[:6] for t in ar_tokens((tuple(PROMPTS3[0]),))]
     eng.remember(MethodConfig("dspark"), 1, 0, eng.launch(MethodConfig("dspark"), PROMPTS3[:1], 0))
     assert eng.memory(MethodConfig("dspark"), 1, 0) is None
     fresh = Engine(target, drafter, carry_auto=False, **kw)
@@ -432,47 +489,44 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
 
     def fake(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
         i = int(force)
-        calls.append((i, rounds, int(start.auto.gap)))
-        work = rounds * (int(start.auto.gap) if i == 0 else 1) * per_step[i]
-        clock[0] += overhead + work
+        calls.append((i, rounds, int(start.extra.gap)))
+        clock[0] += overhead + rounds * (int(start.extra.gap) if i == 0 else 1) * per_step[i]
         return start
 
-    monkeypatch.setattr(auto_mod, "_forced_rounds_fn", lambda: fake)
-    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(costs, "forced_rounds", fake)
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
     table = profile_costs(target, drafter, method=Auto(sizes=sizes), repeats=3)
     np.testing.assert_allclose(table.seconds, [per_step[0], per_step[1], per_step[2]], rtol=1e-9)
     timed = {(i, r, g) for i, r, g in calls if r > 0}
-    assert timed == {(0, 1, auto_mod.PROFILE_BURST), (1, auto_mod.PROFILE_ROUNDS, 1), (2, auto_mod.PROFILE_ROUNDS, 1)}
+    assert timed == {(0, 1, costs.PROFILE_BURST), (1, costs.PROFILE_ROUNDS, 1), (2, costs.PROFILE_ROUNDS, 1)}
     assert sum(r == 0 for _, r, _ in calls) == sum(r > 0 for _, r, _ in calls)  # each timed call has its empty twin
-    # a busy machine: the empty call took longer than the whole one -> the whole time, not 0 or a negative one
-    state = {"n": 0}
 
     def noisy(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
-        state["n"] += 1
-        clock[0] += 1e-3 if rounds else 5e-3
+        clock[0] += 1e-3 if rounds else 5e-3  # a busy machine: the empty call took longer than the whole one
         return start
 
-    monkeypatch.setattr(auto_mod, "_forced_rounds_fn", lambda: noisy)
+    monkeypatch.setattr(costs, "forced_rounds", noisy)
     busy = profile_costs(target, drafter, method=Auto(sizes=sizes), repeats=1)
-    assert busy.seconds[0] == pytest.approx(1e-3 / auto_mod.PROFILE_BURST)
-    assert busy.seconds[1] == pytest.approx(1e-3 / auto_mod.PROFILE_ROUNDS) and min(busy.seconds) > 0
+    assert busy.seconds[0] == pytest.approx(1e-3 / costs.PROFILE_BURST)
+    assert busy.seconds[1] == pytest.approx(1e-3 / costs.PROFILE_ROUNDS) and min(busy.seconds) > 0
 
 
-def test_profile_costs_save_and_load(random_pair, tmp_path):
+def test_profile_costs_save_and_load(random_pair, ar_tokens, tmp_path):
     target, drafter = random_pair
     tab = profile_costs(target, drafter, method=Auto(sizes=(0, "chain")), batch_size=2, cache_size=64, repeats=1)
     assert tab.labels == ("ar", "dspark")
     assert all(s > 0 for s in tab.seconds) and all(0 < b <= s for b, s in zip(tab.best, tab.seconds, strict=True))
     key = tab.key_dict
     assert key["batch"] == 2 and key["cache_size"] == 64 and key["device"].startswith(jax.devices()[0].platform)
+    assert key["jax"] == jax.__version__
     path = tmp_path / "costs.json"
     tab.save(path)
     back = load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain")),
                            batch_size=2, cache_size=64)
     assert back == tab
     m = Auto(sizes=(0, "chain"), table=back)  # a loaded table is used as is
-    assert generate(target, drafter, PROMPTS3, method=m, max_new_tokens=8).tokens == \
-        generate(target, None, PROMPTS3, max_new_tokens=8).tokens
+    assert generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW).tokens == \
+        ar_tokens(tuple(map(tuple, PROMPTS3)))
     with pytest.raises(CostTableError, match=r"costs.json: key 'batch' is 2, this run needs 4"):
         load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain")),
                         batch_size=4, cache_size=64)
@@ -499,6 +553,72 @@ def test_unreadable_cost_tables_name_the_file(tmp_path):
     with pytest.raises(CostTableError, match="neg.json"):
         load_cost_table(neg)
     assert issubclass(CostTableError, SparkjaxError)
+
+
+# ----------------------------------------------------------------------------- the per-machine table cache
+
+
+def test_a_profiled_table_is_kept_per_machine_and_a_damaged_file_is_rewritten(random_pair, ar_tokens, tmp_path,
+                                                                               monkeypatch, recwarn):
+    """With a cache folder: the first default ``auto`` run profiles and writes its table there; another process
+    (here: the process cache emptied) reads it without profiling; a damaged file (bad JSON, wrong fields, another
+    key) is ignored with one warning, profiled again and rewritten; ``off`` writes nothing."""
+    target, drafter = random_pair
+    monkeypatch.setenv("SPARKJAX_CACHE_DIR", str(tmp_path))
+    profiled = []
+
+    def fake(t, d, plan, *, batch_size, cache_size, **kw):
+        profiled.append((batch_size, cache_size))
+        return CostTable(plan.method.labels(), BASE, BASE, costs.cost_key(t, d, plan, batch_size, cache_size))
+
+    monkeypatch.setattr(costs, "profile", fake)
+    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    assert generate(target, drafter, PROMPTS3, method=Auto(sizes=SIZES), max_new_tokens=NEW).tokens == ar
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(profiled) == 1 and len(files) == 1
+    saved = load_cost_table(files[0])
+    assert saved.seconds == BASE and saved.key_dict["jax"] == jax.__version__
+    monkeypatch.setattr(costs, "_TABLES", {})
+
+    def refuse(*a, **k):
+        raise AssertionError("profiled although the cache folder holds the table")
+
+    monkeypatch.setattr(costs, "profile", refuse)
+    assert generate(target, drafter, PROMPTS3, method=Auto(sizes=SIZES), max_new_tokens=NEW).tokens == ar
+    monkeypatch.setattr(costs, "profile", fake)
+    plan = Auto(sizes=SIZES).plan(target, drafter, False)
+    other_key = dataclasses.replace(saved, key=(("batch", 99),))
+    for damage in ("{not json", json.dumps({"format": "sparkjax-cost-table", "candidates": []}),
+                   json.dumps(other_key.as_dict())):
+        files[0].write_text(damage)
+        monkeypatch.setattr(costs, "_TABLES", {})
+        recwarn.clear()
+        assert costs.table_for(target, drafter, plan, 3, 64).seconds == BASE
+        assert len(recwarn) == 1 and "damaged cost table" in str(recwarn[0].message)
+        assert "\n" not in str(recwarn[0].message)
+        assert load_cost_table(files[0]).key == costs.cost_key(target, drafter, plan, 3, 64)  # rewritten
+    off = tmp_path / "off"
+    monkeypatch.setenv("SPARKJAX_CACHE_DIR", "off")
+    monkeypatch.setattr(costs, "_TABLES", {})
+    costs.table_for(target, drafter, plan, 3, 64)
+    assert not off.exists() and list((tmp_path / "costs").glob("*.json")) == files
+
+
+@pytest.mark.slow
+def test_default_auto_profiles_once_and_is_exact(random_pair, ar_tokens, monkeypatch):
+    target, drafter = random_pair
+    calls = []
+    real = costs.profile
+
+    def counting(*a, **k):
+        calls.append(k.get("batch_size"))
+        return real(*a, **{**k, "repeats": 1})
+
+    monkeypatch.setattr(costs, "profile", counting)
+    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=NEW).tokens == ar
+    assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=12).tokens == [t[:12] for t in ar]
+    assert calls == [3]  # profiled once for this batch and cache size, then kept in the process
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -541,6 +661,10 @@ def test_auto_checks_against_the_pair(random_pair):
         generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 64), top_c=2), max_new_tokens=4)
     with pytest.raises(ArgumentError, match="table: its candidates"):
         generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 8), table=_table(random_pair)), max_new_tokens=4)
+    with pytest.raises(ArgumentError, match="method: profile_costs times the candidates of method 'auto'"):
+        profile_costs(target, drafter, method="dspark")
+    with pytest.raises(ArgumentError, match="method: cost tables are for method 'auto'"):
+        load_cost_table("x.json", target=target, drafter=drafter, method="ar", batch_size=1, cache_size=64)
     _, plain = _random_pair(markov=False)
     with pytest.raises(ArgumentError, match="method: 'auto' needs a drafter with a Markov head"):
         generate(target, plain, PROMPTS3, method=Auto(tree="sparklingtree"), max_new_tokens=4)
@@ -556,33 +680,11 @@ def test_parse_auto():
     assert "auto" in sparkjax.METHODS
 
 
-# ----------------------------------------------------------------------------- the eval's column
-
-
-def test_eval_reports_the_share_of_rounds_per_size():
-    from sparkjax.eval import harness, report
-    from sparkjax.eval.engine import Engine
-
-    samples = [{"size_choices": ["ar", "ar", "dspark"]}, {"size_choices": ["sparklingtree@16"]}]
-    share = harness._size_share(samples)
-    assert share == {"ar": 0.5, "dspark": 0.25, "sparklingtree@16": 0.25}
-    assert harness._size_share([{"acceptance_lengths": [1]}]) is None  # other methods: no column
-    flat = report.flat_row({"dataset": "all", "label": "auto", "size_share": share, "accept_rate": []})
-    assert flat["chosen_ar"] == 0.5 and flat["chosen_sparklingtree@16"] == 0.25 and "size_share" not in flat
-    # a finished auto launch: out, n, accept_lens, rounds, depth_hits, choices, nonfinite
-    res = (np.array([[5, 6, 7, 0]]), np.array([3]), np.array([[1, 2, 0, 0]]), np.array([2]), np.array([[1, 0]]),
-           np.array([[0, 2, -1, -1]]), np.array([-1]))
-    out = Engine.outputs(res, labels=("ar", "dspark", "sparklingtree@16"))
-    assert out.size_choices == [["ar", "sparklingtree@16"]] and out.acceptance_lengths == [[1, 2]]
-    assert "auto" in [mc.label for mc in harness.method_configs(harness.EvalConfig())[0]]
-    assert "auto" not in harness.BASELINE_METHODS  # auto runs with --drafter (sparklingtree / dspark)
-
-
 def test_eval_describes_every_default_method(random_pair):
     """The eval's per-method record (results.json) for every method it runs by default, auto included: the
     tree options resolve (auto reports the candidates of the tree it builds; chains have none)."""
+    from sparkjax.eval.config import DEFAULT_BUDGETS
     from sparkjax.eval.engine import Engine, MethodConfig
-    from sparkjax.eval.harness import DEFAULT_BUDGETS
 
     target, drafter = random_pair
     eng = Engine(target, drafter, eos=[], temperature=0.0, max_new_tokens=8, cache_size=256, prompt_width=64)
@@ -590,44 +692,26 @@ def test_eval_describes_every_default_method(random_pair):
     for name in sparkjax.engine.METHODS:
         budget = DEFAULT_BUDGETS[0] if name in sparkjax.engine.TREE_METHODS else None
         seen[name] = eng.describe(MethodConfig(name, budget))
-    assert seen["auto"]["candidates"] == "union" and seen["auto"]["nodes"] == max(Auto().sizes[2:])
-    assert seen["dspark"]["candidates"] is None and seen["ddtree"]["candidates"] == "base"
+    assert eng.plan(MethodConfig("auto")).candidates == "union"
+    assert seen["auto"]["nodes"] == max(Auto().sizes[2:])
+    assert eng.plan(MethodConfig("dspark")).candidates is None and seen["ddtree"]["candidates"] == "base"
     assert seen["sparklingtree"]["candidates"] == "union"
 
 
-def test_sizes_that_cannot_pay_are_never_chosen_nor_probed(random_pair):
-    """With a hand-made table: a drafted size whose round costs at least ``viable_share`` x its depth + 1
-    tokens in plain steps is not viable; probes wait as many plain steps as the cheapest viable drafted round
-    costs; when no drafted size can pay, a generation is plain steps only (and still the target's greedy
-    tokens)."""
-    sizes = (0, "chain", 8)
-    labels = ("ar", "dspark", "sparklingtree@8")
-    m = Auto(sizes=sizes, table=CostTable(labels, (1.0, 30.0, 5.0)), viable_share=1)
-    assert auto_mod.viable(m, 16) == (True, False, True)  # chain: 17 tokens < 30 steps; tree@8: 9 > 5
-    assert auto_mod.gap_floor(m, 16) == 5  # max(probe=4, ceil(5 / 1))
-    # the default share 0.5: tree@8 must pay at 4.5 tokens (not at 5 steps), the chain at 8.5 (at 8 steps)
-    half = Auto(sizes=sizes, table=CostTable(labels, (1.0, 8.0, 5.0)))
-    assert half.viable_share == 0.5 and auto_mod.viable(half, 16) == (True, True, False)
-    assert auto_mod.gap_floor(half, 16) == 8
-    assert not auto_mod.drafts_can_pay(Auto(sizes=sizes, table=CostTable(labels, (1.0, 9.0, 5.0))), 16)
-    assert auto_mod.drafts_can_pay(Auto(sizes=sizes, table=CostTable(labels, (1.0, 9.0, 5.0)), viable_share=0.6), 16)
-    assert auto_mod.gap_floor(Auto(sizes=sizes, table=CostTable(labels, (1.0, 2.0, 3.0))), 16) == 4
-    assert auto_mod.gap_floor(Auto(sizes=sizes), 16) == 4  # no table: probe
+def test_plain_steps_only_when_no_draft_can_pay(random_pair, ar_tokens):
+    """When no drafted size can pay, a generation is plain steps only (still the target's greedy tokens) and the
+    prompt's features never enter the drafter's context; a drafting auto (decide="draft") still keeps it."""
     target, drafter = random_pair
-    hopeless = Auto(sizes=sizes, table=CostTable(Auto(sizes=sizes).resolve(drafter).labels(), (1.0, 100.0, 100.0)))
-    out = generate(target, drafter, PROMPTS3, max_new_tokens=12, method=hopeless)
-    assert out.tokens == generate(target, None, PROMPTS3, max_new_tokens=12).tokens
-    assert set(out.size_counts) == {"ar"}
-    # no draft can ever pay: the prompt's features never enter the drafter's context (plain steps only); a
-    # drafting auto (decide="draft") still keeps it
+    hopeless = _auto(random_pair, (1.0, 100.0, 100.0, 100.0, 100.0))
+    out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW, method=hopeless)
+    assert out.tokens == ar_tokens(tuple(map(tuple, PROMPTS3))) and set(out.size_counts) == {"ar"}
     graphdefs, states = split_pair(target, drafter)
-    for method, kept in ((hopeless, False), (Auto(sizes=sizes, table=CostTable(hopeless.table.labels, (1.0, 2.0, 3.0))),
-                                             True)):
-        run = validate(target, drafter, PROMPTS3, method=method, max_new_tokens=12)
-        assert auto_mod.keeps_context(run.plan) == kept
-        state = spec_start(graphdefs, states, *run.device_args(), plan=run.plan, cache_size=run.cache_size,
-                           buf_len=run.buf_len)
+    for method, kept in ((hopeless, False), (_auto(random_pair), True)):
+        run = validate(target, drafter, PROMPTS3, method=method, max_new_tokens=NEW)
+        assert run.plan.method.keeps_context(run.plan) == kept
+        state = spec_start(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
+                           cache_size=run.cache_size, buf_len=run.buf_len)
         assert bool((np.asarray(state.ctx.lengths) > 0).all()) == kept
         if not kept:  # drafting every round (decide="draft") needs the context whatever the table
             plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method, decide="draft"))
-            assert auto_mod.keeps_context(plan)
+            assert plan.method.keeps_context(plan)
