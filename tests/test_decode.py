@@ -12,19 +12,17 @@ import pytest
 from flax import nnx
 
 import sparkjax
-from sparkjax import load_drafter
-from sparkjax.config import DrafterConfig, Qwen3Config
-from sparkjax.engine import generate, launch, stream
+from sparkjax.engine import Auto, CostTable, Options, generate, launch, stream
 from sparkjax.nn.drafter import Drafter
-from sparkjax.nn.qwen3 import Qwen3
-from tests.conftest import jit_call
+from tests.conftest import NEW_LONG, PROMPTS3, jit_call
 
-TREES = ("ddtree", "sparklingtree", "sparklingtree-beam")
+TREES = ("ddtree", "sparklingtree", "sparklingtree-beam", "pctree")
+NEW = NEW_LONG
 
 
 @pytest.fixture(scope="module")
-def pair(fixture_target, fixture_dir):
-    return fixture_target, load_drafter(fixture_dir / "drafter", target=fixture_target)
+def pair(fixture_target, fixture_drafter):
+    return fixture_target, fixture_drafter
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +34,14 @@ def prompts3(ref):
 
 @pytest.fixture(scope="module")
 def ar3(pair, prompts3):
-    return generate(pair[0], None, prompts3, max_new_tokens=40).tokens
+    return generate(pair[0], None, prompts3, max_new_tokens=NEW).tokens
 
 
 SLOW = pytest.mark.slow
 # every method at one tree budget by default; the smallest and largest budgets in the slow run
 CASES = [("dflash", None), ("dspark", None)] + [
     pytest.param(m, b, id=f"{m}-{b}", marks=() if b == 8 else SLOW)
-    for m in TREES for b in (1, 8, 64) if not (m == "sparklingtree-beam" and b == 1)
+    for m in TREES for b in (1, 8, 64) if not (m in ("sparklingtree-beam", "pctree") and b == 1)
 ]
 
 
@@ -51,7 +49,7 @@ CASES = [("dflash", None), ("dspark", None)] + [
 def test_greedy_equals_ar_on_fixture_pair(pair, prompts3, ar3, method, budget):
     target, drafter = pair
     kw = {} if budget is None else {"budget": budget}
-    out = generate(target, drafter, prompts3, method=method, max_new_tokens=40, **kw)
+    out = generate(target, drafter, prompts3, method=method, max_new_tokens=NEW, **kw)
     assert out.tokens == ar3
     for lens, toks in zip(out.acceptance_lengths, out.tokens, strict=True):
         assert 1 <= min(lens) and max(lens) <= drafter.config.num_drafts + 1
@@ -82,34 +80,34 @@ def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
 
     Same batch and lengths as the exactness runs above, so the compiled programs are reused."""
     target, drafter = pair
-    base = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=40)
+    base = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW)
     toks, lens = base.tokens[0], base.acceptance_lengths[0]
     # a token committed strictly inside a multi-token round, at its first occurrence in sequence 0
     starts = np.cumsum([1] + lens[:-1])  # index in `toks` of each round's first committed token
     inside = [j for s, a in zip(starts, lens, strict=True) for j in range(s, min(s + a - 1, len(toks)))]
     choice = next(j for j in inside if toks.index(toks[j]) == j)
     eos = toks[choice]
-    ar = generate(target, None, prompts3, max_new_tokens=40, eos_token_ids=eos).tokens
+    ar = generate(target, None, prompts3, max_new_tokens=NEW, eos_token_ids=eos).tokens
     assert ar[0] == toks[: choice + 1]
     assert ar == [t[: t.index(eos) + 1] if eos in t else t for t in ar3]
     for method, kw in (("sparklingtree", {"budget": 8}), ("dspark", {})):
-        out = generate(target, drafter, prompts3, method=method, max_new_tokens=40, eos_token_ids=[eos], **kw)
+        out = generate(target, drafter, prompts3, method=method, max_new_tokens=NEW, eos_token_ids=[eos], **kw)
         assert out.tokens == ar, method
 
 
 def test_batch_one_equals_batch_three(pair, prompts3, ar3):
     target, drafter = pair
-    out = generate(target, drafter, [prompts3[0]], method="sparklingtree", budget=8, max_new_tokens=40)
+    out = generate(target, drafter, [prompts3[0]], method="sparklingtree", budget=8, max_new_tokens=NEW)
     assert out.tokens == [ar3[0]]
 
 
 def test_stream_and_instrumented_match_generate(pair, prompts3, ar3):
     target, drafter = pair
-    chunks = list(stream(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=40))
+    chunks = list(stream(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW))
     joined = [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)]
     assert joined == ar3
     assert len(chunks) > 2
-    inst = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=40, instrument=True)
+    inst = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW, instrument=True)
     assert inst.tokens == ar3
     assert set(inst.stage_seconds) == {"draft", "tree", "verify", "commit"}
     assert all(v > 0 for v in inst.stage_seconds.values())
@@ -117,48 +115,40 @@ def test_stream_and_instrumented_match_generate(pair, prompts3, ar3):
 
 def test_no_device_to_host_transfer_during_generation(pair, prompts3):
     target, drafter = pair
-    kw = dict(method="sparklingtree", budget=8, max_new_tokens=40)
+    kw = dict(method="sparklingtree", budget=8, max_new_tokens=NEW)
     jax.block_until_ready(launch(target, drafter, prompts3, **kw))  # warm-up: compile
     with jax.transfer_guard_device_to_host("disallow"):
         res = launch(target, drafter, prompts3, **kw)
         jax.block_until_ready(res)
-    assert int(np.asarray(res[1]).min()) == 40
+    assert int(np.asarray(res.n).min()) == NEW
 
 
 # ----------------------------------------------------------------------------- random pairs, sampling
 
 
-def _random_pair(vocab=16, seed=0, markov=True, block=4):
-    tcfg = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                       tie_word_embeddings=True)
-    target = Qwen3(tcfg, rngs=nnx.Rngs(seed))
-    # sharpen the random target so its distributions are far from uniform
-    nnx.update(target, jax.tree.map(lambda x: x * 8.0, nnx.state(target.embed_tokens, nnx.Param)))
-    fields = {f.name: getattr(tcfg, f.name) for f in dataclasses.fields(Qwen3Config)}
-    dcfg = DrafterConfig(**{**fields, "num_hidden_layers": 1, "tie_word_embeddings": False}, kind="dspark",
-                         block_size=block, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_target_layers=3,
-                         markov_rank=4 if markov else 0, markov_head_type="vanilla" if markov else None)
-    drafter = Drafter(dcfg, rngs=nnx.Rngs(seed + 100))
-    if markov:
-        head = drafter.markov_head
-        nnx.update(head, jax.tree.map(lambda x: x * 30.0, nnx.state(head, nnx.Param)))
-    return target, drafter
-
-
-@pytest.fixture(scope="module")
-def random_pair():
-    return _random_pair()
-
-
-@pytest.mark.parametrize("method", ["dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", *TREES])
 def test_greedy_equals_ar_on_random_pair(random_pair, method):
     target, drafter = random_pair
-    prompts = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
-    ar = generate(target, None, prompts, max_new_tokens=30).tokens
+    ar = generate(target, None, PROMPTS3, max_new_tokens=NEW).tokens
     kw = {"budget": 8} if method in TREES else {}
-    out = generate(target, drafter, prompts, method=method, max_new_tokens=30, **kw)
+    out = generate(target, drafter, PROMPTS3, method=method, max_new_tokens=NEW, **kw)
     assert out.tokens == ar
+
+
+def test_options_change_the_program_not_the_tokens(random_pair):
+    """Every trace-time setting is part of the static plan: another value compiles another program, with the
+    same greedy tokens."""
+    from sparkjax.engine.programs import spec_program
+
+    target, drafter = random_pair
+    ar = generate(target, None, PROMPTS3, max_new_tokens=NEW, options=Options(attention="einsum")).tokens
+    base = dict(method="sparklingtree", budget=8, max_new_tokens=NEW)
+    assert generate(target, drafter, PROMPTS3, **base).tokens == ar
+    before = spec_program._cache_size()
+    for opts in (Options(attention="prefix", block_slots=16, chain_mode="fixed_point"),
+                 Options(candidate_chain_passes=None, union_top_k=1, chain_mode="fixed_point")):
+        assert generate(target, drafter, PROMPTS3, **base, options=opts).tokens == ar
+    assert spec_program._cache_size() == before + 2
 
 
 def _exact_joint(target, prompt, vocab, temperature):
@@ -192,8 +182,6 @@ def _chi2_pvalue(counts, probs):
 def _auto(decide: str):
     """Method auto over a plain step, the chain and trees of 2 and 6 nodes, with a cost table under which the
     choice between them follows the drafter's predictions."""
-    from sparkjax.engine import Auto, CostTable
-
     labels = ("ar", "dspark", "sparklingtree@2", "sparklingtree@6")
     return Auto(sizes=(0, "chain", 2, 6), decide=decide, table=CostTable(labels, (1.0, 1.0, 1.05, 1.1)))
 
@@ -201,14 +189,14 @@ def _auto(decide: str):
 @pytest.mark.parametrize(
     "method,temperature", [("sparklingtree", 1.0), ("dspark", 0.6), ("auto-draft", 1.0)] + [
         pytest.param(m, 1.0, marks=SLOW)
-        for m in ("ddtree", "dspark", "dflash", "sparklingtree-beam", "auto-previous")]
+        for m in ("ddtree", "dspark", "dflash", "sparklingtree-beam", "pctree", "auto-previous")]
 )
 def test_sampling_is_lossless(random_pair, method, temperature):
     target, drafter = random_pair
     vocab = target.config.vocab_size
     prompt = [3, 1, 4, 1, 5]
     n = 6000
-    kw = {"budget": 6} if method in TREES else {}
+    kw = {"budget": 7 if method == "pctree" else 6} if method in TREES else {}
     spec = _auto(method.partition("-")[2]) if method.startswith("auto") else method
     out = generate(target, drafter, [prompt] * n, method=spec, max_new_tokens=3, temperature=temperature,
                    seed=11, **kw)
@@ -251,7 +239,7 @@ def test_bad_arguments(pair):
     with pytest.raises(sparkjax.ArgumentError, match="max_new_tokens"):
         generate(target, drafter, p, method="dspark", max_new_tokens=2000)
     with pytest.raises(sparkjax.ArgumentError, match="cache_size.*max_new_tokens"):
-        generate(target, drafter, p, method="ddtree", budget=64, max_new_tokens=40, cache_size=64)
+        generate(target, drafter, p, method="ddtree", budget=64, max_new_tokens=NEW, cache_size=64)
     with pytest.raises(sparkjax.ArgumentError, match="budget"):
         generate(target, drafter, p, method="ddtree", budget=0)
     with pytest.raises(sparkjax.ArgumentError, match="budget.*reachable"):
@@ -292,14 +280,14 @@ def test_fixed_shapes_share_one_program(pair, prompts3, ar3):
     from sparkjax.engine.programs import spec_program as _spec_program
 
     target, drafter = pair
-    kw = dict(method="dspark", cache_size=256, prompt_width=64, capacity=40)
-    launch(target, drafter, prompts3, max_new_tokens=40, **kw)
+    kw = dict(method="dspark", cache_size=256, prompt_width=64, capacity=NEW)
+    launch(target, drafter, prompts3, max_new_tokens=NEW, **kw)
     before = _spec_program._cache_size()
     first = generate(target, drafter, [p[:5] for p in prompts3], max_new_tokens=1, **kw)
     assert [len(t) for t in first.tokens] == [1, 1, 1] and first.rounds == [0, 0, 0]
-    assert generate(target, drafter, prompts3, max_new_tokens=40, **kw).tokens == ar3
+    assert generate(target, drafter, prompts3, max_new_tokens=NEW, **kw).tokens == ar3
     assert _spec_program._cache_size() == before
     with pytest.raises(sparkjax.ArgumentError, match="prompt_width"):
         generate(target, drafter, prompts3, max_new_tokens=8, **{**kw, "prompt_width": 8})
     with pytest.raises(sparkjax.ArgumentError, match="capacity"):
-        generate(target, drafter, prompts3, max_new_tokens=80, **kw)
+        generate(target, drafter, prompts3, max_new_tokens=2 * NEW, **kw)

@@ -181,9 +181,9 @@ def test_union_candidates_contain_the_dspark_chain(pair, ref, monkeypatch):
     chain, cands, exact, one, (full, passes), blk = round_candidates(ids)
     x0 = ids[:, p]
     for mode, want in (("scan", exact), ("fixed_point", one)):  # what the tree's candidates read, per backend
-        monkeypatch.setattr(drafting, "AUTO_CHAIN_MODE", mode)
-        # jitted per mode (the mode is read at trace time): op by op, the two calls took most of this test's time
-        got = jax.jit(lambda lg, h, x: drafting.candidate_chain_logits(drafter, lg, h, x))(blk.logits, blk.hidden, x0)
+        # jitted per mode: op by op, the two calls took most of this test's time
+        got = jax.jit(lambda lg, h, x, m=mode: drafting.candidate_chain_logits(drafter, lg, h, x, mode=m))(
+            blk.logits, blk.hidden, x0)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want.logits), rtol=1e-5, atol=1e-4)
     # the unrolled passes: G passes are the sequential chain; one pass corrects slot 0 exactly (its prev is x_start)
     np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(exact.tokens))
