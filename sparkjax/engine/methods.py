@@ -523,8 +523,6 @@ class Auto(Method):
     def name(self) -> str:
         return "auto"
 
-    measured: ClassVar[bool] = True  # its round reads a cost table measured on the device
-
     @property
     def widths(self) -> None:
         return None
