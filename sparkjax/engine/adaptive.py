@@ -94,7 +94,7 @@ class AutoState:
     ``[K]``: running averages of realised and predicted accepted drafts per candidate (the calibration);
     ``last`` ``[B, K]``: the last draft's raw predictions (``decide="previous"``); ``idle``: plain target
     steps in a row since the last draft (starts at the gap: the first round drafts); ``force``: a
-    candidate index every round takes (-1: the policy; ``sparkjax.engine.costs.profile_costs`` times each
+    candidate index every round takes (-1: the policy; ``sparkjax.engine.costs.profile`` times each
     candidate this way); ``gap``: plain steps before the next probe draft (the floor ``Auto.floor``, see
     :func:`gap_floor`; x :data:`GAP_GROWTH` after each probe that still predicts size 0, up to :data:`MAX_GAP`;
     back to the floor when a draft predicts a larger size pays); ``seconds`` ``[K]``: the cost table's round

@@ -1,4 +1,4 @@
-"""Method ``auto``, host side: its cost table (:class:`CostTable`), measured by :func:`profile_costs`, saved and
+"""Method ``auto``, host side: its cost table (:class:`CostTable`), measured by :func:`profile`, saved and
 loaded as JSON, and kept per process and per machine.
 
 A run of ``auto`` without a table of its own takes the table for its key (:func:`cost_key`: device, jax version,

@@ -448,7 +448,7 @@ class Auto(Method):
     (at a large batch the batch-mean acceptance is far from its best sequence's).
     ``table``: a :class:`~sparkjax.engine.costs.CostTable` for these sizes (default: the one measured for
     this device and shape, kept per process and in the user's cache folder, else profiled by
-    :func:`~sparkjax.engine.costs.profile_costs`). Its seconds are a traced input of the program, so the
+    :func:`~sparkjax.engine.profile_costs`). Its seconds are a traced input of the program, so the
     table is not compared (two methods that differ only in their table are equal and share one program);
     what it decides statically is set on the plan's method when the table is bound (:meth:`bind`):
     ``viable`` (per size, whether it may pay: :func:`~sparkjax.engine.adaptive.viable`) and ``floor``
