@@ -52,7 +52,6 @@ def test_metrics_by_hand():
     assert metrics.tau_pooled(lens) == pytest.approx(2.5)  # (1 + 3 + 2 + 4) / 4 rounds
     assert metrics.tau_per_response(lens) == pytest.approx(3.0)  # mean(6 / 3, 4 / 1); the empty one left out
     assert math.isnan(metrics.tau_pooled([[], []])) and math.isnan(metrics.tau_per_response([]))
-    assert metrics.accept_rates_from_lengths([[1, 3, 2], [4]], 4) == pytest.approx([0.75, 0.5, 0.25, 0.0])
     assert metrics.accept_rates([[2, 1, 0, 0], [1, 1, 1, 0]], [3, 1], 4) == pytest.approx([0.75, 0.5, 0.25, 0.0])
     assert metrics.decode_seconds([1.0, 1.2, 5.0], [0.2, 0.1, 0.3]) == pytest.approx(1.0)  # median - median
     assert metrics.decode_seconds_min([1.0, 1.2, 5.0], [0.2, 0.1, 0.3]) == pytest.approx(0.9)

@@ -237,15 +237,15 @@ def test_baseline_drafter_and_prompts_as_encoded(fake, tmp_path):
 
 
 def test_demo_defaults_and_missing_demo_assets(tmp_path, monkeypatch, capsys):
-    from sparkjax.eval import demo
+    from sparkjax import demo
 
     cfg = EvalConfig()
     assert cfg.datasets == ("python_docs", "stdlib_code", "synthetic_math") and cfg.target is None
     assert (cfg.max_samples, cfg.max_new_tokens, config.DEFAULT_BUDGETS) == (4, 64, (16, 32, 64))
     mcs = [MethodConfig(m) for m in ("ar", "dflash", "dspark")]
     r = pair.resolve_pair(cfg, mcs=mcs)
-    assert r["default"] and (r["d_src"], r["b_src"]) == (str(demo.drafter_dir()), str(demo.baseline_dir()))
-    r = pair.resolve_pair(EvalConfig(target=str(demo.target_dir()), drafter="elsewhere"), mcs=mcs)
+    assert r["default"] and (r["d_src"], r["b_src"]) == (str(demo.path("dspark_b16")), str(demo.path("dflash_b16")))
+    r = pair.resolve_pair(EvalConfig(target=str(demo.path("target")), drafter="elsewhere"), mcs=mcs)
     assert (r["d_src"], r["b_src"]) == ("elsewhere", None)  # an explicit drafter: no implicit baseline
     loaded = pair.load_pair(cfg, mcs=mcs[:2])  # ar + dflash: the Markov drafter is neither needed nor loaded
     assert loaded.drafter is None and not loaded.baseline.config.has_markov

@@ -25,11 +25,11 @@ import json
 import os
 import pathlib
 
+from .. import demo
 from ..errors import DatasetError
-from . import demo
 
 ENV_VAR = "SPARKJAX_EVAL_DATASETS"  # a folder holding the EVAL_SETS files (default: ./eval/datasets)
-DEMO_SETS = demo.SETS  # in the package: sparkjax/assets/demo/prompts
+DEMO_SETS = demo.PROMPT_SETS  # in the package: sparkjax/assets/demo/prompts
 EVAL_SETS = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")  # in the source checkout: eval/datasets
 BUNDLED = DEMO_SETS + EVAL_SETS
 DEFAULT = DEMO_SETS
@@ -72,7 +72,7 @@ def resolve(spec: str) -> tuple[str, str]:
     if not spec:
         raise DatasetError("--datasets: empty entry")
     if spec in DEMO_SETS and not os.path.exists(spec):
-        path = demo.prompts_file(spec)
+        path = demo.DEMO_DIR / "prompts" / f"{spec}.jsonl"
         if not path.is_file():
             raise DatasetError(
                 f"--datasets: bundled demo set {spec!r} not found at {path} (it ships inside the package, in "

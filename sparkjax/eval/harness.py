@@ -22,10 +22,10 @@ from .. import engine as core
 from ..errors import EvalError, TokenizerError
 from ..text import encode_prompt, eos_ids
 from . import datasets as ds
-from . import demo, metrics, sweep
+from . import metrics, sweep
 from .config import MAX_SEED, EvalConfig, eval_mesh, validate
 from .engine import Engine
-from .pair import Pair, load_pair, load_tok, param_dtype, resolve_pair
+from .pair import DEMO_NOTE, Pair, load_pair, load_tok, param_dtype, resolve_pair
 from .records import Record, make_record, summarize
 from .results import EvalResults, check_out
 from .runner import Interrupt, LoadMonitor, Stopped, protocol_text, sigint_flag, time_batch, warm_up
@@ -123,7 +123,7 @@ class _Run:
         self.early_stop()
         notes += pair.notes
         if pair.default:
-            notes.insert(0, demo.NOTE)
+            notes.insert(0, DEMO_NOTE)
         tok, tok_src = load_tok(cfg, tokenizer, pair.target_dir)
         eos = [] if cfg.ignore_eos else eos_ids(tok, pair.target_dir)
         tc = pair.target.config

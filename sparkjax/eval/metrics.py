@@ -51,14 +51,6 @@ def accept_rates(accepted_per_depth: Iterable[Sequence[int]], rounds: Iterable[i
     return [h / total if total else math.nan for h in hits]
 
 
-def accept_rates_from_lengths(acceptance_lengths: Iterable[Sequence[int]], depth: int) -> list[float]:
-    """The same rates recounted from per-round acceptance lengths: P(length >= k + 1)."""
-    flat = _flat(acceptance_lengths)
-    if not flat:
-        return [math.nan] * depth
-    return [sum(a >= k + 1 for a in flat) / len(flat) for k in range(1, depth + 1)]
-
-
 def tpot(decode_seconds: float | None, output_tokens: int) -> float:
     """Seconds per output token (NaN without tokens or without a measured, positive decode time)."""
     if decode_seconds is None or not (decode_seconds > 0) or output_tokens <= 0:

@@ -15,18 +15,45 @@ from typing import Any
 import jax
 from flax import nnx
 
+from .. import demo as bundled
 from .. import engine as core
 from ..errors import EvalError, TokenizerError
 from ..io.hf import load_drafter, load_target
 from ..pairing import check_pair, source_of
 from ..text import load_tokenizer
-from . import demo
 from .config import EvalConfig
 from .engine import MethodConfig
 
 # The drafted methods that read no Markov head: with a baseline drafter they run with it. auto adapts to its
 # drafter (a Markov head when it has one) and runs with the drafter.
 BASELINE_METHODS = tuple(m for m in (*core.CHAIN_METHODS, *core.TREE_METHODS) if m not in core.MARKOV_METHODS)
+
+
+DEMO_NOTE = (
+    "The default pair is the bundled demo pair: a small Qwen3 (4 layers, d=256, a 4k byte-level BPE vocabulary) "
+    "trained from scratch on Python's stdlib sources, Python docs and synthetic math, with block-16 drafters "
+    "trained against it with and without the Markov head; see sparkjax/assets/demo/MODEL_CARD.md. Its CPU timings "
+    "say nothing about real models on accelerators."
+)
+DEMO_PARTS = {"target": "target", "drafter": "dspark_b16", "baseline": "dflash_b16"}
+
+
+def demo_dir(part: str) -> pathlib.Path:
+    """A folder of the bundled demo pair (``"target"``, ``"drafter"``, ``"baseline"``), under
+    :data:`sparkjax.demo.DEMO_DIR` as it is when called."""
+    return bundled.DEMO_DIR / DEMO_PARTS[part]
+
+
+def require_demo(*parts: str) -> None:
+    """Raises one EvalError naming every missing demo folder of ``parts`` (no config.json + *.safetensors)."""
+    missing = [str(demo_dir(p)) for p in parts
+               if not ((demo_dir(p) / "config.json").is_file() and any(demo_dir(p).glob("*.safetensors")))]
+    if missing:
+        raise EvalError(
+            f"the bundled demo pair is incomplete: {', '.join(missing)} not found (no config.json + *.safetensors); "
+            "pass --target and --drafter to run another pair, e.g. (from a source checkout) --target "
+            "tests/fixtures/tiny_dspark_b16/target --drafter tests/fixtures/tiny_dspark_b16/drafter --tokenizer "
+            "eval/default_pair/tokenizer")
 
 
 def uses_baseline(mc: MethodConfig) -> bool:
@@ -75,25 +102,25 @@ def resolve_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=No
     (nothing is loaded). Raises one EvalError naming every missing demo folder that would be used."""
     mcs = list(mcs) if mcs is not None else [MethodConfig(m) for m in core.METHODS]
     t_src = target if target is not None else cfg.target
-    t_dir = str(t_src) if _is_path(t_src) else (_source(t_src) if t_src is not None else str(demo.target_dir()))
-    default = t_dir is not None and demo.is_target(t_dir)
+    t_dir = str(t_src) if _is_path(t_src) else (_source(t_src) if t_src is not None else str(demo_dir("target")))
+    default = t_dir is not None and _same_folder(t_dir, demo_dir("target"))
     d_src = drafter if drafter is not None else cfg.drafter
     b_src = baseline_drafter if baseline_drafter is not None else cfg.baseline_drafter
     b_given = b_src is not None
     demo_parts = ["target"] if default and (t_src is None or _is_path(t_src)) else []
     if default and d_src is None:
-        d_src = str(demo.drafter_dir())
-        demo_parts.append("dspark_b16")
+        d_src = str(demo_dir("drafter"))
+        demo_parts.append("drafter")
         if b_src is None:
-            b_src = str(demo.baseline_dir())
-            demo_parts.append("dflash_b16")
+            b_src = str(demo_dir("baseline"))
+            demo_parts.append("baseline")
     need_baseline = b_src is not None and any(uses_baseline(mc) for mc in mcs)
     need_drafter = any(mc.speculative and not (need_baseline and uses_baseline(mc)) for mc in mcs)
     notes: list[str] = []
     if b_given and not need_baseline:
         notes.append(f"--baseline-drafter is not used: none of the methods run uses it ({', '.join(BASELINE_METHODS)})")
-    needed = {"target": True, "dspark_b16": need_drafter, "dflash_b16": need_baseline}
-    demo.require(*(p for p in demo_parts if needed[p]))
+    needed = {"target": True, "drafter": need_drafter, "baseline": need_baseline}
+    require_demo(*(p for p in demo_parts if needed[p]))
     return {"t_src": t_src, "t_dir": t_dir, "default": default, "d_src": d_src, "b_src": b_src,
             "need_drafter": need_drafter, "need_baseline": need_baseline, "notes": notes}
 
@@ -108,7 +135,7 @@ def load_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
         raise EvalError("--drafter: the speculative methods need a drafter for this target (or use --methods ar)")
     # The demo pair is stored in bfloat16 but computed in float32 unless --dtype says otherwise: in bf16 two
     # logits can round to the same value, and a one-token step and a verify then break the tie differently.
-    dtype = cfg.dtype if cfg.dtype is not None or not r["default"] else demo.COMPUTE_DTYPE
+    dtype = cfg.dtype if cfg.dtype is not None or not r["default"] else bundled.COMPUTE_DTYPE
     target = load_target(t_dir, dtype=dtype) if t_src is None or _is_path(t_src) else t_src
 
     def take(src, flag: str):

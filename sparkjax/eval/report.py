@@ -276,7 +276,7 @@ def compare(a, b, name_a: str = "A", name_b: str = "B") -> str:
     for k in keys:
         cells = []
         for field, _, fmt in COMPARED:
-            x, y = getattr(ia[k], field), getattr(ib[k], field)
+            x, y = getattr(ia[k], field, None), getattr(ib[k], field, None)
             x = x if _ok(x) else None  # a missing, null, NaN or non-number value (an older or edited file): "-"
             y = y if _ok(y) else None
             if x is None or y is None:
