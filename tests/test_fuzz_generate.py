@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import sparkjax
-from sparkjax.engine import api
+from sparkjax.engine import api, checks
 
 VOCAB = 320  # the fixture pair's
 HANG_SECONDS = 120  # a first compile on a loaded 2-core machine takes well under this
@@ -84,7 +84,7 @@ VALID = {
     "method": st.sampled_from(sparkjax.METHODS),
     "max_new_tokens": np_ints(st.integers(1, 8)),
     "seed": np_ints(st.integers(0, 2**32 - 1)) | st.integers(0, 2**63 - 1),
-    "temperature": st.sampled_from([0.0, 0, 0.7, 1]) | st.floats(api.MIN_TEMPERATURE, api.MAX_TEMPERATURE),
+    "temperature": st.sampled_from([0.0, 0, 0.7, 1]) | st.floats(checks.MIN_TEMPERATURE, checks.MAX_TEMPERATURE),
     "eos_token_ids": st.one_of(st.none(), np_ints(st.integers(0, VOCAB - 1)),
                                st.lists(st.integers(0, VOCAB - 1), max_size=3),
                                hnp.arrays(st.sampled_from([np.int32, np.int64, np.uint16]), st.integers(0, 3),
@@ -200,7 +200,7 @@ def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entr
         assert 1 <= kw["max_new_tokens"] <= target.config.max_position_embeddings
         assert isinstance(kw["seed"], int | np.integer) and 0 <= kw["seed"] < 2**63
         t = float(kw["temperature"])
-        assert t == 0 or api.MIN_TEMPERATURE <= t <= api.MAX_TEMPERATURE
+        assert t == 0 or checks.MIN_TEMPERATURE <= t <= checks.MAX_TEMPERATURE
         assert not isinstance(kw["eos_token_ids"], str | bytes)
 
 
