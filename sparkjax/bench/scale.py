@@ -154,6 +154,9 @@ def _forced_class(cls: type) -> type:
     class Forced(cls):
         forced_accept: int = 0
 
+        def __post_init__(self):  # the fields come from a checked method (whose table entry names its own class)
+            pass
+
         def accept(self, prop, ver, temperature, key, *, plan):
             return forced_acceptance(prop, ver, self.forced_accept, plan.depth)
 
