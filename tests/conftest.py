@@ -36,11 +36,15 @@ _STATIC = (bool, int, float, str, tuple, type(None))
 
 def jit_call(model, *args, **kwargs):
     """``model(*args, **kwargs)`` as one compiled program per shape (keyword arguments that are plain Python
-    values are static). An eager call dispatches the model op by op, compiling each op for each new shape:
+    values or callables are static). An eager call dispatches the model op by op, compiling each op for each new shape:
     three to five times slower than this for the tiny test models. The result is the same computation."""
-    static = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, _STATIC)))
-    dynamic = {k: v for k, v in kwargs.items() if not isinstance(v, _STATIC)}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if _is_static(v)))
+    dynamic = {k: v for k, v in kwargs.items() if not _is_static(v)}
     return _jitted_call(model, args, dynamic, static=static)
+
+
+def _is_static(v) -> bool:
+    return isinstance(v, _STATIC) or callable(v)  # a callable: the models' attention=
 
 
 def _call(model, args, dynamic, static):

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparkjax.cache import attention_mask
+from sparkjax.engine import Options
 from sparkjax.errors import ArgumentError
 from sparkjax.nn import layers
 from tests.conftest import jit_call
@@ -26,15 +27,8 @@ SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[Health
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "block"))
-def _attend(q, parts, impl, block=None):
-    if block is None:
-        return layers.attend(q, parts, impl=impl)
-    old = layers.BLOCK_SLOTS
-    layers.BLOCK_SLOTS = block  # read at trace time
-    try:
-        return layers.attend(q, parts, impl=impl)
-    finally:
-        layers.BLOCK_SLOTS = old
+def _attend(q, parts, impl, block=layers.BLOCK_SLOTS):
+    return layers.attend(q, parts, impl=impl, block_slots=block)
 
 
 def _tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
@@ -139,7 +133,7 @@ def test_unknown_impl_is_an_argument_error():
 
 @pytest.mark.slow  # over 5 s; CI runs it in its slow step
 @pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
-def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl):
+def test_target_verify_logits_match_reference(fixture_target, impl):
     """A whole Qwen3 tree-verification step over a cache gives the reference's logits with each path."""
     rng = np.random.default_rng(6)
     prefix = jnp.asarray(rng.integers(0, 300, (2, 40)), jnp.int32)
@@ -147,19 +141,15 @@ def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl)
     nodes = jnp.asarray(rng.integers(0, 300, (2, 6)), jnp.int32)
     pos = 40 + jnp.asarray(tree.sum(-1) - 1)[None].repeat(2, 0)
 
-    def run():
+    def run(attention):
         cache = fixture_target.init_cache(2, 64)
-        pre = jit_call(fixture_target, prefix, jnp.broadcast_to(jnp.arange(40), (2, 40)), cache=cache)
-        return jit_call(fixture_target, nodes, pos, cache=pre.cache.with_lengths(jnp.array([40, 33])), mask=tree)
+        pre = jit_call(fixture_target, prefix, jnp.broadcast_to(jnp.arange(40), (2, 40)), cache=cache,
+                       attention=attention)
+        return jit_call(fixture_target, nodes, pos, cache=pre.cache.with_lengths(jnp.array([40, 33])), mask=tree,
+                        attention=attention)
 
-    monkeypatch.setattr(layers, "ATTENTION_IMPL", "einsum")
-    jax.clear_caches()
-    ref = run()
-    monkeypatch.setattr(layers, "ATTENTION_IMPL", impl)
-    monkeypatch.setattr(layers, "BLOCK_SLOTS", 16)
-    jax.clear_caches()  # the setting is read at trace time
-    got = run()
-    jax.clear_caches()
+    ref = run("einsum")
+    got = run(Options(attention=impl, block_slots=16).attend)
     _close(got.logits, ref.logits, 1e-4)
     for a, b in zip(got.cache.k, ref.cache.k, strict=True):
         _close(a, b, 1e-4)
@@ -168,12 +158,28 @@ def test_target_verify_logits_match_reference(fixture_target, monkeypatch, impl)
 def test_auto_resolves_by_backend(monkeypatch):
     """The default "auto" runs the blocked path on the CPU backend and the einsum reference elsewhere."""
     seen = []
-    monkeypatch.setattr(layers, "_attend_blocked", lambda q, parts: seen.append("blocked") or q)
+    monkeypatch.setattr(layers, "_attend_blocked", lambda q, parts, block: seen.append("blocked") or q)
     monkeypatch.setattr(layers, "_attend_einsum", lambda q, parts: seen.append("einsum") or q)
     q = jnp.zeros((1, 1, 2, 4))
     k = jnp.zeros((1, 1, 2 * layers.BLOCK_SLOTS, 4))
-    layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))], impl="auto")
+    layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))])  # the default is "auto"
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))], impl="auto")
     assert seen == ["blocked", "einsum"]
-    assert layers.ATTENTION_IMPL == "auto"
+
+
+def test_models_take_the_attention_as_an_argument(fixture_target):
+    """A model call runs the attention it is given (an impl name or a callable), with no module setting."""
+    calls = []
+
+    def spy(q, parts):
+        calls.append(q.shape)
+        return layers.attend(q, parts, impl="einsum")
+
+    ids = jnp.asarray([[1, 2, 3]])
+    pos = jnp.arange(3)[None]
+    got = fixture_target(ids, pos, attention=spy).logits
+    assert len(calls) == fixture_target.config.num_hidden_layers
+    _close(got, fixture_target(ids, pos, attention="einsum").logits, 1e-6)
+    with pytest.raises(ArgumentError, match="impl='flash'"):
+        fixture_target(ids, pos, attention="flash")
