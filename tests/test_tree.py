@@ -285,10 +285,14 @@ def test_markov_tables_match_reference_for_any_features():
     base = rng.normal(size=(d, v)).astype(np.float32) * 2
     w2 = rng.normal(size=(v, r)).astype(np.float32)
     feats = rng.normal(size=(d, c, r)).astype(np.float32)
-    tokens, _ = tree.candidates(jnp.asarray(base), c)
-    tokens = np.asarray(tokens)
-    for norm in ("exact", "fast"):
-        got = np.asarray(tree.markov_tables(base, tokens, feats, w2, norm))
+
+    @jax.jit
+    def tables(base, feats, w2):
+        tokens, _ = tree.candidates(base, c)
+        return tokens, [tree.markov_tables(base, tokens, feats, w2, norm) for norm in ("exact", "fast")]
+
+    tokens, both = to_np(tables(base, feats, w2))
+    for norm, got in zip(("exact", "fast"), both, strict=True):
         want = ref.markov_tables(base, tokens, feats, w2, norm)
         np.testing.assert_allclose(got, want, atol=2e-5, err_msg=norm)
         np.testing.assert_array_equal(got[0], np.broadcast_to(got[0, :1], got[0].shape))  # one root row
@@ -298,26 +302,33 @@ def test_markov_tables_match_reference_for_any_features():
     np.testing.assert_allclose(exact[0], fast[0], atol=1e-12)  # depth 1 is exact in both
 
 
+@jax.jit
+def special_tables(base, w1, w2):
+    """(C = V: candidates, vanilla features from x_start 2, exact and fast tables), (C = 4, zero head: exact and
+    fast tables, DDTree's tables)."""
+    tokens, _ = tree.candidates(base, base.shape[1])
+    feats = tree.vanilla_parent_feats(w1, 2, tokens)
+    full = [tree.markov_tables(base, tokens, feats, w2, norm) for norm in ("exact", "fast")]
+    tokens4, logp4 = tree.candidates(base, 4)
+    feats4 = tree.vanilla_parent_feats(w1, 0, tokens4)
+    zero = [tree.markov_tables(base, tokens4, feats4, jnp.zeros_like(w2), norm) for norm in ("exact", "fast")]
+    return tokens, feats, full, zero, tree.ddtree_tables(logp4)
+
+
 def test_markov_tables_special_cases():
     rng = np.random.default_rng(1)
     d, v, r = 3, 6, 2
     base = rng.normal(size=(d, v)).astype(np.float32)
     w1 = rng.normal(size=(v, r)).astype(np.float32)
     w2 = rng.normal(size=(v, r)).astype(np.float32)
-    # C = V: the fast normalisation sums over the whole vocabulary, so it is exact
-    tokens, logp = tree.candidates(base, v)
-    feats = tree.vanilla_parent_feats(w1, 2, tokens)
+    tokens, feats, (exact, fast), zero, ddtree = to_np(special_tables(base, w1, w2))
     np.testing.assert_allclose(feats[0], np.broadcast_to(w1[2], (v, r)))
-    np.testing.assert_allclose(feats[1:], w1[np.asarray(tokens)[:-1]])
-    exact = tree.markov_tables(base, tokens, feats, w2, "exact")
-    fast = tree.markov_tables(base, tokens, feats, w2, "fast")
+    np.testing.assert_allclose(feats[1:], w1[tokens[:-1]])
+    # C = V: the fast normalisation sums over the whole vocabulary, so it is exact
     np.testing.assert_allclose(exact, fast, atol=1e-5)
     # a zero head gives DDTree's independent marginals, in both normalisations
-    tokens, logp = tree.candidates(base, 4)
-    feats = tree.vanilla_parent_feats(w1, 0, tokens)
-    for norm in ("exact", "fast"):
-        t = tree.markov_tables(base, tokens, feats, np.zeros_like(w2), norm)
-        np.testing.assert_allclose(t, tree.ddtree_tables(logp), atol=1e-6)
+    for t in zero:
+        np.testing.assert_allclose(t, ddtree, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -395,42 +406,9 @@ def test_beam_and_best_first_on_markov_tables(seed, integer, depth, profile):
     assert_trees_equal(t, ref.table_heap(tables, tokens, M_MARKOV))
 
 
-@PROPERTY
-@given(logits=logit_matrices(), seed=st.integers(0, 2**32 - 1), p_follow=st.floats(0, 1))
-def test_accept_matches_walk(logits, seed, p_follow):
-    d, v = logits.shape
-    t, _, _, _ = to_np(ddtree_padded(padded_logits(logits), d, budget=M_PAD, top_c=V_PAD))
-    rng = np.random.default_rng(seed)
-    posterior = rng.integers(0, v, size=M_PAD + 1).astype(np.int32)
-    # make the posterior follow a random root-to-node path, up to a random point
-    node = int(rng.integers(1, t.valid.sum() + 1))
-    path = [node]
-    while path[-1]:
-        path.append(int(t.parents[path[-1] - 1]))
-    for child, parent in zip(path[:-1], path[1:], strict=True):
-        if rng.random() < p_follow:
-            posterior[parent] = t.tokens[child - 1]
-    acc = to_np(accept_jit(t.parents, t.tokens, posterior, max_depth=D_PAD))
-    want, bonus = ref.accept_walk(t.parents, t.tokens, posterior)
-    assert acc.length == len(want)
-    np.testing.assert_array_equal(acc.indices, want + [-1] * (D_PAD + 1 - len(want)))
-    assert acc.bonus == bonus
-
-
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1))
-def test_accept_and_visibility_on_chains(seed):
-    rng = np.random.default_rng(seed)
+def test_visibility_of_a_chain():
     m = 16
     parents = np.arange(m, dtype=np.int32)  # node i+1 hangs below node i
-    tokens = rng.integers(0, 3, size=m).astype(np.int32)
-    posterior = rng.integers(0, 3, size=m + 1).astype(np.int32)
-    k = int(rng.integers(0, m + 1))
-    posterior[:k] = tokens[:k]  # follow the chain for k steps, then whatever the random tokens say
-    acc = to_np(accept_jit(parents, tokens, posterior, max_depth=m))
-    want, bonus = ref.accept_walk(parents, tokens, posterior)
-    assert acc.length == len(want) and acc.bonus == bonus
-    np.testing.assert_array_equal(acc.indices, want + [-1] * (m + 1 - len(want)))
     vis = np.asarray(visibility_jit(parents))  # default max_depth = M covers a chain of M
     np.testing.assert_array_equal(vis, np.tril(np.ones((m + 1, m + 1), bool)))
 
@@ -495,7 +473,7 @@ def test_vmap_equals_single_calls():
         t, _, _ = sparkling_padded(
             base, x_start, w1, w2, D_PAD, budget=M_MARKOV, top_c=C_MARKOV, normalization="fast"
         )
-        return t, tree.visibility(t.parents, max_depth=D_PAD)
+        return t, visibility_jit(t.parents, max_depth=D_PAD)
 
     batched = to_np(jax.jit(jax.vmap(one))(base, x_start))
     for i in range(4):
