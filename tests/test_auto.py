@@ -35,18 +35,12 @@ from sparkjax.engine import (
 from sparkjax.engine.api import validate
 from sparkjax.engine.programs import spec_program, spec_start, split_pair
 from sparkjax.errors import ArgumentError, CostTableError, SparkjaxError
-from tests.conftest import make_random_pair as _random_pair
+from tests.conftest import NEW_LONG, PROMPTS3, make_random_pair
 
-PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
 SIZES = (0, "chain", 2, 6, 16)
-NEW = 24
+NEW = NEW_LONG
 BASE = (1.0, 1.3, 1.4, 1.6, 1.9)  # every size viable (each pays at half its depth + 1 tokens), probe floor 4
 OTHER = (1.0, 1.1, 1.2, 1.5, 1.8)  # other seconds, the same static part
-
-
-@pytest.fixture(scope="module")
-def random_pair():
-    return _random_pair()
 
 
 @pytest.fixture(autouse=True)
@@ -665,7 +659,7 @@ def test_auto_checks_against_the_pair(random_pair):
         profile_costs(target, drafter, method="dspark")
     with pytest.raises(ArgumentError, match="method: cost tables are for method 'auto'"):
         load_cost_table("x.json", target=target, drafter=drafter, method="ar", batch_size=1, cache_size=64)
-    _, plain = _random_pair(markov=False)
+    _, plain = make_random_pair(markov=False)
     with pytest.raises(ArgumentError, match="method: 'auto' needs a drafter with a Markov head"):
         generate(target, plain, PROMPTS3, method=Auto(tree="sparklingtree"), max_new_tokens=4)
 
