@@ -35,7 +35,7 @@ from sparkjax.errors import (
 )
 from sparkjax.io.keymaps import DRAFTER_KEYS, _checkpoint_shape, param_keys
 from sparkjax.io.safetensors import SafetensorsFile
-from sparkjax.nn.drafter import Drafter
+from sparkjax.nn.drafter import Drafter, MarkovHead
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")
 DRAFTER_DIR = os.path.join(FIX, "drafter")
@@ -71,8 +71,8 @@ def target(fixture_target):
 
 
 @pytest.fixture(scope="module")
-def drafter(target):
-    return load_drafter(DRAFTER_DIR, target=target)
+def drafter(fixture_drafter):
+    return fixture_drafter
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +244,8 @@ def test_markov_chain_sampling_draws_from_returned_logits(drafter, fns, b0):
     freq = np.bincount(np.asarray(tokens[:, 0]), minlength=q.shape[0]) / n
     assert np.all(np.abs(freq - q) <= 5 * np.sqrt(q * (1 - q) / n) + 2e-3)
     assert len(np.unique(np.asarray(tokens[:, 0]))) > 1
-    # a traced T = 0 is greedy
-    t0, l0, _ = sample(jax.random.split(jax.random.key(1), 2), jnp.float32(0.0))
+    # a traced T = 0 is greedy (as many keys as above: the same compiled program)
+    t0, l0, _ = sample(jax.random.split(jax.random.key(1), n), jnp.float32(0.0))
     np.testing.assert_array_equal(t0[0], greedy.tokens[0])
     close(l0[1], greedy.logits[0], dict(rtol=1e-6, atol=1e-6))
     with pytest.raises(ArgumentError, match="key"):
@@ -255,14 +255,15 @@ def test_markov_chain_sampling_draws_from_returned_logits(drafter, fns, b0):
 def test_gated_markov_head(ref, drafter):
     """Gated head: f = W1[prev] * sigmoid(gate_proj([h ; W1[prev]])) with DeepSpec's gate_proj."""
     cfg = DrafterConfig.from_hf_config({**json.loads(drafter.config.hf_json), "markov_head_type": "gated"})
-    gated = Drafter(cfg, rngs=nnx.Rngs(3))
+    head = MarkovHead(cfg, rngs=nnx.Rngs(3))  # the head alone: a whole random drafter is built op by op
     h = jax.random.normal(jax.random.key(0), (2, 16, cfg.hidden_size))
     prev = jax.random.randint(jax.random.key(1), (2, 16, 3), 0, cfg.vocab_size)
-    f = draft.markov_features(gated, h, prev)
-    e = gated.markov_head.markov_w1.weight[...][prev]
+    f = head.features(h, prev)  # what markov_features(drafter, h, prev) returns
+    e = head.markov_w1.weight[...][prev]
     gate_in = jnp.concatenate([jnp.broadcast_to(h[:, :, None], (2, 16, 3, cfg.hidden_size)), e], axis=-1)
-    want = e * jax.nn.sigmoid(gate_in @ gated.markov_head.gate_proj.kernel[...] + gated.markov_head.gate_proj.bias[...])
+    want = e * jax.nn.sigmoid(gate_in @ head.gate_proj.kernel[...] + head.gate_proj.bias[...])
     close(f, want, dict(rtol=1e-5, atol=1e-6))
+    gated = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(3)))
     keys = {k for _, k, _ in param_keys(nnx.state(gated, nnx.Param), DRAFTER_KEYS)}
     assert {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"} <= keys
 
