@@ -20,16 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
+from sparkjax.config import DrafterConfig
 from sparkjax.engine import drafting
-from sparkjax.io.hf import load_drafter
+from sparkjax.io.hf import load_drafter, save_drafter
+from sparkjax.nn.drafter import Drafter
 
 from . import timing
 from .common import FIXTURE, add_output, at_least, pct
 
-LARGER = {"d": 512, "layers": 2, "vocab": 8192, "heads": 8, "kv_heads": 4, "ffn": 1536, "rank": 64, "n_ids": 3,
-          "block": 16}
+LARGER = {"hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+          "head_dim": 64, "intermediate_size": 1536, "vocab_size": 8192, "markov_rank": 64, "mask_token_id": 8191,
+          "target_layer_ids": [1, 3, 5], "num_target_layers": 8, "enable_confidence_head": False}
 
 
 def add_arguments(p) -> None:
@@ -116,43 +118,10 @@ class TorchDSpark:
         return torch.stack(toks, 1), torch.stack(outs, 1)
 
 
-def random_checkpoint(folder, *, d, layers, vocab, heads, kv_heads, ffn, rank, n_ids, block) -> str:
-    """A DeepSpec DSpark folder with random float32 weights."""
-    rng = np.random.default_rng(0)
-    hd = d // heads
-    cfg = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": d,
-           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-           "head_dim": hd, "intermediate_size": ffn, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-           "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "max_position_embeddings": 4096,
-           "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "block_size": block,
-           "target_layer_ids": list(range(1, 2 * n_ids, 2)), "mask_token_id": vocab - 1,
-           "num_target_layers": 2 * n_ids + 2, "markov_rank": rank, "markov_head_type": "vanilla",
-           "enable_confidence_head": False, "num_anchors": 512, "dtype": "float32"}
-
-    def normal(*shape, std):
-        return (std * rng.standard_normal(shape)).astype(np.float32)
-
-    ones = lambda n: np.ones(n, np.float32)  # noqa: E731
-    t = {"embed_tokens.weight": normal(vocab, d, std=1.0), "lm_head.weight": normal(vocab, d, std=d**-0.5),
-         "fc.weight": normal(d, n_ids * d, std=(n_ids * d) ** -0.5), "hidden_norm.weight": ones(d),
-         "norm.weight": ones(d), "markov_head.markov_w1.weight": normal(vocab, rank, std=1.0),
-         "markov_head.markov_w2.weight": normal(vocab, rank, std=rank**-0.5)}
-    for i in range(layers):
-        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
-        t.update({a + "q_proj.weight": normal(heads * hd, d, std=d**-0.5),
-                  a + "k_proj.weight": normal(kv_heads * hd, d, std=d**-0.5),
-                  a + "v_proj.weight": normal(kv_heads * hd, d, std=d**-0.5),
-                  a + "o_proj.weight": normal(d, heads * hd, std=(heads * hd) ** -0.5),
-                  a + "q_norm.weight": ones(hd), a + "k_norm.weight": ones(hd),
-                  p + "mlp.gate_proj.weight": normal(ffn, d, std=d**-0.5),
-                  p + "mlp.up_proj.weight": normal(ffn, d, std=d**-0.5),
-                  p + "mlp.down_proj.weight": normal(d, ffn, std=ffn**-0.5),
-                  p + "input_layernorm.weight": ones(d), p + "post_attention_layernorm.weight": ones(d)})
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    save_file(t, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    return folder
+def random_checkpoint(folder: str) -> str:
+    """A DeepSpec DSpark folder of the :data:`LARGER` shapes with random float32 weights."""
+    cfg = json.loads((FIXTURE / "drafter" / "config.json").read_text()) | LARGER
+    return save_drafter(Drafter(DrafterConfig.from_hf_config(cfg), rngs=nnx.Rngs(0), dtype=jnp.float32), folder)
 
 
 def bench(name: str, folder: str, context_len: int, batch: int, repeats: int) -> dict:
@@ -220,16 +189,16 @@ def table(rows: list[dict]) -> str:
 
 
 def run(args, report) -> None:
+    at_least(args.repeats, "--repeats")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch (and its OpenMP runtime) is loaded
     import torch
 
-    at_least(args.repeats, "--repeats")
     report.table = table
     report.header.append(f"# jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
                          f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs; float32; medians of "
                          f"{args.repeats} interleaved calls per side after a warm-up")
     report.rows.append(bench("tiny fixture", str(FIXTURE / "drafter"), 24, 1, args.repeats))
     with tempfile.TemporaryDirectory() as tmp:
-        big = random_checkpoint(os.path.join(tmp, "big"), **LARGER)
+        big = random_checkpoint(os.path.join(tmp, "big"))
         for batch in (1, 4):
             report.rows.append(bench("larger", big, 256, batch, args.repeats))
