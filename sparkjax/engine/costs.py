@@ -90,7 +90,7 @@ def _tuple(v):
 
 def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int) -> tuple[tuple[str, Any], ...]:
     """What a cost table's times depend on: the JSON key, and the key of the process's and the machine's
-    caches (another device kind, platform or jax version profiles again)."""
+    caches (another device kind, platform, jax version, shape or trace-time option profiles again)."""
     tc, dc = target.config, drafter.config
     dev = jax.devices()[0]
     m: Auto = plan.method
@@ -111,7 +111,15 @@ def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int) -> tuple[
         ("decide", m.decide),
         ("candidates", tuple(m.labels())),
         ("top_c", int(plan.top_c)),
+        ("options", _options_key(plan.options)),
     )
+
+
+def _options_key(o) -> tuple:
+    """The trace-time options as JSON-friendly values (a callable attention by its name)."""
+    attention = o.attention if isinstance(o.attention, str) else getattr(o.attention, "__qualname__",
+                                                                         type(o.attention).__name__)
+    return (attention, o.chain_mode, o.candidate_chain_passes, o.union_top_k, o.block_slots)
 
 
 def read_table(path: str | os.PathLike, key: tuple[tuple[str, Any], ...] | None = None) -> CostTable:
