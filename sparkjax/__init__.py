@@ -1,11 +1,12 @@
 """sparkjax: SparklingTree speculative decoding in JAX / Flax NNX.
 
 Public API: :func:`load_target`, :func:`load_drafter`, :func:`save_target`, :func:`save_drafter`,
-:func:`generate`, :func:`stream`, the configs, the error classes, the method objects (:class:`AR`,
-:class:`Chain`, :class:`Tree`, :class:`Auto`, read from names by :func:`parse_method`), :func:`profile_costs`
-(``auto``'s cost table), :func:`required_cache_size` and :mod:`sparkjax.demo` (the bundled trained demo pair).
-Lower-level pieces live in ``sparkjax.engine`` (drafting, the round, the jitted programs), ``sparkjax.io``
-(checkpoint files), ``sparkjax.nn``, ``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax.sampling``.
+:func:`generate`, :func:`stream`, the configs, the error classes, :class:`Options` (the trace-time settings),
+the method objects (:class:`AR`, :class:`Chain`, :class:`Tree`, :class:`PCTree`, :class:`Auto`, read from names by
+:func:`parse_method`), :func:`profile_costs` (``auto``'s cost table), :func:`required_cache_size` and
+:mod:`sparkjax.demo` (the bundled trained demo pair). Lower-level pieces live in ``sparkjax.engine`` (drafting,
+the round, the jitted programs), ``sparkjax.io`` (checkpoint files), ``sparkjax.nn``, ``sparkjax.cache``,
+``sparkjax.tree`` and ``sparkjax.sampling``.
 """
 
 from . import _startup
@@ -22,7 +23,8 @@ from .engine import (
     Chain,
     CostTable,
     GenerateOutput,
-    NumericalError,
+    Options,
+    PCTree,
     Tree,
     generate,
     load_cost_table,
@@ -37,6 +39,7 @@ from .errors import (
     ConfigError,
     CostTableError,
     IncompatiblePairError,
+    NumericalError,
     SparkjaxError,
 )
 from .io.hf import load_drafter, load_target, save_drafter, save_target
@@ -58,6 +61,8 @@ __all__ = [
     "GenerateOutput",
     "IncompatiblePairError",
     "NumericalError",
+    "Options",
+    "PCTree",
     "Qwen3Config",
     "SparkjaxError",
     "Tree",
