@@ -34,7 +34,7 @@ def prompt_ids(pair):
 
 
 class _Outputs(dict):
-    """Each method's generation on the demo prompts, run when a test first asks for it (the default run needs four
+    """Each method's generation on the demo prompts, run when a test first asks for it (the default run needs two
     of the six; the slow exactness test all of them)."""
 
     def __init__(self, pair, prompt_ids):
@@ -104,21 +104,22 @@ def test_drafters_differ_only_in_the_markov_head(pair):
                                                                        b.hidden_size)
 
 
-@pytest.mark.slow
-def test_every_method_emits_exactly_the_greedy_tokens(outputs, prompt_ids):
-    ar = outputs["ar"].tokens
-    assert all(len(t) > 0 for t in ar)
-    for method, _ in RUNS:
-        assert outputs[method].tokens == ar, method
-
-
-# Measured on these 6 prompts (48 new tokens, budget 16, float32): dflash 2.61, dspark 3.18, ddtree 3.30,
-# sparklingtree 3.52, beam 2.99 (MODEL_CARD.md). Random drafters give about 1.2-1.4 here.
+# Floors under the values MODEL_CARD.md lists for these prompts and settings; random drafters stay far below them.
 TAU_FLOOR_DSPARK = 2.5
 TAU_FLOOR_DFLASH = 2.0
 
 
 def test_the_drafters_are_trained(outputs):
+    """Both drafters learned: the Markov drafter (through sparklingtree) and the one without the head (dflash)."""
+    assert tau(outputs["sparklingtree"]) > TAU_FLOOR_DSPARK and tau(outputs["dflash"]) > TAU_FLOOR_DFLASH
+
+
+@pytest.mark.slow
+def test_every_method_emits_exactly_the_greedy_tokens_and_trees_beat_chains(outputs):
+    ar = outputs["ar"].tokens
+    assert all(len(t) > 0 for t in ar)
+    for method, _ in RUNS:
+        assert outputs[method].tokens == ar, method
     taus = {m: tau(outputs[m]) for m in ("dflash", "dspark", "ddtree", "sparklingtree")}
     assert taus["sparklingtree"] > taus["dspark"] > TAU_FLOOR_DSPARK, taus
     assert taus["ddtree"] > taus["dflash"] > TAU_FLOOR_DFLASH, taus

@@ -105,11 +105,11 @@ class Engine:
 
     def describe(self, mc: MethodConfig) -> dict[str, Any]:
         """The ``setup.methods`` entry of ``mc``: its label, name, budget, and the resolved plan's depth, nodes
-        and method fields (every default resolved for this pair)."""
+        and candidate sets, and the method's fields (every default resolved for this pair)."""
         p = self.plan(mc)
         d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
         if p is not None:
-            d.update(depth=p.depth, nodes=p.nodes)
+            d.update(depth=p.depth, nodes=p.nodes, candidates=p.candidates)
             d.update({f.name: _plain(getattr(p.method, f.name)) for f in dataclasses.fields(p.method)
                       if f.name not in d})
         return d

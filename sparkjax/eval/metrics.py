@@ -24,13 +24,9 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 
-def _flat(acceptance_lengths: Iterable[Sequence[int]]) -> list[int]:
-    return [int(a) for row in acceptance_lengths for a in row]
-
-
 def tau_pooled(acceptance_lengths: Iterable[Sequence[int]]) -> float:
     """Sum of all acceptance lengths / number of rounds (NaN when there is no round)."""
-    flat = _flat(acceptance_lengths)
+    flat = [int(a) for row in acceptance_lengths for a in row]
     return sum(flat) / len(flat) if flat else math.nan
 
 

@@ -54,7 +54,7 @@ def timing_warnings(results, threshold: float | None = None) -> list[str]:
     return ([""] + out) if out else []
 
 
-def _where(row: dict[str, Any]) -> str:
+def _where(row) -> str:
     """The row's scope in messages: its dataset, or ``batch B`` for a sweep row."""
     return f"batch {row.batch_size}" if hasattr(row, "batch_size") else str(row.dataset)
 

@@ -23,10 +23,10 @@ import statistics
 from tqdm.auto import tqdm
 
 from ..engine.methods import AR_LABEL
+from . import metrics
 from .records import Record, Sweep, SweepRow, make_record, measured, same_share
 from .runner import time_batch
 
-FILL = "cycled"
 FILL_TEXT = ("prompts cycled to fill each batch: batch size B runs ceil(N / B) batches of B sequences, slot i of "
              "batch j holding prompt (j * B + i) mod N of the pool (the selected prompts, the sets taken in turn)")
 
@@ -103,7 +103,7 @@ def summarize_sweep(records: list[Record], labels: list[str], sizes: tuple[int, 
                 ar_rate, ar_best = rate, rate_best
             spreads = [r.run_spread for r in timed if measured(r.run_spread, allow_zero=True)]
             samples = [s for r in rr for s in r.samples]
-            lens = [a for s in samples for a in s.acceptance_lengths]
+            lens = [s.acceptance_lengths for s in samples]
             same_ar = same_batches = None
             if temperature == 0:
                 same_batches = same_share((s.output_ids, first[(label, s.dataset, s.index)]) for s in samples)
@@ -114,8 +114,8 @@ def summarize_sweep(records: list[Record], labels: list[str], sizes: tuple[int, 
             rows.append(SweepRow(
                 batch_size=size, label=label, method=r0.method, budget=r0.budget, drafter=r0.drafter,
                 drafter_role=r0.drafter_role, n_batches=len(rr), n_sequences=len(samples),
-                output_tokens=sum(s.output_tokens for s in samples), rounds=len(lens),
-                tau_pooled=sum(lens) / len(lens) if lens else math.nan,
+                output_tokens=sum(s.output_tokens for s in samples), rounds=sum(map(len, lens)),
+                tau_pooled=metrics.tau_pooled(lens),
                 decode_seconds=sum(r.decode_seconds for r in med), tokens_per_s=rate, tokens_per_s_best=rate_best,
                 speedup=_ratio(rate, ar_rate), speedup_best=_ratio(rate_best, ar_best),
                 timing_spread=statistics.median(spreads) if spreads else math.nan,
@@ -150,7 +150,7 @@ def sweep_block(records: list[Record], labels: list[str], sizes: tuple[int, ...]
     for name, *_ in pool:
         per_set[name] = per_set.get(name, 0) + 1
     return Sweep(batch_sizes=list(sizes), rows=summarize_sweep(records, labels, sizes, temperature), records=records,
-                 fill=FILL, fill_text=FILL_TEXT, prompts=len(pool), prompts_per_set=per_set,
+                 fill="cycled", fill_text=FILL_TEXT, prompts=len(pool), prompts_per_set=per_set,
                  pool=[[name, index] for name, index, _, _ in pool],
                  batches={str(b): math.ceil(len(pool) / b) if pool else 0 for b in sizes},
                  throughput="output tokens / decode seconds, summed over the measured batches of a batch size "
