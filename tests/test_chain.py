@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from sparkjax import sampling
 from sparkjax.config import DrafterConfig
-from sparkjax.engine import drafting
+from sparkjax.engine import Options, drafting, generate
 from sparkjax.errors import ArgumentError
 from sparkjax.nn.drafter import Drafter
 
@@ -152,13 +152,11 @@ def test_pass_counts_best_and_worst_case():
 
 
 @pytest.mark.slow  # about 20 s on a loaded machine; CI runs it in its slow step
-def test_fixture_rounds_both_formulations(ref, fixture_target):
+def test_fixture_rounds_both_formulations(ref, fixture_drafter):
     """Every round of the upstream fixture's generation (its base logits, its x_start): the fixed-point chain
     equals the scan (batch 1 per round and all 41 rounds as one batch, greedy and sampled), and equals
     upstream DeepSpec's draft tokens at every decisive slot."""
-    from sparkjax import load_drafter
-
-    drafter = load_drafter(os.path.join(FIX, "drafter"), target=fixture_target)
+    drafter = fixture_drafter
     assert not drafter.markov_head.gated  # the vanilla head ignores the block hidden states
     r = Runner(drafter)
     state = r.state
@@ -186,10 +184,8 @@ def test_fixture_rounds_both_formulations(ref, fixture_target):
         check_chain(*out, g, exact=False)
 
 
-def test_markov_chain_modes_and_errors(ref, fixture_target):
-    from sparkjax import load_drafter
-
-    drafter = load_drafter(os.path.join(FIX, "drafter"), target=fixture_target)
+def test_markov_chain_modes_and_errors(ref, fixture_drafter):
+    drafter = fixture_drafter
     base = jnp.asarray(ref["b.base_logits"])
     hidden = jnp.asarray(ref["b.block_hidden"])
     x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
@@ -211,11 +207,9 @@ def test_markov_chain_modes_and_errors(ref, fixture_target):
             drafting.markov_chain_fixed_point(drafter, base, hidden, x0, candidates=bad)
 
 
-def test_fixed_point_loop_stays_on_device(ref, fixture_target):
+def test_fixed_point_loop_stays_on_device(ref, fixture_drafter):
     """The compiled chain is one program: a while loop, no host callback, no transfer to or from the host."""
-    from sparkjax import load_drafter
-
-    drafter = load_drafter(os.path.join(FIX, "drafter"), target=fixture_target)
+    drafter = fixture_drafter
     gd, state = nnx.split(drafter)
     fn = jax.jit(lambda s, b, h, x, t, k: drafting.markov_chain(nnx.merge(gd, s), b, h, x, t, k, mode="fixed_point"))
     args = (state, jnp.asarray(ref["b.base_logits"]), jnp.asarray(ref["b.block_hidden"]),
@@ -226,41 +220,16 @@ def test_fixed_point_loop_stays_on_device(ref, fixture_target):
         assert op not in hlo.lower(), op
 
 
-def _program_with_chain_mode(mode):
-    """A fresh jit of the speculative program in which markov_chain runs in ``mode`` (a copy: the shared
-    program's compiled cache is not touched)."""
-    import functools
-
-    from sparkjax.engine import programs
-
-    chain = functools.partial(drafting.markov_chain, mode=mode)
-    original = drafting.markov_chain
-
-    def program(*args, **kwargs):
-        drafting.markov_chain = chain  # read by Chain.propose while tracing
-        try:
-            return programs.spec_program.__wrapped__(*args, **kwargs)
-        finally:
-            drafting.markov_chain = original
-
-    return jax.jit(program, static_argnames=programs._STATIC)
-
-
 @pytest.mark.slow  # about a minute: seven generation programs are compiled
-def test_generation_with_the_fixed_point_chain(ref, fixture_target, monkeypatch):
-    """Inside the jitted generation loop the fixed-point chain reproduces DeepSpec's rounds on the fixture,
-    greedy output equals ar at batch 3, and a sampled run equals the scan's draw for draw (same seed)."""
-    from sparkjax import generate, load_drafter
-    from sparkjax.engine import api
-
-    target = fixture_target
-    drafter = load_drafter(os.path.join(FIX, "drafter"), target=target)
-    progs = {m: _program_with_chain_mode(m) for m in ("fixed_point", "scan")}
+def test_generation_with_the_fixed_point_chain(ref, fixture_target, fixture_drafter):
+    """Inside the jitted generation loop the fixed-point chain (``Options(chain_mode=)``) reproduces DeepSpec's
+    rounds on the fixture, greedy output equals ar at batch 3, and a sampled run equals the scan's draw for draw
+    (same seed)."""
+    target, drafter = fixture_target, fixture_drafter
     prompt = ref["a.prompt_ids"]
 
     def run(mode, *args, **kwargs):
-        monkeypatch.setattr(api, "spec_program", progs[mode])
-        return generate(target, drafter, *args, method="dspark", **kwargs)
+        return generate(target, drafter, *args, method="dspark", options=Options(chain_mode=mode), **kwargs)
 
     out = run("fixed_point", prompt, max_new_tokens=64)
     assert out.tokens[0] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
