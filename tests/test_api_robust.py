@@ -1,4 +1,4 @@
-"""The generation API refuses bad arguments with a SparkjaxError naming the argument (issue #12).
+"""The generation API refuses bad arguments with a SparkjaxError naming the argument.
 
 Almost every case here fails validation before anything is compiled. The few runs share two shapes
 (``ar`` and ``dspark`` over one 3-token prompt batch, 2 new tokens), so each program compiles once.
@@ -26,8 +26,8 @@ RUN = dict(max_new_tokens=2)
 
 
 @pytest.fixture(scope="module")
-def pair(fixture_target, fixture_dir):
-    return fixture_target, sparkjax.load_drafter(fixture_dir / "drafter", target=fixture_target)
+def pair(fixture_target, fixture_drafter):
+    return fixture_target, fixture_drafter
 
 
 def _all_entry_points(target, drafter, method="dspark", prompts=P, **kw):
@@ -65,6 +65,13 @@ def test_good_seeds_run_and_large_ones_do_not_wrap(pair):
     # jax.random.key alone maps 2**32 onto 0 without 64-bit mode; ours keeps them apart
     assert not np.array_equal(jax.random.key_data(api._key(2**32)), jax.random.key_data(api._key(0)))
     assert np.array_equal(jax.random.key_data(api._key(12345)), jax.random.key_data(jax.random.key(12345)))
+
+
+@pytest.mark.parametrize("options", ["einsum", {"attention": "einsum"}, 1, sparkjax.engine.Options])
+def test_bad_options_are_an_argument_error(pair, options):
+    for err in _all_entry_points(*pair, options=options, **RUN):
+        assert isinstance(err, sparkjax.ArgumentError)
+        assert str(err).startswith("options:")
 
 
 # ----------------------------------------------------------------------------- widths
@@ -343,10 +350,13 @@ def test_nan_weights_raise_with_round_and_sequence(pair):
     assert issubclass(sparkjax.NumericalError, FloatingPointError)
     # the original is untouched and still fine; launch reports the flags without syncing
     assert generate(target, None, P, **RUN).tokens == good
-    flags = launch(_poisoned(target), None, P, report_nonfinite=True, **RUN)[-1]
+    flags = launch(_poisoned(target), None, P, **RUN).nonfinite
     assert np.asarray(flags).tolist() == [0, 0]
-    assert len(launch(target, None, P, **RUN)) == 2
-    assert np.asarray(launch(target, None, P, report_nonfinite=True, **RUN)[-1]).tolist() == [-1, -1]
+    res = launch(target, None, P, **RUN)
+    assert np.asarray(res.nonfinite).tolist() == [-1, -1] and res.accept_lens is None and res.plan is None
+    spec = launch(target, drafter, P, method="dspark", **RUN)
+    assert np.asarray(spec.nonfinite).tolist() == [-1, -1] and spec.plan.method.name == "dspark"
+    assert spec.extra is None and spec.labels == () and spec.depth_hits.shape == (2, spec.plan.depth)
 
 
 def test_the_flag_records_the_first_bad_round(pair):
@@ -358,7 +368,8 @@ def test_the_flag_records_the_first_bad_round(pair):
     args = api._device_args(run.prompts, 2, run.eos, run.temperature, run.seed)
     g_good, s_good = programs.split_pair(target, drafter)
     _, s_bad = programs.split_pair(_poisoned(target), drafter)
-    state = programs.spec_start(g_good, s_good, *args, plan=plan, cache_size=run.cache_size, buf_len=run.buf_len)
+    state = programs.spec_start(g_good, s_good, *args, run.inputs, plan=plan, cache_size=run.cache_size,
+                                buf_len=run.buf_len)
     assert np.asarray(state.nonfinite).tolist() == [-1, -1]
     state = programs.spec_step(g_good, s_bad, state, args[2], args[3], args[4], plan=plan)
     assert np.asarray(state.nonfinite).tolist() == [1, 1]

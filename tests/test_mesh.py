@@ -127,7 +127,8 @@ ROUND_SCRIPT = textwrap.dedent("""
     import jax
     from sparkjax import engine
     from sparkjax.distributed_demo import tiny_pair, tiny_prompts
-    from sparkjax.engine.placement import collective_ops, round_hlo
+    from sparkjax.engine.api import round_hlo
+    from sparkjax.engine.placement import collective_ops
     from sparkjax.errors import ArgumentError
     from sparkjax.sharding import make_mesh
     from sparkjax.config import Qwen3Config
@@ -136,7 +137,7 @@ ROUND_SCRIPT = textwrap.dedent("""
     prompts = tiny_prompts(8)
     res = {"layers": [target.config.num_hidden_layers, drafter.config.num_hidden_layers], "rounds": {},
            "errors": {}}
-    for method in ("dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam"):
+    for method in ("dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam", "pctree"):
         kw = {"budget": 8} if method in engine.TREE_METHODS else {}
         for cache in (None, 512):
             text = round_hlo(target, drafter, prompts, mesh=make_mesh(2, 4), method=method, max_new_tokens=12,
