@@ -393,7 +393,7 @@ def test_scale_on_the_tiny_preset(tmp_path, capsys):
     """The AR step and a forced round of a chain, JSON written atomically, every field sane."""
     out = tmp_path / "scale.json"
     assert main(["scale", "--preset", "tiny", "--methods", "dflash", "--batches", "2", "--accept", "3",
-                 "--steps", "3", "--rounds", "2", "--reps", "2", "--no-stages", "--json", str(out)]) == 0
+                 "--steps", "3", "--rounds", "2", "--reps", "1", "--no-stages", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "ar (one step)" in text and "dflash" in text and "4.29x" in text
     res = json.loads(out.read_text())

@@ -24,7 +24,7 @@ the stage split, and the projected speedup at ``--tau`` over the measured round 
 write-up's 4.29x. On a CPU these are CPU timings (labelled so); GPU figures come only from a run on a GPU.
 
 ``--from-disk DIR`` first writes the random pair as a Hugging Face Qwen3 folder (``DIR/target``) and a DeepSpec
-DSpark-b16 folder (``DIR/dspark_b16``), once (reused while ``DIR/bench_scale.json`` matches the preset and
+DSpark-b16 folder (``DIR/dspark_b16``), once (reused while ``DIR/bench_pair.json`` matches the preset and
 seed), then loads them through :func:`sparkjax.load_target` / :func:`sparkjax.load_drafter`: first in a fresh
 child process that reports the load time and the peak host RSS growth (beside the model's bytes and its largest
 tensor), then in this process for the timings.
@@ -371,7 +371,7 @@ def write_pair(folder: pathlib.Path, preset: str, seed: int) -> bool:
     folder already holds this preset's pair. Returns whether it wrote."""
     t, ds, _, _ = configs(preset)
     stamp = {"preset": preset, "seed": seed, "target": repr(t), "drafter": repr(ds)}
-    marker = folder / "bench_scale.json"
+    marker = folder / "bench_pair.json"
     if marker.exists() and (folder / "target").is_dir() and (folder / "dspark_b16").is_dir():
         try:
             if json.loads(marker.read_text()) == stamp:
