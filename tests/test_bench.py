@@ -79,6 +79,7 @@ def test_wall_syncs_and_load_warning(monkeypatch):
     (["scale", "--preset", "huge"], "--preset: unknown preset 'huge'"),
     (["scale", "--preset", "tiny", "--accept", "40"], "--accept: 40 drafted tokens per round; the drafter drafts 16"),
     (["scale", "--preset", "tiny", "--steps", "1"], "--steps"),
+    (["scale", "--preset", "tiny", "--timeout", "0"], "--timeout"),
     (["attention", "--live", "8,x"], "--live"),
     (["attention", "--live", "300"], "--live"),
     (["attention", "--reps", "0"], "--reps"),

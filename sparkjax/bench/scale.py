@@ -69,6 +69,7 @@ from .common import (
     abstract_args,
     abstract_models,
     add_output,
+    at_least,
     configs,
     describe,
     device_name,
@@ -498,6 +499,8 @@ def run(a, report) -> None:
     depth = d_cfg.block_size - d_cfg.first_draft_slot
     if not 0 <= a.accept <= depth:
         raise ArgumentError(f"--accept: {a.accept} drafted tokens per round; the drafter drafts {depth}")
+    if a.timeout is not None:
+        at_least(a.timeout, "--timeout", 1)
     deadline = report.start + a.timeout if a.timeout else float("inf")
     cpu = device_name().startswith("cpu")
     report.header += ["# " + line for line in describe(a.preset).splitlines()] + [f"# backend: {device_name()}"]
