@@ -559,11 +559,7 @@ def test_recipes_and_new_drafter_for_a_qwen3_4b_target():
     mine = new_drafter_config(t4b, {**scratch.drafter, "mask_token_id": 151669, "num_anchors": 512})
     fields = [f.name for f in dataclasses.fields(DrafterConfig) if f.name not in ("hf_json", "max_position_embeddings")]
     assert {f: getattr(mine, f) for f in fields} == {f: getattr(up, f) for f in fields}
-    assert list(mine.target_layer_ids) == [1, 9, 17, 25, 33]
-    counts = json.load(open(os.path.join(FIX, "configs", "dspark_qwen3_4b_b16_param_counts.json")))
-    abstract = nnx.eval_shape(lambda: Drafter(mine, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
-    total = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
-    assert total == counts["total"]
+    assert list(mine.target_layer_ids) == [1, 9, 17, 25, 33]  # (upstream's parameter counts: test_drafter)
 
     ext = TrainConfig.from_file(os.path.join(RECIPES, "extend_block.json"),
                                 {"target": "/m/Qwen3-4B", "init_drafter": "/m/b7", "data": "/d/train.jsonl"})
@@ -651,31 +647,27 @@ def test_synthetic_data_batches_resume_exactly():
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_bad_jsonl_and_short_sequences(tmp_path):
-    path = str(tmp_path / "bad.jsonl")
-    with open(path, "w") as f:
-        f.write(json.dumps({"input_ids": list(range(40))}) + "\n" + json.dumps({"text": "hello"}) + "\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl:2: no 'messages', 'turns' or 'input_ids'") as info:
-        load_jsonl(path, 48, block_size=16, vocab_size=320)
-    assert isinstance(info.value, SparkjaxError) and path in str(info.value)
-    with open(path, "w") as f:
-        f.write("{not json}\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl:1: not valid JSON"):
-        load_jsonl(path, 48, block_size=16, vocab_size=320)
-    with open(path, "w") as f:
-        f.write(json.dumps({"messages": [{"role": "user"}]}) + "\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl:1: message 0"):
-        load_jsonl(path, 48, block_size=16, vocab_size=320)
-    with open(path, "w") as f:
-        f.write(json.dumps({"input_ids": list(range(40))}) + "\n" + json.dumps({"input_ids": [1, 2, 3, 4]}) + "\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl:2: sequence of 4 tokens is shorter than a block"):
-        load_jsonl(path, 48, block_size=16, vocab_size=320)
-    with open(path, "w") as f:
-        f.write(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
-    with pytest.raises(DataError, match="needs a tokenizer"):
-        load_jsonl(path, 48, block_size=16, vocab_size=320)
-    with pytest.raises(DataError, match="file not found"):
-        load_jsonl(str(tmp_path / "missing.jsonl"), 48, block_size=16, vocab_size=320)
+IDS40 = {"input_ids": list(range(40))}
+
+
+@pytest.mark.parametrize("rows, pattern", [
+    ([IDS40, {"text": "hello"}], r"bad\.jsonl:2: no 'messages', 'turns' or 'input_ids'"),
+    (["{not json}"], r"bad\.jsonl:1: not valid JSON"),
+    ([{"messages": [{"role": "user"}]}], r"bad\.jsonl:1: message 0"),
+    ([IDS40, {"input_ids": [1, 2, 3, 4]}], r"bad\.jsonl:2: sequence of 4 tokens is shorter than a block"),
+    ([{"messages": [{"role": "user", "content": "x"}]}], "needs a tokenizer"),
+    (None, "file not found"),
+])
+def test_bad_jsonl(tmp_path, rows, pattern):
+    path = tmp_path / "bad.jsonl"
+    if rows is not None:
+        path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    with pytest.raises(DataError, match=pattern) as info:
+        load_jsonl(str(path), 48, block_size=16, vocab_size=320)
+    assert isinstance(info.value, SparkjaxError) and str(path) in str(info.value)
+
+
+def test_short_sequences(tmp_path):
     ids = jnp.zeros((1, 12), jnp.int32)
     with pytest.raises(ArgumentError, match=r"S=12 is shorter than a block"):
         build_blocks(ids, jnp.ones((1, 12)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool),

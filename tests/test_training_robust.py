@@ -398,13 +398,14 @@ def test_lm_resume_drops_the_metric_lines_past_its_checkpoint(tmp_path, lm_run, 
 
 
 def test_lm_run_without_a_checkpoint_starts_its_metrics_afresh(tmp_path, lm_run, tokens):
-    # a run folder killed before its first checkpoint: its metrics and lock file, no checkpoints
-    fresh = str(tmp_path / "fresh")
-    os.makedirs(fresh)
-    shutil.copy(os.path.join(lm_run, "metrics.jsonl"), os.path.join(fresh, "metrics.jsonl"))
-    shutil.copy(os.path.join(lm_run, LOCK_NAME), os.path.join(fresh, LOCK_NAME))
-    train_lm(lm_cfg(steps=2), fresh, log=lambda *_: None, **tokens)
-    assert steps_of(os.path.join(fresh, "metrics.jsonl")) == [1, 2]
+    # a run folder killed before its first checkpoint: some metric lines and its lock file, no checkpoints
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with open(os.path.join(lm_run, "metrics.jsonl")) as f:
+        (fresh / "metrics.jsonl").write_text("".join(f.readlines()[:3]))
+    shutil.copy(os.path.join(lm_run, LOCK_NAME), fresh / LOCK_NAME)
+    train_lm(lm_cfg(), str(fresh), log=lambda *_: None, **tokens)  # lm_run's settings: its compiled programs
+    assert steps_of(str(fresh / "metrics.jsonl")) == [1, 2, 3, 4]
 
 
 def test_drop_metrics_after(tmp_path):

@@ -102,8 +102,13 @@ def test_accept_batched_like_the_engine():
     posterior = rng.integers(0, 4, size=(4, M + 1)).astype(np.int32)
     for b in range(4):
         follow(rng, parents[b], tokens[b], posterior[b], 1.0)
-    masks = jax.vmap(tree.visibility, in_axes=(0, None))(jnp.asarray(parents), M)
-    got = jax.vmap(lambda p, t, q, m: tree.accept(p, t, q, M, mask=m))(parents, tokens, posterior, masks)
+
+    @jax.jit
+    def batched(parents, tokens, posterior):
+        masks = jax.vmap(tree.visibility, in_axes=(0, None))(parents, M)
+        return jax.vmap(lambda p, t, q, m: tree.accept(p, t, q, M, mask=m))(parents, tokens, posterior, masks)
+
+    got = batched(parents, tokens, posterior)
     lengths = []
     for b in range(4):
         want = tree.accept_walk(parents[b], tokens[b], posterior[b], max_depth=M)
