@@ -8,6 +8,7 @@ import sys
 import time
 
 from .. import _startup, engine
+from ..cli import OneLineParser
 from ..errors import EvalError, SparkjaxError
 from . import datasets as ds
 from .config import DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS, EvalConfig
@@ -17,15 +18,16 @@ from .report import compare
 from .results import EvalResults
 from .runner import sigint_flag
 
-DESCRIPTION = """\
+_MAIN = [m for m in engine.METHODS if engine.parse_method(m).speculative and m not in BASELINE_METHODS]
+DESCRIPTION = f"""\
 Benchmark speculative decoding on a target/drafter pair: per prompt set and method, the
 acceptance length tau (pooled and per-response mean), tokens/s and speedup over ar (measured
 in the same run), per-depth acceptance rates and per-stage time per round. Prints a table and
 writes results.json, results.csv and PNG plots to --out.
 
-With no argument it runs the demo pair bundled in the package (sparkjax/assets/demo: a small
-Qwen3 with block-16 drafters trained with the Markov head (dspark_b16: dspark, sparklingtree,
-sparklingtree-beam, auto) and without it (dflash_b16: dflash, ddtree)) on its three prompt sets."""
+With no argument it runs the demo pair bundled in the package (sparkjax/assets/demo) on its
+three prompt sets: a small Qwen3 target; the drafter dspark_b16, with a Markov head, for
+{', '.join(_MAIN)}; and dflash_b16, without one, for {', '.join(BASELINE_METHODS)}."""
 
 EPILOG = """\
 timing protocol: every method is compiled and run once before anything is timed; then, per batch,
@@ -83,14 +85,8 @@ def _count_or_all(text: str):
         raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, like every other bad input
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m sparkjax.eval", description=DESCRIPTION, epilog=EPILOG,
+    p = OneLineParser(prog="python -m sparkjax.eval", description=DESCRIPTION, epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("pair")
     g.add_argument("--target", metavar="DIR",
