@@ -37,6 +37,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from sparkjax.engine.round import STAGES  # the round's named scopes
+
 DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -218,7 +220,6 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
 
 # ============================================================================= the counter
 
-STAGES = ("draft", "tree", "verify", "commit")  # sparkjax.engine.round.STAGES: the round's named scopes
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
