@@ -1,6 +1,5 @@
-"""The benchmark harness: the metrics on hand-made numbers, the one shared end-to-end run of ``python -m
-sparkjax.eval`` on the bundled demo pair (its files, CSV and JSON checked against independent recounts), the
-prompt sets, and bad input (one line, exit code 2, before any work)."""
+"""The eval: metrics on hand-made numbers, the one shared end-to-end run of ``python -m sparkjax.eval`` on the demo
+pair (its files checked against independent recounts), the prompt sets, and bad input (one line, exit code 2)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -22,7 +22,8 @@ from sparkjax.errors import DatasetError
 from sparkjax.eval import EvalResults, metrics
 from sparkjax.eval import datasets as ds
 from sparkjax.eval.cli import main
-from sparkjax.eval.records import Record, Sample, summarize
+from sparkjax.eval.records import Record, Row, Sample, summarize
+from sparkjax.text import encode_prompt, load_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"
@@ -87,6 +88,17 @@ def test_summarize_hand_made_records():
     assert r_sp.timing_spread == pytest.approx(0.0)  # one spread measured: the two-run unmeasured batch's
     back = Record.from_dict(json.loads(json.dumps(unmeasured.to_dict())))
     assert back == unmeasured and back.to_dict()["decode_seconds"] is None and back.run_spread == 0.0
+    assert rec("ar", 0, [1], [1], [], [1.0, 1.2, 5.0], [0.1] * 3).run_spread == pytest.approx((5.0 - 1.0) / 1.2)
+    ar_unmeasured = [rec("ar", 0, [1] * 8, [1] * 8, [], [0.2] * 3, [0.3] * 3)]  # ar itself not measured
+    rows = summarize(ar_unmeasured + sp, ["ar", "dspark"], {"ar": 0, "dspark": 3}, ["x"], 0.0)
+    assert math.isnan(rows[0].tpot_ms) and math.isnan(rows[1].speedup) and rows[1].tpot_ms > 0  # no division
+    setup = {"target": "t", "drafter": "d", "dtype": "float32", "labels": ["ar", "dspark"], "depths": {"dspark": 3},
+             "timing": {"load_average_max": 1.9, "cpu_count": 2}}
+    env = {"backend": "cpu", "device_kind": "cpu", "cpu_count": 2}
+    table = EvalResults({"temperature": 0.0, "max_new_tokens": 8, "max_samples": 1}, setup, env, rows, []).table()
+    assert "WARNING: decode time not measured" in table and "load average" not in table  # 1.9 < 2 cores
+    assert "inf" not in table.lower() and "nan" not in table.lower()
+    assert next(ln for ln in table.splitlines() if ln.startswith("x ") and " ar " in ln).split()[5] == "-"
 
 
 # ----------------------------------------------------------------------------- the shared end-to-end run
@@ -124,11 +136,9 @@ def test_e2e_json_matches_independent_recounts(e2e):
     assert js["format"] == "sparkjax.eval/1" and not js["interrupted"] and js["setup"]["default_pair"]
     assert js["config"]["max_new_tokens"] == 8 and js["environment"]["versions"]["jax"]
     assert js["setup"]["labels"] == ["ar", "sparklingtree@16"] and js["setup"]["baseline_methods"] == []
-    drafter = js["setup"]["drafter"]
-    assert drafter.endswith("dspark_b16")
-    records = js["records"]
-    assert {(r["dataset"], r["label"]) for r in records} == {(d, m) for d in ds.DEMO_SETS
-                                                            for m in ("ar", "sparklingtree@16")}
+    assert (drafter := js["setup"]["drafter"]).endswith("dspark_b16")
+    records, labels = js["records"], js["setup"]["labels"]
+    assert {(r["dataset"], r["label"]) for r in records} == {(d, m) for d in ds.DEMO_SETS for m in labels}
     for r in [*records, *js["summary"]]:
         assert (r["drafter"], r["drafter_role"]) == ((None, None) if r["label"] == "ar" else (drafter, "drafter"))
     outputs = {(r["dataset"], r["label"]): r["samples"][0]["output_ids"] for r in records}
@@ -239,6 +249,35 @@ def test_quickstart_notebook_code_compiles():
     src = "\n".join(blocks)
     compile(src, "quickstart.md", "exec")
     assert len(blocks) >= 4 and "sparkjax.eval" in src and "generate(" in src
+    # it runs the bundled demo pair, with the baseline drafter for dflash / ddtree, and encodes raw prompts as such
+    assert 'demo.path("target")' in src and "baseline" in src and "encode_prompt(tok, text, kind)" in src
+
+
+def test_default_tokenizer_is_shipped_and_reproducible():
+    from fixtures.default_tokenizer import DEFAULT_TOKENIZER_DIR, default_tokenizer_files
+
+    for name, text in default_tokenizer_files().items():
+        assert (DEFAULT_TOKENIZER_DIR / name).read_text(encoding="utf-8") == text, name
+    tok = load_tokenizer(DEFAULT_TOKENIZER_DIR)
+    text, code = "Héllo,wörld!2+2=4\n", "def f(x):\n    return x and the step\n"
+    assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode("utf-8"))  # one token per byte
+    ids = tok(code, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == code and len(ids) < len(code.encode()) and max(ids) < 300  # merges: ids 256-299
+    chat = encode_prompt(tok, "hi")
+    assert chat[0] == 302 and 303 in chat and 300 not in chat and max(chat) < 320
+    assert tok.decode(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.convert_ids_to_tokens([300, 301, 302, 303]) == ["<|mask|>", "<|endoftext|>", "<|im_start|>",
+                                                               "<|im_end|>"]
+    assert tok.eos_token_id == 303 and len(tok) == 320
+    with pytest.raises(ValueError, match="kind"):
+        encode_prompt(tok, text, "completion")
+
+
+def test_to_dataframe_without_pandas_is_a_clear_error(monkeypatch):
+    res = EvalResults(config={}, setup={"depths": {}}, environment={}, summary=[Row("x", "ar")], records=[])
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas -> ImportError
+    with pytest.raises(ImportError, match="pip install pandas"):
+        res.to_dataframe()
 
 
 # ----------------------------------------------------------------------------- bad input, before any work
@@ -277,18 +316,24 @@ def test_bad_flags(capsys, no_model):
     bad(["--compare", "missing_a.json", "missing_b.json"], capsys, "missing_a.json", "not found")
 
 
+def test_compare_on_partial_or_corrupt_json_is_one_line(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text('{"config": {}, "summary": []}')
+    for content in ('{"format": "sparkjax.eval/1", "config": {}, "summary": [{"dataset": "a", "lab', "[1, 2]",
+                    '{"config": {}, "summary": [{"dataset": "all"}]}', '{"config": [], "summary": []}',
+                    '{"config": {}, "summary": [], "setup": 3}', '{"config": {}, "summary": [], "records": [{}]}',
+                    "[" * 100_000 + "]" * 100_000, "\udcff"):  # cut short, wrong shapes, deep nesting, not UTF-8
+        bad_file = tmp_path / "bad.json"
+        bad_file.write_text(content, errors="surrogateescape")
+        bad(["--compare", str(good), str(bad_file)], capsys, str(bad_file))
+
+
 def test_mismatched_pair_and_missing_tokenizer(tmp_path, capsys):
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    for f in (FIXTURE / "drafter").iterdir():
-        (drafter / f.name).write_bytes(f.read_bytes())
+    drafter = shutil.copytree(FIXTURE / "drafter", tmp_path / "drafter")
     cfg = json.loads((drafter / "config.json").read_text())
     (drafter / "config.json").write_text(json.dumps({**cfg, "num_target_layers": 8}))
     bad([*PAIR[:2], "--drafter", str(drafter), *PAIR[4:]], capsys, "num_target_layers", "does not fit")
-    target = tmp_path / "target"  # a target folder without a tokenizer, and no --tokenizer
-    target.mkdir()
-    for f in (FIXTURE / "target").iterdir():
-        (target / f.name).write_bytes(f.read_bytes())
+    target = shutil.copytree(FIXTURE / "target", tmp_path / "target")  # no tokenizer in it, and no --tokenizer
     bad(["--target", str(target), "--drafter", str(FIXTURE / "drafter")], capsys, str(target), "--tokenizer")
 
 

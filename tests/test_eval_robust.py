@@ -11,10 +11,10 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import types
 from contextlib import redirect_stdout
@@ -36,9 +36,9 @@ TINY = [*PAIR, "--methods", "ar,dspark", "--datasets", "mbpp", "--max-samples", 
 
 
 class FakeEngine(Engine):
-    """The eval's engine with canned outputs: every method emits the same tokens for a prompt (its first id and
-    then 1, 2, ...), speculative ones in rounds of 2; a full run sleeps 2 ms, a prefill-only run 0.2 ms.
-    ``LOG`` records every launch as (label, batch size, kind) and ``PROMPTS`` every batch."""
+    """The eval's engine with canned outputs: every method emits the same tokens for a prompt (its first id, then
+    1, 2, ...), drafted ones in rounds of 2; ``LOG`` records each launch (label, batch size, kind), ``PROMPTS``
+    each batch."""
 
     LOG: list = []
     PROMPTS: list = []
@@ -67,8 +67,7 @@ class FakeEngine(Engine):
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    """Runs of this test use :class:`FakeEngine`; returns its launch log."""
+def fake(monkeypatch):  # runs of this test use FakeEngine; its launch log
     monkeypatch.setattr(harness, "Engine", FakeEngine)
     FakeEngine.LOG, FakeEngine.PROMPTS = [], []
     return FakeEngine.LOG
@@ -81,25 +80,33 @@ def cli(*argv):
     return rc, buf.getvalue()
 
 
-def test_methods_and_repetitions_are_interleaved(fixture_target):
+def interrupting(original, at: int):
+    """``original`` (a ``time_batch``) raising KeyboardInterrupt on its call number ``at``; and the calls list."""
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    return flaky, calls
+
+
+def test_a_set_ctrl_c_flag_stops_before_the_next_unit_of_work(fixture_target):
     eng = FakeEngine(fixture_target, None, eos=[], temperature=0.0, max_new_tokens=8, cache_size=64, prompt_width=8)
-    FakeEngine.LOG = log = []
-    mcs = [MethodConfig("ar")]
-    timed = runner.time_batch([(eng, mc) for mc in mcs], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set())
-    assert log == [("ar", 1, "full"), ("ar", 1, "prefill")] * 4  # warm-up, then 3 repetitions
-    assert len(timed[mcs[0]].run_seconds) == len(timed[mcs[0]].prefill_seconds) == 3
+    FakeEngine.LOG = []
     stop = runner.Interrupt()
     stop.requested = True
-    log.clear()
-    with pytest.raises(runner.Stopped):  # a set Ctrl-C flag stops before the next unit of work
-        runner.time_batch([(eng, mcs[0])], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set(), stop=stop)
-    assert log == []
+    with pytest.raises(runner.Stopped):
+        runner.time_batch([(eng, MethodConfig("ar"))], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set(),
+                          stop=stop)
+    assert FakeEngine.LOG == []
 
 
 @pytest.fixture(scope="module")
 def reused(tmp_path_factory):
-    """A fake run of ar, dspark and sparklingtree@16 on two sets, into a folder an earlier run and the user left
-    files in, with the load average faked above the core count."""
+    """A fake run on two sets, into a folder an earlier run and the user left files in, the load faked high."""
     out = tmp_path_factory.mktemp("reused")
     for name in ("tau_speedup.png", "stage_time.png", "batch_sweep.csv"):
         (out / name).write_bytes(b"old")
@@ -141,15 +148,7 @@ def test_reused_out_drops_stale_outputs_and_keeps_user_files(reused):
 
 
 def test_ctrl_c_keeps_whole_batches(fake, tmp_path, monkeypatch):
-    calls = []
-    original = harness.time_batch
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:  # both mbpp batches done; the first mt-bench batch is interrupted
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
+    flaky, calls = interrupting(harness.time_batch, 3)  # both mbpp batches done; the first mt-bench one interrupted
     monkeypatch.setattr(harness, "time_batch", flaky)
     (tmp_path / "tau_speedup.png").write_bytes(b"old")
     rc, stdout = cli(*PAIR, "--methods", "ar,dspark", "--datasets", "mbpp,mt-bench", "--max-samples", "2",
@@ -166,20 +165,17 @@ def test_ctrl_c_keeps_whole_batches(fake, tmp_path, monkeypatch):
 def test_ctrl_c_flag_restores_the_previous_handler(monkeypatch):
     seen = []
 
-    def mine(signum, frame):
-        pass
-
     def spy(*a, **k):
         seen.append(signal.getsignal(signal.SIGINT))
         raise EvalError("stop here")
 
-    previous = signal.signal(signal.SIGINT, mine)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         monkeypatch.setattr(harness, "resolve_pair", spy)
         with pytest.raises(EvalError, match="stop here"):
             harness.run(methods=("ar",))
         assert isinstance(getattr(seen[0], "__self__", None), runner.Interrupt)  # the flag, during the run
-        assert signal.getsignal(signal.SIGINT) is mine  # restored after it
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # restored after it
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -213,10 +209,7 @@ def test_what_cannot_fit_is_refused_before_compiling(fake, capsys, monkeypatch, 
 def test_baseline_drafter_and_prompts_as_encoded(fake, tmp_path):
     """With --baseline-drafter, dflash and ddtree run with it and the others with --drafter; raw (stdlib_code)
     and chat (python_docs) prompts reach the engine as the tokenizer encodes them."""
-    base = tmp_path / "base"
-    base.mkdir()
-    for f in (FIXTURE / "drafter").iterdir():
-        (base / f.name).write_bytes(f.read_bytes())
+    base = shutil.copytree(FIXTURE / "drafter", tmp_path / "base")
     demo_prompts = ROOT / "sparkjax" / "assets" / "demo" / "prompts"
     sets = [str(demo_prompts / "stdlib_code.jsonl"), str(demo_prompts / "python_docs.jsonl")]
     res = harness.run(target=str(FIXTURE / "target"), drafter=str(FIXTURE / "drafter"), baseline_drafter=str(base),
@@ -280,17 +273,13 @@ def test_outputs_raise_on_non_finite_logits():
 
     from sparkjax.engine.state import Launch
 
-    def launch(flag):
-        return Launch(np.array([[5, 6, 7, 0]]), np.array([3]), None, None, None, np.array([flag]))
-
-    assert Engine.outputs(launch(-1)).tokens == [[5, 6, 7]]
+    out, n = np.array([[5, 6, 7, 0]]), np.array([3])
+    assert Engine.outputs(Launch(out, n, None, None, None, np.array([-1]))).tokens == [[5, 6, 7]]
     with pytest.raises(sparkjax.NumericalError, match="round 2"):
-        Engine.outputs(launch(2))
-    auto = Launch(np.array([[5, 6, 7, 0]]), np.array([3]), np.array([[1, 2, 0]]), np.array([2]), np.array([[1, 0]]),
-                  np.array([-1]), types.SimpleNamespace(choices=np.array([[0, 2, -1]]), memory=None),
-                  labels=("ar", "dspark", "sparklingtree@16"))
-    out = Engine.outputs(auto)
-    assert out.size_choices == [["ar", "sparklingtree@16"]] and out.acceptance_lengths == [[1, 2]]
+        Engine.outputs(Launch(out, n, None, None, None, np.array([2])))
+    res = Engine.outputs(Launch(out, n, np.array([[1, 2, 0]]), np.array([2]), np.array([[1, 0]]), np.array([-1]),
+                                types.SimpleNamespace(choices=np.array([[0, 2, -1]])), labels=("ar", "dspark", "t@16")))
+    assert res.size_choices == [["ar", "t@16"]] and res.acceptance_lengths == [[1, 2]]  # auto's rounds named
 
 
 def test_every_default_method_has_its_own_stable_style():
@@ -298,7 +287,6 @@ def test_every_default_method_has_its_own_stable_style():
     styles = [plots.method_style(lab) for lab in labels]
     assert len({s["color"] for s in styles}) == len(labels) >= 12  # a distinct colour for each default method
     assert plots.method_style("ar")["color"] != plots.method_style("sparklingtree-beam@32")["color"]
-    assert plots.method_style("dspark") == plots.method_style("dspark")  # a function of the label alone
     assert report.timing_warnings(harness.EvalResults({}, {}, {}, [], [])) == []  # no timing block, no warning
 
 
@@ -322,27 +310,12 @@ def _interrupt(tmp_path, name, when, cache, extra=()):
         if previous is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
-    err, outs, seen = [], [], threading.Event()
-
-    def pump():  # the only reader of stderr
-        buf = ""
-        while ch := proc.stderr.read(1):
-            buf += ch
-            if isinstance(when, str) and when in buf:
-                seen.set()
-        err.append(buf)
-
-    threads = [threading.Thread(target=pump, daemon=True),
-               threading.Thread(target=lambda: outs.append(proc.stdout.read()), daemon=True)]
-    for t in threads:
-        t.start()
-    if isinstance(when, str):
-        assert seen.wait(240), f"{when!r} never appeared"
+    buf = ""
+    while isinstance(when, str) and when not in buf and (ch := proc.stderr.read(1)):
+        buf += ch
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=240)
-    for t in threads:
-        t.join(30)
-    return proc.returncode, "".join(err), "".join(outs), out
+    stdout, rest = proc.communicate(timeout=240)
+    return proc.returncode, buf + rest, stdout, out
 
 
 def _check_files(out, rc):
@@ -375,11 +348,20 @@ def test_sigint_subprocess_at_several_moments(tmp_path, xla_cache):
 
 
 def test_no_pytorch_advisory_where_only_the_tokenizer_is_used():
-    block = "import sys; sys.modules['torch'] = None\n"
-    codes = [block + "import transformers\n",
+    """transformers' "PyTorch was not found" advisory never shows where only its tokenizers are used (the eval,
+    ``python -m sparkjax``); ``python -m sparkjax`` says one compile line per method and what its numbers mean."""
+    block = "import sys, types; sys.modules['torch'] = None\n"
+    demo_main = ("import sparkjax.__main__ as m\nm.engine.generate = lambda *a, **k: types.SimpleNamespace("
+                 "tokens=[[1, 2]] * 3, acceptance_lengths=[[1]] * 3)\n"
+                 "sys.exit(m.main(['--methods', 'ar,dspark', '--max-new-tokens', '4']))\n")
+    codes = [block + "import transformers\n", block + demo_main,
              block + f"import sparkjax.eval\nsparkjax.text.load_tokenizer({str(TOKENIZER)!r})\n"]
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for code in codes]
-    (_, control), (_, err) = (p.communicate(timeout=240) for p in procs)
+    (_, control), (out, err), (_, tok_err) = (p.communicate(timeout=240) for p in procs)
     assert "PyTorch was not found" in control  # the control proves torch is blocked and the message would show
-    assert procs[1].returncode == 0 and "PyTorch was not found" not in err, err
+    assert procs[1].returncode == procs[2].returncode == 0, err + tok_err
+    assert "PyTorch was not found" not in out + err + tok_err
+    compiling = [ln for ln in out.splitlines() if "compiling" in ln]
+    assert len(compiling) == 2 and all(ln.rstrip().endswith(" s") for ln in compiling), out
+    assert sum("speed-ups need a large target" in ln for ln in out.splitlines()) == 1

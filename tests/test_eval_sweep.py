@@ -19,7 +19,7 @@ from sparkjax.eval.config import check_batch_sizes
 from sparkjax.eval.records import Record, Sample
 from sparkjax.eval.results import EvalResults
 from tests.test_eval import PAIR, PNG, bad
-from tests.test_eval_robust import FakeEngine, cli
+from tests.test_eval_robust import FakeEngine, cli, interrupting
 
 TINY = [*PAIR, "--datasets", "mbpp", "--max-samples", "2", "--max-new-tokens", "6", "--methods", "ar,dspark",
         "--repeats", "2"]
@@ -154,20 +154,17 @@ def test_fake_sweep_rows_cycling_and_exactness(monkeypatch, tmp_path):
     assert js["summary"] == [] and sw["batch_sizes"] == [1, 3] and pool == [("mbpp", 0), ("mbpp", 1)]
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "batch_sweep.csv", "throughput_vs_batch.png"}
     assert [(r["batch_size"], r["label"]) for r in sw["rows"]] == [(1, "ar"), (1, "dspark"), (3, "ar"), (3, "dspark")]
-    for size in (1, 3):
-        for label in ("ar", "dspark"):
-            mine = sorted((r for r in sw["records"] if (r["batch_size"], r["label"]) == (size, label)),
-                          key=lambda r: r["batch"])
-            assert [r["batch"] for r in mine] == list(range(math.ceil(2 / size)))
-            for r in mine:  # slot i of batch j holds prompt (j * size + i) mod N
-                assert [(s["dataset"], s["index"]) for s in r["samples"]] == [pool[(r["batch"] * size + i) % 2]
-                                                                               for i in range(size)]
-                assert len(r["run_seconds"]) == 2 and r["seed"] == r["batch"]
     for row in sw["rows"]:
-        mine = [r for r in sw["records"] if (r["batch_size"], r["label"]) == (row["batch_size"], row["label"])]
-        measured = [r for r in mine if r["decode_seconds"]]
+        size = row["batch_size"]
+        mine = sorted((r for r in sw["records"] if (r["batch_size"], r["label"]) == (size, row["label"])),
+                      key=lambda r: r["batch"])
+        assert [r["batch"] for r in mine] == list(range(math.ceil(2 / size)))
+        for r in mine:  # slot i of batch j holds prompt (j * size + i) mod N
+            assert [(s["dataset"], s["index"]) for s in r["samples"]] == [pool[(r["batch"] * size + i) % 2]
+                                                                           for i in range(size)]
+            assert len(r["run_seconds"]) == 2 and r["seed"] == r["batch"]
         assert row["same_across_batches"] == 1.0 and row["same_as_ar"] in (None, 1.0)
-        if measured:
+        if measured := [r for r in mine if r["decode_seconds"]]:
             rate = sum(r["output_tokens"] for r in measured) / sum(r["decode_seconds"] for r in measured)
             assert row["tokens_per_s"] == pytest.approx(rate)
     # warm-up of each new shape before its timed runs; no stage pass in a sweep
@@ -178,15 +175,7 @@ def test_fake_sweep_rows_cycling_and_exactness(monkeypatch, tmp_path):
 
 def test_ctrl_c_during_a_sweep_keeps_the_finished_batches(monkeypatch, tmp_path):
     monkeypatch.setattr(harness, "Engine", FakeEngine)
-    calls = []
-    original = sweep.time_batch
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:  # both size-1 batches done; the size-2 batch is interrupted
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
+    flaky, calls = interrupting(sweep.time_batch, 3)  # both size-1 batches done; the size-2 batch interrupted
     monkeypatch.setattr(sweep, "time_batch", flaky)
     rc, stdout = cli(*TINY, "--batch-sizes", "1,2,3", "--no-plots", "--out", str(tmp_path))
     js = json.loads((tmp_path / "results.json").read_text())
