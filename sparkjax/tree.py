@@ -45,7 +45,7 @@ Conventions
   (:func:`merge_candidates`: distinct tokens, static shapes). :func:`markov_tables` takes the candidate tokens
   as given and the base logits, so any candidate set works.
 * **Cost.** ``markov_tables(..., "fast")`` is ``O(D C^2 R + D V)``; ``"exact"`` is ``O(D C V R)``, which
-  dominates everything else at a real vocabulary (see ``eval/bench_tree.py``).
+  dominates everything else at a real vocabulary (``python -m sparkjax.bench tree``).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK) -> tuple[jax.Ar
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k`` over the last axis; two-stage (:func:`chunked_top_k`) for a large vocabulary on
-    accelerators. XLA:CPU's own top-k is faster there (measured at [16, 151936], k = 64), so CPU keeps it."""
+    accelerators. XLA:CPU's own top-k is faster at a large vocabulary, so CPU keeps it."""
     if x.shape[-1] <= 2 * TOPK_CHUNK or k > TOPK_CHUNK:
         return jax.lax.top_k(x, k)
     return jax.lax.platform_dependent(
@@ -210,7 +210,7 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     c = min(top_c, x.shape[-1])
     cand_logp, cand_tokens = top_k(logp, c)
     # The barrier keeps XLA from folding later slices of the result into the top-k, which turns it into a
-    # full sort of the vocabulary on CPU (100x slower at V = 152k).
+    # full sort of the vocabulary on CPU (far slower at a real vocabulary).
     cand_tokens, cand_logp = jax.lax.optimization_barrier((cand_tokens.astype(jnp.int32), cand_logp))
     return cand_tokens, cand_logp
 
@@ -453,7 +453,7 @@ def _expand(
     candidate index [D, K]. Every level, empty slots included, is sorted by (parent slot, candidate); a
     slot emptied by a beam width has a parent slot ``>= K`` (so it sorts past every real parent).
     With ``k`` given, ``widths`` may be a traced int[D] (each ``<= k``): one compiled program serves every
-    profile of at most ``k`` nodes per depth (the profile search of ``eval/bench_tree_options.py``).
+    profile of at most ``k`` nodes per depth.
     """
     d, c, _ = tables.shape
     full = k is None and all(w == max(widths) for w in widths)  # best_first: every depth keeps K, no limit
@@ -477,8 +477,8 @@ def _expand(
         # one output array per step: the scores' bits and the keys
         return (new_scores, key), jnp.stack([jax.lax.bitcast_convert_type(new_scores, jnp.int32), key])
 
-    # Unrolled: the D steps stay sequential (3 kernels each: gather-add, top-k, sort), but the loop's own
-    # per-step ops (counter, condition, output writes) go, 155 -> 101 ops per best_first at D = 16, K = C = 64.
+    # Unrolled: the D steps stay sequential (3 kernels each: gather-add, top-k, sort), without the loop's own
+    # per-step ops (counter, condition, output writes).
     _, out = jax.lax.scan(step, init, (t, jnp.asarray(widths, jnp.int32)), unroll=True)
     scores, key = jax.lax.bitcast_convert_type(out[:, 0], jnp.float32), out[:, 1]
     return scores, key // c, key % c
@@ -621,19 +621,16 @@ def even_widths(budget: int, depth: int) -> tuple[int, ...]:
     return tuple(q + 1 if i < r else q for i in range(depth))
 
 
-# Per-depth conditional acceptance rates of the DSpark greedy chain on the bundled demo pair (depth d accepted
-# given depth d - 1 was; 750 greedy rounds, 16 prompts of each bundled set, 64 new tokens:
-# ``python eval/bench_tree_options.py --configs dspark --max-samples 16``, with the demo DSpark drafter as
-# pre-trained, before its tree-objective fine-tune; not re-derived for the fine-tuned one): the default profile
-# of ``widths="auto"`` (see auto_widths).
+# Per-depth conditional acceptance rates of the DSpark greedy chain on the bundled demo pair as pre-trained (depth
+# d accepted given depth d - 1 was; docs/benchmarks.md, "Tree options", has the run): the default profile of
+# ``widths="auto"`` (see auto_widths).
 DEMO_DEPTH_RATES: tuple[float, ...] = (
     0.54, 0.69, 0.79, 0.76, 0.81, 0.71, 0.96, 0.86, 0.88, 0.93, 0.76, 0.86, 0.93, 0.90, 0.97, 0.77,
 )
 
 
 # How a depth's miss rate falls with its width in auto_widths' model, ``miss(w) = miss(1) * w ** -exponent``: fitted on
-# the demo pair (python eval/bench_tree_options.py --diagnostic: the target's depth-1 token is outside the corrected
-# top-32 / top-64 in 5.1% / 4.2% of the rounds, outside the chain's single token in ~46%: exponents 0.63 / 0.58).
+# the demo pair (docs/benchmarks.md, "Tree options").
 DEMO_WIDTH_EXPONENT = 0.6
 
 

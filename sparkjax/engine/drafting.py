@@ -243,12 +243,11 @@ def markov_chain(
     ``mode`` (static) says how the chain is computed; both give the same tokens:
 
     * ``"fixed_point"``: :func:`markov_chain_fixed_point`, the whole block's Markov bias in one batched
-      product per pass: 2.9 passes over ``W2`` per round instead of G = 16 on the demo pair's greedy rounds
-      (2.5 at T = 1), the GPU formulation (the chain reads ``W2``, 78 MB in bf16 at Qwen3-4B size, once
-      per pass);
+      product per pass, usually a few passes over ``W2`` per round instead of G, the GPU formulation (the
+      chain's cost there is reading ``W2``, once per pass);
     * ``"scan"``: the reference, a ``lax.scan`` over the G slots, one mat-vec over ``W2`` per slot. On
-      XLA:CPU it is the faster one (the demo's ``W2`` is 0.5 MB and the fixed point's top-k sort and
-      small ops cost more than the mat-vecs it saves);
+      XLA:CPU it is the faster one (a small ``W2``: the fixed point's top-k sort and small ops cost more
+      than the mat-vecs it saves);
     * ``"auto"`` (default): :func:`chain_mode`, ``scan`` on CPU and ``fixed_point`` elsewhere.
     """
     if chain_mode(mode) == "fixed_point":

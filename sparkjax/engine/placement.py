@@ -24,7 +24,7 @@ per-step collectives dominated, and fixed it by replicating the head on every ra
 each model rank builds the same tree from the same (already all-reduced) hidden states, with no
 collective at all: a round's only collectives are the two all-reduces per layer that tensor
 parallelism needs (attention output and MLP down projection) in the target and the drafter
-(``eval/mesh_collectives.py`` counts them; CPU's blocked attention over more than 128 cache slots adds
+(``tests/test_mesh.py`` counts them; CPU's blocked attention over more than 128 cache slots adds
 one boolean all-reduce over ``data``: its trip count is the last slot any sequence sees). The greedy tree
 builder runs per data shard (:func:`per_sequence`); a *sampled* one is left to XLA's partitioner, which
 gathers the block logits over ``data`` for its top-k (correct, with the same random draws as one device).
@@ -249,7 +249,7 @@ def per_sequence(fn, mesh: Mesh, module, *args):
 
     For the per-sequence stages whose ops XLA's SPMD partitioner does not keep batch-parallel: the tree
     builder's ``top_k`` over a batch-sharded operand is partitioned by all-gathering the whole batch onto
-    every data shard (measured: 5 all-gathers of ``[B, top_c * V]`` scores per round). Random draws inside
+    every data shard (all-gathers of ``[B, top_c * V]`` scores every round). Random draws inside
     would see the local batch, so callers use it for deterministic (greedy) work."""
     graphdef, weights = nnx.split(module)
 
