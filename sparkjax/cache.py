@@ -1,22 +1,11 @@
 """Fixed-shape KV caches as registered-dataclass pytrees.
 
-A :class:`KVCache` holds, for every layer, keys and values of shape
-``[B, K, S, H]`` (heads-major, one array per layer) plus the committed length of each
-sequence ``lengths[B]``. Slots ``[0, lengths[b])`` hold sequence ``b``'s
-committed prefix; anything after that is scratch that masks never expose. New
-rows are written at traced per-sequence offsets, so one compiled program serves
-every length; rows that would fall past the end are dropped, so callers size
-the cache for the longest window they write.
-
-One array per layer, not one stacked ``[L, ...]`` array: a decode step writes a
-layer's rows and then reads that layer for attention, and with a stacked buffer
-XLA inserts a copy of the whole cache for every layer of every step.
-
-Heads-major, not ``[B, S, K, H]``: attention contracts each kv head's ``[S, H]`` keys with its
-queries, a batched matmul over ``(B, K)``; with the slot axis outside the head axis XLA
-transposes every layer's whole K and V cache on every step to bring ``(B, K)`` to the front.
-Writes take token-major rows ``[B, T, K, H]`` (what the
-projections produce) and move the small block instead.
+A :class:`KVCache` holds, for every layer, keys and values of shape ``[B, K, S, H]`` (heads-major, one array
+per layer: a stacked buffer or a slot-major layout makes XLA copy or transpose the whole cache every step)
+plus the committed length of each sequence ``lengths[B]``. Slots ``[0, lengths[b])`` hold sequence ``b``'s
+committed prefix; anything after is scratch that masks never expose. Rows ``[B, T, K, H]`` (token-major) are
+written at traced per-sequence offsets; rows past the end are dropped, so callers size the cache for the
+longest window they write.
 """
 
 from __future__ import annotations
@@ -40,12 +29,8 @@ LENGTHS_AXES: tuple[str | None, ...] = ("batch",)
 
 def _scatter_block(buf: Array, rows: Array, offsets: Array) -> Array:
     """``buf[b, :, offsets[b] + j] = rows[b, j]``; buf ``[B, K, S, H]`` (heads-major), rows
-    ``[B, T, K, H]`` (token-major); rows past the end are dropped.
-
-    Written per sequence and vmapped over the batch: the scatter then carries the batch as a
-    *batching* dimension, which XLA's SPMD partitioner keeps local to each shard of a batch-sharded
-    cache (an explicit ``buf.at[arange(B), :, slots]`` index makes it all-gather the rows and indices
-    of the whole batch onto every data shard instead)."""
+    ``[B, T, K, H]`` (token-major); rows past the end are dropped. Vmapped over the batch, so a
+    batch-sharded cache's scatter stays local to each shard."""
     t = rows.shape[1]
 
     def one(buf_b: Array, rows_b: Array, offset: Array) -> Array:  # [K, S, H], [T, K, H], []
@@ -98,16 +83,9 @@ class KVCache:
         return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
 
     def compact(self, start: Array, indices: Array, count: Array) -> KVCache:
-        """Keeps a subset of a freshly written window.
-
-        After a window of new rows was written at ``start[b]``, rows
-        ``start[b] + indices[b, j]`` for ``j < count[b]`` move to ``start[b] + j``
-        and the committed length becomes ``start[b] + count[b]``. ``indices``
-        is ``[B, A]`` (padding past ``count`` is ignored; any in-window value is fine).
-
-        Two ops per array, both touching only the ``A`` moved rows: one gather of the kept rows
-        (all heads at once) and one in-place scatter of them to ``start + j`` (rows past the end
-        dropped); the slot indices are computed once and shared by every layer.
+        """Keeps a subset of a freshly written window: rows ``start[b] + indices[b, j]`` for ``j < count[b]``
+        move to ``start[b] + j`` and the committed length becomes ``start[b] + count[b]``. ``indices`` is
+        ``[B, A]`` (padding past ``count`` is ignored; any in-window value is fine).
         """
         start = jnp.asarray(start, jnp.int32)
         src = start[:, None] + jnp.asarray(indices, jnp.int32)  # [B, A]
@@ -160,10 +138,8 @@ def causal_block(t: int) -> Array:
 class ContextCache:
     """A drafter's context keys/values ``[L, B, K, S, H]`` (heads-major) and context lengths ``[B]`` (int32).
 
-    Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed
-    positions whose target features the drafter has seen (so ``lengths[b]`` equals the
-    round's ``start``); anything after is scratch that no mask exposes. Block K/V never
-    enter this cache. Grow it with :meth:`append` (``sparkjax.engine.drafting.append_context``).
+    Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed positions whose
+    target features the drafter has seen; anything after is scratch. Block K/V never enter this cache.
     """
 
     k: Array
@@ -180,10 +156,8 @@ class ContextCache:
         return self.k.shape[3]
 
     def append(self, k: Array, v: Array, count: Array) -> ContextCache:
-        """Writes token-major rows ``[L, B, A, K, H]`` (as :meth:`Drafter.context_kv` makes them) at slots
-        ``lengths[b] .. lengths[b] + A`` and advances
-        ``lengths`` by ``count[b]`` (``<= A``). Rows past ``count`` are scratch beyond the new length;
-        rows past the end of the cache are dropped (size the cache for ``max length + A``)."""
+        """Writes token-major rows ``[L, B, A, K, H]`` at slots ``lengths[b] ..`` and advances ``lengths`` by
+        ``count[b]`` (``<= A``); rows past the end of the cache are dropped (size it for ``max length + A``)."""
         per_layer = jax.vmap(_scatter_block, in_axes=(0, 0, None))
         new_k = per_layer(self.k, k, self.lengths)
         new_v = per_layer(self.v, v, self.lengths)

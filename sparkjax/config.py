@@ -1,11 +1,7 @@
-"""Frozen model configs parsed from Hugging Face ``config.json`` files.
+"""Frozen model configs parsed from Hugging Face ``config.json`` files (transformers 4.x and 5.x layouts).
 
-``Qwen3Config.from_hf_config`` reads what transformers 4.x and 5.x write: the
-5.x ``rope_parameters`` block as well as the older top-level ``rope_theta`` /
-``rope_scaling``. Anything sparkjax does not implement (another architecture, a
-rope scaling type other than the default, sliding-window layers, another
-activation) is rejected with a :class:`~sparkjax.errors.ConfigError` that names
-the file and the key.
+Anything sparkjax does not implement is rejected with a :class:`~sparkjax.errors.ConfigError` naming the file
+and the key.
 """
 
 from __future__ import annotations
@@ -23,12 +19,8 @@ PathLike = str | os.PathLike
 
 
 def open_regular(path: PathLike, error: type[Exception] = ConfigError, what: str = "file") -> IO[bytes]:
-    """Opens ``path`` for binary reading, accepting regular files only.
-
-    A FIFO, socket or device named like a checkpoint file would make ``open`` block forever or
-    read endless data; the file is opened non-blocking and checked with ``fstat`` (no race
-    between the check and the open) and anything but a regular file raises ``error`` naming it.
-    """
+    """Opens ``path`` for binary reading; anything but a regular file (checked with ``fstat`` on a non-blocking
+    open) raises ``error`` naming it."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
@@ -192,26 +184,21 @@ class Qwen3Config:
     def from_hf_config(
         cls, config: dict[str, Any] | PathLike, *, source: str | None = None, check_architecture: bool = True
     ) -> Qwen3Config:
-        """Builds the config from a ``config.json`` path or an already-parsed dict.
-
-        ``source`` names the file in error messages when a dict is given.
-        ``check_architecture`` is False for drafter configs, which reuse the Qwen3 fields.
-        """
-        if isinstance(config, dict):
-            data, src = config, source or "<config dict>"
-        else:
-            data, src = read_json(config), str(config)
-        return cls(**qwen3_fields(_Fields(data, src), check_architecture=check_architecture))
+        """Builds the config from a ``config.json`` path or a parsed dict (``source`` names it in errors)."""
+        f = _fields_of(config, source)
+        return cls(**qwen3_fields(f, check_architecture=check_architecture))
 
 
-# The ``architectures`` a target config may declare. Names are matched exactly: "Qwen3MoeForCausalLM"
-# contains "Qwen3" but is a mixture-of-experts model whose weights this implementation cannot hold.
+def _fields_of(config: dict[str, Any] | PathLike, source: str | None) -> _Fields:
+    if isinstance(config, dict):
+        return _Fields(config, source or "<config dict>")
+    return _Fields(read_json(config), str(config))
+
+
+# The ``architectures`` a target config may declare, matched exactly (not "Qwen3MoeForCausalLM").
 QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
 
-# ``torch_dtype`` / ``dtype`` values a config may declare. The dtype the weights are stored in is
-# read from the safetensors header, which wins: a config that says "bfloat16" over float32 tensors
-# loads as float32 by default (pass dtype= to choose). A declared non-float dtype ("int8", ...) is
-# an error: such a config describes a checkpoint this implementation would misread.
+# ``torch_dtype`` / ``dtype`` values a config may declare (the safetensors header's dtype wins).
 _FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "auto")
 
 
@@ -312,11 +299,7 @@ def qwen3_fields(f: _Fields, *, check_architecture: bool = True) -> dict[str, An
 # ----------------------------------------------------------------------------- drafters
 
 DRAFTER_KINDS = ("dspark", "dflash")
-# A block is drafted in one forward pass whose activations, attention mask and per-round tree
-# buffers all grow with block_size (the mask quadratically), and every slot takes a position, so a
-# block can never exceed max_position_embeddings. Published DSpark / DFlash drafters use 8-16;
-# 1024 leaves ample room while refusing sizes (e.g. 10**9) that could only end in an out-of-memory
-# failure at the first draft instead of a clear error at load time.
+# refused at load time rather than as an out-of-memory failure at the first draft
 MAX_BLOCK_SIZE = 1024
 MARKOV_HEAD_TYPES = ("vanilla", "gated")
 
@@ -325,16 +308,10 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated")
 class DrafterConfig(Qwen3Config):
     """A block drafter: the Qwen3 backbone fields plus the DSpark / DFlash fields.
 
-    ``kind`` records the checkpoint format and the block alignment:
-
-    * ``"dspark"`` (DeepSpec ``Qwen3DSparkModel``): own ``embed_tokens`` / ``lm_head``;
-      block slot ``i`` predicts the token at ``start + i + 1`` (``block_size`` drafts);
-      optional Markov head (rank ``markov_rank``, ``vanilla`` or ``gated``) and confidence head.
-    * ``"dflash"`` (z-lab ``DFlashDraftModel``): uses the target's embedding and LM head;
-      slot ``i`` predicts the token at ``start + i``, slot 0 is unused (``block_size - 1`` drafts).
-
-    ``hf_json`` keeps the checkpoint's original ``config.json`` text (not compared, not hashed)
-    so that :func:`sparkjax.io.hf.save_drafter` writes it back unchanged.
+    ``kind``: ``"dspark"`` (DeepSpec ``Qwen3DSparkModel``: own embedding / LM head, slot ``i`` predicts
+    ``start + i + 1``, optional Markov and confidence heads) or ``"dflash"`` (z-lab ``DFlashDraftModel``: the
+    target's embedding / LM head, slot ``i`` predicts ``start + i``, slot 0 unused). ``hf_json`` is the
+    original ``config.json`` text (not compared), written back by :func:`sparkjax.io.hf.save_drafter`.
     """
 
     kind: str = "dspark"
@@ -451,16 +428,10 @@ class DrafterConfig(Qwen3Config):
         cls, config: dict[str, Any] | PathLike, *, source: str | None = None, check_architecture: bool = True
     ) -> DrafterConfig:
         """Parses a DeepSpec DSpark or z-lab DFlash ``config.json`` (path or dict); the format is detected.
-
-        ``check_architecture`` is accepted for signature compatibility; the drafter architectures
-        are always checked.
-        """
+        The drafter architectures are always checked (``check_architecture`` is ignored)."""
         del check_architecture
-        if isinstance(config, dict):
-            data, src = config, source or "<config dict>"
-        else:
-            data, src = read_json(config), str(config)
-        f = _Fields(data, src)
+        f = _fields_of(config, source)
+        data, src = f.data, f.source
         kind = _drafter_kind(f)
         fields = qwen3_fields(f, check_architecture=False)
         if kind == "dspark":

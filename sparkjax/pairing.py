@@ -78,18 +78,11 @@ def check_pair(
 ) -> None:
     """Checks that ``drafter`` fits ``target``; raises IncompatiblePairError naming both and the field.
 
-    ``target`` is a :class:`~sparkjax.nn.qwen3.Qwen3` or a :class:`~sparkjax.config.Qwen3Config`,
-    ``drafter`` a :class:`~sparkjax.nn.drafter.Drafter` or a :class:`~sparkjax.config.DrafterConfig`
-    (anything else: :class:`~sparkjax.errors.ArgumentError`). The sources named in messages default
-    to ``FOLDER/config.json`` of a loaded model (:func:`source_of`), else
-    ``<target model>`` / ``<drafter model>`` (``<... config>`` for a bare config).
-
-    Checked, in this order: ``hidden_size`` and ``vocab_size`` equal; every ``target_layer_ids``
-    entry in ``[-1, L - 2]`` (not the final, final-normed layer); ``num_target_layers`` (when set)
-    equal to the target's ``L``; ``mask_token_id`` inside the target vocabulary; and for a DSpark
-    drafter the shapes of its own ``embed_tokens`` / ``lm_head`` against the target's tables:
-    those of ``drafter_tensors`` (``key -> (shape, file)``, the shapes stored in a checkpoint that
-    is about to be loaded) when given, else those of the drafter model's parameters.
+    ``target``: a Qwen3 or a Qwen3Config; ``drafter``: a Drafter or a DrafterConfig (anything else:
+    :class:`~sparkjax.errors.ArgumentError`). Sources default to ``FOLDER/config.json`` of a loaded model.
+    Checked, in order: ``hidden_size`` and ``vocab_size``; ``target_layer_ids`` in ``[-1, L - 2]``;
+    ``num_target_layers``; ``mask_token_id``; for DSpark, the ``embed_tokens`` / ``lm_head`` shapes of
+    ``drafter_tensors`` (``key -> (shape, file)``, a checkpoint about to be loaded) or of the model.
     """
     tc, t_model = _split(target, "target", Qwen3Config)
     dc, d_model = _split(drafter, "drafter", DrafterConfig)

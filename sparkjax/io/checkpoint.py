@@ -1,12 +1,7 @@
-"""Saving and restoring converted models with orbax (the only module that imports orbax).
+"""Saving and restoring models and training states with orbax (the only module that imports orbax).
 
-A saved model is a folder with ``sparkjax.json`` (what kind of model and its
-config) and ``state/`` (the orbax checkpoint of its parameters). Saving writes
-to a temp folder beside the destination and renames it when complete, so an
-interrupted save never leaves a half-written checkpoint behind; overwriting
-follows the rule of :mod:`sparkjax.io.atomic`. ``sparkjax.json`` also holds exact
-per-tensor checksums, which :func:`restore_model` verifies (with a finiteness
-check) so a corrupted folder raises instead of loading wrong weights.
+A saved model is a folder with ``sparkjax.json`` (kind, config, exact per-tensor checksums) and ``state/``
+(the orbax checkpoint), written atomically (:mod:`sparkjax.io.atomic`).
 """
 
 from __future__ import annotations
@@ -67,9 +62,8 @@ def save_model(model: nnx.Module, path: PathLike, *, overwrite: bool = False) ->
 def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
     """Restores a model saved by :func:`save_model` (optionally cast to ``dtype``).
 
-    What is read back is verified: every tensor against the checksum stored at save time (folders
-    written before checksums existed skip this), and every floating tensor must be finite. A mismatch
-    raises :class:`~sparkjax.errors.CheckpointError` naming the folder and the first bad tensor.
+    Every tensor is checked against its stored checksum (when the folder has them) and must be finite; a
+    mismatch raises :class:`~sparkjax.errors.CheckpointError` naming the folder and the first bad tensor.
     """
     folder = str(path)
     meta_path = os.path.join(folder, _META)
@@ -108,11 +102,7 @@ _CHECKSUM_KIND = "bits-u32-v1"
 
 @jax.jit
 def _device_bits(leaves):
-    """Per leaf: (sum of its bit patterns, position-weighted sum), both mod 2**32, and an all-finite flag.
-
-    Exact and deterministic (integer arithmetic), so any changed value changes the first sum; a swap of
-    two values changes the second. One reduction per tensor, on device.
-    """
+    """Per leaf: (sum of its bit patterns, position-weighted sum), both mod 2**32, and an all-finite flag."""
     out = []
     for x in leaves:
         if x.dtype == jnp.bool_:
@@ -147,9 +137,8 @@ def bit_checksums(state) -> dict[str, list[int]]:
 
 
 def verify_state(state, checksums, *, folder: str, meta_path: str | None = None, kind: str | None = None) -> None:
-    """Checks a restored state: its checksums against ``checksums`` (skipped when None: an older
-    folder) and that every floating tensor is finite. Raises CheckpointError naming ``folder`` and
-    the first bad tensor."""
+    """Checks a restored state against ``checksums`` (skipped when None) and that every floating tensor is
+    finite; raises CheckpointError naming ``folder`` and the first bad tensor."""
     got, finite = _bits_and_finite(state)
     if checksums is not None:
         where = meta_path or folder
@@ -178,19 +167,7 @@ def verify_state(state, checksums, *, folder: str, meta_path: str | None = None,
 
 def _leaf_name(path) -> str:
     """Dotted name of a pytree path, as orbax names array leaves (dict keys, indices, attributes)."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(str(k.name))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
+    return ".".join(str(next((getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)), k)) for k in path)
 
 
 def _named_leaves(tree) -> dict[str, Any]:
@@ -220,25 +197,15 @@ def state_checksums(state) -> dict[str, list[float]]:
 class TrainCheckpointer:
     """Resumable training checkpoints with orbax's ``CheckpointManager``.
 
-    Each step folder ``DIR/<step>`` holds ``state`` (the train-state pytree: params, optimizer
-    state, step, RNG) and ``meta`` (JSON: config, data position, metrics, per-leaf checksums).
-    orbax writes a step into a temporary folder and renames it when complete, so a killed save
-    leaves no step behind. Kept: the last ``keep_last`` steps plus the ``keep_best`` best by
-    ``metrics[best_metric]`` (higher is better when ``best_mode == "max"``).
+    Each step folder ``DIR/<step>`` holds ``state`` (the train-state pytree) and ``meta`` (JSON: config, data
+    position, metrics, per-leaf checksums); a killed save leaves no step behind. Kept: the last ``keep_last``
+    steps plus the ``keep_best`` best by ``metrics[best_metric]`` (``best_mode`` "max" or "min").
 
-    :meth:`restore` verifies a step (orbax restore succeeds, every tensor has the expected shape,
-    checksums match); a damaged or partial step is moved aside to ``DIR/corrupt-<step>-<n>`` with
-    a message and the previous step is tried. Tensors whose shapes do not fit the model raise
-    :class:`~sparkjax.errors.CheckpointError` (not a fallback: older steps would not fit either).
-
-    Reading a damaged step makes orbax's restore fail while tensorstore still has reads in flight;
-    orbax then closes the event loop it ran them on, and each late read calls
-    ``loop.call_soon_threadsafe`` on the closed loop from a tensorstore thread. Python reports
-    every such ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook``: hundreds to
-    thousands of traceback lines after the one warning that matters. Creating a checkpointer
-    therefore installs (once per process) a filter in ``sys.unraisablehook`` that drops exactly
-    that report -- a RuntimeError with that message, raised in asyncio's ``_check_closed``, with
-    no object -- and passes everything else to the previous hook.
+    :meth:`restore` verifies a step (restore, shapes, checksums); a damaged step is moved aside to
+    ``DIR/corrupt-<step>-<n>`` and the previous one tried. Tensors whose shapes do not fit the model raise
+    :class:`~sparkjax.errors.CheckpointError`. Creating a checkpointer installs (once per process) a
+    ``sys.unraisablehook`` filter that drops only the "Event loop is closed" reports of tensorstore's late
+    reads of a damaged step.
     """
 
     def __init__(
@@ -407,11 +374,8 @@ class TrainCheckpointer:
         return dst
 
     def restore(self, abstract_state, step: int | None = None):
-        """Restores the newest usable step (or ``step``) into ``abstract_state``'s shapes / shardings.
-
-        Returns ``(step, state, meta)``. Damaged steps are moved aside with a message and the
-        previous step is tried; raises CheckpointError when no step is usable.
-        """
+        """Restores the newest usable step (or ``step``) into ``abstract_state``'s shapes / shardings:
+        ``(step, state, meta)``; raises CheckpointError when no step is usable."""
         steps = self.steps()
         if step is not None:
             if step not in steps:
@@ -473,10 +437,8 @@ class _ClosedLoopFilter:
 
 
 class _DamagedReadsFilter:
-    """A filter of the ``asyncio`` logger: drops the "Task / Future exception was never retrieved" reports
-    of orbax's failed reads of a step being restored (their exceptions name its folder; each is a
-    multi-line traceback repeating the one warning :meth:`TrainCheckpointer.restore` prints about a
-    damaged step). Reports about anything else pass."""
+    """A filter of the ``asyncio`` logger: drops the "Task / Future exception was never retrieved" reports of
+    failed reads of a step being restored (their exceptions name its folder); anything else passes."""
 
     _instance: _DamagedReadsFilter | None = None
 

@@ -1,14 +1,8 @@
 """Hugging Face checkpoint folders: loading and saving the Qwen3 target and the drafters.
 
-Loading walks the abstract module's parameters, finds the key-map rule of each
-(:mod:`sparkjax.io.keymaps`), reads that one tensor from its safetensors file (memory-mapped,
-:mod:`sparkjax.io.safetensors`), asserts its shape and dtype, converts dtype and layout, checks it
-is finite, puts it on its device (with ``mesh=``: straight onto its sharding, each device receiving
-only its slice) and moves on; so peak host memory is the model's device copies plus about one tensor
-(the read pages of the mapping are released after each tensor). Missing, unexpected and mis-shaped
-tensors and truncated files raise :class:`~sparkjax.errors.CheckpointError` naming the file and
-the key. Saving writes a folder atomically (:mod:`sparkjax.io.atomic`). Each loaded model's folder is recorded
-for the pair errors (:func:`sparkjax.pairing.source_of`).
+Loading reads one tensor at a time (peak host memory: the model plus about one tensor); missing, unexpected,
+mis-shaped or non-finite tensors raise :class:`~sparkjax.errors.CheckpointError` naming the file and the key.
+Saving writes a folder atomically (:mod:`sparkjax.io.atomic`).
 """
 
 from __future__ import annotations
@@ -80,24 +74,11 @@ def load_into(
 ) -> nnx.Module:
     """Builds ``build()`` abstractly and fills its parameters from ``files`` through ``rules``.
 
-    ``ignore`` lists checkpoint keys that may be present and are skipped (e.g. a
-    tied ``lm_head.weight``); ``shared`` gives values for module paths that do not
-    come from the checkpoint (e.g. a drafter reusing the target's embedding).
-
-    Every tensor must have the parameter's shape and a floating dtype (an integer or
-    boolean tensor is refused, never reinterpreted); it is converted to ``dtype`` and,
-    with ``check_finite``, checked for NaN / Inf after the conversion (one reduction per
-    tensor on the host copy), so a corrupt tensor or one that overflows ``dtype`` raises
-    :class:`CheckpointError` naming the file and the key.
-
-    With ``mesh`` (a :class:`jax.sharding.Mesh`), each tensor goes straight onto its
-    :class:`~jax.sharding.NamedSharding` (from the parameter's logical ``axes`` through ``sharding_rules``,
-    default :data:`sparkjax.sharding.DEFAULT_RULES`, as :func:`sparkjax.sharding.param_shardings`):
-    every device receives only its own slice, and the whole model never sits on one device. The
-    module is built abstractly (``nnx.eval_shape``: no random init), and each tensor is read as a
-    copy whose mapped pages are released (:meth:`SafetensorsFile.read`), so with or without a mesh
-    the peak host memory is the model's device copies plus about one tensor (the tensor read and its
-    converted copy).
+    ``ignore``: checkpoint keys skipped when present (a tied ``lm_head.weight``); ``shared``: values for module
+    paths not in the checkpoint. Every tensor must have the parameter's shape and a floating dtype; it is
+    converted to ``dtype`` and, with ``check_finite``, must be finite (else :class:`CheckpointError` naming the
+    file and the key). With ``mesh``, each tensor goes straight onto its sharding from ``sharding_rules``
+    (default :data:`sparkjax.sharding.DEFAULT_RULES`): each device receives only its slice.
     """
     abstract = nnx.eval_shape(build)
     shardings = None
@@ -154,16 +135,18 @@ def load_into(
     return nnx.merge(graphdef, state)
 
 
-def _check_mesh(mesh: Any, func: str) -> None:
-    """``mesh=`` of a loader: a :class:`jax.sharding.Mesh` (or None)."""
+def _folder(path: PathLike, mesh: Any, func: str) -> str:
+    """A loader's checked ``path`` (a folder) and ``mesh`` (a :class:`jax.sharding.Mesh` or None)."""
     if mesh is not None and not isinstance(mesh, Mesh):
         raise ArgumentError(f"{func}: mesh must be a jax.sharding.Mesh (e.g. sparkjax.sharding.make_mesh), "
                             f"got {type(mesh).__name__}")
+    if not os.path.isdir(str(path)):
+        raise CheckpointError(f"{path}: not a folder")
+    return str(path)
 
 
 def _check_mesh_fits(abstract: nnx.Module, shardings: dict, folder: str) -> None:
-    """Every sharded dimension divides by its mesh axes, and every mesh axis the rules name exists:
-    checked for all parameters before any tensor is read (an ArgumentError naming the parameter)."""
+    """Every sharded dimension divides by its mesh axes, which exist (else ArgumentError naming the parameter)."""
     flat = dict(nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
     for path, sh in shardings.items():
         shape = tuple(flat[path].get_value().shape)
@@ -184,8 +167,7 @@ def _check_mesh_fits(abstract: nnx.Module, shardings: dict, folder: str) -> None
 
 
 def _place(host: np.ndarray, sharding) -> jax.Array:
-    """A host tensor on the default device, or on ``sharding``: each device gets only its own slice
-    (``jax.make_array_from_callback``), so no device ever holds the whole tensor unless it is replicated."""
+    """A host tensor on the default device, or on ``sharding`` (each device gets only its own slice)."""
     if sharding is None:
         return jnp.asarray(host)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
@@ -208,27 +190,13 @@ def export_tensors(model: nnx.Module, rules: Sequence[Rule], *, skip: Sequence[t
 def load_target(path: PathLike, dtype: Any = None, *, mesh: Any = None, sharding_rules: Any = None):
     """Loads a Hugging Face Qwen3 folder (``config.json`` + ``model.safetensors`` or shards).
 
-    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) defaults to the checkpoint's own:
-    the dtype in the safetensors header, which wins over the config's ``torch_dtype`` / ``dtype``
-    (that key is only checked to name a floating dtype). float64 tensors load as float32, a
-    checkpoint mixing float dtypes loads as float32.
-
-    Validated at load time (each failure raises a :class:`~sparkjax.errors.SparkjaxError` naming
-    the file and the key): the config (see :class:`~sparkjax.config.Qwen3Config`); regular files
-    only; the safetensors header (dtypes, shapes, offsets in range and not overlapping); the
-    index's shard names (relative, inside the folder); every tensor present, of the expected
-    shape and a floating dtype; and every converted tensor finite (no NaN / Inf).
-
-    ``mesh`` (a :class:`jax.sharding.Mesh`, e.g. :func:`sparkjax.sharding.make_mesh`) loads every
-    tensor straight onto its sharding from the logical-axis ``sharding_rules`` (default
-    :data:`sparkjax.sharding.DEFAULT_RULES`: heads and FFN over ``model``); see :func:`load_into`.
-    A sharded dimension that does not divide over its mesh axis raises ArgumentError naming the
-    parameter and both sizes, before any tensor is read.
+    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) defaults to the safetensors header's (float64 or
+    mixed float dtypes load as float32). Every failure (config, file, header, tensor) raises a
+    :class:`~sparkjax.errors.SparkjaxError` naming the file and the key. ``mesh`` / ``sharding_rules``: see
+    :func:`load_into`; a sharded dimension that does not divide over its mesh axis raises ArgumentError
+    before any tensor is read.
     """
-    _check_mesh(mesh, "load_target")
-    folder = str(path)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"{folder}: not a folder")
+    folder = _folder(path, mesh, "load_target")
     cfg = Qwen3Config.from_hf_config(os.path.join(folder, "config.json"))
     files = WeightFiles(folder)
     dt = resolve_dtype(dtype, files.dtype())
@@ -266,23 +234,14 @@ def _write_hf_folder(path: PathLike, config: dict, tensors: dict, dtype: Any, ov
 # ----------------------------------------------------------------------------- drafters (DSpark / DFlash)
 
 def load_drafter(path: PathLike, target=None, dtype: Any = None, *, mesh: Any = None, sharding_rules: Any = None):
-    """Loads a DeepSpec DSpark or z-lab DFlash drafter folder (``config.json`` + safetensors).
+    """Loads a DeepSpec DSpark or z-lab DFlash drafter folder (format detected from ``config.json``).
 
-    The format is detected from ``config.json`` (see :class:`~sparkjax.config.DrafterConfig`).
-    With ``target`` (a loaded :class:`~sparkjax.nn.qwen3.Qwen3`) the pair is validated first:
-    hidden size, vocabulary, ``target_layer_ids`` (in range, not the final layer),
-    ``num_target_layers``, ``mask_token_id``, and for DSpark the stored shapes of ``embed_tokens`` /
-    ``lm_head`` (:func:`sparkjax.pairing.check_pair`, before any tensor is read); any mismatch raises
-    :class:`~sparkjax.errors.IncompatiblePairError` naming both files;
-    a ``target`` that is not such a model raises :class:`~sparkjax.errors.ArgumentError`.
-    ``dtype`` defaults to the checkpoint's. :func:`sparkjax.pairing.source_of` gives the folder it came from.
-    The files are validated as in :func:`load_target` (header, dtypes, finiteness). ``mesh`` /
-    ``sharding_rules`` load every tensor straight onto its sharding, as in :func:`load_target`.
+    With ``target`` (a loaded Qwen3; anything else raises :class:`~sparkjax.errors.ArgumentError`) the pair is
+    checked first (:func:`sparkjax.pairing.check_pair`, before any tensor is read; a mismatch raises
+    :class:`~sparkjax.errors.IncompatiblePairError` naming both files). ``dtype``, ``mesh``, ``sharding_rules``
+    and the validation are as in :func:`load_target`.
     """
-    _check_mesh(mesh, "load_drafter")
-    folder = str(path)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"{folder}: not a folder")
+    folder = _folder(path, mesh, "load_drafter")
     config_path = os.path.join(folder, "config.json")
     if target is not None and not isinstance(target, Qwen3):
         raise ArgumentError(
@@ -302,11 +261,8 @@ def load_drafter(path: PathLike, target=None, dtype: Any = None, *, mesh: Any = 
 
 
 def save_drafter(drafter, path: PathLike, *, overwrite: bool = False, dtype: Any = None) -> str:
-    """Writes a drafter in its own format, atomically: DeepSpec DSpark (original key names, keys
-    sorted like ``save_pretrained``) or z-lab DFlash (backbone only), with the original
-    ``config.json`` (updated with the config's values, and ``dtype`` when converting).
-
-    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`)."""
+    """Writes a drafter in its own format (DeepSpec DSpark or z-lab DFlash), atomically, with its original
+    ``config.json`` updated; ``overwrite`` as in :func:`save_target`."""
     _require_model(drafter, Drafter, "save_drafter", "a drafter", "save_target")
     check_destination(path, overwrite=overwrite)
     tensors = dict(sorted(export_tensors(drafter, DRAFTER_KEYS).items()))

@@ -1,33 +1,10 @@
 """The safetensors format: a validating, memory-mapped reader, an atomic writer, sharded folders.
 
-Why a reader of our own and not the ``safetensors`` library (checked against safetensors 0.8.0,
-which sparkjax already depends on and whose ``safe_open(..., framework="numpy")`` also memory-maps
-a file, reads one tensor at a time, reads bfloat16 through ``ml_dtypes`` and validates offsets):
-
-* **Non-regular files.** ``safe_open`` on a FIFO blocks forever (a named pipe left where a shard
-  should be hangs the load). :class:`SafetensorsFile` opens through
-  :func:`~sparkjax.config.open_regular` (non-blocking open, ``fstat``) and refuses FIFOs, sockets,
-  devices and folders before reading a byte.
-* **Errors that name the file and the key.** The library raises ``SafetensorError``, not a
-  :class:`~sparkjax.errors.SparkjaxError`, and its messages do not name the file (seen: a missing
-  key, ``File does not contain tensor NAME``; a truncated file, ``Error while deserializing
-  header: incomplete metadata, file not fully covered``). Every failure here is a
-  :class:`~sparkjax.errors.CheckpointError` naming the path and, where there is one, the key and
-  the offending value, as the load-time checks of :mod:`sparkjax.io.hf` promise.
-* **Atomic writes.** ``safetensors.numpy.save_file`` writes to the path it is given;
-  :func:`write_safetensors` writes through :func:`~sparkjax.io.atomic.atomic_file`, so a killed
-  writer leaves the old file or the new one, never half of one.
-
-What the reader guarantees: the whole header is validated when the file is opened (known dtype,
-non-negative integer shape, offsets of exactly the tensor's size, inside the data section, not
-overlapping), so :func:`~sparkjax.io.hf.load_into` finds missing and unexpected keys before
-reading any tensor data and compares each tensor's shape and dtype with the model before reading
-it; :meth:`SafetensorsFile.get` is a zero-copy view of the mapped file, :meth:`SafetensorsFile.read`
-(what the loaders use) a copy whose pages of the mapping are released at once, so a load never keeps
-the whole file resident (peak host memory: the model plus the one tensor being converted).
-
-Also here: :class:`WeightFiles` (one file, or shards with a validated index) and the finiteness
-check that :func:`~sparkjax.io.hf.load_into` runs on every converted tensor.
+:class:`SafetensorsFile` opens regular files only and validates the whole header when the file is opened
+(known dtype, non-negative integer shape, offsets of exactly the tensor's size, inside the data section, not
+overlapping); every failure is a :class:`~sparkjax.errors.CheckpointError` naming the path and the key.
+:func:`write_safetensors` writes atomically. Also here: :class:`WeightFiles` (one file, or shards with a
+validated index) and the finiteness check of every loaded tensor.
 """
 
 from __future__ import annotations
@@ -66,13 +43,7 @@ def _is_int(x: Any) -> bool:
 
 
 class SafetensorsFile:
-    """A memory-mapped safetensors file with a validated header.
-
-    The file must be a regular file (a FIFO or device is refused before anything is read). Every
-    header entry must have a known ``dtype``, a ``shape`` of non-negative integers and
-    ``data_offsets`` ``[begin, end)`` of exactly the tensor's size, inside the data section and not
-    overlapping any other entry; anything else raises :class:`CheckpointError` naming the file and key.
-    """
+    """A memory-mapped safetensors file with a validated header (see the module docstring)."""
 
     def __init__(self, path: PathLike):
         self.path = str(path)
@@ -168,15 +139,8 @@ class SafetensorsFile:
         return raw.view(dtype).reshape(shape)
 
     def read(self, key: str) -> np.ndarray:
-        """Tensor ``key`` as a fresh array (a copy), its pages of the mapping released afterwards.
-
-        What the loaders use: a mapped page read once stays in the process's resident set until the
-        whole file is unmapped, so reading every tensor through :meth:`get` leaves the whole file
-        resident beside the loaded model (peak RSS: model + file). Here the copied range is dropped
-        from the mapping (``madvise(MADV_DONTNEED)``; the page cache keeps it, the process does not)
-        and the copy is freed once the tensor is converted, so a loader's peak host memory is the
-        model plus about one tensor.
-        """
+        """Tensor ``key`` as a fresh array (a copy); its pages of the mapping are released afterwards
+        (``madvise(MADV_DONTNEED)``), so a loader never keeps the whole file resident."""
         dtype, shape, begin, end = self._lookup(key)
         if self._map is None or end == begin:
             return np.zeros(shape, dtype)
@@ -194,10 +158,7 @@ class SafetensorsFile:
 
 
 def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
-    """Writes ``tensors`` to ``path`` atomically (temp file in the same folder, then rename).
-
-    I/O errors (read-only folder, full disk) raise :class:`~sparkjax.io.atomic.WriteError` naming ``path``.
-    """
+    """Writes ``tensors`` to ``path`` atomically; I/O errors raise :class:`~sparkjax.errors.WriteError`."""
     if not isinstance(tensors, dict):
         raise ArgumentError(f"tensors: expected a dict of name -> array, got {type(tensors).__name__}")
     for key in tensors:
@@ -228,11 +189,8 @@ def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: 
 # ----------------------------------------------------------------------------- a checkpoint folder
 
 class WeightFiles:
-    """The safetensors files of a checkpoint folder: a single file, or shards with an index.
-
-    Every ``weight_map`` value of the index must be a relative file name below the folder (no
-    absolute path, no ``..`` component); every file must be a regular file (links are followed).
-    """
+    """The safetensors files of a checkpoint folder: a single file, or shards with an index whose
+    ``weight_map`` values are relative file names below the folder (links are followed)."""
 
     def __init__(
         self, folder: PathLike, single: str = "model.safetensors", index: str = "model.safetensors.index.json"
@@ -280,9 +238,7 @@ class WeightFiles:
         parts = re.split(r"[/\\]", fname)
         if ".." in parts:
             raise bad(f"leads outside the checkpoint folder ({fname!r})")
-        # Symbolic links inside the folder are followed on purpose: the Hugging Face hub cache
-        # stores every file of a snapshot as a link into ../../blobs. The index itself can only
-        # name files below the folder.
+        # links are followed on purpose: the Hugging Face hub cache links every file into ../../blobs
         return os.path.normpath(fname)
 
     def keys(self) -> list[str]:
@@ -295,13 +251,8 @@ class WeightFiles:
         return ", ".join(os.path.join(self.folder, f) for f in self.files)
 
     def dtype(self) -> np.dtype:
-        """The floating dtype the checkpoint's parameters are stored in (the default model dtype).
-
-        Only floating tensors count (a non-float parameter is refused by :func:`load_into`). When
-        all of them share one dtype that is the answer. A mix of float dtypes gives float32, which
-        holds every float16 and bfloat16 value exactly; float64 also gives float32, the widest
-        dtype a model may use. A checkpoint without any float tensor is a CheckpointError.
-        """
+        """The floating dtype the parameters are stored in (the default model dtype): their one dtype, else
+        float32 (mixed, or float64); a checkpoint without any float tensor is a CheckpointError."""
         found = {f.dtype(key) for f in self.files.values() for key in f.keys()}
         floats = found & set(_FLOAT_DTYPES)
         if not floats:
@@ -327,8 +278,7 @@ _FINITE_BLOCK = 1 << 22  # elements per block of the finiteness check: its tempo
 
 
 def _all_finite(x: np.ndarray) -> bool:
-    """True when ``x`` holds no NaN or Inf; checked in blocks along the first axis, so the check's temporaries
-    stay small beside the tensor (a loader's peak host memory is the model plus about one tensor)."""
+    """True when ``x`` holds no NaN or Inf (checked in blocks along the first axis: small temporaries)."""
     if x.size == 0:
         return True
     if x.ndim == 0:
