@@ -256,17 +256,16 @@ def test_bad_arguments(pair):
         generate(target, drafter, p, method="sparklingtree-beam", budget=8, widths=(4, 4))
 
 
-def test_markov_methods_refuse_a_drafter_without_markov_head(pair):
+def test_markov_methods_refuse_a_drafter_without_markov_head(pair, prompts3, ar3):
     target, drafter = pair
     cfg = dataclasses.replace(drafter.config, markov_rank=0, markov_head_type=None, enable_confidence_head=False,
                               confidence_head_with_markov=False)
     plain = Drafter(cfg, rngs=nnx.Rngs(0))
-    for method in ("dspark", "sparklingtree", "sparklingtree-beam"):
+    for method in ("dspark", "sparklingtree", "sparklingtree-beam", "pctree"):
         with pytest.raises(sparkjax.ArgumentError, match="Markov head"):
             generate(target, plain, [[1, 2, 3]], method=method)
     # the non-Markov methods still work with it, and stay exact
-    ar = generate(target, None, [[1, 2, 3]], max_new_tokens=12).tokens
-    assert generate(target, plain, [[1, 2, 3]], method="ddtree", budget=4, max_new_tokens=12).tokens == ar
+    assert generate(target, plain, prompts3, method="ddtree", budget=8, max_new_tokens=NEW).tokens == ar3
 
 
 def test_mismatched_pair_is_refused(pair, random_pair):

@@ -501,11 +501,13 @@ def generate(
     ``method``: a method object (:class:`~sparkjax.engine.AR`, :class:`~sparkjax.engine.Chain`,
     :class:`~sparkjax.engine.Tree`) or its name: ``ar`` (target alone), ``dflash`` (argmax chain),
     ``dspark`` (Markov chain), ``ddtree`` (best-first over independent marginals), ``sparklingtree``
-    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), ``auto`` (each
-    round verifies a plain step, the chain or a tree of 8 to 64 nodes, chosen on device from the drafter's
-    confidence and a measured cost table: :class:`~sparkjax.engine.Auto`; without a table it profiles once
+    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), ``pctree`` (a beam
+    of ``k`` nodes per depth, then the best ``budget`` nodes counting the root: :class:`~sparkjax.engine.PCTree`),
+    ``auto`` (each round verifies a plain step, the chain or a tree of 8 to 64 nodes, chosen on device from the
+    drafter's confidence and a measured cost table: :class:`~sparkjax.engine.Auto`; without a table it profiles once
     per process and shape, see :func:`~sparkjax.engine.profile_costs`), or ``name@budget`` for a tree.
-    With a name, ``budget`` is the tree size M (trees only, default 64), ``top_c`` the
+    With a name, ``budget`` is the tree size M (trees only, default 64; pctree's counts the root, default
+    32), ``top_c`` the
     candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (per-depth ints,
     ``"even"``, or ``"auto"``, the default: from measured per-depth acceptance), ``normalization`` the
     Markov tables' (``fast`` or ``exact``), ``candidates`` the Markov trees' candidate sets (``union``, the
