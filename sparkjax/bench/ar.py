@@ -3,12 +3,9 @@
     python -m sparkjax.bench ar [--layers 8] [--hidden 512] [--vocab 8192] [--new 128] [--batches 1,64]
                                 [--reps 3] [--threads 1,2] [--json PATH]
 
-Both run on this CPU in float32 after a warm-up (compilation for sparkjax), on the same prompts (equal lengths,
-no padding), and their outputs are checked to be identical. The repetitions are interleaved (transformers at each
-thread count, then sparkjax, then again); each row reports the median, the best run and the spread. torch's
-OpenMP threads are told not to spin (``OMP_WAIT_POLICY=PASSIVE``, set before torch is imported): spinning
-threads slow whatever runs next in the same process. ``--json`` writes one record per batch size: ``batch``,
-``sparkjax_tok_s``, ``transformers_tok_s``, ``ratio`` (medians) and the details.
+Both run on this CPU in float32 after a warm-up, on the same prompts, with identical outputs checked;
+repetitions are interleaved. ``--json`` writes one record per batch size: ``batch``, ``sparkjax_tok_s``,
+``transformers_tok_s``, ``ratio`` (medians) and the details.
 """
 
 from __future__ import annotations

@@ -3,17 +3,11 @@
     python -m sparkjax.bench attention [--batch 64] [--live 64,96,160] [--bucket 256] [--buffers 12] [--reps 5]
                                        [--out PATH]
 
-One decode step's attention of the random model of the ``ar`` subcommand (8 query / 4 key-value heads of 64,
-float32): one query per sequence against ``live`` visible slots. sparkjax keeps a fixed cache bucket of
-``--bucket`` slots (heads-major ``[B, K, S, H]``, the live slots first) and runs each
-:func:`sparkjax.nn.layers.attend` path (``einsum`` reads the whole bucket; ``blocked`` and ``prefix`` read what
-holds the live slots, in 128-slot chunks or the shortest power-of-two prefix); torch (transformers' decode cache)
-holds exactly the live slots and runs ``scaled_dot_product_attention(enable_gqa=True)``. Each call attends over
-``--buffers`` distinct key/value buffers (one per layer of a step, so reads come mostly from memory, not from a
-warm cache); times are per buffer. Every path is checked against torch's output (largest absolute difference).
-Repetitions are interleaved; torch runs in this process with ``OMP_WAIT_POLICY=PASSIVE`` (set before it is
-imported) and 2 threads. Per path: median and fastest time per buffer, the spread, and the live K/V bytes over
-the median time (what a kernel reading only the live slots moves).
+One decode step's attention (8 query / 4 key-value heads of 64, float32): one query per sequence against
+``live`` visible slots of a ``--bucket``-slot cache, for each :func:`sparkjax.nn.layers.attend` path, against
+torch's ``scaled_dot_product_attention`` over exactly the live slots. Each call attends over ``--buffers``
+distinct buffers; times are per buffer, interleaved; every path is checked against torch's output. Per path:
+median and fastest time, spread, and live K/V bytes over the median time.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import shlex
 import sys
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparkjax.config import DrafterConfig, Qwen3Config
+from sparkjax.demo import DEMO_DIR as DEMO
 from sparkjax.engine.methods import TREE_METHODS, parse_method
 from sparkjax.errors import ArgumentError
 from sparkjax.io.atomic import atomic_file
@@ -31,9 +33,8 @@ from sparkjax.tree import CANDIDATE_MODES
 
 from .timing import load_warning
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout: tests/fixtures, train/recipes
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"
-DEMO = ROOT / "sparkjax" / "assets" / "demo"
+FIXTURE = pathlib.Path("tests", "fixtures", "tiny_dspark_b16")  # in the checkout the benchmarks run from
+RECIPES = pathlib.Path("train", "recipes")
 TAU = 7.34  # the SparklingTree write-up's mean accepted length, for projected speedups
 WRITEUP_SPEEDUP = 4.29  # the speedup the SparklingTree write-up reports at that tau
 PRESETS = ("tiny", "demo", "reduced", "real")
@@ -181,6 +182,11 @@ def abstract_args(batch: int, prompt: int):
     s = jax.ShapeDtypeStruct
     return (s((batch, prompt), jnp.int32), s((batch,), jnp.int32), s((), jnp.int32), s((1,), jnp.int32),
             s((), jnp.float32), jax.eval_shape(lambda: jax.random.key(0)))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment and import path, for a child ``python -m sparkjax.bench``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}
 
 
 def device_name() -> str:

@@ -3,10 +3,8 @@
     python -m sparkjax.bench drafter [--repeats 50] [--out PATH] [--json PATH]
 
 Both sides load the same DeepSpec-format weights (the tiny fixture drafter, and a larger random one at batch 1
-and 4), start from the same context K/V cache (context length C, block G), and produce base logits and the
-greedy Markov-corrected chain. JAX runs one jitted function over ``nnx.split`` state; PyTorch runs eagerly under
-``inference_mode``. Reported: medians over ``--repeats`` interleaved calls after a warm-up, and the outputs'
-agreement. CPU timings only; never extrapolate them to accelerators.
+and 4), start from the same context K/V cache and produce base logits and the greedy Markov-corrected chain.
+Reported: medians over ``--repeats`` interleaved calls after a warm-up, and the outputs' agreement (CPU).
 """
 
 from __future__ import annotations

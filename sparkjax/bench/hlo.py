@@ -1,29 +1,17 @@
 """Kernel, byte and FLOP counts of an optimised HLO module: the counter behind ``python -m sparkjax.bench round``.
 
 :func:`count_hlo` walks the computations from the program's top (the entry, or one iteration of the generation
-loop) with a multiplier: a ``while`` multiplies its body by its trip count and its condition by the trip count
-+ 1; ``call`` bodies are walked in place; of a ``conditional`` the costliest branch (by bytes) is counted. The trip
-count is XLA's ``known_trip_count`` annotation, else derived from a condition ``i < constant`` with
-``known_init_step`` 0/1; a loop with neither is counted once and reported in ``unknown_loops``.
+loop): a ``while`` multiplies its body by its trip count and its condition by the trip count + 1 (XLA's
+``known_trip_count``, else derived from a condition ``i < constant``; a loop with neither is counted once and
+reported in ``unknown_loops``); ``call`` bodies are walked in place; of a ``conditional`` the costliest branch.
 
-A **kernel** is every instruction executed except the ones that launch nothing (:data:`NOT_KERNELS`: parameters,
-constants, tuples, bitcasts, the control ops, whose bodies are counted instead) and *pure converts*. A fusion
-counts once, whatever it fuses. ``sequential`` kernels are those inside a loop (each trip waits for the previous
-one: launch latency is paid per kernel, one after another).
+A **kernel** is every instruction executed except :data:`NOT_KERNELS` and *pure converts* (XLA:CPU's f32
+wrappers of bf16 dots: one-operand converts, with or without a layout change; their consumers read the source
+at its dtype). A fusion counts once; ``sequential`` kernels are those inside a loop.
 
-**Pure converts.** XLA:CPU computes bf16 dots in f32: it wraps them in ``convert`` kernels (for weights often
-with a transpose, hoisted out of loops) that XLA:GPU would not emit. A kernel of one operand that only converts
-(with or without transpose / copy / bitcast / reshape), or only changes the layout of such a value, is not
-counted: its consumers read its source at the source's dtype (also through ``while`` / ``call`` boundaries), and
-a kernel whose every result user is such a narrowing convert writes at the narrow dtype.
-
-**Byte model** (per kernel, real dtypes): bytes of every operand read + bytes of every result written, except
-that an operand used only through ``slice`` / ``dynamic-slice`` / ``gather`` reads only the sliced bytes, and the
-buffer of an in-place ``dynamic-update-slice`` or ``scatter`` (also as a fusion root) is not read, only the
-update written. **FLOPs** are matrix FLOPs only: ``2 * prod(result dims) * prod(contracting dims)`` per ``dot``
-(also inside fusions); :func:`fused_attention_flops` for the opaque fused-attention model.
-
-**Projection** (:meth:`Tally.seconds`; nothing is measured on a GPU): per kernel the roofline
+**Bytes** per kernel: operands read + results written, except sliced operands (only the slice is read) and
+in-place ``dynamic-update-slice`` / ``scatter`` buffers (only the update is written). **FLOPs**: matrix FLOPs of
+every ``dot`` (and :func:`fused_attention_flops`). **Projection** (:meth:`Tally.seconds`): per kernel
 ``max(bytes / BW, flops / peak)`` summed, plus a launch cost per sequential kernel.
 """
 
@@ -64,11 +52,9 @@ FUSED_ATTENTION_TARGET = re.compile(r'custom_call_target="[\w]*python_\w*callbac
 
 
 def fused_attention_model(q, parts, **kw):
-    """Stands in for :func:`sparkjax.nn.layers.attend` under ``--attention fused``: one opaque call (a
-    ``jax.pure_callback``: compiled, never run) of the queries and every part's keys, values and mask that returns
-    the attention output. The byte model then charges what a fused attention kernel moves (cuDNN's, which
-    ``attend(impl="dpa")`` calls on a GPU for bf16): its operands read once and its output written once, and
-    :func:`fused_attention_flops` its FLOPs. A projection of that kernel, not of anything XLA:CPU runs."""
+    """Stands in for :func:`sparkjax.nn.layers.attend` under ``--attention fused``: one opaque
+    ``jax.pure_callback`` (compiled, never run) of the queries and every part's keys, values and mask, so the
+    byte model charges a fused attention kernel's operands read once and its output written once."""
     b, t, n, h = q.shape
     out = jax.ShapeDtypeStruct((b, t, n, h), parts[0][1].dtype)
     flat = [q] + [x for part in parts for x in part]

@@ -3,23 +3,14 @@
     python -m sparkjax.bench round --preset real,demo --batches 1,8 --budgets 16,64 --out PATH --json PATH
     python -m sparkjax.bench round --quick        # real preset, batch 1: ar, dspark, sparklingtree@64
 
-The CPU-side proxy for GPU latency. For each preset, batch and method the pair is built with ABSTRACT bf16 weights
-(``nnx.eval_shape``: nothing is allocated) and two programs are lowered and compiled for XLA:CPU (nothing runs):
-the speculative program (its generation loop's body is one round) and the greedy AR program (its body is one AR
-step), both with a 16-token prompt and a cache of ``--context`` slots. Only one iteration of each generation loop
-is counted (:mod:`sparkjax.bench.hlo`), so what XLA hoists out of the loop is outside for both. ddtree and dflash
-use the DFlash-style drafter (no Markov head), the Markov methods the DSpark one.
-
-Per row: ``kernels`` executed per round (loop trips counted), ``sequential_kernels`` (inside loops), ``bytes``
-(the byte model), matrix ``flops``, and the **projection** ``<device>_ar_steps_at_<N>us``: the round's roofline
-time plus N us per sequential kernel over the AR step's, for an H100 (3.35 TB/s) and an H200 (4.8 TB/s), both
-989.5 TFLOP/s bf16; ``round_ar_steps_at_2us`` is the H100's at 2 us and ``projected_speedup_at_2us`` is
-``--tau`` over it (beside the SparklingTree write-up's 4.29x).
-
-The programs are compiled with the options a GPU runs (``--chain``, ``--attention``, passed as
-:class:`sparkjax.engine.Options`). ``--attention fused`` passes :func:`sparkjax.bench.hlo.fused_attention_model`
-as the attention: every attention call one opaque kernel (compiled, never run) charged its operands read once and
-its output written once, a projection of a fused GPU kernel (cuDNN's, which ``attend(impl="dpa")`` calls).
+For each preset, batch and method the pair is built with abstract bf16 weights and the speculative and greedy
+AR programs are compiled for XLA:CPU (nothing runs); one iteration of each generation loop (a round, an AR
+step) is counted by :mod:`sparkjax.bench.hlo`. ddtree and dflash use the DFlash-style drafter, the Markov
+methods the DSpark one. Per row: ``kernels``, ``sequential_kernels``, ``bytes``, ``flops`` and the projection
+``<device>_ar_steps_at_<N>us`` (the round's roofline time plus N us per sequential kernel over the AR step's,
+for each of :data:`sparkjax.bench.hlo.DEVICES`); ``round_ar_steps_at_2us`` is the H100's at 2 us and
+``projected_speedup_at_2us`` is ``--tau`` over it. ``--chain`` and ``--attention`` are passed as
+:class:`sparkjax.engine.Options`; ``--attention fused`` uses :func:`sparkjax.bench.hlo.fused_attention_model`.
 """
 
 from __future__ import annotations

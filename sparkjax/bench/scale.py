@@ -1,37 +1,20 @@
 """Real-size round cost, measured: AR steps and forced-acceptance rounds of every method, on this device.
 
     python -m sparkjax.bench scale --preset reduced                   # CPU, minutes
-    python -m sparkjax.bench scale --preset real --timeout 450        # GPU, under 8 minutes
+    python -m sparkjax.bench scale --preset real --timeout 450        # GPU
     python -m sparkjax.bench scale --preset reduced --from-disk /tmp/scale_pair
     python -m sparkjax.bench scale --memory --preset real --batches 1,8,32 --contexts 2048,8192
 
-Builds the preset's Qwen3 target and DSpark-b16 drafter (one drafter for every method) from configs with random
-bf16 weights on the device (no download) and, side by side in one process with interleaved repetitions, times:
+The preset's Qwen3 target and DSpark-b16 drafter get random bf16 weights on the device. Timed side by side with
+interleaved repetitions: the **AR step** ((run to ``1 + N`` tokens - run to 2) / ``(N - 1)``); each method's
+**round** in forced-acceptance mode (every round commits exactly ``--accept`` drafts + the bonus token, see
+:func:`forced_acceptance`; bench only, its outputs are not the target's tokens), as (``R`` rounds - 1 round) /
+``(R - 1)``; and the **stage split** of the forced round, each stage its own jitted call.
 
-* the **AR step**: the greedy AR program run to ``1 + N`` tokens minus the same program run to 2 tokens, over
-  ``N - 1`` steps (the prefill cancels out);
-* the **round** of each method: the speculative program in **forced-acceptance mode**: every round commits exactly
-  ``--accept`` drafted tokens (+ the bonus token), following the tree's deepest path of that length (a chain's
-  first ``--accept`` drafts), whatever the target says, so the round cost does not depend on how good the random
-  drafter is. Rounds are timed as (run of ``R`` rounds - run of 1 round) / ``(R - 1)``;
-* the **stage split** (draft / tree / verify / commit) of the forced round, each stage its own jitted call (as
-  ``generate(instrument=True)`` does), as shares of their sum.
-
-Forced acceptance is bench-only: a subclass of the method whose ``accept`` is :func:`forced_acceptance`; its
-outputs are not the target's tokens, and no ``generate`` call can reach it. Per row: round time and AR step time
-(median, min, spread; differences of wall times, never clamped), the round cost in AR steps (median / median),
-the stage split, and the projected speedup at ``--tau`` over the measured round cost, beside the SparklingTree
-write-up's 4.29x. On a CPU these are CPU timings (labelled so); GPU figures come only from a run on a GPU.
-
-``--from-disk DIR`` first writes the random pair as a Hugging Face Qwen3 folder (``DIR/target``) and a DeepSpec
-DSpark-b16 folder (``DIR/dspark_b16``), once (reused while ``DIR/bench_pair.json`` matches the preset and
-seed), then loads them through :func:`sparkjax.load_target` / :func:`sparkjax.load_drafter`: first in a fresh
-child process that reports the load time and the peak host RSS growth (beside the model's bytes and its largest
-tensor), then in this process for the timings.
-
-``--memory`` instead lowers and compiles the whole generation program from abstract shapes (no weights) for
-every batch x context and reports the compiled program's memory analysis (peak = arguments + outputs +
-temporaries - aliased) and the compile time (on a CPU: XLA:CPU's, labelled so).
+``--from-disk DIR`` writes the random pair as Hugging Face folders once (reused while ``DIR/bench_pair.json``
+matches), measures loading it in a fresh child process (time, peak host RSS growth), then loads it here.
+``--memory`` instead compiles the whole generation program from abstract shapes per batch x context and reports
+its memory analysis and compile time.
 """
 
 from __future__ import annotations
@@ -63,13 +46,13 @@ from sparkjax.io.safetensors import WeightFiles
 
 from . import timing
 from .common import (
-    ROOT,
     TAU,
     WRITEUP_SPEEDUP,
     abstract_args,
     abstract_models,
     add_output,
     at_least,
+    child_env,
     configs,
     describe,
     device_name,
@@ -416,9 +399,8 @@ def measure_load(folder: str) -> dict:
 
 
 def load_in_child(folder: str, timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run([sys.executable, "-m", "sparkjax.bench", "scale", "--measure-load", folder],
-                         capture_output=True, text=True, env=env, timeout=timeout)
+                         capture_output=True, text=True, env=child_env(), timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"the load child failed: {res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

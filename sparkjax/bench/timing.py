@@ -1,23 +1,13 @@
 """The timing protocol of every benchmark: interleaved repetitions of several variants in one process.
 
-    from sparkjax.bench.timing import interleave, warnings
-
     stats = interleave({"a": run_a, "b": run_b}, reps=5)   # a b a b ... (warm the variants up first)
     stats["a"].median, stats["a"].min, stats["a"].spread
-    for w in warnings(stats):
-        print("warning:", w)
 
-* :func:`interleave` runs every variant once per repetition, in the given order, so that machine noise hits all
-  of them alike. Each sample is what ``measure(fn)`` returns: by default :func:`wall`, the seconds of one call
-  with its result synced (``jax.block_until_ready``). A custom ``measure`` may return any float, a difference
-  of two wall times included; no sample is ever clamped (a difference may come out <= 0 on a loaded machine).
-* ``deadline`` (a ``time.perf_counter()`` value) stops starting repetitions once every variant has
-  ``min_reps`` samples; the :class:`Stats` then hold fewer than ``reps`` samples.
-* Ctrl-C during the repetitions raises :class:`Interrupted` (a ``KeyboardInterrupt``) whose ``partial`` holds the
-  :class:`Stats` of every variant measured at least once, so a caller can keep what was measured; the
-  command lines then exit with code 130.
-* :func:`load_warning` / :func:`warnings`: one line each when the machine is loaded (the 1-minute load average
-  above the core count) or a variant's spread is large.
+* :func:`interleave` runs every variant once per repetition, in order; a sample is ``measure(fn)`` (default
+  :func:`wall`: one synced call's seconds), never clamped. ``deadline`` stops starting repetitions once every
+  variant has ``min_reps`` samples. Ctrl-C raises :class:`Interrupted` whose ``partial`` holds the
+  :class:`Stats` measured so far.
+* :func:`load_warning` / :func:`warnings`: one line each when the machine is loaded or a spread is large.
 """
 
 from __future__ import annotations

@@ -4,23 +4,17 @@
     python -m sparkjax.bench train --part throughput --steps 50
     python -m sparkjax.bench train --part memory --devices 8 --precomputed
 
-Throughput: the ``train/recipes/tiny.json`` run (the bundled 6-layer target, a new 2-layer block-16 drafter,
-batch 8 x 64 tokens, 8 anchors per sequence), target features computed on the fly in the same jitted step; the
-first step (compile) is reported apart from the steady-state step time (median, min, spread of ``--steps``).
-
-Memory: ``jax.jit(train_step).lower(abstract args).compile().memory_analysis()`` for the Qwen3-4B target config
-and the DSpark block-16 drafter config (bf16 weights, float32 master copies and AdamW moments of the trainable
-drafter parameters, seq 768, 32 anchors per sequence); nothing is allocated. Data parallel: the batch is sharded
-over the devices; the target, the drafter, the master weights and the optimizer state are replicated on every
-device. Without ``--devices`` the standard rows run, each in a subprocess (the 8-device ones on 8 virtual CPU
-devices). XLA:CPU figures: it upcasts bf16 dots to f32, which inflates the on-the-fly target's temporaries.
+Throughput: the ``train/recipes/tiny.json`` run, target features on the fly; the first step (compile) apart
+from the steady-state step time (median, min, spread of ``--steps``). Memory: the compiled train step's
+``memory_analysis()`` for the Qwen3-4B target and DSpark block-16 drafter configs (bf16 weights, float32 master
+copies and AdamW moments, seq 768, 32 anchors per sequence, batch sharded over the devices), from abstract
+shapes. Without ``--devices`` the standard rows run, each in a subprocess.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -44,7 +38,7 @@ from sparkjax.training.optim import OptimConfig, make_optimizer
 from sparkjax.training.trainer import DEFAULT_FREEZE, StepSpec, train_step_fn, trainable_filter
 
 from . import timing
-from .common import FIXTURE, ROOT, add_output, at_least, pct
+from .common import FIXTURE, RECIPES, add_output, at_least, child_env, pct
 
 GIB = 1024**3
 MEMORY_ROWS = ((1, 1, False), (1, 1, True), (1, 4, False), (8, 1, False), (8, 1, True))  # devices, per device, pre
@@ -62,7 +56,7 @@ def add_arguments(p) -> None:
 
 
 def throughput(steps: int) -> dict:
-    cfg = TrainConfig.from_file(os.path.join(ROOT, "train", "recipes", "tiny.json"), {"eval_size": 0})
+    cfg = TrainConfig.from_file(str(RECIPES / "tiny.json"), {"eval_size": 0})
     target, drafter = build_models(cfg, log=lambda m: None)
     t0 = time.perf_counter()
     train, _ = build_data(cfg, target, drafter, None, log=lambda m: None)
@@ -136,12 +130,10 @@ def memory(devices: int, batch_per_device: int, precomputed: bool = False) -> di
 
 
 def memory_in_child(devices: int, per: int, pre: bool) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env = child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}") if devices > 1 else child_env()
     cmd = [sys.executable, "-m", "sparkjax.bench", "train", "--part", "memory", "--devices", str(devices),
            "--batch-per-device", str(per), "--child"] + (["--precomputed"] if pre else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"the memory child {cmd[3:]} failed: {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

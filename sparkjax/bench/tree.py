@@ -1,24 +1,17 @@
 """The on-device tree builders (:mod:`sparkjax.tree`) against the NumPy references: timing and agreement.
 
-    python -m sparkjax.bench tree                      # full run (minutes on 2 cores)
+    python -m sparkjax.bench tree                      # full run
     python -m sparkjax.bench tree --quick              # V=4096, budgets 16 and 64, fewer reps and trials
     OPENBLAS_NUM_THREADS=1 python -m sparkjax.bench tree --budgets 16,64,256 --reps 5 --out PATH
 
-1. **Timing**, inputs already on device, after a compile + first run of every device build, all builds of one
-   (V, M) interleaved (up to ``--reps`` repetitions, at least 2, fewer once ``--max-seconds`` pass). Same-work
-   pairs (host / device > 1: the device build is faster):
-   (a) *exact*: the naive SparklingTree heap running the exact full-vocabulary Markov head at every pop
-       (restricted to the base top-C) against the device build over exact tables (candidates + exact
-       ``markov_tables`` + ``best_first`` + visibility): the same tree;
-   (b) *same tables*: the host heap over precomputed tables (``reference.table_heap``) against device
-       ``best_first`` over the same tables (+ ancestor mask / visibility on each side);
-   and the DDTree heap against the device DDTree build. The naive exact heap against the device *fast* build
-   (approximate tables) is different work, shown for reference.
+1. **Timing** (inputs on device, after a compile + first run, the builds of one (V, M) interleaved): the naive
+   exact SparklingTree heap against the device build over exact tables; the host heap over precomputed tables
+   against device ``best_first`` over the same tables; the DDTree heap against the device DDTree build; and,
+   for reference, the naive exact heap against the device *fast* build.
 2. **Agreement**: how often best-first over exact / fast Markov tables gives the same tree (the same set of
-   root-to-node token paths) as the naive SparklingTree reference, restricted to the base top-C (naive-C) or
-   not (naive-V), on the fixture's 41 rounds of real DSpark base logits with its drafter's Markov head, and on
-   random Markov heads. "near-ties" also accepts swaps within 1e-5 (relative) of the selection boundary;
-   node overlap = shared prefixes / M. ddtree (no Markov head) is a baseline.
+   root-to-node token paths) as the naive SparklingTree reference (restricted to the base top-C, or not), on the
+   fixture's rounds of real DSpark base logits and on random Markov heads; "near-ties" also accepts swaps within
+   1e-5 (relative) of the selection boundary; node overlap = shared prefixes / M.
 """
 
 from __future__ import annotations
