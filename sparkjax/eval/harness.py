@@ -26,7 +26,7 @@ from . import metrics, sweep
 from .config import MAX_SEED, EvalConfig, eval_mesh, validate
 from .engine import Engine
 from .pair import DEMO_NOTE, Pair, load_pair, load_tok, param_dtype, resolve_pair
-from .records import Record, make_record, summarize
+from .records import Record, is_reference, make_record, summarize
 from .results import EvalResults, check_out
 from .runner import Interrupt, LoadMonitor, Stopped, protocol_text, sigint_flag, time_batch, warm_up
 
@@ -273,7 +273,7 @@ def _notes(records: list[Record], summary) -> list[str]:
         notes.append(f"decode time not measured for {len(unmeasured)} batch(es) ({', '.join(unmeasured[:6])}"
                      f"{', ...' if len(unmeasured) > 6 else ''}): the prefill-only runs took at least as long as the "
                      "full runs (a busy machine?); they are left out of TPOT, tok/s and speedup")
-    ended = [(r.dataset, s.index) for r in records if r.label == core.AR_LABEL for s in r.samples
+    ended = [(r.dataset, s.index) for r in records if is_reference(r.label) for s in r.samples
              if s.output_tokens <= 1]
     if ended:
         notes.append(f"{len(ended)} response(s) ended at their first token ({', '.join(f'{d}#{i}' for d, i in ended)}):"

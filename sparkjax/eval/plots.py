@@ -11,6 +11,7 @@ import numpy as np
 from ..engine.methods import AR_LABEL, METHODS
 from ..engine.round import STAGES
 from ..io.atomic import atomic_file
+from .records import is_reference
 
 STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
 
@@ -84,7 +85,7 @@ def acceptance_plot(results, path) -> pathlib.Path:
     cols = min(n, 3)
     rows = math.ceil(n / cols)
     fig = _figure(4.6 * cols, 3.4 * rows + 0.6)
-    labels = [lab for lab in results.setup["labels"] if lab != AR_LABEL]
+    labels = [lab for lab in results.setup["labels"] if not is_reference(lab)]
     for i, name in enumerate(sets):
         ax = fig.add_subplot(rows, cols, i + 1)
         for label in labels:
@@ -151,7 +152,7 @@ def stage_plot(results, path) -> pathlib.Path:
     fused = [_val(r.round_ms) for r in rows]
     if rows and any(v == v for v in fused):
         ax.plot(x, fused, "kD", ms=5, label="same round in the fused loop (timed pass)")
-    ar = next((r for r in results.rows(scope) if r.label == AR_LABEL), None)
+    ar = next((r for r in results.rows(scope) if is_reference(r.label)), None)
     if ar and _val(ar.round_ms) == _val(ar.round_ms):
         ax.axhline(ar.round_ms, color="k", ls="--", lw=1,
                    label=f"ar: ms per token, fused loop ({ar.round_ms:.2f})")
@@ -184,9 +185,9 @@ def throughput_plot(results, path) -> pathlib.Path:
         best = np.array([_val(r.tokens_per_s_best) for r in mine])
         st = method_style(label)
         kw = dict(color=st["color"], ls=st["linestyle"], marker=st["marker"], ms=5)
-        top.plot(xs, med, label=f"{label} (median)", lw=2.2 if label == AR_LABEL else 1.5, **kw)
+        top.plot(xs, med, label=f"{label} (median)", lw=2.2 if is_reference(label) else 1.5, **kw)
         top.vlines(xs, np.fmin(med, best), np.fmax(med, best), color=st["color"], lw=3, alpha=0.35)
-        if label != AR_LABEL:
+        if not is_reference(label):
             bottom.plot(xs, [_val(r.speedup) for r in mine], label=label, **kw)
     top.set_xscale("log", base=2)
     if any(_val(r.tokens_per_s) > 0 for r in rows):  # NaN (not measured) > 0 is False
@@ -195,7 +196,7 @@ def throughput_plot(results, path) -> pathlib.Path:
     top.set_title("tokens/s against batch size (line: median runs; bar: up to the fastest runs)", fontsize=9)
     top.grid(alpha=0.3, which="both")
     top.legend(fontsize=7)
-    bottom.axhline(1.0, color=method_style(AR_LABEL)["color"], lw=1, ls="--", label="ar")
+    bottom.axhline(1.0, color=method_style(AR_LABEL)["color"], lw=1, ls="--", label=AR_LABEL)
     bottom.set_xlabel("batch size (sequences decoded together)")
     bottom.set_ylabel("speedup over ar (same batch size)")
     bottom.grid(alpha=0.3)

@@ -10,13 +10,15 @@ tokens) are properties computed from the raw timings, never stored twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from typing import Any
 
 from ..bench.timing import Stats
-from ..engine.methods import AR_LABEL
+from ..engine.methods import parse_method
 from ..engine.round import STAGES
+from ..errors import ArgumentError
 from . import metrics
 
 
@@ -27,6 +29,16 @@ def _from_dict(cls, d: dict[str, Any]):
 
 def _drop_none(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if not (k in keys and v is None)}
+
+
+@functools.cache
+def is_reference(label: str) -> bool:
+    """Whether ``label`` names the method every speedup and exactness check is measured against: the one that
+    drafts nothing (``ar``), as its method object says. A name the engine does not know is not the reference."""
+    try:
+        return not parse_method(label).speculative
+    except ArgumentError:
+        return False
 
 
 def measured(x, *, allow_zero: bool = False) -> bool:
@@ -261,7 +273,7 @@ def summarize(records: list[Record], labels: list[str], depths: dict[str, int], 
     """Summary rows per (dataset, method), then pooled over the datasets (``dataset == "all"``) when there are
     several. TPOT is the mean over timed batches with a measured decode time; speedup = TPOT(ar) / TPOT(method);
     ``same_as_ar`` (greedy only): the share of outputs equal to ar's for the same prompt."""
-    ar_outputs = {(r.dataset, s.index): s.output_ids for r in records if r.label == AR_LABEL for s in r.samples}
+    ar_outputs = {(r.dataset, s.index): s.output_ids for r in records if is_reference(r.label) for s in r.samples}
     groups = [(name, [r for r in records if r.dataset == name]) for name in dataset_names]
     groups = [(name, recs) for name, recs in groups if recs]
     if len(groups) > 1:
@@ -281,7 +293,7 @@ def summarize(records: list[Record], labels: list[str], depths: dict[str, int], 
             best = [r for r in timed if measured(r.decode_seconds_min)]
             tp = metrics.mean_tpot([r.decode_seconds for r in med], [r.output_tokens for r in med])
             tp_best = metrics.mean_tpot([r.decode_seconds_min for r in best], [r.output_tokens for r in best])
-            if label == AR_LABEL:
+            if is_reference(label):
                 ar_tpot, ar_best = tp, tp_best
             spreads = [r.run_spread for r in timed if measured(r.run_spread, allow_zero=True)]
             staged = [r for r in rr if r.stage]
@@ -291,7 +303,7 @@ def summarize(records: list[Record], labels: list[str], depths: dict[str, int], 
                                                    [r.stage["rounds"] for r in staged])
                 stage["total"] = sum(stage[k] for k in STAGES if k in stage)
             same = None
-            if temperature == 0 and label != AR_LABEL:
+            if temperature == 0 and not is_reference(label):
                 same = same_share((s.output_ids, ar_outputs.get((r.dataset, s.index))) for r in rr for s in r.samples)
             depth = depths.get(label, 0)
             decode_sum = sum(r.decode_seconds for r in med)

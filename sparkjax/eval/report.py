@@ -9,9 +9,9 @@ import os
 import pathlib
 from typing import Any
 
-from ..engine.methods import AR_LABEL
 from ..engine.round import STAGES
 from ..io.atomic import atomic_file
+from .records import is_reference
 
 
 def _num(x, fmt: str, none: str = "-") -> str:
@@ -183,7 +183,7 @@ def format_table(results) -> str:
             f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
             f"{_times(r.speedup):>7}  {_times(r.speedup_best):>7}  "
             f"{_num(r.tpot_ms, '7.3f'):>7}  {_num(r.round_ms, '6.2f'):>6}  "
-            f"{(_num(same, '.2f') if r.label != AR_LABEL else '-'):>5}  | {stages}"
+            f"{(_num(same, '.2f') if not is_reference(r.label) else '-'):>5}  | {stages}"
         )
     lines += timing_warnings(results)
     scope = "all" if any(r.dataset == "all" for r in results.summary) else results.summary[0].dataset
@@ -244,7 +244,7 @@ def format_sweep(results) -> list[str]:
             f"{_num(r.tokens_per_s_best, '9.1f'):>9}  "
             f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
             f"{_times(r.speedup):>7}  {_times(r.speedup_best):>7}  "
-            f"{(_num(same, '.2f') if r.label != AR_LABEL else '-'):>5}  {_num(across, '.2f'):>7}"
+            f"{(_num(same, '.2f') if not is_reference(r.label) else '-'):>5}  {_num(across, '.2f'):>7}"
         )
     lines += [
         "",

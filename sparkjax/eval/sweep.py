@@ -22,9 +22,8 @@ import statistics
 
 from tqdm.auto import tqdm
 
-from ..engine.methods import AR_LABEL
 from . import metrics
-from .records import Record, Sweep, SweepRow, make_record, measured, same_share
+from .records import Record, Sweep, SweepRow, is_reference, make_record, measured, same_share
 from .runner import time_batch
 
 FILL_TEXT = ("prompts cycled to fill each batch: batch size B runs ceil(N / B) batches of B sequences, slot i of "
@@ -87,7 +86,8 @@ def summarize_sweep(records: list[Record], labels: list[str], sizes: tuple[int, 
     for r in sorted(records, key=lambda r: (r.batch_size, r.batch)):
         for s in r.samples:
             first.setdefault((r.label, s.dataset, s.index), s.output_ids)
-    ar_out = {(r.batch_size, r.batch, s.slot): s.output_ids for r in records if r.label == AR_LABEL for s in r.samples}
+    ar_out = {(r.batch_size, r.batch, s.slot): s.output_ids for r in records if is_reference(r.label)
+              for s in r.samples}
     for size in sizes:
         ar_rate = ar_best = None
         for label in labels:
@@ -99,7 +99,7 @@ def summarize_sweep(records: list[Record], labels: list[str], sizes: tuple[int, 
             best = [r for r in timed if measured(r.decode_seconds_min)]
             rate = _rate(sum(r.output_tokens for r in med), sum(r.decode_seconds for r in med))
             rate_best = _rate(sum(r.output_tokens for r in best), sum(r.decode_seconds_min for r in best))
-            if label == AR_LABEL:
+            if is_reference(label):
                 ar_rate, ar_best = rate, rate_best
             spreads = [r.run_spread for r in timed if measured(r.run_spread, allow_zero=True)]
             samples = [s for r in rr for s in r.samples]
@@ -107,7 +107,7 @@ def summarize_sweep(records: list[Record], labels: list[str], sizes: tuple[int, 
             same_ar = same_batches = None
             if temperature == 0:
                 same_batches = same_share((s.output_ids, first[(label, s.dataset, s.index)]) for s in samples)
-                if label != AR_LABEL:
+                if not is_reference(label):
                     same_ar = same_share((s.output_ids, ar_out.get((size, r.batch, s.slot))) for r in rr
                                          for s in r.samples)
             r0 = rr[0]
