@@ -61,21 +61,6 @@ exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (partial r
 nothing if no batch had finished)."""
 
 
-def _csv(kind):
-    def parse(text: str):
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("empty list")
-        if kind is int:
-            try:
-                return tuple(int(x) for x in items)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        return tuple(items)
-
-    return parse
-
-
 def _count_or_all(text: str):
     if text.strip().lower() == "all":
         return None
@@ -104,10 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default: the checkpoint's own; float32 for the bundled demo pair)")
     g = p.add_argument_group("runs")
-    g.add_argument("--methods", type=_csv(str), default=engine.METHODS, metavar="LIST",
+    g.add_argument("--methods", default=engine.METHODS, metavar="LIST",
                    help=f"comma-separated methods out of {','.join(engine.METHODS)} (default: all); ar is always run, "
                         "as the speedup reference")
-    g.add_argument("--budgets", type=_csv(int), metavar="LIST",
+    g.add_argument("--budgets", metavar="LIST",
                    help=f"tree sizes (nodes per round) for {' / '.join(engine.TREE_METHODS)}; each tree "
                         f"method runs once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}); an error "
                         "with chain-only methods")
@@ -115,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="candidates per depth for tree methods (default: the engine's, max(budget, 32))")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 = lossless sampling at that temperature")
-    g.add_argument("--datasets", type=_csv(str), default=ds.DEFAULT, metavar="LIST",
+    g.add_argument("--datasets", default=ds.DEFAULT, metavar="LIST",
                    help=f"comma-separated bundled sets (the demo's {','.join(ds.DEMO_SETS)}, the default; and, in a "
                         f"source checkout, {','.join(ds.EVAL_SETS)} from ./eval/datasets or ${ds.ENV_VAR}) "
                         "and/or paths of JSONL files, "
@@ -163,8 +148,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     out = args.out or os.path.join("eval", "out", time.strftime("%Y%m%d-%H%M%S"))
     return EvalConfig(
         target=args.target, drafter=args.drafter, baseline_drafter=args.baseline_drafter, tokenizer=args.tokenizer,
-        dtype=args.dtype, methods=tuple(args.methods), budgets=args.budgets, top_c=args.top_c,
-        temperature=args.temperature, datasets=tuple(args.datasets),
+        dtype=args.dtype, methods=args.methods, budgets=args.budgets, top_c=args.top_c,
+        temperature=args.temperature, datasets=args.datasets,
         max_samples=None if args.max_samples == 0 else args.max_samples, max_new_tokens=args.max_new_tokens,
         batch_size=1 if args.batch_size is None else args.batch_size, batch_sizes=args.batch_sizes, seed=args.seed,
         repeats=args.repeats, stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out,

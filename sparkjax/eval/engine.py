@@ -110,7 +110,7 @@ class Engine:
         d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
         if p is not None:
             d.update(depth=p.depth, nodes=p.nodes, candidates=p.candidates)
-            d.update({f.name: _plain(getattr(p.method, f.name)) for f in dataclasses.fields(p.method)
+            d.update({f.name: getattr(p.method, f.name) for f in dataclasses.fields(p.method)
                       if f.name not in d})
         return d
 
@@ -196,11 +196,3 @@ class Engine:
                      for b in range(out.shape[0])]
         return BatchOutput(tokens, lens, hits, None, sizes)
 
-
-def _plain(x):
-    """A JSON-friendly copy of a method field (tuples as lists, other objects as their text)."""
-    if x is None or isinstance(x, bool | int | float | str):
-        return x
-    if isinstance(x, tuple | list):
-        return [_plain(v) for v in x]
-    return str(x)

@@ -73,7 +73,7 @@ def _clean(x):
 def write_json(results, path: str | os.PathLike) -> pathlib.Path:
     """Writes ``results.json`` atomically (a temp file beside it, renamed into place when complete)."""
     path = pathlib.Path(path)
-    text = json.dumps(_clean(results.to_dict()), indent=1, allow_nan=False) + "\n"
+    text = json.dumps(_clean(results.to_dict()), indent=1, allow_nan=False, default=str) + "\n"  # objects: text
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     return path
