@@ -132,9 +132,9 @@ def pair(fixture_target, fixture_drafter):
 
 
 @pytest.fixture(scope="module")
-def prompts(ref):
+def prompts(ref):  # test_decode's three prompts: the same compiled AR program
     p = ref["a.prompt_ids"][0].tolist()
-    return [p, p[:19]]
+    return [p, np.random.default_rng(7).integers(0, 300, 13).tolist(), p[:19]]
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +142,8 @@ def ar(pair, prompts):
     return generate(pair[0], None, prompts, max_new_tokens=24).tokens
 
 
+# sparklingtree's default (union candidates) is test_decode's test_greedy_equals_ar_on_fixture_pair[sparklingtree-8]
 @pytest.mark.parametrize("method,kw", [
-    ("sparklingtree", {"candidates": "union"}),
     pytest.param("sparklingtree", {"candidates": "corrected"}, marks=pytest.mark.slow),
     ("sparklingtree-beam", {"candidates": "union", "widths": "auto"}),
     pytest.param("sparklingtree-beam", {"widths": "auto", "candidates": "base"}, marks=pytest.mark.slow),
