@@ -1,11 +1,8 @@
-"""Convert a Hugging Face Qwen3 folder into a sparkjax orbax checkpoint.
+"""Convert a Hugging Face Qwen3 folder into a sparkjax orbax checkpoint (written atomically).
 
     python -m convert.hf_to_orbax HF_FOLDER OUT_FOLDER [--dtype bfloat16] [--overwrite]
 
-The output is written to a temp folder beside OUT_FOLDER and renamed when complete. ``--overwrite``
-replaces only a folder sparkjax wrote (it holds a ``.sparkjax-output`` marker) or an empty folder;
-anything else (``.``, the home folder, a folder of other files, a file) is refused. Errors print one
-line and exit with code 2.
+``--overwrite`` replaces only a folder sparkjax wrote or an empty one. Errors print one line and exit 2.
 """
 
 from __future__ import annotations

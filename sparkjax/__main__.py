@@ -1,11 +1,8 @@
 """``python -m sparkjax``: a quick demonstration on the bundled demo pair.
 
-Loads the bundled demo target and drafters (``sparkjax/assets/demo``), takes one prompt of each
-bundled prompt set, generates greedily with each method (dflash and ddtree with the drafter
-trained without the Markov head, the others with the DSpark drafter), checks that every method
-emits exactly the target's own greedy tokens, and prints the acceptance length, the wall time
-and the text of the first continuation. ``--target`` / ``--drafter`` run another pair on random
-token prompts instead.
+Generates greedily with each method from one prompt of each bundled prompt set, checks that every method emits
+exactly the target's own greedy tokens, and prints the acceptance length, the wall time and the first
+continuation. ``--target`` / ``--drafter`` run another pair on random token prompts instead.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Ctrl-C while ``python -m sparkjax[.eval|.training]`` starts.
 
-Importing jax takes seconds, and an unguarded Ctrl-C in that window can be swallowed (a KeyboardInterrupt
-raised inside a garbage-collection callback is only printed; the run goes on and writes its results) or,
-landing inside jaxlib's extension initialisation, crash the process (SIGSEGV) or fail the import.
-
-When a ``-m`` entry point is starting (and Python's own handler is in place), :func:`install` (the first
-thing the package's ``__init__`` does) routes SIGINT to :func:`handler` and blocks SIGINT in the main
-thread, so no signal is handled in the middle of an import; the threads jax starts inherit the mask.
-:func:`release` (the last thing ``__init__`` does) unblocks it: a Ctrl-C that came during the imports is
-delivered there, at a safe point, and ends the process with one line and exit code 130. After that,
-:func:`handler` behaves like Python's (it raises KeyboardInterrupt) but remembers the signal, and each CLI
-calls :func:`check` before its work, so a Ctrl-C that a library swallowed still ends the run (130, nothing
-written). ``import sparkjax`` as a library changes nothing.
+When a ``-m`` entry point is starting, :func:`install` (the first thing the package's ``__init__`` does)
+routes SIGINT to :func:`handler` and blocks it in the main thread, so no signal lands inside an import;
+:func:`release` (the last thing ``__init__`` does) unblocks it, and a Ctrl-C that came during the imports ends
+the process with one line and exit code 130. After that, :func:`handler` raises KeyboardInterrupt but
+remembers the signal, and each CLI calls :func:`check` before its work. ``import sparkjax`` as a library
+changes nothing.
 """
 
 from __future__ import annotations

@@ -161,10 +161,6 @@ class Qwen3Config:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def to_hf_dict(self) -> dict[str, Any]:
         """The fields as transformers 5.x writes them for a ``Qwen3ForCausalLM``."""
         d = dataclasses.asdict(self)

@@ -12,10 +12,9 @@ Two processes of four CPU devices each, one global ``(2, 4)`` mesh over JAX's di
     python -m sparkjax.distributed_demo --local-devices 4 --mesh 2x4 \\
         --coordinator 127.0.0.1:12355 --num-processes 2 --process-id 1
 
-Both runs build the same tiny random pair (8 heads, 8 KV heads, seeded) and the same prompts, generate
-with every ``--methods`` entry and print (process 0; ``--out`` writes) one JSON line with the tokens, so
-the outputs of the two commands can be compared token for token. ``--train-steps N`` also runs N
-data-parallel training steps of the drafter over every device and reports their losses.
+Both build the same seeded random pair and prompts, generate with every ``--methods`` entry and print
+(process 0; ``--out`` writes) one JSON line with the tokens. ``--train-steps N`` also runs N data-parallel
+training steps of the drafter and reports their losses.
 """
 
 from __future__ import annotations
@@ -43,12 +42,9 @@ DEFAULT_METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparkli
 
 
 def tiny_pair(seed: int = 0, vocab: int = 32, heads: int = 8, kv_heads: int = 8):
-    """A random Qwen3 target and a DSpark drafter whose heads and KV heads divide 8.
-
-    The target's embeddings are sharpened (its greedy choices are far from ties, so the tokens do not
-    depend on the order of a sharded reduction) and its LM head is untied (the tokens vary). The drafter's
-    Markov head (rank = vocab) is set to the target's own bigram map ``prev -> argmax target([prev])``, so
-    drafts are often accepted and rounds commit several tokens (the sharded commit path is exercised)."""
+    """A random Qwen3 target (sharpened embeddings: greedy choices far from ties) and a DSpark drafter whose
+    heads and KV heads divide 8; the drafter's Markov head is the target's own bigram map, so drafts are often
+    accepted."""
     tcfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
                        max_position_embeddings=512, tie_word_embeddings=False)

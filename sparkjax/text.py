@@ -1,16 +1,8 @@
 """Text in and out of the models, in one place for ``python -m sparkjax``, :mod:`sparkjax.demo` and the eval.
 
-* :func:`load_tokenizer`: ``AutoTokenizer.from_pretrained`` on a local folder, offline, with transformers'
-  "PyTorch was not found" advisory silenced (:func:`quiet_transformers`) and a one-line error naming the folder;
-* :func:`encode_chat`: a user turn through the tokenizer's chat template with the assistant header appended
-  (``add_generation_prompt=True``) and, like the upstream DFlash / DSpark evaluation, ``enable_thinking=False``:
-  a Qwen3 template then closes an empty ``<think>`` block, so the model answers directly (templates without
-  that switch ignore it);
-* :func:`encode_text`: a raw completion prompt, encoded as is (no template, no special token added);
-* :func:`encode_prompt` / :func:`encode_row`: either of the two, by kind or by prompt-set row;
-* :func:`eos_ids`: the ids that end a generation (the target's ``generation_config.json`` plus the
-  tokenizer's EOS token).
-
+:func:`load_tokenizer` (a local folder, offline), :func:`encode_chat` (a user turn through the chat template
+with the generation prompt), :func:`encode_text` (a raw completion prompt, as is), :func:`encode_prompt` /
+:func:`encode_row` (either, by kind or by prompt-set row) and :func:`eos_ids` (the ids that end a generation).
 A tokenizer that cannot be loaded or rendered raises :class:`sparkjax.errors.TokenizerError`; a bad ``kind``
 raises :class:`sparkjax.ArgumentError`.
 """
@@ -32,13 +24,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """Silences transformers' advisory and info messages for the block (only its tokenizers are used here).
-
-    Its import prints "PyTorch was not found. Models won't be available ..." when torch is not installed,
-    which reads like a broken install although no model of transformers is ever used: that message is an
-    "advisory warning", dropped while ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` is set (it is set only for the
-    block and then restored). Inside the block, transformers' log level is ERROR; the previous level is
-    restored after it."""
+    """Silences transformers' advisory warnings ("PyTorch was not found ...") and info messages for the block;
+    the environment and log level are restored after it."""
     key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
     previous = os.environ.get(key)
     os.environ[key] = "1"
@@ -99,11 +86,8 @@ def render_chat(tokenizer, question: str, *, enable_thinking: bool = False) -> s
 
 
 def encode_chat(tokenizer, question: str, *, enable_thinking: bool = False) -> list[int]:
-    """A user turn as token ids, through the tokenizer's chat template with the generation prompt.
-
-    ``enable_thinking=False`` (the default, as in the upstream DFlash / DSpark evaluation) is passed to the
-    template: Qwen3's then appends an empty ``<think>\\n\\n</think>\\n\\n`` block after the assistant header.
-    A tokenizer without a chat template encodes the question as plain text, with its special tokens."""
+    """A user turn as token ids, through the tokenizer's chat template with the generation prompt and
+    ``enable_thinking`` passed to it; a tokenizer without a chat template encodes the question as plain text."""
     if not getattr(tokenizer, "chat_template", None):
         return [int(i) for i in tokenizer(question)["input_ids"]]
     return encode_text(tokenizer, render_chat(tokenizer, question, enable_thinking=enable_thinking))

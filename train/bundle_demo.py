@@ -2,20 +2,13 @@
 
     python train/bundle_demo.py --target runs/demo/target --dspark runs/demo/dspark/best_drafter \
         --dflash runs/demo/dflash/best_drafter --corpus runs/demo/corpus
-
-Writes ``target/`` (the HF folder, tokenizer files included), ``dspark_b16/`` and ``dflash_b16/``
-(DeepSpec format, re-saved in bfloat16 through ``sparkjax.save_drafter``) and ``training.json``
-(corpus manifest, tokenizer hash, run configs and final metrics, read from the run folders). Each
-part is written to a temporary folder and renamed, so an interrupted bundle leaves the old one.
-Refuses when the bundle would exceed ``--max-mb`` (default 25).
-
-After a fine-tune of the bundled drafters (``train/recipes/demo_dspark_tree.json`` and
-``demo_dflash_tree.json``), ``--drafters-only`` replaces just the two drafters and records the fine-tune
-runs in ``training.json`` under ``dspark_finetune`` / ``dflash_finetune`` (the pre-training record stays):
-
     python train/bundle_demo.py --drafters-only --dspark runs/demo/ft/dspark_tree/drafter \
         --dflash runs/demo/ft/dflash_tree/drafter --dspark-run runs/demo/ft/dspark_tree \
         --dflash-run runs/demo/ft/dflash_tree
+
+Writes ``target/``, ``dspark_b16/``, ``dflash_b16/`` and ``training.json`` (corpus manifest, tokenizer hash,
+run configs and final metrics), each part atomically; refuses a bundle over ``--max-mb``. ``--drafters-only``
+replaces just the two drafters and records the fine-tune runs under ``dspark_finetune`` / ``dflash_finetune``.
 """
 
 from __future__ import annotations
@@ -90,6 +83,11 @@ def main(argv=None) -> int:
         cfg_path = os.path.join(run, "config.json")
         info[name] = {"config": json.load(open(cfg_path)) if os.path.isfile(cfg_path) else None,
                       "last_train": last_metrics(run, "train"), "last_eval": last_metrics(run, "eval")}
+    return finish(a, info, total)
+
+
+def finish(a, info: dict, total: int) -> int:
+    """Writes ``training.json`` (atomically), prints the sizes, and refuses a bundle over ``--max-mb``."""
     tmp = os.path.join(a.out, ".training.json.tmp")
     with open(tmp, "w") as f:
         json.dump(info, f, indent=2)
@@ -123,16 +121,7 @@ def bundle_drafters(a) -> int:
     for name, drafter in drafters.items():
         parts[name] = sparkjax.save_drafter(drafter, os.path.join(a.out, name), overwrite=True, dtype="bfloat16")
     info["bytes"] = {k: folder_bytes(v) for k, v in parts.items()}
-    total = sum(info["bytes"].values())
-    tmp = os.path.join(a.out, ".training.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=2)
-    os.replace(tmp, info_path)
-    print(json.dumps({"bytes": info["bytes"], "total_mb": round(total / 2**20, 2)}))
-    if total > a.max_mb * 2**20:
-        print(f"error: the bundle is {total / 2**20:.1f} MiB, over --max-mb {a.max_mb}", file=sys.stderr)
-        return 2
-    return 0
+    return finish(a, info, sum(info["bytes"].values()))
 
 
 if __name__ == "__main__":

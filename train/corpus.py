@@ -1,23 +1,10 @@
 """Builds the offline training corpus of the bundled demo pair (deterministic, hashed).
 
-Three sources, all available without a network:
-
-* ``stdlib``: the Python standard library's own ``.py`` sources, read from the running
-  interpreter's installation (``sysconfig``'s ``stdlib`` path; ``site-packages``, test suites,
-  ``idlelib`` and ``lib2to3`` fixtures are left out). Licence: PSF.
-* ``docs``: the reStructuredText sources of the Python documentation, as Debian's
-  ``python3.11-doc`` package installs them (``/usr/share/doc/python3.11-doc/html/_sources``);
-  the script runs ``apt-get install -y python3.11-doc`` when the folder is missing and
-  ``--install-docs`` is given. The FAQ pages become user / assistant chat turns, one per question.
-  Licence: PSF.
-* ``math``: seeded synthetic step-by-step arithmetic word problems ending in ``\\boxed{}``, as chat
-  turns; at most ``--math-share`` (default 10%) of the corpus's characters. The project's own.
-
-Every document is ``{"source", "id", "text"}``; chat documents are ChatML text (``<|im_start|>user
-... <|im_end|>``). A document goes to the held-out split when a hash of its id says so (about
-``--heldout`` of them, 12% of the FAQ questions), so adding or removing files moves no other document between splits.
-``manifest.json`` records the counts, the characters per source and the SHA-256 of both splits:
-the same inputs give the same hash.
+Sources: ``stdlib`` (the running interpreter's standard library ``.py`` sources), ``docs`` (Debian's
+``python3.11-doc`` reStructuredText sources, installed with ``--install-docs``; the FAQ pages become chat
+turns) and ``math`` (seeded synthetic word problems as chat turns, at most ``--math-share`` of the characters).
+Every document is ``{"source", "id", "text"}``; a hash of its id decides the held-out split, so adding or
+removing files moves no other document. ``manifest.json`` records the counts and the SHA-256 of both splits.
 
     python train/corpus.py --out runs/demo/corpus [--install-docs] [--limit-files N]
 """

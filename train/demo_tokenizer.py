@@ -1,13 +1,8 @@
 """Trains the demo pair's tokenizer and encodes the corpus into token streams.
 
-A byte-level BPE (``tokenizers``) of ``--vocab`` tokens (default 4096) with single-digit numbers,
-trained on the corpus's training split. Special tokens: ``<|endoftext|>`` (document separator and
-padding), ``<|im_start|>``, ``<|im_end|>`` (end of turn, the eos) and ``<|mask|>`` (the drafter's
-mask token, never produced by encoding text). A Qwen-style ChatML chat template is saved with it,
-so ``AutoTokenizer.from_pretrained(folder)`` works offline.
-
-It then writes ``train.tokens.npy`` / ``heldout.tokens.npy`` (uint16) into the corpus folder:
-every document encoded, followed by ``<|endoftext|>``.
+A byte-level BPE of ``--vocab`` tokens with single-digit numbers, trained on the corpus's training split, with
+the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (the eos) and ``<|mask|>`` and a ChatML
+chat template. Then writes ``train.tokens.npy`` / ``heldout.tokens.npy`` (uint16) into the corpus folder.
 
     python train/demo_tokenizer.py --corpus runs/demo/corpus --out runs/demo/tokenizer
 """

@@ -1,16 +1,8 @@
 """Self-distillation data for the demo drafters: the target's own greedy continuations of corpus prompts.
 
-Prompts come from the corpus's training split, drawn with a seeded RNG, each document with weight
-``min(len(text), 4000)`` (so the many short synthetic math problems keep about their share of
-characters rather than dominating by count):
-
-* a chat document (FAQ or math) gives its first user turn up to ``<|im_start|>assistant\\n``;
-* any other document gives a window of 32..``--max-prompt`` tokens at a random token offset.
-
-The target then continues every prompt greedily for ``--new`` tokens (``sparkjax.generate``,
-``method="ar"``, batched). Each row of the output JSONL is ``{"input_ids": prompt + continuation,
-"loss_mask": 0 on the prompt, 1 on the continuation through its first <|im_end|>}``, which
-``train/train.py`` reads directly.
+Prompts are drawn (seeded, weighted by ``min(len(text), 4000)``) from the corpus's training split: a chat
+document's first user turn, else a window of 32..``--max-prompt`` tokens. Each output row is ``{"input_ids":
+prompt + continuation, "loss_mask": 0 on the prompt, 1 on the continuation through its first <|im_end|>}``.
 
     python train/distill_data.py --target runs/demo/target --corpus runs/demo/corpus \
         --out runs/demo/distill.jsonl --num 8192

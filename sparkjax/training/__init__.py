@@ -1,20 +1,9 @@
 """Joint retraining of DSpark drafters with optax (see ``train/README.md``).
 
-Pieces, from the bottom up:
-
-* :mod:`.anchors` -- anchor sampling (from explicit uniforms or a key), block inputs, positions,
-  the dense training mask, labels and the eval mask;
-* :mod:`.loss` -- the DSpark objective (CE + L1 + confidence BCE, decayed weights) and its metrics;
-* :mod:`.forward` -- target features on the fly, the drafter over all blocks, the batch loss;
-* :mod:`.optim` -- AdamW + warmup / cosine or linear decay + clipping;
-* :mod:`.trainer` -- jitted train / eval steps over ``nnx.split`` state, data parallel on a mesh;
-* :mod:`.data` -- JSONL conversations (chat template, assistant loss mask) or token ids, synthetic
-  target-greedy data, packing / padding, resumable batch order;
-* :mod:`.models` -- continue a DeepSpec drafter (e.g. block 7 -> 16) or build a new one;
-* :mod:`.fit` -- the one training loop (:func:`fit`): run lock, resume, orbax checkpoints, metrics,
-  eval, stopping (time limit, SIGINT / SIGTERM), exports, for any :class:`Task`;
-* :mod:`.loop` -- the drafter's task (:class:`DrafterTask`, :func:`train`); :mod:`.lm` -- the target
-  LM's (:class:`~.lm.LMTask`, :func:`~.lm.train_lm`); :mod:`.cli` -- ``train/train.py``.
+:mod:`.anchors` (anchor sampling, block layout), :mod:`.loss` (the DSpark objective), :mod:`.forward` (the
+batch loss), :mod:`.optim`, :mod:`.trainer` (jitted steps), :mod:`.data`, :mod:`.models`, :mod:`.fit` (the
+one training loop for any :class:`Task`), :mod:`.loop` (the drafter's task, :func:`train`), :mod:`.lm` (the
+target LM's) and :mod:`.cli` (``train/train.py``).
 """
 
 from ..errors import DataError, TrainingError

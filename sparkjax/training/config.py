@@ -136,18 +136,13 @@ class TrainConfig:
         """Reads a JSON recipe (paths relative to the recipe's folder) and applies ``overrides``
         (``--set`` values; their relative paths resolve against the working directory)."""
         data = read_json(path, TrainingError, "recipe")
-        base = os.path.dirname(os.path.abspath(path))
-        for key in PATH_KEYS:
-            v = data.get(key)
-            if isinstance(v, str) and v and not os.path.isabs(v):
-                data[key] = os.path.normpath(os.path.join(base, v))
         for key, v in (overrides or {}).items():
             if key in PATH_KEYS and isinstance(v, str) and v and not os.path.isabs(v):
                 v = os.path.abspath(v)
             if key == "drafter" and isinstance(v, dict):
                 v = {**(data.get("drafter") or {}), **v}
             data[key] = v
-        return cls.from_dict(data, source=path)
+        return cls.from_dict(data, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
 
     def validate(self, source: str = "<config>") -> None:
         def fail(key, why):

@@ -7,20 +7,11 @@ Accepted JSONL lines (one JSON object per line, blank lines ignored):
   ``{"turns": [{"role": ..., "content": ...}, ...]}``
 * ``{"input_ids": [...], "loss_mask": [...]}`` (already tokenised; ``loss_mask`` defaults to all ones)
 
-Conversations are rendered with the target tokenizer's chat template (:func:`sparkjax.text.load_tokenizer`,
-a local folder) and tokenised once; the loss mask covers the assistant
-turns: the tokens after each ``assistant_header`` up to and including the next ``end_of_turn``
-(ChatML, Qwen's format, by default: ``<|im_start|>assistant\\n`` ... ``<|im_end|>``). Lines whose
-conversation has no assistant turn are skipped and counted.
-
-Sequences are padded (and truncated) to ``seq_len`` one per row, or packed back to back into
-rows of ``seq_len`` (``packing="pack"``; the target then attends across the seams, the cheap
-packing most trainers use). Right padding is safe: attention is causal and padded positions
-are outside the loss mask.
-
-:class:`BatchStream` serves batches in a seeded order (a fresh permutation each epoch, from
-``(seed, epoch)``), addressed by a *cursor* (batches consumed so far): a checkpoint stores the
-cursor and a resumed run continues with exactly the next batch.
+Conversations are rendered with the tokenizer's chat template; the loss mask covers the tokens after each
+``assistant_header`` up to and including the next ``end_of_turn`` (ChatML by default). Lines without an
+assistant turn are skipped and counted. Sequences are padded / truncated to ``seq_len`` one per row, or packed
+back to back (``packing="pack"``). :class:`BatchStream` serves batches in a seeded order addressed by a
+*cursor* (batches consumed so far), so a resumed run continues with exactly the next batch.
 """
 
 from __future__ import annotations
@@ -83,8 +74,7 @@ class TokenData:
         return int((self.loss_mask > 0.5).sum())
 
     def save(self, path: str) -> None:
-        """Writes the ids and mask to an ``.npz`` atomically: a unique temp file beside ``path``,
-        flushed to disk, then renamed, so a kill leaves the old file or the new one."""
+        """Writes the ids and mask to an ``.npz`` atomically."""
         with atomic_file(path) as tmp:
             with open(tmp, "wb") as f:
                 np.savez(f, input_ids=self.input_ids, loss_mask=self.loss_mask)

@@ -1,25 +1,12 @@
 """The one training loop: :func:`fit` runs a :class:`Task` (the drafter's, the target LM's) into a folder.
 
-Everything a run does around its steps lives here, the same for every task:
-
-* the output folder is checked before any work and locked for the run (:mod:`.outdir`); export
-  destinations the task names are checked before any work too;
-* resume: the newest good checkpoint (:class:`~sparkjax.io.checkpoint.TrainCheckpointer`; a damaged
-  one is moved aside and the previous one used) is restored after its config has been compared
-  with the run's (:func:`check_config`: ``force_resume`` accepts changed settings, never the task's
-  ``fixed`` keys); a folder holding checkpoints is refused without ``resume``;
-* ``config.json`` (atomic) and ``metrics.jsonl`` (one JSON object per logged step; a resumed run
-  first drops the lines past its checkpoint, a new run starts the file afresh), TensorBoard
-  scalars when asked for and installed;
-* held-out evaluation every ``eval_every`` steps and at the end, the best value kept in the
-  checkpoints' metrics (``keep_best``);
-* checkpoints every ``checkpoint_every`` steps and at the end;
-* stopping early -- ``stop_at``, ``max_minutes``, SIGINT (Ctrl-C) or SIGTERM -- finishes the
-  current step, saves a checkpoint of it and returns (``stopped_early``); a second signal stops
-  at once (``KeyboardInterrupt``), and the last checkpoint is what ``resume`` continues from;
-* at the end of a complete run, the task's exports.
-
-A task owns its model, data and jitted step; see :class:`Task` for what it provides.
+The same for every task: the output folder and export destinations are checked before any work and the folder
+is locked for the run (:mod:`.outdir`); resume restores the newest good checkpoint after comparing its config
+(:func:`check_config`); ``config.json`` and ``metrics.jsonl`` (one JSON object per logged step) are written,
+with TensorBoard scalars when asked for; held-out evaluation every ``eval_every`` steps and checkpoints every
+``checkpoint_every`` steps and at the end; ``stop_at``, ``max_minutes``, SIGINT or SIGTERM finish the current
+step, save a checkpoint and return (``stopped_early``; a second signal raises ``KeyboardInterrupt``); a
+complete run ends with the task's exports.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Pre-training a Qwen3 target from scratch on a token stream (next-token cross-entropy).
 
-What the demo pair's target is trained with: optax AdamW (:mod:`.optim`'s schedule and
-clipping), orbax checkpoints through :class:`~sparkjax.io.checkpoint.TrainCheckpointer`, and a data
-order that is a pure function of ``(seed, step)``: batch ``s`` holds ``batch_size`` windows of
-``seq_len + 1`` tokens at offsets drawn from ``numpy.random.default_rng([seed, s])``. A resumed
-run therefore continues with exactly the batches an uninterrupted one would have seen, with no
-data cursor to save. Stopping (``max_minutes``, Ctrl-C) saves a checkpoint first.
+Batch ``s`` holds ``batch_size`` windows of ``seq_len + 1`` tokens at offsets drawn from
+``numpy.random.default_rng([seed, s])``, so a resumed run sees exactly the batches an uninterrupted one would.
 
     cfg = LMConfig(model={...Qwen3 config.json keys...}, steps=6000, ...)
     result = train_lm(cfg, "runs/target", tokens="train.tokens.npy", heldout="heldout.tokens.npy")

@@ -1,7 +1,6 @@
 """The drafter's training task: models and data from a :class:`TrainConfig`, steps, eval, exports.
 
-:func:`train` runs a :class:`DrafterTask` through the one training loop (:func:`.fit.fit`: the run
-lock, resume, checkpoints, metrics, eval, stopping, exports). Output folder layout::
+:func:`train` runs a :class:`DrafterTask` through the one training loop (:func:`.fit.fit`). Output folder::
 
     OUT/config.json           the resolved config of the run
     OUT/metrics.jsonl         one JSON object per logged step ("split": "train") and per eval ("eval")
@@ -10,17 +9,10 @@ lock, resume, checkpoints, metrics, eval, stopping, exports). Output folder layo
     OUT/drafter/              the final drafter, DeepSpec safetensors format (load_drafter reads it)
     OUT/best_drafter/         the drafter with the best held-out probabilistic tau
     OUT/tensorboard/          TensorBoard events (only if tensorboardX or tensorboard is installed)
-    OUT/.sparkjax-lock        the run lock (flock): a second run into OUT is refused while one runs
+    OUT/.sparkjax-lock        the run lock: a second run into OUT is refused while one runs
 
-Exports (``drafter/``, ``best_drafter/``, ``--export-to``) go through ``atomic_dir`` and hold the
-marker file ``.sparkjax-output``; an export replaces only such a folder or an empty one, and a
-destination it may not replace is refused before any work (see :mod:`.outdir`).
-
-A resumed run (``resume=True``) restores the newest good checkpoint (a damaged one is moved
-aside and the previous one used), checks that the config and data are the ones it was written
-with (``force_resume`` overrides), drops metric lines past the restored step, and continues
-with exactly the next batch and RNG state, so the loss curve is the one an uninterrupted run
-would have produced.
+A resumed run checks that the config and data are the ones its checkpoint was written with (``force_resume``
+overrides) and continues with exactly the next batch and RNG state.
 """
 
 from __future__ import annotations

@@ -12,16 +12,10 @@ Per slot ``k`` of every block (``[B, A, G]``):
 each reduced as ``sum(term * w) / (sum(w) + 1e-6)``, and
 ``total = ce_alpha * ce + l1_alpha * l1 + conf_alpha * conf``. Softmaxes are float32.
 
-The tree-aware term (sparkjax's, off by default, so the objective above stays upstream's): a tree built
-over top-C candidates per depth can only accept the target's token at depth ``k`` if that token is among
-the ``C`` best corrected logits there, and only if it was reachable at every earlier depth. With ``z`` the
-corrected logits, ``y`` the label and ``t_k`` the C-th largest logit of the *other* tokens, the soft recall
-is ``r_k = sigmoid((z_y - t_k) / T)`` and ``tree = 1 - prod_{j<=k} r_j`` (the probability that the target's
-path has left the tree by depth ``k``, a differentiable surrogate of the tree's accepted length), reduced
-like the others and added as ``tree_alpha * tree``. ``tree_top_c > 0`` also logs the hard versions:
-``tree_recall@k`` (the label among the top-C) and ``tau_tree = 1 + sum_k prod_{j<=k} recall_j`` per block
-(the accepted length of a width-C beam along the target's path, an upper bound for any tree over those
-candidates).
+The tree-aware term (off by default): with ``z`` the corrected logits, ``y`` the label and ``t_k`` the C-th
+largest logit of the other tokens, the soft recall is ``r_k = sigmoid((z_y - t_k) / T)`` and
+``tree = 1 - prod_{j<=k} r_j``, reduced like the others and added as ``tree_alpha * tree``. ``tree_top_c > 0``
+also logs ``tree_recall@k`` (the label among the top-C) and ``tau_tree = 1 + sum_k prod_{j<=k} recall_j``.
 
 Metrics (sums, so that several batches or devices add up before dividing):
 ``accept_rate@k`` = sum of accept rates over supervised slots k / their count;

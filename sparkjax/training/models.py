@@ -1,14 +1,10 @@
 """Drafters to train: continue a DeepSpec checkpoint (possibly at another block size) or start anew.
 
-* :func:`load_drafter_for_training` reads a DeepSpec DSpark folder with config overrides. In
-  DSpark the block size changes no parameter shape, so ``{"block_size": 16}`` turns a block-7
-  drafter into a block-16 one (upstream's ``extend_block`` recipe); an override that does change
-  shapes (``markov_rank``, ``num_hidden_layers``, ...) fails with a
-  :class:`~sparkjax.errors.CheckpointError` naming the file and the tensor.
-* :func:`new_drafter_config` / :func:`init_drafter` build a new DSpark drafter for any Qwen3
-  target: the target's backbone sizes, ``num_draft_layers`` layers, evenly spread
-  ``target_layer_ids`` (``[1, 9, 17, 25, 33]`` for 36 layers, upstream's choice), random weights,
-  and ``embed_tokens`` / ``lm_head`` copied from the target (then frozen by the trainer).
+* :func:`load_drafter_for_training` reads a DeepSpec DSpark folder with config overrides (``{"block_size":
+  16}`` changes no shape); an override that changes shapes fails with a CheckpointError naming the tensor.
+* :func:`new_drafter_config` / :func:`init_drafter` build a new DSpark drafter for any Qwen3 target: its
+  backbone sizes, ``num_draft_layers`` layers, evenly spread ``target_layer_ids``, random weights, and
+  ``embed_tokens`` / ``lm_head`` copied from the target.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The optimizer settings (:class:`OptimConfig`) and their optax transformation, validated up front.
 
-:class:`OptimConfig` is the one definition of the optimizer's settings: the drafter's
-:class:`~sparkjax.training.config.TrainConfig` and the target's
-:class:`~sparkjax.training.lm.LMConfig` hold one (read from the flat keys of their recipes with
-:func:`compose`) instead of copies of its fields.
-
-The default is upstream DeepSpec's: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay) with a
-linear warmup ``lr * (step + 1) / warmup`` followed by a cosine decay to ``min_lr_ratio * lr``
-(torch ``CosineAnnealingLR`` after a warmup), and global-norm gradient clipping at 1.0. The
-schedule is optax's own (``linear_schedule`` joined to ``cosine_decay_schedule`` /
-``linear_schedule`` / ``constant_schedule`` by ``join_schedules``); its settings are constants of
-the jitted step, so a run with another learning rate, step count or warmup compiles its own step.
+:class:`OptimConfig` is held by :class:`~sparkjax.training.config.TrainConfig` and
+:class:`~sparkjax.training.lm.LMConfig` (read from the flat keys of their recipes with :func:`compose`). The
+default is upstream DeepSpec's: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay), a linear warmup
+``lr * (step + 1) / warmup`` then a cosine decay to ``min_lr_ratio * lr``, and global-norm clipping at 1.0.
 """
 
 from __future__ import annotations
@@ -83,11 +76,6 @@ def compose(values: dict[str, Any], base: OptimConfig, keys=OPTIM_KEYS, source: 
         return dataclasses.replace(base, **picked)
     except TrainingError as e:
         raise TrainingError(f"{source}: {e}") from None
-
-
-def flat(cfg: OptimConfig, keys=OPTIM_KEYS) -> dict[str, Any]:
-    """The settings named in ``keys``, as the flat recipe keys :func:`compose` reads."""
-    return {k: getattr(cfg, k) for k in keys}
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:

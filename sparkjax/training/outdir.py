@@ -1,16 +1,11 @@
 """The training output folder: checks before any work, the run lock, exports, metrics hygiene.
 
-* :func:`prepare_output` -- ``--output`` must be a folder that can be created and written; checked
-  before anything else, so a typo costs nothing.
-* :class:`RunLock` -- one run per output folder: ``fcntl.flock`` on ``OUT/.sparkjax-lock``, held for
-  the run's lifetime. The OS releases it when the process ends, even by SIGKILL, so a crashed run
-  never leaves a stale lock; a second run into the same folder gets a :class:`TrainingError`.
-* :func:`check_overwritable` -- the overwrite rule of :mod:`sparkjax.io.atomic` for exports, checked
-  before any work: only a folder sparkjax wrote (it holds :data:`MARKER`) or an empty one.
-* :func:`export_drafter` -- every drafter export of the trainer goes through ``atomic_dir``, which
-  leaves the marker, so the next export may replace it.
-* :func:`drop_metrics_after` -- after a resume, metric lines past the restored step (written
-  between that checkpoint and the interruption) are dropped, so no step appears twice.
+* :func:`prepare_output` -- ``--output`` must be a folder that can be created and written.
+* :class:`RunLock` -- one run per output folder (``fcntl.flock`` on ``OUT/.sparkjax-lock``, released by the
+  OS when the process ends); a second run into the same folder gets a :class:`TrainingError`.
+* :func:`check_overwritable` -- the overwrite rule of :mod:`sparkjax.io.atomic` for exports.
+* :func:`export_drafter` -- drafter exports through ``atomic_dir``.
+* :func:`drop_metrics_after` -- after a resume, metric lines past the restored step are dropped.
 """
 
 from __future__ import annotations

@@ -7,15 +7,10 @@ State layout (a plain dict pytree, what the orbax checkpoint holds)::
      "step":      int32 scalar (optimizer steps taken),
      "rng":       uint32[2] key data (anchors of the next step are drawn from it)}
 
-Frozen parameters (by default the drafter's ``embed_tokens`` and ``lm_head``, copies of the
-target's) and the target itself are separate arguments: never differentiated, never updated,
-never checkpointed (they come from the model folders). Parameters are cast to the compute dtype
-inside the step, so a bfloat16 run keeps float32 master weights as upstream's BF16Optimizer does.
-
-Data parallel: with a mesh, the batch is sharded over the ``data`` axis
-(:func:`sparkjax.sharding.batch_sharding`) and everything else is replicated; the loss is the
-global ``sum(term * w) / sum(w)`` over the whole batch, so one device and many give the same
-loss and gradients (up to float summation order).
+Frozen parameters (by default the drafter's ``embed_tokens`` and ``lm_head``) and the target are separate
+arguments: never differentiated, updated or checkpointed. Parameters are cast to the compute dtype inside the
+step (float32 master weights). With a mesh the batch is sharded over ``data`` and the loss is the global
+``sum(term * w) / sum(w)``, so one device and many give the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -172,7 +167,6 @@ class Trainer:
             "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(jax.random.key(seed)),
         }
-        self.frozen, self.target_state = frozen, target_state
         self.state = self._place(state)
         self.frozen = self._place(frozen)
         self.target_state = self._place(target_state)
