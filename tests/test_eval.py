@@ -106,8 +106,8 @@ def test_summarize_hand_made_records():
 
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
-    """``python -m sparkjax.eval`` on the bundled demo pair, its three prompt sets, one prompt each, ar and
-    sparklingtree@16, into a folder that holds a stale plot of an earlier run and a file of the user's."""
+    """``python -m sparkjax.eval`` on the demo pair (3 sets x 1 prompt, ar, sparklingtree@16); a stale plot and a
+    user's file in the folder."""
     out = tmp_path_factory.mktemp("eval_out")
     (out / "throughput_vs_batch.png").write_bytes(b"an earlier sweep's plot")
     (out / "notes.txt").write_text("keep me")
@@ -120,15 +120,13 @@ def e2e(tmp_path_factory):
 
 def test_e2e_table_and_files(e2e):
     assert e2e.rc == 0, e2e.stdout
-    assert "bundled demo pair" in e2e.stdout and "accept_rate@k" in e2e.stdout
+    assert "bundled demo pair" in e2e.stdout and "accept_rate@k" in e2e.stdout and "as ar" in e2e.stdout
     for label in ("ar", "sparklingtree@16"):
         assert re.search(rf"^all\s+{re.escape(label)}\s", e2e.stdout, re.M), label
     plots = {"acceptance_per_depth.png", "tau_speedup.png", "stage_time.png"}
     assert {p.name for p in e2e.out.iterdir()} == {"results.json", "results.csv", "notes.txt", *plots}
     assert (e2e.out / "notes.txt").read_text() == "keep me"  # the stale sweep plot is gone, the user's file kept
-    for name in plots:
-        data = (e2e.out / name).read_bytes()
-        assert data[:8] == PNG and len(data) > 10_000, name
+    assert all((data := (e2e.out / name).read_bytes())[:8] == PNG and len(data) > 10_000 for name in plots)
 
 
 def test_e2e_json_matches_independent_recounts(e2e):
@@ -331,7 +329,7 @@ def test_compare_on_partial_or_corrupt_json_is_one_line(tmp_path, capsys):
 def test_mismatched_pair_and_missing_tokenizer(tmp_path, capsys):
     drafter = shutil.copytree(FIXTURE / "drafter", tmp_path / "drafter")
     cfg = json.loads((drafter / "config.json").read_text())
-    (drafter / "config.json").write_text(json.dumps({**cfg, "num_target_layers": 8}))
+    (drafter / "config.json").write_text(json.dumps({**cfg, "num_target_layers": 8}))  # the pair no longer fits
     bad([*PAIR[:2], "--drafter", str(drafter), *PAIR[4:]], capsys, "num_target_layers", "does not fit")
     target = shutil.copytree(FIXTURE / "target", tmp_path / "target")  # no tokenizer in it, and no --tokenizer
     bad(["--target", str(target), "--drafter", str(FIXTURE / "drafter")], capsys, str(target), "--tokenizer")

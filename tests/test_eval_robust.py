@@ -1,8 +1,7 @@
-"""The eval's reliability on a fake engine (canned tokens and timings, nothing compiled): the interleaved timing
-protocol, Ctrl-C (a flag between units of work; partial results whole and valid; the SIGINT handler restored),
-reused output folders (stale outputs removed, nothing else touched), warnings, --out and memory checked before
-any work, the baseline drafter, prompts reaching the engine as encoded; and, on a subprocess, SIGINT at several
-moments (slow) and no transformers advisory."""
+"""The eval's reliability on a fake engine (canned tokens and timings, nothing compiled): the interleaved protocol,
+Ctrl-C (partial results whole and valid, the SIGINT handler restored), reused output folders (stale outputs removed,
+nothing else touched), warnings, --out and memory checked before any work, the baseline drafter, prompts reaching
+the engine as encoded; on a subprocess, SIGINT at several moments (slow) and no transformers advisory."""
 
 from __future__ import annotations
 
@@ -53,8 +52,8 @@ class FakeEngine(Engine):
         toks = [[p[0]] + list(range(1, self.max_new_tokens)) for p in batch]
         if not mc.speculative:
             return BatchOutput(toks, [[1] * len(t) for t in toks], [[] for _ in toks])
-        depth = self.depth(mc)
-        return BatchOutput(toks, [[2] * (len(t) // 2) for t in toks], [[len(t) // 2, *[0] * (depth - 1)] for t in toks])
+        return BatchOutput(toks, [[2] * (len(t) // 2) for t in toks],
+                           [[len(t) // 2, *[0] * (self.depth(mc) - 1)] for t in toks])
 
     def outputs(self, res, size=None):
         return self._canned(res.mc, res.batch)
@@ -243,11 +242,17 @@ def test_demo_defaults_and_missing_demo_assets(tmp_path, monkeypatch, capsys):
     loaded = pair.load_pair(cfg, mcs=mcs[:2])  # ar + dflash: the Markov drafter is neither needed nor loaded
     assert loaded.drafter is None and not loaded.baseline.config.has_markov
     monkeypatch.setattr(demo, "DEMO_DIR", tmp_path)
-    line = bad([], capsys, str(tmp_path / "target"), str(tmp_path / "dspark_b16"), str(tmp_path / "dflash_b16"))
-    assert "bundled demo pair" in line and "--target" in line
+    bad([], capsys, str(tmp_path / "target"), str(tmp_path / "dspark_b16"), str(tmp_path / "dflash_b16"),
+        "bundled demo pair", "--target")
     with pytest.raises(EvalError) as e:  # only the folders the methods need are asked for
         harness.run(methods=("ar",), progress=False)
     assert str(tmp_path / "target") in str(e.value) and str(tmp_path / "dspark_b16") not in str(e.value)
+    (tmp_path / "target").mkdir()  # the target present, no drafter: the two drafter folders are named, not it
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "target" / name).write_text("{}")
+    with pytest.raises(EvalError, match="dspark_b16, .*dflash_b16 not found") as e:
+        harness.run(progress=False)
+    assert str(tmp_path / "target") not in str(e.value)
 
 
 def test_drafter_objects_get_the_one_pair_check(fixture_target):
@@ -284,8 +289,7 @@ def test_outputs_raise_on_non_finite_logits():
 
 def test_every_default_method_has_its_own_stable_style():
     labels = [mc.label for mc in config.method_configs(EvalConfig())[0]]
-    styles = [plots.method_style(lab) for lab in labels]
-    assert len({s["color"] for s in styles}) == len(labels) >= 12  # a distinct colour for each default method
+    assert len({plots.method_style(lab)["color"] for lab in labels}) == len(labels) >= 12  # distinct colours
     assert plots.method_style("ar")["color"] != plots.method_style("sparklingtree-beam@32")["color"]
     assert report.timing_warnings(harness.EvalResults({}, {}, {}, [], [])) == []  # no timing block, no warning
 

@@ -1,7 +1,5 @@
-"""The eval's batch-size sweep (``--batch-sizes``): prompt cycling, the throughput rows on hand-made records, the
-plot / CSV / JSON outputs (and old results files without a sweep), bad input before any work, and runs on the
-fake engine: a row per (method, batch size), every prompt where the cycling puts it, Ctrl-C keeping whole
-batches."""
+"""The batch-size sweep (``--batch-sizes``): prompt cycling, throughput rows on hand-made records, the plot / CSV /
+JSON outputs (and old files without a sweep), bad input before any work, and runs on the fake engine."""
 
 from __future__ import annotations
 
