@@ -121,12 +121,9 @@ def _dflash_like(ds: DrafterConfig) -> DrafterConfig:
 
 
 def configs(preset: str) -> tuple[Qwen3Config, DrafterConfig, DrafterConfig, str]:
-    """(target, DSpark drafter, DFlash drafter configs, where they come from) of a preset.
-
-    ``real``: Qwen3-4B and DSpark-b16 for it (the fixture's ``configs/``), the DFlash drafter the same without
-    the Markov and confidence heads. ``reduced``: ``real`` narrowed for a CPU (6 layers of width 512, 4/1 heads
-    of 128, vocabulary 16384; a 1-layer drafter reading target layers 0-4). ``demo``: the bundled demo pair's
-    configs. ``tiny``: the upstream test fixture's."""
+    """(target, DSpark drafter, DFlash drafter configs, where they come from) of a preset: ``real`` (Qwen3-4B and
+    DSpark-b16; DFlash: the same without the Markov and confidence heads), ``reduced`` (``real`` narrowed for a
+    CPU), ``demo`` (the bundled demo pair) or ``tiny`` (the upstream test fixture)."""
     if preset in ("real", "reduced"):
         d = FIXTURE / "configs"
         t = Qwen3Config.from_hf_config(d / "qwen3_4b_target_config.json")

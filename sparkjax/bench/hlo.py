@@ -535,9 +535,6 @@ class HloCounter:
             raise ValueError("no while loop without a known trip count at the top of the program")
         return max(found, key=lambda w: len(self.comps[w.attr_comp("body")].instrs))
 
-    def count_program(self) -> Tally:
-        return self.walk(self.entry)
-
     def count_loop_body(self) -> Tally:
         """One iteration of the generation loop: its body and one evaluation of its condition."""
         w = self.generation_loop()
@@ -549,7 +546,7 @@ class HloCounter:
 
 def count_hlo(text: str, *, loop_body: bool = False) -> Tally:
     c = HloCounter(text)
-    return c.count_loop_body() if loop_body else c.count_program()
+    return c.count_loop_body() if loop_body else c.walk(c.entry)
 
 
 # ============================================================================= devices (projection only)

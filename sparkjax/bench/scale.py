@@ -106,13 +106,9 @@ def add_arguments(p) -> None:
 
 
 def forced_acceptance(prop, ver, accept: int, depth: int) -> Acceptance:
-    """The round's :class:`~sparkjax.engine.state.Acceptance` when exactly ``accept`` drafts are taken.
-
-    The path ends at the deepest node of depth at most ``accept`` (the lowest index among equals: for a chain
-    node ``accept``; for a tree the first node the builder put at that depth) and runs through its ancestors
-    (read from the verify mask). A tree with no path that long is topped up with its other nodes in index order,
-    so every round commits exactly ``accept + 1`` tokens. The bonus token is the target's argmax at the last row.
-    """
+    """The round's :class:`~sparkjax.engine.state.Acceptance` when exactly ``accept`` drafts are taken: the path
+    to the deepest node of depth at most ``accept`` (lowest index among equals), topped up with other nodes in
+    index order when shorter; the bonus token is the target's argmax at the last row."""
     b, m = prop.tokens.shape
     rows = jnp.arange(m + 1, dtype=jnp.int32)
     row_depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), prop.depths.astype(jnp.int32)], axis=1)

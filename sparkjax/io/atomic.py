@@ -1,31 +1,18 @@
 """Crash-safe writers for every output sparkjax produces (the one place that decides what may be replaced).
 
-**Overwrite rule.** A writer given ``overwrite=True`` may only replace
-
-* a folder that sparkjax itself wrote: it holds the marker file :data:`MARKER` (``.sparkjax-output``),
-  written last into every output folder, just before the folder is renamed into place; or
-* an empty folder.
-
-Never ``""``, ``.``, ``/``, the home folder, the current working directory or any of their parents, a
-non-empty folder without the marker, a regular file or a symbolic link. Each refusal raises
-:class:`~sparkjax.errors.ArgumentError` naming the path, before any work is done, and nothing is deleted.
+**Overwrite rule.** A writer given ``overwrite=True`` may only replace a folder that sparkjax itself wrote (it
+holds the marker file :data:`MARKER`, written last) or an empty folder. Never ``""``, ``.``, ``/``, the home
+folder, the current working directory or any of their parents, a non-empty folder without the marker, a
+regular file or a symbolic link. Each refusal raises :class:`~sparkjax.errors.ArgumentError` naming the path,
+before any work is done, and nothing is deleted.
 
 **Crash safety.** :func:`atomic_dir` builds the output in a hidden temp folder beside the destination
-(``.NAME.tmp-PID@HOST-XXXXXXXX``) and commits it with one atomic step: a plain rename for a new output,
-an atomic exchange (Linux ``renameat2(RENAME_EXCHANGE)``) for an overwrite, after which the previous
-output (now under the temp name) is removed. A writer killed at any moment therefore leaves the old
-output or the new one at the destination. Where the OS has no exchange, the old output is first renamed
-aside to ``.NAME.old-PID@HOST-XXXXXXXX``; a kill between the two renames is repaired by the next writer
-to that destination (:func:`recover`), which renames the old output back.
+(``.NAME.tmp-PID@HOST-XXXXXXXX``) and commits it with one rename (new output) or one atomic exchange
+(overwrite), so a writer killed at any moment leaves the old output or the new one. Where the OS has no
+exchange, the old output is renamed aside to ``.NAME.old-PID@HOST-XXXXXXXX`` first; :func:`recover` (run by
+the next writer) renames it back after a kill, and removes the temps of dead writers that sparkjax owns.
 
-**Stale temps.** The names carry the writer's PID and host. The next writer to the same destination
-removes the temp folders and files whose writer is no longer alive, and only those sparkjax owns: a
-folder that is empty or holds :data:`MARKER` or the in-progress file :data:`_WRITING` (sparkjax removes
-these two last when it deletes one of its folders, so a half-deleted folder is still recognised).
-
-I/O failures while writing (read-only folder, full disk, ...) raise :class:`WriteError`, a
-:class:`~sparkjax.errors.CheckpointError` naming the destination; the temp folder is removed and the
-destination is left as it was.
+I/O failures while writing raise :class:`WriteError` naming the destination, which is left as it was.
 """
 
 from __future__ import annotations
@@ -253,11 +240,8 @@ def _path_arg(path, what: str = "output path") -> str:
 
 
 def check_destination(path: PathLike, *, overwrite: bool = False, what: str = "output folder") -> str:
-    """Applies the overwrite rule to a folder destination; returns its absolute path.
-
-    Raises :class:`~sparkjax.errors.ArgumentError` naming the path when the destination exists and
-    ``overwrite`` is False, or when it may not be replaced (see the module docstring).
-    """
+    """Applies the overwrite rule to a folder destination and returns its absolute path; raises ArgumentError
+    naming the path when it exists and ``overwrite`` is False, or when it may not be replaced."""
     p = _path_arg(path, what)
     if not isinstance(overwrite, bool):
         raise ArgumentError(f"overwrite: expected True or False, got {overwrite!r}")
@@ -289,12 +273,9 @@ def check_destination(path: PathLike, *, overwrite: bool = False, what: str = "o
 
 
 def recover(path: PathLike) -> list[str]:
-    """Repairs what killed writers left beside the destination ``path``; returns what it did.
-
-    If ``path`` is missing and a complete previous output sits aside as ``.NAME.old-*`` (a writer was
-    killed between its two renames, on an OS without an atomic exchange), it is renamed back. Then the
-    temp folders / files of writers that are no longer running are deleted, only those sparkjax owns.
-    """
+    """Repairs what killed writers left beside the destination ``path`` and returns what it did: a missing
+    ``path`` whose previous output sits aside as ``.NAME.old-*`` is renamed back, and the temps of dead writers
+    that sparkjax owns are deleted."""
     dest = os.path.abspath(_path_arg(path))
     parent, base = os.path.split(dest)
     if not base:
@@ -348,11 +329,8 @@ def _write_failed(dest: str, e: BaseException) -> WriteError:
 
 @contextlib.contextmanager
 def atomic_file(path: PathLike) -> Iterator[str]:
-    """Yields a temp path beside ``path``; renames it onto ``path`` only if the block succeeds.
-
-    ``path`` may be an existing file (it is replaced atomically), never a folder. I/O errors raise
-    :class:`WriteError` naming ``path``; the temp file is removed.
-    """
+    """Yields a temp path beside ``path`` (a file, never a folder); renames it onto ``path`` only if the block
+    succeeds. I/O errors raise :class:`WriteError` naming ``path``; the temp file is removed."""
     dest = os.path.abspath(_path_arg(path, "output file"))
     if os.path.isdir(dest):
         raise ArgumentError(f"output file {dest} is a folder; refusing to replace it with a file")
@@ -414,12 +392,9 @@ def _commit(tmp: str, dest: str, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, *, overwrite: bool = False) -> Iterator[str]:
-    """Yields a temp folder beside ``path``; it becomes ``path`` only if the block succeeds.
-
-    Applies the overwrite rule (:func:`check_destination`) before the block runs and again before the
-    commit; writes :data:`MARKER` into the folder last; commits atomically (see the module docstring).
-    I/O errors raise :class:`WriteError` naming ``path``; the temp folder is always removed.
-    """
+    """Yields a temp folder beside ``path``; it becomes ``path`` (with :data:`MARKER`) only if the block succeeds.
+    The overwrite rule is applied before the block and again before the commit; I/O errors raise
+    :class:`WriteError` naming ``path``; the temp folder is always removed."""
     p = _path_arg(path)
     dest = os.path.abspath(p)
     check_destination(p, overwrite=overwrite)  # before anything is created or cleaned up

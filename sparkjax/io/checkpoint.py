@@ -29,12 +29,8 @@ _META = "sparkjax.json"
 
 
 def save_model(model: nnx.Module, path: PathLike, *, overwrite: bool = False) -> str:
-    """Saves a Qwen3 target with orbax, atomically, with per-tensor checksums in ``sparkjax.json``.
-
-    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`).
-    Refusals raise :class:`~sparkjax.errors.ArgumentError`, I/O failures :class:`~sparkjax.io.atomic.WriteError`
-    (a :class:`~sparkjax.errors.CheckpointError`); both name the path, and the destination is left as it was.
-    """
+    """Saves a Qwen3 target with orbax, atomically, with per-tensor checksums in ``sparkjax.json``;
+    ``overwrite`` and the errors are those of :func:`sparkjax.io.atomic.atomic_dir`."""
     if not isinstance(model, Qwen3):
         raise ArgumentError(f"save_model: model must be a Qwen3 target (sparkjax.nn.qwen3.Qwen3), "
                             f"got {type(model).__name__}; {path} was not written")

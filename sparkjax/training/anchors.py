@@ -59,11 +59,8 @@ def anchor_candidates(loss_mask: Array) -> Array:
 
 
 def anchors_from_uniforms(loss_mask: Array, uniforms: Array, num_anchors: int) -> tuple[Array, Array]:
-    """Anchors ``[B, A]`` (int32, sorted, dummies = 0 at the end) and ``keep [B, A]`` from uniforms ``[B, S - 1]``.
-
-    Exactly upstream's rule: invalid candidates get ``u = 2``, the ``A`` smallest ``u`` win
-    (ties broken by position), and the winners are sorted by position.
-    """
+    """Anchors ``[B, A]`` (int32, sorted, dummies = 0 at the end) and ``keep [B, A]`` from uniforms ``[B, S - 1]``
+    (upstream's rule: invalid candidates get ``u = 2``, the ``A`` smallest win, ties broken by position)."""
     _check_shapes(loss_mask, num_anchors)
     b, s = loss_mask.shape
     if uniforms.shape != (b, s - 1):
@@ -87,12 +84,9 @@ def sample_anchors(key: Array, loss_mask: Array, num_anchors: int) -> tuple[Arra
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """The training layout of ``A`` blocks of ``G`` slots per sequence.
-
-    ``anchors``/``keep`` ``[B, A]``; ``tokens`` (the noise ids) and ``positions`` ``[B, A*G]``;
-    ``context_positions`` ``[B, S]``; ``mask`` ``[B, A*G, S + A*G]`` (True = visible);
-    ``target_ids``, ``eval_mask``, ``aligned_index``, ``prev_ids`` ``[B, A, G]``.
-    """
+    """The training layout of ``A`` blocks of ``G`` slots per sequence: ``anchors``/``keep`` ``[B, A]``; ``tokens``
+    and ``positions`` ``[B, A*G]``; ``context_positions`` ``[B, S]``; ``mask`` ``[B, A*G, S + A*G]`` (True =
+    visible); ``target_ids``, ``eval_mask``, ``aligned_index``, ``prev_ids`` ``[B, A, G]``."""
 
     anchors: Array
     keep: Array

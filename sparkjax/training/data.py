@@ -239,12 +239,8 @@ def load_jsonl(
     end_of_turn: str | None = None,
     max_records: int | None = None,
 ) -> TokenData:
-    """Reads a JSONL file of conversations and/or token-id records into fixed-length rows.
-
-    A token-id record shorter than a block plus its label (``block_size + 1``) or with an id
-    outside ``[0, vocab_size)`` raises :class:`DataError` naming the file and line; so does any
-    line that is not a conversation.
-    """
+    """Reads a JSONL file of conversations and/or token-id records into fixed-length rows; a record shorter than
+    ``block_size + 1``, an id outside ``[0, vocab_size)`` or a malformed line raises DataError naming the line."""
     encoder = None
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
     skipped = 0

@@ -57,10 +57,8 @@ class LoopSettings:
 class Task:
     """What :func:`fit` trains. A task is built empty; :meth:`build` loads models and data.
 
-    Class attributes: ``best`` = ``(checkpoint metric, eval metric, "max" | "min")``: the eval
-    metric whose best value the checkpoints record (None: no best); ``eval_inline``: eval metrics
-    go into the train record as ``eval_<name>`` (else they are a record of their own, ``"split":
-    "eval"``).
+    ``best``: ``(checkpoint metric, eval metric, "max" | "min")`` the checkpoints record (None: no best);
+    ``eval_inline``: eval metrics go into the train record as ``eval_<name>`` (else a record of their own).
     """
 
     best: tuple[str, str, str] | None = None
@@ -163,8 +161,6 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str, *, resume_step: int, tensorboard: bool):
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        # a resumed run drops the lines past its checkpoint (written before an interruption); a new run
-        # starts the file afresh (step 0)
         drop_metrics_after(self.path, resume_step)
         self._tb = _tensorboard_writer(os.path.join(output_dir, "tensorboard")) if tensorboard else None
 
@@ -262,9 +258,8 @@ def fit(
 ) -> RunResult:
     """Runs (or resumes) ``task`` with ``config`` (which has ``to_dict()``) into ``output_dir``.
 
-    ``on_step(step, saved)`` is called after every step (``saved``: a checkpoint of that step is on
-    disk). ``stop_at`` ends the loop at that step and ``max_minutes`` after that much time (both
-    save a checkpoint first and skip the exports), as SIGINT / SIGTERM do."""
+    ``on_step(step, saved)`` is called after every step. ``stop_at`` / ``max_minutes`` end the loop at that step
+    / after that time, saving a checkpoint and skipping the exports, as SIGINT / SIGTERM do."""
     if max_minutes is not None and (isinstance(max_minutes, bool) or not isinstance(max_minutes, int | float)
                                     or not max_minutes >= 0):
         raise TrainingError(f"max_minutes: expected a number >= 0, got {max_minutes!r}")

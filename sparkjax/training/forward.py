@@ -64,11 +64,8 @@ class TrainOutputs:
 
 
 def drafter_outputs(drafter, blocks: Blocks, features: Array, last_hidden: Array, target=None) -> TrainOutputs:
-    """Runs the drafter over every anchor block at once and computes the aligned target logits.
-
-    The target logits are ``target.logits(last_hidden[aligned_index])`` (or the drafter's own LM head,
-    a frozen copy of the target's, when no target is given, as upstream does).
-    """
+    """Runs the drafter over every anchor block at once; the target logits are
+    ``target.logits(last_hidden[aligned_index])`` (the drafter's own LM head when no target is given)."""
     b, a, g = blocks.target_ids.shape
     out = drafter(features, blocks.context_positions, blocks.tokens, blocks.positions, blocks.mask, target=None,
                   attention=TRAIN_ATTENTION)
@@ -103,11 +100,8 @@ def batch_loss(
     features: Array | None = None,
     last_hidden: Array | None = None,
 ) -> tuple[Array, LossSums, Blocks, TrainOutputs]:
-    """The DSpark loss of one batch for given anchors.
-
-    Target features come from ``features``/``last_hidden`` when given (precomputed), else from a
-    gradient-free forward of ``target`` in the same program. Returns ``(total, sums, blocks, outputs)``.
-    """
+    """The DSpark loss of one batch for given anchors: ``(total, sums, blocks, outputs)``. Target features come
+    from ``features``/``last_hidden`` when given, else from a gradient-free forward of ``target``."""
     c = drafter.config
     if features is None or last_hidden is None:
         if target is None:

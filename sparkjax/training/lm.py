@@ -255,10 +255,8 @@ def train_lm(
 
 def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: str = "bfloat16",
               step: int | None = None, overwrite: bool = False, special_ids: dict[str, int] | None = None) -> str:
-    """Writes a run's checkpoint as a Hugging Face Qwen3 folder (+ tokenizer files, generation config).
-
-    ``special_ids`` (``eos_token_id``, ``pad_token_id``, ``bos_token_id``) go into ``config.json``
-    and ``generation_config.json``."""
+    """Writes a run's checkpoint as a Hugging Face Qwen3 folder (+ tokenizer files, generation config);
+    ``special_ids`` (``eos_token_id``, ...) go into ``config.json`` and ``generation_config.json``."""
     if overwrite:  # only a folder sparkjax wrote, or an empty one (checked before any work)
         check_overwritable(out, "export folder")
     if tokenizer is not None and not os.path.isdir(tokenizer):

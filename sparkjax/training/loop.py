@@ -268,10 +268,8 @@ def export_checkpoint(cfg: TrainConfig, trainer: Trainer, ckpt: TrainCheckpointe
 
 def export_run(cfg: TrainConfig, output_dir: str, which: str, out_dir: str | None = None,
                log: Callable[[str], None] = _stderr) -> str:
-    """Exports checkpoint ``which`` (``latest``, ``best`` or a step number) of a run to DeepSpec format.
-
-    ``out_dir`` (default ``OUTPUT/export_stepN``) may only be a new or empty folder or one sparkjax
-    wrote; anything else is refused before any work."""
+    """Exports checkpoint ``which`` (``latest``, ``best`` or a step number) of a run to DeepSpec format, into
+    ``out_dir`` (default ``OUTPUT/export_stepN``: checked by the overwrite rule before any work)."""
     if out_dir is not None:
         check_overwritable(out_dir, "--export-to")
     if not os.path.isdir(os.path.join(os.path.abspath(output_dir), "checkpoints")):

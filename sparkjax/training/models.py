@@ -82,11 +82,8 @@ def init_drafter(target, config: DrafterConfig, *, seed: int = 0, dtype: Any = N
 
 
 def load_drafter_for_training(path: str, target, overrides: dict[str, Any] | None = None, dtype: Any = None):
-    """Loads a DeepSpec DSpark folder with ``config.json`` keys replaced by ``overrides``.
-
-    Checks the pair against ``target``; tensors that do not fit the (overridden) config raise
-    CheckpointError naming the file and the key.
-    """
+    """Loads a DeepSpec DSpark folder with ``config.json`` keys replaced by ``overrides``, checked against
+    ``target``; tensors that do not fit the config raise CheckpointError naming the file and the key."""
     folder = str(path)
     config_path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):

@@ -100,9 +100,7 @@ class RunLock:
 
 
 def check_overwritable(path, what: str = "export folder") -> str:
-    """Returns ``path`` (absolute) if an export may write there (absent, empty, or written by sparkjax).
-
-    The rule is :func:`sparkjax.io.atomic.check_destination`'s, the one every sparkjax writer applies."""
+    """Returns ``path`` (absolute) if an export may write there (:func:`sparkjax.io.atomic.check_destination`)."""
     return check_destination(path, overwrite=True, what=what)
 
 

@@ -124,13 +124,9 @@ def to_host(tree) -> Any:
 
 
 class Trainer:
-    """Owns the train state of a DSpark drafter and runs jitted steps on it.
-
-    ``drafter`` (a DSpark :class:`~sparkjax.nn.drafter.Drafter`) is split into trainable params
-    (float32 master copies) and frozen ones (``freeze``); ``target`` (a Qwen3) computes the
-    context features on the fly, or is None when every batch carries precomputed ``features``
-    and ``last_hidden``. ``mesh``: data-parallel over its ``data`` axis.
-    """
+    """Owns the train state of a DSpark drafter (trainable float32 master params; ``freeze`` names the frozen
+    ones) and runs jitted steps on it. ``target`` computes the features on the fly, or is None when every batch
+    carries ``features`` and ``last_hidden``; ``mesh``: data parallel over its ``data`` axis."""
 
     def __init__(
         self,
