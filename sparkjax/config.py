@@ -372,14 +372,12 @@ class DrafterConfig(Qwen3Config):
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` dict: the original file's keys, updated with this config's values."""
+        base = {f.name: getattr(self, f.name) for f in dataclasses.fields(Qwen3Config)}
         if self.hf_json:
             d = json.loads(self.hf_json)
         else:
-            d = Qwen3Config.to_hf_dict(Qwen3Config(**{
-                f.name: getattr(self, f.name) for f in dataclasses.fields(Qwen3Config)
-            }))
+            d = Qwen3Config(**base).to_hf_dict()
             d["architectures"] = ["Qwen3DSparkModel" if self.kind == "dspark" else "DFlashDraftModel"]
-        base = {f.name: getattr(self, f.name) for f in dataclasses.fields(Qwen3Config)}
         theta = base.pop("rope_theta")
         d.update(base)
         if "rope_parameters" in d or "rope_theta" not in d:

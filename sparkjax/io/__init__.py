@@ -1,19 +1,9 @@
 """Checkpoint I/O: every file format sparkjax reads or writes, in one package.
 
-=========================  ===================================================================
-:mod:`.atomic`             crash-safe writers (:func:`atomic_file`, :func:`atomic_dir`) and the one
-                           overwrite rule (:func:`check_destination`, :data:`MARKER`)
-:mod:`.safetensors`        the validating memory-mapped reader (:class:`SafetensorsFile`), the
-                           atomic writer (:func:`write_safetensors`), sharded folders
-                           (:class:`WeightFiles`), the finiteness check
-:mod:`.keymaps`            HF Qwen3 and DeepSpec / DFlash drafter names <-> NNX paths, and layouts
-:mod:`.hf`                 :func:`load_target`, :func:`load_drafter`, :func:`save_target`,
-                           :func:`save_drafter`
-:mod:`.checkpoint`         orbax (the only module that imports it): :func:`save_model`,
-                           :func:`restore_model`, :class:`TrainCheckpointer`
-=========================  ===================================================================
-
-The orbax names are imported on first use, so ``import sparkjax.io`` does not import orbax.
+:mod:`.atomic` (crash-safe writers and the one overwrite rule), :mod:`.safetensors` (the validating reader, the
+atomic writer, sharded folders), :mod:`.keymaps` (checkpoint names <-> NNX paths and layouts), :mod:`.hf`
+(:func:`load_target`, :func:`load_drafter`, :func:`save_target`, :func:`save_drafter`) and :mod:`.checkpoint`
+(orbax: :func:`save_model`, :func:`restore_model`, :class:`TrainCheckpointer`, imported on first use).
 """
 
 from __future__ import annotations

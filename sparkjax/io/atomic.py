@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import shutil
@@ -159,21 +160,17 @@ def _remove_owned(path: str) -> None:
 
 # ----------------------------------------------------------------------------- atomic renames
 
-_RENAMEAT2: list = []
-
-
+@functools.cache
 def _renameat2():
-    if not _RENAMEAT2:
-        fn = None
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).renameat2
-                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-            except (OSError, AttributeError):
-                fn = None
-        _RENAMEAT2.append(fn)
-    return _RENAMEAT2[0]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _rename2(src: str, dst: str, flags: int) -> bool:

@@ -1,14 +1,8 @@
 """Key maps: which checkpoint tensor fills which NNX parameter, and in which layout.
 
-A *key map* is a table of rules ``(module path pattern, checkpoint key pattern, layout)``;
-``{i}`` stands for a layer index. :func:`param_keys` maps every parameter of a module to its
-checkpoint key and layout; :mod:`sparkjax.io.hf` uses it to load and to export.
-
-* :data:`QWEN3_KEYS`: Hugging Face ``Qwen3ForCausalLM`` names (``model.layers.{i}...``) <->
-  :class:`~sparkjax.nn.qwen3.Qwen3` paths.
-* :data:`DRAFTER_KEYS`: DeepSpec ``Qwen3DSparkModel`` / z-lab ``DFlashDraftModel`` names (the
-  backbone keys without the ``model.`` prefix, plus ``fc``, ``hidden_norm`` and the DSpark heads)
-  <-> :class:`~sparkjax.nn.drafter.Drafter` paths.
+A *key map* (:data:`QWEN3_KEYS`: Hugging Face ``Qwen3ForCausalLM``; :data:`DRAFTER_KEYS`: DeepSpec / z-lab
+drafters) is a table of rules ``(module path pattern, checkpoint key pattern, layout)``; ``{i}`` stands for a
+layer index. :func:`param_keys` maps every parameter of a module to its checkpoint key and layout.
 
 Layouts (checkpoint = PyTorch ``nn.Linear`` layout, module = JAX layout):
 

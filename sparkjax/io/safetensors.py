@@ -10,6 +10,7 @@ validated index) and the finiteness check of every loaded tensor.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -101,9 +102,7 @@ class SafetensorsFile:
             raise bad(f"'data_offsets' must be two integers, got {offsets!r:.80}")
         dtype = _ST_DTYPES[name]
         begin, end = offsets
-        count = 1
-        for d in shape:  # Python ints: a shape of 2**64 is just a large number, no overflow
-            count *= d
+        count = math.prod(shape)  # Python ints: no overflow
         if not 0 <= begin <= end or end - begin != count * np.dtype(dtype).itemsize:
             raise CheckpointError(
                 f"{self.path}: key '{key}' has inconsistent data offsets [{begin}, {end}) for "

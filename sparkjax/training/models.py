@@ -22,7 +22,7 @@ from ..io.hf import load_into, resolve_dtype
 from ..io.keymaps import DRAFTER_KEYS
 from ..io.safetensors import WeightFiles
 from ..nn.drafter import Drafter
-from ..pairing import check_pair, source_of
+from ..pairing import check_pair
 
 NEW_DRAFTER_DEFAULTS: dict[str, Any] = {
     "block_size": 16,
@@ -38,11 +38,6 @@ def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """``count`` target layers spread evenly over ``[1, L - 3]`` (``[1, 9, 17, 25, 33]`` for 36 / 5)."""
     hi = max(1, num_target_layers - 3)
     return sorted({int(round(x)) for x in np.linspace(1, hi, count)})
-
-
-def _target_source(target) -> str:
-    src = source_of(target)
-    return f"{src}/config.json" if src else "<target model>"
 
 
 def new_drafter_config(
@@ -71,7 +66,7 @@ def new_drafter_config(
 
 def init_drafter(target, config: DrafterConfig, *, seed: int = 0, dtype: Any = None):
     """A new drafter with random weights and the target's embedding / LM head (copied)."""
-    check_pair(target.config, config, target_source=_target_source(target), drafter_source="drafter settings")
+    check_pair(target, config, drafter_source="drafter settings")
     dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
     drafter = Drafter(config, rngs=nnx.Rngs(seed), dtype=dt)
     embed = target.embed_tokens.embedding[...]
@@ -96,7 +91,7 @@ def load_drafter_for_training(path: str, target, overrides: dict[str, Any] | Non
     cfg = DrafterConfig.from_hf_config({**raw, **overrides}, source=source)
     if cfg.kind != "dspark":
         raise ConfigError(f"{config_path}: training continues DSpark drafters, this is a {cfg.kind} checkpoint")
-    check_pair(target.config, cfg, target_source=_target_source(target), drafter_source=config_path)
+    check_pair(target, cfg, drafter_source=config_path)
     files = WeightFiles(folder)
     dt = resolve_dtype(dtype, files.dtype())
     try:
