@@ -29,15 +29,13 @@ from .io.hf import load_drafter, load_target
 def _bundled_dir() -> pathlib.Path:
     """``sparkjax/assets/demo`` of the installed package, found by importlib.resources (not by the source tree)."""
     folder = resources.files("sparkjax.assets") / "demo"
-    # An install on a file system gives a real path. The loaders need real files, so anything else (a zipped
-    # install) becomes a path that does not exist, and path() reports the pair missing.
+    # the loaders need real files: anything else (a zipped install) becomes a path that path() reports missing
     return folder if isinstance(folder, pathlib.Path) else pathlib.Path(str(folder))
 
 
 DEMO_DIR = _bundled_dir()
 PROMPT_SETS = ("python_docs", "stdlib_code", "synthetic_math")
-# Stored in bfloat16, computed in float32 by default: in bf16 two logits can round to the same value and
-# a one-token decode step and a multi-token verify may break that tie differently (rounding, not a bug).
+# stored in bfloat16, computed in float32: bf16 logit ties could break differently in decode and verify
 COMPUTE_DTYPE = "float32"
 
 
