@@ -203,6 +203,7 @@ def test_greedy_ar_program_draws_no_random_bits(fixture_target):
     assert generate(fixture_target, None, [[1, 2, 3]], max_new_tokens=8, seed=5).tokens == greedy  # key unused
 
 
+@pytest.mark.slow  # builds the 36-layer module trees of both libraries (shapes only)
 def test_qwen3_4b_parameter_count_matches_transformers(fixture_dir):
     from flax import nnx
     from transformers import AutoModelForCausalLM
