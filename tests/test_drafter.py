@@ -36,6 +36,7 @@ from sparkjax.errors import (
 from sparkjax.io.keymaps import DRAFTER_KEYS, _checkpoint_shape, param_keys
 from sparkjax.io.safetensors import SafetensorsFile
 from sparkjax.nn.drafter import Drafter, MarkovHead
+from tests.conftest import jit_call
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")
 DRAFTER_DIR = os.path.join(FIX, "drafter")
@@ -153,8 +154,8 @@ def test_all_rounds_with_incremental_context(ref, target, drafter, fns):
     out_ids = ref["c.spec_output_ids"]
     n_tok = out_ids.shape[1]
     # the target's features of every committed position, computed causally in one pass
-    tout = target(jnp.asarray(out_ids, jnp.int32), jnp.arange(n_tok, dtype=jnp.int32)[None],
-                  hidden_layers=cfg.target_layer_ids, compute_logits=False)
+    tout = jit_call(target, jnp.asarray(out_ids, jnp.int32), jnp.arange(n_tok, dtype=jnp.int32)[None],
+                    hidden_layers=cfg.target_layer_ids, compute_logits=False)
     feats = draft.features_from_hidden(tout.hidden)
     p = ref["b.context_features"].shape[1]
     close(feats[:, :p], ref["b.context_features"], what="target features of the prompt")
