@@ -103,11 +103,8 @@ def run(args) -> dict:
         rng = np.random.default_rng(7)
         batch = {"input_ids": rng.integers(0, 31, (8, 24)).astype(np.int32),
                  "loss_mask": np.ones((8, 24), np.float32)}
-        losses = []
-        for _ in range(args.train_steps):
-            sums, _ = trainer.step(batch)
-            losses.append(float(np.asarray(sums.losses(trainer.spec.objective)["loss"])))
-        result["train_losses"] = losses
+        result["train_losses"] = [float(np.asarray(trainer.step(batch)[0].losses(trainer.spec.objective)["loss"]))
+                                  for _ in range(args.train_steps)]
     return result
 
 

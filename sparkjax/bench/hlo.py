@@ -70,10 +70,8 @@ def fused_attention_flops(shapes: Sequence[tuple[int, ...]]) -> float:
 
 def shape_arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     """``[(dtype, dims), ...]`` of every array in an HLO shape string (a tuple gives several)."""
-    out = []
-    for dt, dims in _ARRAY.findall(shape):
-        out.append((dt, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())))
-    return out
+    return [(dt, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip()))
+            for dt, dims in _ARRAY.findall(shape)]
 
 
 def shape_bytes(shape: str) -> float:

@@ -382,12 +382,8 @@ def measure_load(folder: str) -> dict:
     jax.block_until_ready(jax.tree.leaves(nnx.state(drafter)))
     out.update(drafter_s=time.perf_counter() - t1, load_s=time.perf_counter() - t0)
     hwm, _ = _hwm_rss()
-    sizes = []
-    for sub in ("target", "dspark_b16"):
-        files = WeightFiles(os.path.join(folder, sub))
-        for key in files.keys():
-            src = files.file_of(key)
-            sizes.append(int(src.dtype(key).itemsize * math.prod(src.shape(key))))
+    files = [WeightFiles(os.path.join(folder, sub)) for sub in ("target", "dspark_b16")]
+    sizes = [int(f.file_of(k).dtype(k).itemsize * math.prod(f.file_of(k).shape(k))) for f in files for k in f.keys()]
     device = sum(x.nbytes for m in (target, drafter) for x in jax.tree.leaves(nnx.state(m)))
     out.update({"peak_rss_growth": hwm - base, "model_bytes": device, "file_bytes": sum(sizes),
                 "largest_tensor": max(sizes), "over_model_in_tensors": (hwm - base - device) / max(sizes)})

@@ -88,9 +88,7 @@ def _parse_temp(entry: str, base: str) -> tuple[str, int, str] | None:
 
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` is running (zombies count as dead; unknown counts as alive)."""
-    if pid == os.getpid():
-        return True
-    if pid <= 0:
+    if pid == os.getpid() or pid <= 0:
         return True
     try:
         os.kill(pid, 0)

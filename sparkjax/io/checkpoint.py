@@ -311,11 +311,8 @@ class TrainCheckpointer:
             return
         if saved is None:
             return
-        have = {}
-        for _, m in jax.tree_util.tree_flatten_with_path(saved)[0]:
-            name = getattr(m, "name", None)
-            if name is not None:
-                have[name] = m
+        have = {m.name: m for _, m in jax.tree_util.tree_flatten_with_path(saved)[0]
+                if getattr(m, "name", None) is not None}
         want = _named_leaves(abstract)
         for name, x in sorted(want.items(), key=lambda kv: (not kv[0].startswith("params"), kv[0])):
             m = have.get(name)

@@ -177,13 +177,8 @@ def export_tensors(model: nnx.Module, rules: Sequence[Rule], *, skip: Sequence[t
     """The model's parameters as checkpoint-layout NumPy arrays keyed by checkpoint name."""
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
-    out = {}
-    for path, key, layout in param_keys(state, rules):
-        if path in skip:
-            continue
-        out[key] = np.asarray(jax.device_get(flat[path].get_value()))
-        out[key] = np.ascontiguousarray(_to_checkpoint(layout, out[key]))
-    return out
+    return {key: np.ascontiguousarray(_to_checkpoint(layout, np.asarray(jax.device_get(flat[path].get_value()))))
+            for path, key, layout in param_keys(state, rules) if path not in skip}
 
 # ----------------------------------------------------------------------------- Qwen3 target
 

@@ -104,11 +104,8 @@ def _to_checkpoint(layout: str, x: np.ndarray) -> np.ndarray:
 
 
 def _compile_rules(rules: Sequence[Rule]) -> list[tuple[re.Pattern, str, str]]:
-    out = []
-    for mod, key, layout in rules:
-        pattern = re.escape(mod).replace(re.escape("{i}"), r"(?P<i>\d+)")
-        out.append((re.compile(pattern + "$"), key, layout))
-    return out
+    return [(re.compile(re.escape(mod).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$"), key, layout)
+            for mod, key, layout in rules]
 
 
 def param_keys(state: nnx.State, rules: Sequence[Rule]) -> list[tuple[tuple, str, str]]:

@@ -72,9 +72,7 @@ class SafetensorsFile:
             self.metadata = metadata or {}
             self._base = 8 + n
             data_size = size - self._base
-            self.entries: dict[str, tuple[Any, tuple[int, ...], int, int]] = {}
-            for key, e in header.items():
-                self.entries[key] = self._entry(key, e, data_size)
+            self.entries = {key: self._entry(key, e, data_size) for key, e in header.items()}
             spans = sorted((begin, end, key) for key, (_, _, begin, end) in self.entries.items() if end > begin)
             for (_, prev_end, prev), (begin, _, key) in zip(spans, spans[1:], strict=False):
                 if begin < prev_end:

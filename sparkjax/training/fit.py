@@ -194,14 +194,8 @@ def _tensorboard_writer(folder: str):
 
 
 def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, np.ndarray):
-            v = v.tolist()
-        elif isinstance(v, np.generic):
-            v = v.item()
-        out[k] = v
-    return out
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v.item() if isinstance(v, np.generic) else v
+            for k, v in metrics.items()}
 
 
 # ----------------------------------------------------------------------------- signals

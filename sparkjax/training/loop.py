@@ -126,10 +126,7 @@ def build_data(cfg: TrainConfig, target, drafter, output_dir: str | None,
 
 
 def _has_chat_records(path: str) -> bool:
-    for _, obj in data_lib.read_jsonl(path):
-        if isinstance(obj, dict) and "input_ids" not in obj:
-            return True
-    return False
+    return any(isinstance(obj, dict) and "input_ids" not in obj for _, obj in data_lib.read_jsonl(path))
 
 
 def make_run_mesh(cfg: TrainConfig):
