@@ -153,7 +153,8 @@ def test_package_resolves_no_path_through_its_source_tree():
         if "training" in f.relative_to(ROOT / "sparkjax").parts:
             continue
         src = f.read_text(encoding="utf-8")
-        patterns = ("__file__", "XDG_CACHE_HOME", "~/.cache")
+        # sparkjax.cachedir is the one module that names the user's cache folder (cost tables, XLA's cache)
+        patterns = ("__file__",) if f.name == "cachedir.py" else ("__file__", "XDG_CACHE_HOME", "~/.cache")
         offenders += [f"{f.relative_to(ROOT)}: {pat}" for pat in patterns if pat in src]
         # a path's ancestors (``Path.parents[1]``), not an array named parents (``prop.parents[:, :b]``)
         offenders += [f"{f.relative_to(ROOT)}: .parents[N]" for _ in re.finditer(r"\.parents\[\s*-?\d", src)]
