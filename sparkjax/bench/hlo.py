@@ -1,18 +1,10 @@
 """Kernel, byte and FLOP counts of an optimised HLO module: the counter behind ``python -m sparkjax.bench round``.
 
-:func:`count_hlo` walks the computations from the program's top (the entry, or one iteration of the generation
-loop): a ``while`` multiplies its body by its trip count and its condition by the trip count + 1 (XLA's
-``known_trip_count``, else derived from a condition ``i < constant``; a loop with neither is counted once and
-reported in ``unknown_loops``); ``call`` bodies are walked in place; of a ``conditional`` the costliest branch.
-
-A **kernel** is every instruction executed except :data:`NOT_KERNELS` and *pure converts* (XLA:CPU's f32
-wrappers of bf16 dots: one-operand converts, with or without a layout change; their consumers read the source
-at its dtype). A fusion counts once; ``sequential`` kernels are those inside a loop.
-
-**Bytes** per kernel: operands read + results written, except sliced operands (only the slice is read) and
-in-place ``dynamic-update-slice`` / ``scatter`` buffers (only the update is written). **FLOPs**: matrix FLOPs of
-every ``dot`` (and :func:`fused_attention_flops`). **Projection** (:meth:`Tally.seconds`): per kernel
-``max(bytes / BW, flops / peak)`` summed, plus a launch cost per sequential kernel.
+:func:`count_hlo` walks from the entry (or one iteration of the generation loop): a ``while`` counts its body
+trip-count times (``known_trip_count``, else a condition ``i < constant``; else once, in ``unknown_loops``),
+a ``call`` in place, a ``conditional`` its costliest branch. A kernel is every executed instruction except
+:data:`NOT_KERNELS` and pure converts; ``sequential`` kernels are inside a loop. Bytes: operands read + results
+written (sliced operands and in-place updates count only the slice). The byte model is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -43,9 +35,6 @@ NOT_KERNELS = frozenset({
 _VIEW = frozenset({"bitcast", "reshape", "convert"})  # seen through when looking how a fused parameter is used
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
-
-
-# ============================================================================= the fused-attention model
 
 # the custom-call target jax.pure_callback lowers to (xla_ffi_python_cpu_callback on XLA:CPU, ..._gpu_... on a GPU)
 FUSED_ATTENTION_TARGET = re.compile(r'custom_call_target="[\w]*python_\w*callback"')
@@ -145,8 +134,6 @@ def _split_top(s: str) -> list[str]:
 
 _INSTR_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-
-
 _COMMENT = re.compile(r"/\*.*?\*/")
 
 
@@ -156,10 +143,7 @@ def parse_instr(line: str) -> Instr | None:
     if not m:
         return None
     k = m.end()
-    if line[k] == "(":
-        end = _balanced(line, k)
-    else:
-        end = line.index(" ", k)
+    end = _balanced(line, k) if line[k] == "(" else line.index(" ", k)
     shape = line[k:end]
     rest = line[end:].lstrip()
     p = rest.index("(")
@@ -201,8 +185,6 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
         raise ValueError("no ENTRY computation in the HLO text")
     return comps, entry
 
-
-# ============================================================================= the counter
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -270,6 +252,14 @@ class Tally:
         self.loops += other.loops
 
 
+def _updates(ins: Instr) -> list[str]:
+    """The update operands of an in-place op: dynamic-update-slice(buffer, update, ...), scatter(operands...,
+    indices, updates...)."""
+    if ins.op == "dynamic-update-slice":
+        return ins.operands[1:2]
+    return ins.operands[(len(ins.operands) - 1) // 2 + 1 :]
+
+
 class HloCounter:
     """Counts kernels, bytes and FLOPs of an optimised HLO module (see the module docstring)."""
 
@@ -278,7 +268,6 @@ class HloCounter:
         self._elided: dict[str, set[str]] = {}
         self.param_ratio: dict[tuple[str, int], object] = {}  # (computation, parameter number) -> ratios
 
-    # --------------------------------------------------------------- helpers
     def _fused_ops(self, ins: Instr) -> set[str] | None:
         """The ops of a one-operand fusion's body (None for anything else)."""
         if ins.op != "fusion" or len(ins.operands) != 1:
@@ -317,9 +306,7 @@ class HloCounter:
         elif r.op != "compare" or "direction=LT" not in r.attrs:
             return None
         consts = [cond.by_name[o] for o in r.operands if o in cond.by_name and cond.by_name[o].op == "constant"]
-        if len(consts) != 1:
-            return None
-        if not re.fullmatch(r"-?\d+", consts[0].inner):
+        if len(consts) != 1 or not re.fullmatch(r"-?\d+", consts[0].inner):
             return None
         return max(int(consts[0].inner) - int(init.group(1)), 0)
 
@@ -394,31 +381,22 @@ class HloCounter:
     def _in_place_write(self, body: Computation | None, ins: Instr) -> float | None:
         """Bytes written when the kernel (or its fused root, or each tuple element) is an in-place
         update (None: the result is written whole)."""
-        if body is None:
-            root, where = ins, None
-        else:
-            root, where = body.root, body
-        roots = [root]
-        if root.op == "tuple" and where is not None:
-            roots = [where.by_name[o] for o in root.operands if o in where.by_name]
-        if where is not None:  # an in-place update converted / bitcast on the way out is still in place
-            for k, r in enumerate(roots):
-                while r.op in _VIEW and r.operands and r.operands[0] in where.by_name:
-                    r = where.by_name[r.operands[0]]
+        roots = [ins if body is None else body.root]
+        if body is not None:
+            if roots[0].op == "tuple":
+                roots = [body.by_name[o] for o in roots[0].operands if o in body.by_name]
+            for k, r in enumerate(roots):  # an in-place update converted / bitcast on the way out is still in place
+                while r.op in _VIEW and r.operands and r.operands[0] in body.by_name:
+                    r = body.by_name[r.operands[0]]
                 roots[k] = r if r.op in _IN_PLACE else roots[k]
         if not any(r.op in _IN_PLACE for r in roots):
             return None
         total = 0.0
         for r in roots:
-            if r.op == "dynamic-update-slice":
-                upd = (where.by_name if where else None)
-                total += shape_bytes(upd[r.operands[1]].shape) if upd else 0.0
-            elif r.op == "scatter":
-                n = (len(r.operands) - 1) // 2  # operands..., indices, updates...
-                src = where.by_name if where else None
-                total += sum(shape_bytes(src[o].shape) for o in r.operands[n + 1 :]) if src else 0.0
-            else:
+            if r.op not in _IN_PLACE:
                 total += shape_bytes(r.shape)
+            elif body is not None:
+                total += sum(shape_bytes(body.by_name[o].shape) for o in _updates(r))
         return total
 
     def stage(self, ins: Instr) -> str:
@@ -427,8 +405,7 @@ class HloCounter:
         body = self.comps.get(ins.attr_comp("calls") or "") if ins.op == "fusion" else None
         if st != "other" or body is None:
             return st
-        inner = [stage_of(i.attrs) for i in body.instrs]
-        inner = [x for x in inner if x != "other"]
+        inner = [x for x in (stage_of(i.attrs) for i in body.instrs) if x != "other"]
         return max(set(inner), key=inner.count) if inner else st
 
     def dot_flops(self, comp: Computation, ins: Instr) -> float:
@@ -441,8 +418,7 @@ class HloCounter:
                 return 0.0
             ldims = shape_arrays(lhs.shape)[0][1]
             k = math.prod(ldims[int(d)] for d in m.group(1).split(",") if d)
-            out = shape_arrays(ins.shape)[0][1]
-            return 2.0 * math.prod(out) * k
+            return 2.0 * math.prod(shape_arrays(ins.shape)[0][1]) * k
         sub = ins.attr_comp("calls") or ins.attr_comp("to_apply")
         if ins.op in ("fusion", "call") and sub in self.comps:
             body = self.comps[sub]
@@ -453,9 +429,8 @@ class HloCounter:
         """(bytes, flops) of one execution of kernel ``ins`` of ``comp``."""
         body = self.comps.get(ins.attr_comp("calls") or "") if ins.op == "fusion" else None
         read = 0.0
-        params = {}  # fused parameter number -> its name
-        if body is not None:
-            params = {int(i.inner): i.name for i in body.instrs if i.op == "parameter" and i.inner.isdigit()}
+        params = {int(i.inner): i.name for i in body.instrs if i.op == "parameter" and i.inner.isdigit()} if body \
+            else {}  # fused parameter number -> its name
         for k, o in enumerate(ins.operands):
             whole = self.charged(comp, o, elided)
             src = comp.by_name.get(o)
@@ -474,13 +449,11 @@ class HloCounter:
         if inplace is None:
             write = self.written(comp, ins, elided)
         elif body is None:
-            write = sum(self.charged(comp, o, elided) for o in ins.operands[1:2]) if ins.op == "dynamic-update-slice" \
-                else sum(self.charged(comp, o, elided) for o in ins.operands[(len(ins.operands) - 1) // 2 + 1 :])
+            write = sum(self.charged(comp, o, elided) for o in _updates(ins))
         else:
             write = inplace
         return read + write, self.dot_flops(comp, ins)
 
-    # --------------------------------------------------------------- the walk
     def walk(self, name: str, mult: float = 1.0, in_loop: bool = False) -> Tally:
         comp = self.comps[name]
         tally = Tally()
@@ -545,9 +518,6 @@ class HloCounter:
 def count_hlo(text: str, *, loop_body: bool = False) -> Tally:
     c = HloCounter(text)
     return c.count_loop_body() if loop_body else c.walk(c.entry)
-
-
-# ============================================================================= devices (projection only)
 
 
 @dataclasses.dataclass(frozen=True)
