@@ -5,21 +5,16 @@
     python -m sparkjax.bench scale --preset reduced --from-disk /tmp/scale_pair
     python -m sparkjax.bench scale --memory --preset real --batches 1,8,32 --contexts 2048,8192
 
-The preset's Qwen3 target and DSpark-b16 drafter get random bf16 weights on the device. Timed side by side with
-interleaved repetitions: the **AR step** ((run to ``1 + N`` tokens - run to 2) / ``(N - 1)``); each method's
-**round** in forced-acceptance mode (every round commits exactly ``--accept`` drafts + the bonus token, see
-:func:`forced_acceptance`; bench only, its outputs are not the target's tokens), as (``R`` rounds - 1 round) /
-``(R - 1)``; and the **stage split** of the forced round, each stage its own jitted call.
-
-``--from-disk DIR`` writes the random pair as Hugging Face folders once (reused while ``DIR/bench_pair.json``
-matches), measures loading it in a fresh child process (time, peak host RSS growth), then loads it here.
-``--memory`` instead compiles the whole generation program from abstract shapes per batch x context and reports
-its memory analysis and compile time.
+Random bf16 weights for the preset's pair; interleaved timing of the AR step and of each method's round with
+forced acceptance (every round commits ``--accept`` drafts + the bonus; bench only), plus the per-stage split.
+``--from-disk`` measures loading the pair in a fresh process; ``--memory`` compiles from abstract shapes and
+reports the memory analysis.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -102,9 +97,6 @@ def add_arguments(p) -> None:
     add_output(p)
 
 
-# ============================================================================= forced acceptance
-
-
 def forced_acceptance(prop, ver, accept: int, depth: int) -> Acceptance:
     """The round's :class:`~sparkjax.engine.state.Acceptance` when exactly ``accept`` drafts are taken: the path
     to the deepest node of depth at most ``accept`` (lowest index among equals), topped up with other nodes in
@@ -148,9 +140,6 @@ def forced(method, accept: int):
     """``method`` with forced acceptance of ``accept`` drafts per round (bench only)."""
     fields = {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init}
     return _forced_class(type(method))(**fields, forced_accept=accept)
-
-
-# ============================================================================= cases
 
 
 @dataclasses.dataclass
@@ -249,9 +238,6 @@ def stage_split(target, drafter, plan, batch: int, prompt: int, accept: int, con
     return {s: timing.Stats.of(v).median for s, v in times.items() if v}
 
 
-# ============================================================================= the benchmark
-
-
 def _row(case: Case, stats: timing.Stats, ar: timing.Stats, context: int, prompt: int, accept: int,
          tau: float) -> dict:
     row = {"label": case.label, **label_fields(case.label), "batch": case.batch, "context": context,
@@ -333,9 +319,6 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
-# ============================================================================= from disk
-
-
 def _hwm_rss() -> tuple[int, int]:
     """(VmHWM, VmRSS) of this process in bytes (0, 0 where /proc is missing)."""
     try:
@@ -353,12 +336,10 @@ def write_pair(folder: pathlib.Path, preset: str, seed: int) -> bool:
     stamp = {"preset": preset, "seed": seed, "target": repr(t), "drafter": repr(ds)}
     marker = folder / "bench_pair.json"
     if marker.exists() and (folder / "target").is_dir() and (folder / "dspark_b16").is_dir():
-        try:
+        with contextlib.suppress(OSError, ValueError):
             if json.loads(marker.read_text()) == stamp:
                 log(f"  reusing the pair cached in {folder}")
                 return False
-        except (OSError, ValueError):
-            pass
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     target, drafter = random_pair(preset, seed)
@@ -398,9 +379,6 @@ def load_in_child(folder: str, timeout: float) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-# ============================================================================= memory and compile time
-
-
 def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: float, report) -> bool:
     """Lowers and compiles the whole generation program from abstract shapes and reads its memory analysis."""
     target, drafter, _ = abstract_models(preset)
@@ -409,11 +387,10 @@ def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: 
             for m in methods:
                 if time.perf_counter() > deadline:
                     return False
-                args = abstract_args(b, prompt)
-                method = parse_method(m)
-                plan = method.plan(target, drafter, False)  # None for ar
+                args, method = abstract_args(b, prompt), parse_method(m)
+                plan, spec = method.plan(target, drafter, False), method.speculative  # plan: None for ar
                 t0 = time.perf_counter()
-                if method.speculative:
+                if spec:
                     graphdefs, states = split_pair(target, drafter)
                     inputs = method.inputs(plan, target=target, drafter=drafter, batch=b, cache_size=ctx)
                     lowered = spec_program.lower(graphdefs, states, *args, inputs, plan=plan, cache_size=ctx,
@@ -424,7 +401,6 @@ def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: 
                 t1 = time.perf_counter()
                 ma = lowered.compile().memory_analysis()
                 t2 = time.perf_counter()
-                spec = method.speculative
                 est = estimate_memory(target, drafter if spec else None, plan if spec else None, b, prompt, ctx, 512)
                 weights = sum(int(x.size) * x.dtype.itemsize
                               for x in jax.tree.leaves(nnx.state((target, drafter) if spec else target)))
@@ -455,9 +431,6 @@ def format_memory(rows) -> str:
     return "\n".join(lines)
 
 
-# ============================================================================= the command
-
-
 def run(a, report) -> None:
     if a.measure_load:
         print(json.dumps(measure_load(a.measure_load)))
@@ -486,7 +459,7 @@ def run(a, report) -> None:
     if a.memory:
         contexts = ints(a.contexts, "--contexts")
         methods = names(a.methods or "sparklingtree@64")
-        for m in methods:
+        for m in methods:  # unknown names fail before any compile
             parse_method(m)
         report.header.append(
             f"# the whole generation program compiled from abstract bf16 shapes (prompt {prompt}); peak = args + temp "
