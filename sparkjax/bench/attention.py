@@ -3,11 +3,9 @@
     python -m sparkjax.bench attention [--batch 64] [--live 64,96,160] [--bucket 256] [--buffers 12] [--reps 5]
                                        [--out PATH]
 
-One decode step's attention (8 query / 4 key-value heads of 64, float32): one query per sequence against
-``live`` visible slots of a ``--bucket``-slot cache, for each :func:`sparkjax.nn.layers.attend` path, against
-torch's ``scaled_dot_product_attention`` over exactly the live slots. Each call attends over ``--buffers``
-distinct buffers; times are per buffer, interleaved; every path is checked against torch's output. Per path:
-median and fastest time, spread, and live K/V bytes over the median time.
+One decode step's attention (float32), one query per sequence against ``live`` slots of a ``--bucket``-slot
+cache, per :func:`sparkjax.nn.layers.attend` path and torch's SDPA over the live slots; interleaved, per buffer,
+every output checked against torch's.
 """
 
 from __future__ import annotations

@@ -45,9 +45,6 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-# ============================================================================= arguments
-
-
 def ints(text: str, arg: str, minimum: int = 1) -> list[int]:
     """Comma-separated integers of at least ``minimum``; ArgumentError naming ``arg`` otherwise."""
     try:
@@ -110,9 +107,6 @@ def label_fields(label: str) -> dict:
     name, _, opts = label.partition(":")
     base, _, budget = name.partition("@")
     return {"method": base + (f":{opts}" if opts else ""), "budget": int(budget) if budget else None}
-
-
-# ============================================================================= presets
 
 
 def _dflash_like(ds: DrafterConfig) -> DrafterConfig:
@@ -189,9 +183,6 @@ def child_env(**extra: str) -> dict[str, str]:
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
-
-
-# ============================================================================= output
 
 
 def write_text(path: str, text: str) -> None:

@@ -2,9 +2,8 @@
 
     python -m sparkjax.bench drafter [--repeats 50] [--out PATH] [--json PATH]
 
-Both sides load the same DeepSpec-format weights (the tiny fixture drafter, and a larger random one at batch 1
-and 4), start from the same context K/V cache and produce base logits and the greedy Markov-corrected chain.
-Reported: medians over ``--repeats`` interleaved calls after a warm-up, and the outputs' agreement (CPU).
+The same DeepSpec-format weights (the fixture drafter, and a larger random one) and context K/V cache on both
+sides; interleaved medians after a warm-up, and the outputs' agreement.
 """
 
 from __future__ import annotations

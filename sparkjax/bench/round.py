@@ -3,14 +3,10 @@
     python -m sparkjax.bench round --preset real,demo --batches 1,8 --budgets 16,64 --out PATH --json PATH
     python -m sparkjax.bench round --quick        # real preset, batch 1: ar, dspark, sparklingtree@64
 
-For each preset, batch and method the pair is built with abstract bf16 weights and the speculative and greedy
-AR programs are compiled for XLA:CPU (nothing runs); one iteration of each generation loop (a round, an AR
-step) is counted by :mod:`sparkjax.bench.hlo`. ddtree and dflash use the DFlash-style drafter, the Markov
-methods the DSpark one. Per row: ``kernels``, ``sequential_kernels``, ``bytes``, ``flops`` and the projection
-``<device>_ar_steps_at_<N>us`` (the round's roofline time plus N us per sequential kernel over the AR step's,
-for each of :data:`sparkjax.bench.hlo.DEVICES`); ``round_ar_steps_at_2us`` is the H100's at 2 us and
-``projected_speedup_at_2us`` is ``--tau`` over it. ``--chain`` and ``--attention`` are passed as
-:class:`sparkjax.engine.Options`; ``--attention fused`` uses :func:`sparkjax.bench.hlo.fused_attention_model`.
+Abstract bf16 weights, programs compiled for XLA:CPU (nothing runs); one round and one AR step counted by
+:mod:`sparkjax.bench.hlo`. Per row: ``kernels``, ``sequential_kernels``, ``bytes``, ``flops`` and
+``<device>_ar_steps_at_<N>us`` (round over AR-step roofline time plus N us per sequential kernel);
+``round_ar_steps_at_2us`` is the H100's at 2 us.
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@
     python -m sparkjax.bench train --part throughput --steps 50
     python -m sparkjax.bench train --part memory --devices 8 --precomputed
 
-Throughput: the ``train/recipes/tiny.json`` run, target features on the fly; the first step (compile) apart
-from the steady-state step time (median, min, spread of ``--steps``). Memory: the compiled train step's
-``memory_analysis()`` for the Qwen3-4B target and DSpark block-16 drafter configs (bf16 weights, float32 master
-copies and AdamW moments, seq 768, 32 anchors per sequence, batch sharded over the devices), from abstract
-shapes. Without ``--devices`` the standard rows run, each in a subprocess.
+Throughput: the ``train/recipes/tiny.json`` run, compile apart from the steady-state step time. Memory: the
+compiled Qwen3-4B / DSpark-b16 train step's ``memory_analysis()`` from abstract shapes; without ``--devices``
+the standard rows run, each in a subprocess.
 """
 
 from __future__ import annotations

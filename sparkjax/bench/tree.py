@@ -4,14 +4,9 @@
     python -m sparkjax.bench tree --quick              # V=4096, budgets 16 and 64, fewer reps and trials
     OPENBLAS_NUM_THREADS=1 python -m sparkjax.bench tree --budgets 16,64,256 --reps 5 --out PATH
 
-1. **Timing** (inputs on device, after a compile + first run, the builds of one (V, M) interleaved): the naive
-   exact SparklingTree heap against the device build over exact tables; the host heap over precomputed tables
-   against device ``best_first`` over the same tables; the DDTree heap against the device DDTree build; and,
-   for reference, the naive exact heap against the device *fast* build.
-2. **Agreement**: how often best-first over exact / fast Markov tables gives the same tree (the same set of
-   root-to-node token paths) as the naive SparklingTree reference (restricted to the base top-C, or not), on the
-   fixture's rounds of real DSpark base logits and on random Markov heads; "near-ties" also accepts swaps within
-   1e-5 (relative) of the selection boundary; node overlap = shared prefixes / M.
+Timing: host reference heaps against the device builds, interleaved. Agreement: how often the device trees
+(exact / fast tables, DDTree) equal the naive SparklingTree reference's token paths, on the fixture's rounds and
+on random Markov heads ("near-ties": swaps within 1e-5 of the selection boundary allowed).
 """
 
 from __future__ import annotations
