@@ -1,8 +1,5 @@
-"""The generation API refuses bad arguments with a SparkjaxError naming the argument.
-
-Almost every case here fails validation before anything is compiled. The few runs share two shapes
-(``ar`` and ``dspark`` over one 3-token prompt batch, 2 new tokens), so each program compiles once.
-"""
+"""The generation API refuses bad arguments with a SparkjaxError naming the argument (almost all before anything
+compiles; the few runs share two programs: ``ar`` and ``dspark`` on ``P``, 2 new tokens)."""
 
 from __future__ import annotations
 
@@ -46,78 +43,52 @@ def _all_entry_points(target, drafter, method="dspark", prompts=P, **kw):
     return errors
 
 
-# ----------------------------------------------------------------------------- seed
+def _cases(name, values, **extra):  # the message starts "name:" (or "name[i]" for a list's entry)
+    prefix = name if name in ("widths", "eos_token_ids") else name + ":"
+    return [pytest.param({name: v, **extra}, prefix, id=f"{name}={type(v).__name__}{repr(v)[:14]}") for v in values]
 
 
-@pytest.mark.parametrize("seed", [2**63, 2**64, 10**30, -1, 1.0, 0.5, None, True, "1", np.float32(3)],
-                         ids=lambda s: repr(s)[:20])
-def test_bad_seed_is_an_argument_error(pair, seed):
-    for err in _all_entry_points(*pair, seed=seed, **RUN):
-        assert isinstance(err, sparkjax.ArgumentError)
-        assert str(err).startswith("seed:")
+TREE8 = dict(method="sparklingtree-beam", budget=8)
+BAD = [
+    *_cases("seed", [2**63, 2**64, 10**30, -1, 1.0, 0.5, None, True, "1", np.float32(3)]),
+    *_cases("options", ["einsum", {"attention": "einsum"}, 1, sparkjax.engine.Options]),
+    *_cases("widths", ["44", 8.0, [[4, 4]], [8.0] + [0] * 14, [9, -1] + [0] * 13, [True] * 8, {"a": 1},
+                       np.array([[8]]), np.array([8.0] + [0.0] * 14)], **TREE8),
+    *_cases("eos_token_ids", ["105", b"105", [None], [1.0], [105, 2.5], [True], np.array([1.5]), np.array([[1, 2]]),
+                              7.0, object()]),
+    *_cases("budget", [1e30, 1e6, 10**30, 2**31, float("inf"), float("nan")], method="sparklingtree"),
+    *_cases("temperature", [1e39, np.float64(1e39), 1e300, float("inf"), float("nan"), -0.5, 1e-45, 2e4, True,
+                            "1.0", None, 10**400]),
+]
 
 
-def test_good_seeds_run_and_large_ones_do_not_wrap(pair):
-    target, _ = pair
+@pytest.mark.parametrize("kw,name", BAD)
+def test_bad_values_are_argument_errors_naming_the_argument(pair, kw, name):
+    for err in _all_entry_points(*pair, **{"method": "dspark", **kw}, **RUN):
+        assert isinstance(err, sparkjax.ArgumentError) and str(err).startswith(name), err
+    if isinstance(kw.get("eos_token_ids"), str):  # a string is not split into digits
+        assert "string '105'" in str(err)
+
+
+def test_good_values_of_other_types_are_fine(pair):
+    target, drafter = pair
     for seed in (0, np.int64(7), np.uint64(2**40), 2**63 - 1):
         out = generate(target, None, P, temperature=1.0, seed=seed, **RUN)
         assert [len(t) for t in out.tokens] == [2, 2]
     # jax.random.key alone maps 2**32 onto 0 without 64-bit mode; ours keeps them apart
     assert not np.array_equal(jax.random.key_data(api._key(2**32)), jax.random.key_data(api._key(0)))
     assert np.array_equal(jax.random.key_data(api._key(12345)), jax.random.key_data(jax.random.key(12345)))
-
-
-@pytest.mark.parametrize("options", ["einsum", {"attention": "einsum"}, 1, sparkjax.engine.Options])
-def test_bad_options_are_an_argument_error(pair, options):
-    for err in _all_entry_points(*pair, options=options, **RUN):
-        assert isinstance(err, sparkjax.ArgumentError)
-        assert str(err).startswith("options:")
-
-
-# ----------------------------------------------------------------------------- widths
-
-
-@pytest.mark.parametrize("widths", ["44", 8.0, [[4, 4]], [8.0] + [0] * 14, [9, -1] + [0] * 13, [True] * 8,
-                                    {"a": 1}, np.array([[8]]), np.array([8.0] + [0.0] * 14)],
-                         ids=lambda w: type(w).__name__ + repr(w)[:12])
-def test_bad_widths_are_an_argument_error(pair, widths):
-    for err in _all_entry_points(*pair, method="sparklingtree-beam", budget=8, widths=widths, **RUN):
-        assert isinstance(err, sparkjax.ArgumentError)
-        assert str(err).startswith("widths")
-
-
-def test_widths_as_a_numpy_array_are_fine(pair):
-    target, drafter = pair
     depth = drafter.config.block_size - drafter.config.first_draft_slot
     w = np.array([4, 4] + [0] * (depth - 2), np.int64)
     plan = parse_method("sparklingtree-beam", budget=8, widths=w).plan(target, drafter, False)
     assert plan.widths == tuple(int(x) for x in w) and all(type(x) is int for x in plan.widths)
-
-
-# ----------------------------------------------------------------------------- eos_token_ids
-
-
-@pytest.mark.parametrize("eos", ["105", b"105", [None], [1.0], [105, 2.5], [True], np.array([1.5]),
-                                 np.array([[1, 2]]), 7.0, object()], ids=lambda e: type(e).__name__ + repr(e)[:10])
-def test_bad_eos_is_an_argument_error(pair, eos):
-    for err in _all_entry_points(*pair, eos_token_ids=eos, **RUN):
-        assert isinstance(err, sparkjax.ArgumentError)
-        assert str(err).startswith("eos_token_ids")
-
-
-def test_eos_string_is_not_split_into_digits(pair):
-    with pytest.raises(sparkjax.ArgumentError, match="string '105'"):
-        generate(pair[0], None, P, eos_token_ids="105", **RUN)
-
-
-def test_eos_as_numpy_ints_is_fine(pair):
-    target, _ = pair
     assert api.eos_array(np.array([105, 3], np.int16), 320).tolist() == [105, 3]
     assert api.eos_array(np.int64(9), 320).tolist() == [9]
-    ref = generate(target, None, P, **RUN).tokens
-    eos = ref[0][0]
-    out = generate(target, None, P, eos_token_ids=np.array([eos]), **RUN).tokens
-    assert out[0] == [eos]  # stopped right at the EOS
+    eos = generate(target, None, P, **RUN).tokens[0][0]
+    assert generate(target, None, P, eos_token_ids=np.array([eos]), **RUN).tokens[0] == [eos]  # stopped at the EOS
+    for t in (0, 0.0, checks.MIN_TEMPERATURE, 1, 0.7, np.float32(0.7), checks.MAX_TEMPERATURE):
+        assert checks.check_temperature(t) == float(t)
+    assert np.isfinite(np.float32(checks.MAX_TEMPERATURE)) and np.float32(checks.MIN_TEMPERATURE) > 0
 
 
 # ----------------------------------------------------------------------------- types of shapes
@@ -172,15 +143,11 @@ def test_a_million_node_budget_is_refused_with_the_figure(pair, method):
     assert where in msg
 
 
-def test_available_memory_on_cpu_is_the_host_memory():
-    if jax.devices()[0].memory_stats():
-        pytest.skip("this device reports memory stats; the host fallback does not apply")
-    limit, where = api.available_memory()
-    assert limit == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert "host" in where
+def test_available_memory_is_the_device_s_or_the_host_s(monkeypatch):
+    if not jax.devices()[0].memory_stats():  # CPU: the host memory
+        limit, where = api.available_memory()
+        assert limit == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and "host" in where
 
-
-def test_device_memory_stats_are_used_when_present(pair, monkeypatch):
     class Dev:
         platform = "gpu"
 
@@ -211,16 +178,8 @@ def test_a_big_batch_names_the_prompts_and_scales_with_the_batch(pair, monkeypat
     many = sum(api.estimate_memory(target, drafter, plan, 64, 16, 256, 32).values())
     assert many == 64 * one
     monkeypatch.setattr(api, "available_memory", lambda: (one * 8, "this test device has a little"))
-    generate_args = dict(method="sparklingtree", budget=64, **RUN)
     with pytest.raises(sparkjax.ArgumentError, match="needs about .*this test device has a little"):
-        launch(target, drafter, [[1, 2, 3]] * 64, **generate_args)
-
-
-@pytest.mark.parametrize("budget", [1e30, 1e6, 10**30, 2**31, float("inf"), float("nan")], ids=repr)
-def test_absurd_budgets_are_argument_errors(pair, budget):
-    for err in _all_entry_points(*pair, method="sparklingtree", budget=budget, **RUN):
-        assert isinstance(err, sparkjax.ArgumentError)
-        assert str(err).startswith("budget:")
+        launch(target, drafter, [[1, 2, 3]] * 64, method="sparklingtree", budget=64, **RUN)
 
 
 # ----------------------------------------------------------------------------- model arguments
@@ -271,23 +230,6 @@ def test_instrument_and_prompt_ids_must_have_their_types(pair):
                 np.ones((1, 3), np.float32), [[1, None]], [[1, 2**70]], [[-1, 2]], [[]], []):
         with pytest.raises(sparkjax.ArgumentError, match="^prompt_ids"):
             generate(target, None, bad, **RUN)
-
-
-# ----------------------------------------------------------------------------- temperature
-
-
-@pytest.mark.parametrize("t", [1e39, np.float64(1e39), 1e300, float("inf"), float("nan"), -0.5, 1e-45, 2e4, True,
-                               "1.0", None, 10**400], ids=lambda t: repr(t)[:12])
-def test_bad_temperatures_are_refused(pair, t):
-    for err in _all_entry_points(*pair, temperature=t, **RUN):
-        assert isinstance(err, sparkjax.ArgumentError)
-        assert str(err).startswith("temperature:")
-
-
-def test_the_documented_temperature_range_is_accepted():
-    for t in (0, 0.0, checks.MIN_TEMPERATURE, 1, 0.7, np.float32(0.7), checks.MAX_TEMPERATURE):
-        assert checks.check_temperature(t) == float(t)
-    assert np.isfinite(np.float32(checks.MAX_TEMPERATURE)) and np.float32(checks.MIN_TEMPERATURE) > 0
 
 
 # ----------------------------------------------------------------------------- the pair check
@@ -360,12 +302,10 @@ def test_nan_weights_raise_with_round_and_sequence(pair):
 
 
 def test_the_flag_records_the_first_bad_round(pair):
-    """Rounds after the prefill: a good prefill, then a round with poisoned weights is round 1 (and stays
-    the recorded one after more bad rounds); the same compiled start/step functions as stream()."""
+    """A good prefill, then a round with poisoned weights: round 1 (stream()'s start/step functions)."""
     target, drafter = pair
     run = api.validate(target, drafter, P, method="dspark", max_new_tokens=2)
-    plan = run.plan
-    args = api._device_args(run.prompts, 2, run.eos, run.temperature, run.seed)
+    plan, args = run.plan, run.device_args()
     g_good, s_good = programs.split_pair(target, drafter)
     _, s_bad = programs.split_pair(_poisoned(target), drafter)
     state = programs.spec_start(g_good, s_good, *args, run.inputs, plan=plan, cache_size=run.cache_size,

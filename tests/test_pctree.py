@@ -67,27 +67,11 @@ def test_layer_beam_ties_go_to_shallower_nodes():
     np.testing.assert_array_equal(np.asarray(t.tokens), [0, 1, 2, 4, 5, 6, 8])
 
 
-def test_layer_beam_refuses_bad_sizes():
-    z, cand = jnp.zeros((2, 3, 3)), jnp.zeros((2, 3), jnp.int32)
-    with pytest.raises(ArgumentError, match="nodes"):
-        tree.layer_beam(z, cand, 2, 5)
-    with pytest.raises(ArgumentError, match="k must"):
-        tree.layer_beam(z, cand, 0, 1)
-
-
-@pytest.mark.parametrize("pair_name", ["fixture", "random"])
-def test_pctree_greedy_equals_ar(request, pair_name):
-    if pair_name == "fixture":
-        target, drafter = request.getfixturevalue("fixture_target"), request.getfixturevalue("fixture_drafter")
-    else:
-        target, drafter = request.getfixturevalue("random_pair")
-    ar = generate(target, None, PROMPTS3, max_new_tokens=NEW_LONG).tokens
-    out = generate(target, drafter, PROMPTS3, method="pctree", budget=8, max_new_tokens=NEW_LONG)
-    assert out.tokens == ar
-    if pair_name == "fixture":  # the default tree, pctree@32 (31 drafted nodes), as an object with another k
-        out = generate(target, drafter, PROMPTS3, method=PCTree(k=2), max_new_tokens=NEW_LONG)
-        assert out.tokens == ar
-        assert max(max(lens) for lens in out.acceptance_lengths) > 2
+def test_pctree_object_with_another_k_equals_ar(fixture_target, fixture_drafter):
+    """The default tree, pctree@32 (31 drafted nodes), with k=2 (pctree@8 of either pair: test_decode)."""
+    ar = generate(fixture_target, None, PROMPTS3, max_new_tokens=NEW_LONG).tokens
+    out = generate(fixture_target, fixture_drafter, PROMPTS3, method=PCTree(k=2), max_new_tokens=NEW_LONG)
+    assert out.tokens == ar and max(max(lens) for lens in out.acceptance_lengths) > 2
 
 
 def test_pctree_plan_and_errors(random_pair):
@@ -100,3 +84,8 @@ def test_pctree_plan_and_errors(random_pair):
         PCTree(k=-1)
     with pytest.raises(ArgumentError, match="^budget:"):
         generate(target, drafter, [[1, 2]], method="pctree", budget=1, max_new_tokens=4)
+    z, cand = jnp.zeros((2, 3, 3)), jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ArgumentError, match="nodes"):
+        tree.layer_beam(z, cand, 2, 5)
+    with pytest.raises(ArgumentError, match="k must"):
+        tree.layer_beam(z, cand, 0, 1)
