@@ -24,7 +24,9 @@ from flax import nnx
 
 from sparkjax.config import DrafterConfig, Qwen3Config
 from sparkjax.demo import DEMO_DIR as DEMO
-from sparkjax.engine.methods import TREE_METHODS, parse_method
+from sparkjax.engine.methods import TREE_METHODS, Method, parse_method
+from sparkjax.engine.options import DEFAULT_OPTIONS, Options
+from sparkjax.engine.programs import ar_program, spec_program, split_pair
 from sparkjax.errors import ArgumentError
 from sparkjax.io.atomic import atomic_file
 from sparkjax.nn.drafter import Drafter
@@ -173,6 +175,19 @@ def abstract_args(batch: int, prompt: int):
     s = jax.ShapeDtypeStruct
     return (s((batch, prompt), jnp.int32), s((batch,), jnp.int32), s((), jnp.int32), s((1,), jnp.int32),
             s((), jnp.float32), jax.eval_shape(lambda: jax.random.key(0)))
+
+
+def lower(method: Method, target, drafter, batch: int, prompt: int, context: int, buf_len: int,
+          options: Options = DEFAULT_OPTIONS):
+    """``(lowered generation program, plan)`` of a parsed method (plan None for ar) from abstract arguments."""
+    args = abstract_args(batch, prompt)
+    if not method.speculative:
+        g, s = nnx.split(target)
+        return ar_program.lower(g, s, *args, buf_len=buf_len, cache_size=context, sampling=False, options=options), None
+    plan = method.plan(target, drafter, False, options)
+    graphdefs, states = split_pair(target, drafter)
+    inputs = method.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    return spec_program.lower(graphdefs, states, *args, inputs, plan=plan, cache_size=context, buf_len=buf_len), plan
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -14,17 +14,13 @@ from __future__ import annotations
 import os
 import time
 
-from flax import nnx
-
 from sparkjax.engine.options import Options
-from sparkjax.engine.programs import ar_program, spec_program, split_pair
 from sparkjax.errors import ArgumentError
 
 from . import hlo
 from .common import (
     TAU,
     WRITEUP_SPEEDUP,
-    abstract_args,
     abstract_models,
     add_output,
     configs,
@@ -32,6 +28,7 @@ from .common import (
     ints,
     label_fields,
     log,
+    lower,
     method_labels,
     names,
     parse_label,
@@ -63,27 +60,14 @@ def options(chain: str, attention: str) -> Options:
     return Options(attention=hlo.fused_attention_model if attention == "fused" else attention, chain_mode=chain)
 
 
-def compile_ar(preset: str, batch: int, context: int, opts: Options) -> tuple[str, float]:
-    """The optimised HLO text of the greedy AR program and its compile seconds."""
-    g, st = nnx.split(abstract_models(preset)[0])
-    t0 = time.perf_counter()
-    text = ar_program.lower(g, st, *abstract_args(batch, 16), buf_len=64, cache_size=context, sampling=False,
-                            options=opts).compile().as_text()
-    return text, time.perf_counter() - t0
-
-
-def compile_round(preset: str, label: str, batch: int, context: int, opts: Options) -> tuple[str, float]:
-    """The optimised HLO text of the speculative program of ``label`` and its compile seconds."""
+def compile_hlo(preset: str, label: str, batch: int, context: int, opts: Options) -> tuple[str, float]:
+    """The optimised HLO text of the generation program of ``label`` (greedy; ``ar``: the target alone) and its
+    compile seconds."""
     target, dspark, dflash = abstract_models(preset)
     m = parse_label(label)
-    drafter = dspark if m.needs_markov else dflash
-    plan = m.plan(target, drafter, False, opts)
-    graphdefs, states = split_pair(target, drafter)
-    inputs = m.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
     t0 = time.perf_counter()
-    text = spec_program.lower(graphdefs, states, *abstract_args(batch, 16), inputs, plan=plan, cache_size=context,
-                              buf_len=64).compile().as_text()
-    return text, time.perf_counter() - t0
+    lowered, _ = lower(m, target, dspark if m.needs_markov else dflash, batch, 16, context, 64, opts)
+    return lowered.compile().as_text(), time.perf_counter() - t0
 
 
 def make_row(label: str, batch: int, preset: str, context: int, tally: hlo.Tally, ar: hlo.Tally, compile_s: float,
@@ -168,13 +152,13 @@ def run(args, report) -> None:
 
     for preset in presets:
         for b in batches:
-            text, secs = compile_ar(preset, b, args.context, opts)
+            text, secs = compile_hlo(preset, "ar", b, args.context, opts)
             dump(f"{preset}_b{b}_ar", text)
             ar = hlo.count_hlo(text, loop_body=True)
             log(f"  [{preset} B={b}] ar step compiled in {secs:.0f}s: {ar.total_kernels} kernels")
             report.rows.append(make_row("ar", b, preset, args.context, ar, ar, secs, None))
             for m in labels:
-                text, secs = compile_round(preset, m, b, args.context, opts)
+                text, secs = compile_hlo(preset, m, b, args.context, opts)
                 dump(f"{preset}_b{b}_{m}", text)
                 t = hlo.count_hlo(text, loop_body=True)
                 report.rows.append(make_row(m, b, preset, args.context, t, ar, secs, args.tau))

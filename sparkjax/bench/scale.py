@@ -43,7 +43,6 @@ from . import timing
 from .common import (
     TAU,
     WRITEUP_SPEEDUP,
-    abstract_args,
     abstract_models,
     add_output,
     at_least,
@@ -54,6 +53,7 @@ from .common import (
     ints,
     label_fields,
     log,
+    lower,
     method_labels,
     names,
     pct,
@@ -387,17 +387,10 @@ def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: 
             for m in methods:
                 if time.perf_counter() > deadline:
                     return False
-                args, method = abstract_args(b, prompt), parse_method(m)
-                plan, spec = method.plan(target, drafter, False), method.speculative  # plan: None for ar
+                method = parse_method(m)
+                spec = method.speculative
                 t0 = time.perf_counter()
-                if spec:
-                    graphdefs, states = split_pair(target, drafter)
-                    inputs = method.inputs(plan, target=target, drafter=drafter, batch=b, cache_size=ctx)
-                    lowered = spec_program.lower(graphdefs, states, *args, inputs, plan=plan, cache_size=ctx,
-                                                 buf_len=512)
-                else:
-                    g, s = nnx.split(target)
-                    lowered = ar_program.lower(g, s, *args, buf_len=512, cache_size=ctx, sampling=False)
+                lowered, plan = lower(method, target, drafter, b, prompt, ctx, 512)
                 t1 = time.perf_counter()
                 ma = lowered.compile().memory_analysis()
                 t2 = time.perf_counter()
