@@ -1,10 +1,5 @@
-"""The attention paths of ``sparkjax.nn.layers.attend`` against the einsum reference.
-
-``dpa`` (jax.nn.dot_product_attention), ``blocked`` (chunked online softmax bounded by the live
-length) and ``prefix`` (the reference over a power-of-two prefix holding the live slots) must agree with
-``einsum`` within float tolerances on GQA shapes, tree masks over a cache,
-two-part (drafter) attention and fully masked rows (zeros).
-"""
+"""``sparkjax.nn.layers.attend``'s paths ``dpa``, ``blocked`` (online softmax bounded by the live length) and
+``prefix`` (a power-of-two prefix) against ``einsum``: GQA, tree masks over a cache, two parts, fully masked rows."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ def _tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
 
 
 def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32, lengths=None):
-    """Queries ``[B, T, N, H]``, a heads-major cache ``[B, K, S, H]`` with random live lengths, and a
-    tree mask over the T new slots written at those lengths (the target's verify pattern)."""
+    """Queries [B, T, N, H], a cache [B, K, S, H] with random live lengths, a tree mask over T new slots."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
     k = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
@@ -71,17 +65,22 @@ def test_paths_match_reference_on_tree_masks(impl, n, kh, seed):
     _close(got, ref, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
-def test_fully_masked_rows_are_zero(impl):
+def test_fully_masked_rows_are_zero_and_bfloat16_agrees():
     q, k, v, mask, _ = _case(1, b=2, t=4, n=4, kh=2, s=32)
     mask = mask.at[0, 2].set(False).at[1].set(False)  # one query row of sequence 0, all of sequence 1
     ref = _attend(q, [(k, v, mask)], "einsum")
-    got = _attend(q, [(k, v, mask)], impl, block=8)
     np.testing.assert_array_equal(np.asarray(ref[0, 2]), 0.0)
-    np.testing.assert_array_equal(np.asarray(got[0, 2]), 0.0)
-    np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
-    assert np.abs(np.asarray(got[0, 1])).max() > 0  # visible rows are not zeroed
-    _close(got, ref, 1e-5)
+    bq, bk, bv, bmask, _ = _case(3, b=2, t=5, n=4, kh=2, s=64, dtype=jnp.bfloat16)
+    bref = _attend(bq, [(bk, bv, bmask)], "einsum")
+    for impl in ("dpa", "blocked", "prefix"):
+        got = _attend(q, [(k, v, mask)], impl, block=8)
+        np.testing.assert_array_equal(np.asarray(got[0, 2]), 0.0)
+        np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
+        assert np.abs(np.asarray(got[0, 1])).max() > 0  # visible rows are not zeroed
+        _close(got, ref, 1e-5)
+        got = _attend(bq, [(bk, bv, bmask)], impl, block=16)
+        assert got.dtype == bref.dtype == jnp.bfloat16
+        _close(got, bref, 2e-2)
 
 
 @pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
@@ -103,8 +102,8 @@ def test_two_part_context_and_block(impl, seed):
 
 @pytest.mark.parametrize("impl", ["blocked", "prefix"])
 def test_bounded_paths_read_only_live_slots(impl):
-    """Slots past the live length (rounded up to a chunk / a power of two) are never read: garbage (NaN)
-    there leaves the result intact, while the reference, which reads the whole bucket, is poisoned by it."""
+    """Slots past the live length (rounded up to a chunk / a power of two) are never read: NaN there leaves the
+    result intact (and poisons the reference, which reads the whole bucket)."""
     q, k, v, mask, lengths = _case(2, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37])
     last = int(jnp.max(lengths)) + 3  # slots [0, last) can be visible
     cut = -(-last // 16) * 16 if impl == "blocked" else max(16, 1 << (last - 1).bit_length())
@@ -116,25 +115,10 @@ def test_bounded_paths_read_only_live_slots(impl):
     assert np.isnan(np.asarray(_attend(q, [(k_bad, v_bad, mask)], "einsum"))).any()
 
 
-def test_bfloat16_paths_agree():
-    q, k, v, mask, _ = _case(3, b=2, t=5, n=4, kh=2, s=64, dtype=jnp.bfloat16)
-    ref = _attend(q, [(k, v, mask)], "einsum")
-    for impl in ("dpa", "blocked", "prefix"):
-        got = _attend(q, [(k, v, mask)], impl, block=16)
-        assert got.dtype == ref.dtype == jnp.bfloat16
-        _close(got, ref, 2e-2)
-
-
-def test_unknown_impl_is_an_argument_error():
-    q, k, v, mask, _ = _case(4, b=1, t=2, n=2, kh=1, s=16)
-    with pytest.raises(ArgumentError, match="impl='flash'"):
-        layers.attend(q, [(k, v, mask)], impl="flash")
-
-
 @pytest.mark.slow  # over 5 s; CI runs it in its slow step
 @pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
 def test_target_verify_logits_match_reference(fixture_target, impl):
-    """A whole Qwen3 tree-verification step over a cache gives the reference's logits with each path."""
+    """A Qwen3 tree-verification step over a cache: the reference's logits with each path."""
     rng = np.random.default_rng(6)
     prefix = jnp.asarray(rng.integers(0, 300, (2, 40)), jnp.int32)
     tree = jnp.asarray(_tree_mask(rng, 6))
@@ -169,7 +153,7 @@ def test_auto_resolves_by_backend(monkeypatch):
 
 
 def test_models_take_the_attention_as_an_argument(fixture_target):
-    """A model call runs the attention it is given (an impl name or a callable), with no module setting."""
+    """A model call runs the attention it is given (a name or a callable); an unknown name is refused."""
     calls = []
 
     def spy(q, parts):
@@ -183,3 +167,6 @@ def test_models_take_the_attention_as_an_argument(fixture_target):
     _close(got, fixture_target(ids, pos, attention="einsum").logits, 1e-6)
     with pytest.raises(ArgumentError, match="impl='flash'"):
         fixture_target(ids, pos, attention="flash")
+    q, k, v, mask, _ = _case(4, b=1, t=2, n=2, kh=1, s=16)
+    with pytest.raises(ArgumentError, match="impl='flash'"):
+        layers.attend(q, [(k, v, mask)], impl="flash")

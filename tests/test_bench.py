@@ -1,5 +1,5 @@
-"""python -m sparkjax.bench: the timing protocol (fake variants), the command line's errors and interrupts, the HLO
-counter behind ``round``, forced acceptance behind ``scale``, and tiny real runs of both."""
+"""python -m sparkjax.bench: timing protocol, command-line errors and interrupts, the HLO counter (``round``),
+forced acceptance (``scale``), tiny real runs of both."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def test_interleave_runs_every_variant_once_per_repetition_in_order():
     stats = timing.interleave({k: (lambda k=k: calls.append(k)) for k in "abc"}, 3, measure=lambda f: f() or 1.0)
     assert calls == list("abc") * 3
     assert {k: s.n for k, s in stats.items()} == {"a": 3, "b": 3, "c": 3}
+    # a deadline keeps the minimum repetitions
+    assert timing.interleave({"a": lambda: None}, 10, measure=lambda f: 1.0, deadline=0.0, min_reps=2)["a"].n == 2
 
 
 def test_stats_are_medians_minima_and_spreads_never_clamped():
@@ -35,11 +37,6 @@ def test_stats_are_medians_minima_and_spreads_never_clamped():
     assert b.spread is None  # no spread of a median <= 0
     assert any("b: spread undefined" in w for w in timing.warnings(stats))
     assert not any(w.startswith("a:") for w in timing.warnings(stats, max_spread=1.5))
-
-
-def test_deadline_keeps_the_minimum_repetitions():
-    stats = timing.interleave({"a": lambda: None}, 10, measure=lambda f: 1.0, deadline=0.0, min_reps=2)
-    assert stats["a"].n == 2
 
 
 def test_interrupt_keeps_what_was_measured():
@@ -196,11 +193,7 @@ def test_hand_written_hlo_counts_trip_counts_and_nesting():
     assert len(dot) == 1 and dot[0].count == outer
     assert dot[0].flops == 2 * 4 * 4
     assert dot[0].bytes == (4 * 4 + 4 + 4) * 4
-
-
-def test_unknown_trip_count_is_counted_once_and_reported():
-    text = HAND_HLO.replace(f"backend_config={OUTER}", "")
-    t = hlo.count_hlo(text)
+    t = hlo.count_hlo(HAND_HLO.replace(f"backend_config={OUTER}", ""))  # an unknown trip count: once, reported
     assert t.unknown_loops == 1
     assert t.sequential_kernels == 1 * (3 + 3 + 4) + 2 * 1
 
@@ -257,7 +250,6 @@ def test_roofline_and_launch_projection():
     assert t.seconds(bw, peak, 2e-6) == pytest.approx(want + 10 * 2e-6)
 
 
-
 def test_hoisted_bf16_upcast_of_a_loop_invariant_weight_is_charged_at_bf16():
     n, k = 8, 64
     w = jnp.ones((k, k), jnp.bfloat16)
@@ -272,7 +264,6 @@ def test_hoisted_bf16_upcast_of_a_loop_invariant_weight_is_charged_at_bf16():
     assert sum(kk.flops for kk in dots) == 2 * n * k * k
     # the weight is read at 2 bytes an element in every trip, though XLA:CPU carries an f32 copy of it
     assert sum(kk.bytes for kk in dots) <= (n * k * 2 + k * k) * 2 + n * k * 4
-
 
 
 def test_fused_attention_model_is_one_kernel_charged_its_operands_and_output():
@@ -351,16 +342,11 @@ def test_forced_acceptance_follows_the_deepest_path():
     assert np.asarray(acc.indices).tolist() == [[0, -1, -1, -1, -1]] and np.asarray(acc.length).tolist() == [1]
 
 
-def test_forced_acceptance_tops_up_a_shallow_tree():
+def test_forced_acceptance_tops_up_a_shallow_tree_and_follows_a_chain():
     # a star: four depth-1 nodes, no path longer than 1; forcing 3 takes node 1, then the others in order
-    prop = _proposal(parents=[0, 0, 0, 0], depths=[1, 1, 1, 1])
-    acc = scale.forced_acceptance(prop, _verified(4), accept=3, depth=3)
-    idx = np.asarray(acc.indices)[0].tolist()
-    assert idx == [0, 1, 2, 3] and np.asarray(acc.length).tolist() == [4]
-    assert len(set(idx)) == len(idx)
-
-
-def test_forced_acceptance_on_a_chain():
+    acc = scale.forced_acceptance(_proposal(parents=[0, 0, 0, 0], depths=[1, 1, 1, 1]), _verified(4), accept=3,
+                                  depth=3)
+    assert np.asarray(acc.indices)[0].tolist() == [0, 1, 2, 3] and np.asarray(acc.length).tolist() == [4]
     d = 5
     prop = _proposal(parents=list(range(d)), depths=list(range(1, d + 1)))
     for k in range(d + 1):
@@ -390,8 +376,7 @@ def _check_rows(rows, labels, batches, accept):
         assert r["writeup_speedup"] == 4.29
 
 
-def test_scale_on_the_tiny_preset(tmp_path, capsys):
-    """The AR step and a forced round of a chain, JSON written atomically, every field sane."""
+def test_scale_on_the_tiny_preset(tmp_path, capsys):  # the AR step and a forced chain round, JSON written
     out = tmp_path / "scale.json"
     assert main(["scale", "--preset", "tiny", "--methods", "dflash", "--batches", "2", "--accept", "3",
                  "--steps", "3", "--rounds", "2", "--reps", "1", "--no-stages", "--json", str(out)]) == 0

@@ -1,10 +1,6 @@
-"""The DSpark Markov chain: the fixed-point (Jacobi) formulation against the sequential scan, and the
-first-max helpers of sparkjax.sampling against jnp.argmax / jax.random.categorical.
-
-The fixed-point chain must give the scan's tokens (greedy and sampled, batch 1 and 3), return the
-logits its tokens were chosen from, and stop within G passes over W2. Integer-valued weights make
-every logit exact whatever the summation order, so ties (first-max) are compared bit for bit.
-"""
+"""The DSpark Markov chain: the fixed-point (Jacobi) formulation gives the scan's tokens (greedy and sampled, batch 1
+and 3) and the logits they were chosen from within G passes (integer weights: exact logits, ties bit for bit); the
+first-max helpers of sparkjax.sampling against jnp.argmax / jax.random.categorical."""
 
 from __future__ import annotations
 
@@ -118,10 +114,8 @@ def test_fixed_point_equals_scan(runners, seed, batch, integer, head, temperatur
 
 @pytest.mark.slow  # about 20 s on a loaded machine; CI runs it in its slow step
 def test_pass_counts_best_and_worst_case():
-    """W2 = 0: the base choices are the chain, one pass. A Markov head that forces ``next = prev + 1``:
-    with every token a candidate the restricted chain is the chain (one pass); plain Jacobi (0 candidates)
-    against all-zero base logits fixes one slot per pass (G passes), and so do 2 candidates that never
-    hold the true token. The tokens are the scan's every time."""
+    """W2 = 0: one pass. A head forcing ``next = prev + 1``: every token a candidate, one pass; plain Jacobi on
+    zero base logits, G passes; 2 candidates never holding the true token, about G. Always the scan's tokens."""
     v = g = 12
     drafter = small_drafter(vocab=v, block=g, rank=v)
     runs = {c: Runner(drafter, c) for c in (0, 2, v)}
@@ -153,9 +147,8 @@ def test_pass_counts_best_and_worst_case():
 
 @pytest.mark.slow  # about 20 s on a loaded machine; CI runs it in its slow step
 def test_fixture_rounds_both_formulations(ref, fixture_drafter):
-    """Every round of the upstream fixture's generation (its base logits, its x_start): the fixed-point chain
-    equals the scan (batch 1 per round and all 41 rounds as one batch, greedy and sampled), and equals
-    upstream DeepSpec's draft tokens at every decisive slot."""
+    """Every round of the fixture's generation: fixed point == scan (per round and all 41 as a batch, greedy and
+    sampled) == upstream DeepSpec's draft tokens at every decisive slot."""
     drafter = fixture_drafter
     assert not drafter.markov_head.gated  # the vanilla head ignores the block hidden states
     r = Runner(drafter)
@@ -215,16 +208,15 @@ def test_fixed_point_loop_stays_on_device(ref, fixture_drafter):
     args = (state, jnp.asarray(ref["b.base_logits"]), jnp.asarray(ref["b.block_hidden"]),
             jnp.asarray(ref["b.first_token"], jnp.int32), jnp.float32(1.0), jax.random.key(0))
     hlo = fn.lower(*args).compile().as_text()
-    assert " while(" in hlo or "while(" in hlo
+    assert "while(" in hlo
     for op in ("custom-call", "outfeed", "infeed", "send(", "recv(", "host"):
         assert op not in hlo.lower(), op
 
 
 @pytest.mark.slow  # about a minute: seven generation programs are compiled
 def test_generation_with_the_fixed_point_chain(ref, fixture_target, fixture_drafter):
-    """Inside the jitted generation loop the fixed-point chain (``Options(chain_mode=)``) reproduces DeepSpec's
-    rounds on the fixture, greedy output equals ar at batch 3, and a sampled run equals the scan's draw for draw
-    (same seed)."""
+    """``Options(chain_mode="fixed_point")`` in generation: DeepSpec's rounds on the fixture, greedy == ar at batch
+    3, sampling == the scan's draw for draw (same seed)."""
     target, drafter = fixture_target, fixture_drafter
     prompt = ref["a.prompt_ids"]
 
@@ -261,18 +253,12 @@ def test_first_argmax_equals_argmax(seed, shape, levels, specials, dtype):
     rng = np.random.default_rng(seed)
     x = rng.integers(0, levels, shape).astype(np.float32) if levels else rng.normal(size=shape).astype(np.float32)
     if dtype != "int32" and specials:
-        mask = rng.random(shape) < 0.2
-        fill = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
-        if specials == "mixed":
-            values = rng.choice([np.nan, np.inf, -np.inf], size=shape)
-        else:
-            values = np.full(shape, fill[specials])
-        x = np.where(mask, values, x).astype(np.float32)
+        values = (rng.choice([np.nan, np.inf, -np.inf], size=shape) if specials == "mixed"
+                  else np.full(shape, float(specials)))
+        x = np.where(rng.random(shape) < 0.2, values, x).astype(np.float32)
     x = jnp.asarray(x).astype(dtype)
-    axes = range(-len(shape), len(shape))
-    got = _first_argmax_all_axes(x)
-    want = _argmax_all_axes(x)
-    for axis, g, w in zip(axes, got, want, strict=True):
+    got, want = _first_argmax_all_axes(x), _argmax_all_axes(x)
+    for axis, g, w in zip(range(-len(shape), len(shape)), got, want, strict=True):
         assert g.dtype == jnp.int32 and g.shape == w.shape
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"axis {axis}")
 
