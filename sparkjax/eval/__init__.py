@@ -17,16 +17,6 @@ From Python (a notebook)::
 
 ``run`` takes the CLI flags as keywords (see :class:`EvalConfig`) and folders or loaded objects
 for ``target`` / ``drafter`` / ``baseline_drafter`` / ``tokenizer``; it returns :class:`EvalResults`.
-
-Modules: :mod:`~sparkjax.eval.config` (the settings and their checks), :mod:`~sparkjax.eval.pair` (which
-models run which method; by default the demo pair bundled in the package, ``sparkjax/assets/demo``, with
-``--baseline-drafter`` for the methods without a Markov head), :mod:`~sparkjax.eval.datasets` (JSONL prompt
-sets: ``{"turns": [...]}`` chat prompts or ``{"text": "..."}`` raw prompts), :mod:`~sparkjax.eval.runner` (the
-timing protocol and Ctrl-C), :mod:`~sparkjax.eval.harness` (the orchestrator), :mod:`~sparkjax.eval.sweep` (the
-batch-size sweep, ``--batch-sizes``), :mod:`~sparkjax.eval.records` (the typed records and summary rows),
-:mod:`~sparkjax.eval.metrics` (tau pooled and per response, accept_rate@k, TPOT, speedup),
-:mod:`~sparkjax.eval.results`, :mod:`~sparkjax.eval.report` and :mod:`~sparkjax.eval.plots` (the files written).
-
 Importing this package loads no model and changes no global setting.
 """
 

@@ -30,13 +30,8 @@ three prompt sets: a small Qwen3 target; the drafter dspark_b16, with a Markov h
 {', '.join(_MAIN)}; and dflash_b16, without one, for {', '.join(BASELINE_METHODS)}."""
 
 EPILOG = """\
-timing protocol: every method is compiled and run once before anything is timed; then, per batch,
---repeats interleaved repetitions (A B C, A B C): each a full run followed by a prefill-only run of
-the same compiled program. decode time = median(full) - median(prefill-only) (best case: min - min);
-a difference that is not positive is "not measured", never 0. TPOT = decode time / output tokens,
-tok/s = 1/TPOT, speedup = TPOT(ar) / TPOT(method). The table warns when a spread (max - min) / median
-exceeds 25% or the load average exceeded the CPU count. Per-stage times come from a separate, synced
-instrumented pass.
+timing protocol (docs/eval.md): per batch, --repeats interleaved repetitions of every method, each a
+full run then a prefill-only run; decode time = median(full) - median(prefill-only).
 
 batch-size sweep (--batch-sizes 1,4,16,64): instead of the per-set table, every method runs at every
 batch size on the pool of selected prompts, cycled to fill each batch (size B: ceil(N / B) batches of
@@ -77,13 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", metavar="DIR",
                    help="Hugging Face Qwen3 folder (default: the bundled demo target, sparkjax/assets/demo/target)")
     g.add_argument("--drafter", metavar="DIR",
-                   help="DeepSpec DSpark or z-lab DFlash folder, used by every speculative method unless "
-                        "--baseline-drafter is given (default: the demo's dspark_b16, with the demo target only; "
-                        "needs --target)")
+                   help="DeepSpec DSpark or z-lab DFlash folder for the speculative methods (default: the demo's "
+                        "dspark_b16, with the demo target only; needs --target)")
     g.add_argument("--baseline-drafter", metavar="DIR",
-                   help=f"drafter for the methods without a Markov head ({', '.join(BASELINE_METHODS)}): the "
-                        "DFlash / DDTree baseline; the other methods keep --drafter (default: --drafter; with the "
-                        "demo target and no --drafter, the demo's dflash_b16; needs --target)")
+                   help=f"drafter for the methods without a Markov head ({', '.join(BASELINE_METHODS)}) (default: "
+                        "--drafter; with the demo target, the demo's dflash_b16; needs --target)")
     g.add_argument("--tokenizer", metavar="DIR",
                    help="tokenizer folder for AutoTokenizer (default: the --target folder)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -102,10 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy (default); > 0 = lossless sampling at that temperature")
     g.add_argument("--datasets", default=ds.DEFAULT, metavar="LIST",
                    help=f"comma-separated bundled sets (the demo's {','.join(ds.DEMO_SETS)}, the default; and, in a "
-                        f"source checkout, {','.join(ds.EVAL_SETS)} from ./eval/datasets or ${ds.ENV_VAR}) "
-                        "and/or paths of JSONL files, "
-                        "one object per line: {\"turns\": [...]} (chat: the first turn, through the chat template) "
-                        "or {\"text\": \"...\"} (a raw completion prompt, encoded as is)")
+                        f"source checkout, {','.join(ds.EVAL_SETS)} from ./eval/datasets or ${ds.ENV_VAR}) and/or "
+                        "JSONL files of {\"turns\": [...]} (chat) or {\"text\": \"...\"} (raw) objects")
     g.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES, metavar="N",
                    help=f"prompts per set, the first N in file order that fit the target (default: "
                         f"{DEFAULT_MAX_SAMPLES}; 0 = all)")
@@ -116,8 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompts decoded together in the per-set run (default: 1)")
     batch.add_argument("--batch-sizes", metavar="LIST",
                        help="run the batch-size sweep instead: every method at each of these batch sizes (e.g. "
-                            "1,4,16,64; positive, no duplicates), the selected prompts cycled to fill each batch; "
-                            "writes batch_sweep.csv and throughput_vs_batch.png (see below); not with --batch-size")
+                            "1,4,16,64; see below); not with --batch-size")
     g.add_argument("--seed", type=int, default=0,
                    help="sampling seed of the first batch, in [0, 2**63); batch i uses seed + i")
     g.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
@@ -130,8 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard generation over a DATA x MODEL device mesh: data parallel over the batch, tensor "
                         "parallel over heads / FFN (default: one device)")
     g.add_argument("--fresh-auto", action="store_true",
-                   help="method auto starts every batch from nothing (default: each chain of repetitions carries "
-                        "what auto learned from one batch to the next, as a server does from request to request)")
+                   help="method auto starts every batch from nothing (default: it carries its memory across batches)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at EOS (default: stop at the target's generation_config / tokenizer EOS ids)")
     g = p.add_argument_group("output")

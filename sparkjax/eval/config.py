@@ -21,19 +21,8 @@ MAX_SEED = 2**63  # seeds are int64 on the device: [0, 2**63)
 
 @dataclasses.dataclass
 class EvalConfig:
-    """Every setting of a run.
-
-    ``target`` / ``drafter`` / ``tokenizer``: folders (None: the bundled demo pair, ``sparkjax/assets/demo``; the
-    tokenizer defaults to the target folder). ``baseline_drafter``: the drafter of the methods without a Markov
-    head (dflash, ddtree); None: ``drafter`` (with the demo target and no ``drafter``: the demo's
-    ``dflash_b16``). ``budgets``: tree sizes for the tree methods (None: :data:`DEFAULT_BUDGETS`).
-    ``max_samples``: prompts per set (None: all). ``stage_samples``: prompts per set (the first ones) that also
-    get the instrumented stage pass (None: all, 0: none). ``out``: where results are written (None: nowhere).
-    ``batch_sizes``: run the batch-size sweep (:mod:`sparkjax.eval.sweep`) at these sizes instead of per-set
-    batches of ``batch_size``, which must then stay 1. ``mesh``: ``"DATAxMODEL"``, generation sharded over a
-    device mesh. ``fresh_auto``: method ``auto`` starts each batch from nothing instead of carrying its memory
-    (see :mod:`sparkjax.eval.runner`).
-    """
+    """Every setting of a run, one field per CLI flag (see ``--help``); None means the flag's default
+    (``max_samples`` / ``stage_samples`` None: all; ``out`` None: nothing written)."""
 
     target: str | None = None
     drafter: str | None = None
@@ -129,8 +118,7 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
 
 def check_batch_sizes(sizes) -> tuple[int, ...]:
     """Validates ``--batch-sizes`` (a comma-separated string or a sequence of integers); returns them in
-    ascending order. EvalError naming the flag for an empty list or entry, a non-integer, a size below 1 or
-    a duplicate."""
+    ascending order, else EvalError naming the flag."""
     if isinstance(sizes, str):
         items = [x.strip() for x in sizes.split(",")]
         if any(not x for x in items):

@@ -1,21 +1,7 @@
-"""Prompt sets: the demo sets bundled in the package, the public sets of a source checkout's
-``eval/datasets/``, and user JSONL files.
-
-A prompt set is a JSONL file with one JSON object per line, of one of two shapes:
-
-* ``{"turns": [...]}``: a non-empty list of strings (the user turns of a conversation); the
-  prompt is the first turn, rendered through the tokenizer's chat template (kind ``"chat"``);
-* ``{"text": "..."}``: a raw completion prompt (e.g. the start of a source file), encoded as is:
-  no chat template, no special token added (kind ``"text"``).
-
-Other keys (``id``, ...) are ignored. Blank lines are skipped; anything else (no field, both
-fields, a wrong type, an empty prompt) is an error naming the file and the line number.
-
-Names: :data:`DEMO_SETS` ship inside the package (``sparkjax/assets/demo/prompts``, the default).
-:data:`EVAL_SETS` (public benchmark samples) live only in a source checkout's ``eval/datasets/``, not in the
-package: a name is found in the folder named by the ``SPARKJAX_EVAL_DATASETS`` environment variable when it
-is set, else in ``eval/datasets/`` under the current folder (the checkout's root); otherwise it is a
-:class:`DatasetError` saying so. A path to a JSONL file always works.
+"""Prompt sets: JSONL files, one object per line, ``{"turns": [...]}`` (the first turn, through the chat
+template) or ``{"text": "..."}`` (encoded as is); other keys ignored, blank lines skipped, anything else a
+DatasetError naming file and line. :data:`DEMO_SETS` ship in the package; :data:`EVAL_SETS` are looked up in
+``$SPARKJAX_EVAL_DATASETS``, else ``./eval/datasets``; a JSONL path always works.
 """
 
 from __future__ import annotations
@@ -38,9 +24,8 @@ KINDS = ("chat", "text")
 
 @dataclasses.dataclass(frozen=True)
 class PromptSet:
-    """A prompt set: its display ``name``, its file, and its prompts with their line numbers and kinds.
-
-    ``prompts[i]`` is the first turn (``kinds[i] == "chat"``) or the raw text (``kinds[i] == "text"``)."""
+    """A prompt set: its display ``name``, its file, and its prompts (first turn or raw text) with their line
+    numbers and kinds."""
 
     name: str
     path: str
@@ -74,23 +59,18 @@ def resolve(spec: str) -> tuple[str, str]:
     if spec in DEMO_SETS and not os.path.exists(spec):
         path = demo.DEMO_DIR / "prompts" / f"{spec}.jsonl"
         if not path.is_file():
-            raise DatasetError(
-                f"--datasets: bundled demo set {spec!r} not found at {path} (it ships inside the package, in "
-                "sparkjax/assets/demo/prompts/; pass the path of a JSONL file instead)"
-            )
+            raise DatasetError(f"--datasets: bundled demo set {spec!r} not found at {path} (it ships inside the "
+                               "package, in sparkjax/assets/demo/prompts/; pass the path of a JSONL file instead)")
         return spec, str(path)
     if spec in EVAL_SETS and not os.path.exists(spec):
         return spec, str(eval_set_file(spec))
     if is_path(spec):
         return pathlib.Path(spec).stem, spec
-    raise DatasetError(
-        f"--datasets: {spec!r} is neither a bundled set ({', '.join(BUNDLED)}) nor a .jsonl file path"
-    )
+    raise DatasetError(f"--datasets: {spec!r} is neither a bundled set ({', '.join(BUNDLED)}) nor a .jsonl file path")
 
 
 def eval_sets_dir() -> tuple[pathlib.Path, str]:
-    """The folder searched for :data:`EVAL_SETS` and how it was chosen: ``$SPARKJAX_EVAL_DATASETS`` when set,
-    else ``eval/datasets`` under the current folder. Never the package's own location: these sets are not in it."""
+    """The folder searched for :data:`EVAL_SETS` and how it was chosen."""
     folder = os.environ.get(ENV_VAR, "").strip()
     if folder:
         return pathlib.Path(folder).expanduser(), f"${ENV_VAR}"
@@ -102,11 +82,9 @@ def eval_set_file(name: str) -> pathlib.Path:
     folder, how = eval_sets_dir()
     path = folder / f"{name}.jsonl"
     if not path.is_file():
-        raise DatasetError(
-            f"--datasets: {name!r} not found at {path} ({how}): the public sets {', '.join(EVAL_SETS)} are not "
-            f"installed with the package, they live in a source checkout's eval/datasets/; run from the checkout's "
-            f"root, set {ENV_VAR}=FOLDER, or pass the path of a JSONL file"
-        )
+        raise DatasetError(f"--datasets: {name!r} not found at {path} ({how}): the public sets {', '.join(EVAL_SETS)} "
+                           "are not installed with the package, they live in a source checkout's eval/datasets/; run "
+                           f"from the checkout's root, set {ENV_VAR}=FOLDER, or pass the path of a JSONL file")
     return path
 
 
@@ -124,9 +102,7 @@ def load(spec: str) -> PromptSet:
         raise DatasetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise DatasetError(f"{path}: cannot read ({e.strerror or e})") from None
-    prompts: list[str] = []
-    lines: list[int] = []
-    kinds: list[str] = []
+    rows: list[tuple[str, int, str]] = []  # (prompt, line, kind)
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -135,12 +111,11 @@ def load(spec: str) -> PromptSet:
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
         prompt, kind = parse_row(row, f"{path}:{number}")
-        prompts.append(prompt)
-        lines.append(number)
-        kinds.append(kind)
-    if not prompts:
+        rows.append((prompt, number, kind))
+    if not rows:
         raise DatasetError(f"{path}: no prompts (the file is empty)")
-    return PromptSet(name, str(path), tuple(prompts), tuple(lines), tuple(kinds))
+    prompts, lines, kinds = zip(*rows, strict=True)
+    return PromptSet(name, str(path), prompts, lines, kinds)
 
 
 def parse_row(row, where: str) -> tuple[str, str]:

@@ -1,10 +1,7 @@
 """The eval's view of the engine: fixed-shape launches, prefill-only launches, instrumented runs.
 
-Every batch of a run is padded to one prompt width (the power of two above the longest prompt of the whole
-run), one cache size and one output capacity (``prompt_width``, ``cache_size`` and ``capacity`` of
-:func:`sparkjax.engine.launch`). So each method compiles once per batch size, and the *prefill-only* run
-(``max_new_tokens = 1``, which stops before the first round) reuses the very same compiled program as the
-timed run: ``max_new_tokens`` is a traced value in the engine.
+Every batch of a run shares one prompt width, cache size and output capacity, so each method compiles once per
+batch size and the prefill-only run (``max_new_tokens = 1``) reuses the timed run's compiled program.
 """
 
 from __future__ import annotations
@@ -47,9 +44,8 @@ class MethodConfig:
 
 @dataclasses.dataclass
 class BatchOutput:
-    """Host copies of one batch's outputs, per sequence: tokens, per-round acceptance lengths, rounds reaching
-    each draft depth, and (method ``auto``) each round's verified size; ``stage_seconds`` from the instrumented
-    mode only."""
+    """Host copies of one batch's outputs per sequence (tokens, acceptance lengths, depth hits, auto's sizes);
+    ``stage_seconds`` from the instrumented mode only."""
 
     tokens: list[list[int]]
     acceptance_lengths: list[list[int]]
@@ -104,8 +100,7 @@ class Engine:
         return 0 if p is None else int(p.depth)
 
     def describe(self, mc: MethodConfig) -> dict[str, Any]:
-        """The ``setup.methods`` entry of ``mc``: its label, name, budget, and the resolved plan's depth, nodes
-        and candidate sets, and the method's fields (every default resolved for this pair)."""
+        """The ``setup.methods`` entry of ``mc``: label, name, budget, the plan's shape and the method's fields."""
         p = self.plan(mc)
         d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
         if p is not None:
@@ -115,10 +110,8 @@ class Engine:
         return d
 
     def check_memory(self, mc: MethodConfig, batch_size: int, *, flag: str = "--budgets") -> None:
-        """Refuses, before anything is compiled, a method whose verify step cannot fit in memory: a rough lower
-        bound of what one round holds (the KV cache, one layer's attention scores over the cache for
-        ``nodes + 1`` rows (ar: 1), their logits and the tree mask) against :func:`memory_limit`. The EvalError
-        names ``flag``."""
+        """EvalError naming ``flag``, before anything compiles, when a lower bound of one verify step's memory
+        (KV cache, one layer's scores, logits, tree mask) exceeds :func:`memory_limit`."""
         c, p = self.target.config, self.plan(mc)
         rows = 1 if p is None else int(p.nodes) + 1
         heads = int(c.num_attention_heads)

@@ -54,11 +54,9 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
         progress: bool = True, **overrides) -> EvalResults:
     """Runs the benchmark and returns :class:`EvalResults` (also saved to ``config.out`` when set).
 
-    ``target`` / ``drafter`` / ``baseline_drafter`` / ``tokenizer``: folders or loaded objects, which override
-    the config's. Keyword ``overrides`` set :class:`EvalConfig` fields, e.g. ``run(methods=("ar", "dspark"),
-    max_samples=2)``. Ctrl-C (SIGINT) stops the run at the next unit of work and returns (and saves) the batches
-    finished so far with ``interrupted=True``; the previous SIGINT handler is restored on return. A Ctrl-C
-    before the first timed batch (while loading) raises KeyboardInterrupt.
+    Models given as folders or objects override the config's; ``overrides`` set :class:`EvalConfig` fields.
+    Ctrl-C returns (and saves) the finished batches with ``interrupted=True``; before the first timed batch it
+    raises KeyboardInterrupt. The previous SIGINT handler is restored on return.
     """
     with sigint_flag() as stop:
         cfg, mcs, notes = validate(dataclasses.replace(config or EvalConfig(), **overrides),

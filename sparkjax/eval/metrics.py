@@ -1,20 +1,9 @@
 """Metric definitions, as pure functions over plain Python numbers (no JAX).
 
-Acceptance length (tau): the tokens a round commits, i.e. accepted drafts + 1 (the
-target's bonus / correction token). Two averages are in use upstream, and the harness
-reports both, labelled:
-
-* ``tau_pooled``: the sum of all rounds' acceptance lengths over the number of rounds,
-  pooled across responses (DeepSpec's convention).
-* ``tau_per_response``: the mean over responses of each response's mean acceptance
-  length (DDTree's convention). Responses with no round (the first token already ended
-  them) are left out.
-
-``accept_rate@k``: the fraction of rounds whose accepted path reached draft depth k, i.e.
-accepted at least k drafts (acceptance length >= k + 1), pooled over all rounds.
-
-TPOT (time per output token) = decode seconds / output tokens; speedup = TPOT(ar) / TPOT(method).
-A decode time that is not positive is "not measured" (None), never 0: no ratio is ever taken over it.
+Acceptance length (tau) = accepted drafts + 1: ``tau_pooled`` (DeepSpec's: over all rounds) and
+``tau_per_response`` (DDTree's: mean of per-response means). ``accept_rate@k``: the fraction of rounds that
+accepted at least k drafts. TPOT = decode seconds / output tokens; speedup = TPOT(ar) / TPOT(method). A decode
+time that is not positive is "not measured" (None), never 0.
 """
 
 from __future__ import annotations
@@ -69,10 +58,7 @@ def speedup(tpot_ar: float, tpot_method: float) -> float:
 
 
 def decode_seconds(run_seconds: Sequence[float], prefill_seconds: Sequence[float]) -> float | None:
-    """Decode time of one timed unit: median full run - median prefill-only run.
-
-    None ("not measured") when that difference is not positive: on a busy machine the prefill-only
-    run can take as long as the full run, and a clamped 0 would turn into an infinite tok/s. Never 0."""
+    """Decode time of one timed unit: median full run - median prefill-only run (None when not positive)."""
     if not run_seconds or not prefill_seconds:
         return None
     d = statistics.median(run_seconds) - statistics.median(prefill_seconds)

@@ -15,9 +15,7 @@ from .records import is_reference
 
 STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
 
-# One colour per method family, in the order of the engine's table of names (so a new method gets the next
-# colour); the budget of a tree method sets the shade (lighter for smaller trees), the line style, the marker and
-# the bar hatch. A label's style depends on the label alone, so it is the same in every plot of every run.
+# One colour per method family (the engine's table order); a tree budget sets the shade, line, marker and hatch.
 _PALETTE = ("#4d4d4d", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2",
             "#bcbd22", "#393b79", "#637939", "#843c39")
 _LINESTYLES = ("-", "--", ":", "-.")

@@ -9,6 +9,7 @@ tokens) are properties computed from the raw timings, never stored twice.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -77,9 +78,7 @@ class Sample:
         d.update(output_tokens=self.output_tokens, rounds=self.rounds)
         return _drop_none(d, ("size_choices", "dataset", "slot"))
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Sample:
-        return _from_dict(cls, d)
+    from_dict = classmethod(_from_dict)
 
 
 @dataclasses.dataclass
@@ -151,9 +150,6 @@ def make_record(dataset: str, batch: int, seed: int, mc, chunk, timed, **extra) 
     return Record(dataset, mc.label, mc.method, mc.budget, batch, seed, samples, timed.run_seconds,
                   timed.prefill_seconds, timed.iterations, timed.stage, **extra)
 
-
-# ============================================================================= summary rows
-
 _NAN = math.nan
 
 
@@ -194,10 +190,7 @@ class Row:
     size_share: dict[str, float] | None = None
 
     to_dict = dataclasses.asdict
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Row:
-        return _from_dict(cls, d)
+    from_dict = classmethod(_from_dict)
 
 
 @dataclasses.dataclass
@@ -228,10 +221,7 @@ class SweepRow:
     same_across_batches: float | None = None
 
     to_dict = dataclasses.asdict
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SweepRow:
-        return _from_dict(cls, d)
+    from_dict = classmethod(_from_dict)
 
 
 @dataclasses.dataclass
@@ -335,12 +325,9 @@ def summarize(records: list[Record], labels: list[str], depths: dict[str, int], 
 
 def size_share(samples: list[Sample]) -> dict[str, float] | None:
     """Method ``auto``: the share of rounds that verified each candidate size (None for other methods)."""
-    counts: dict[str, int] = {}
     chose = [s.size_choices for s in samples if s.size_choices is not None]
-    for row in chose:
-        for label in row:
-            counts[label] = counts.get(label, 0) + 1
     if not chose:
         return None
+    counts = collections.Counter(label for row in chose for label in row)
     total = sum(counts.values()) or 1
     return {k: v / total for k, v in counts.items()}

@@ -28,6 +28,14 @@ def _times(x) -> str:
     return f"{x:.2f}x" if _ok(x) else "-"
 
 
+def _pct(x) -> str:
+    return f"{100 * x:.0f}%" if _ok(x) else "-"
+
+
+def _same(row) -> str:
+    return "-" if is_reference(row.label) else _num(row.same_as_ar, ".2f")
+
+
 def timing_warnings(results, threshold: float | None = None) -> list[str]:
     """WARNING lines for the table: rows whose timing spread exceeds the threshold (25 %), a load average above
     the CPU count during the run, and rows whose decode time could not be measured."""
@@ -121,27 +129,19 @@ def write_sweep_csv(results, path: str | os.PathLike) -> pathlib.Path:
     return _write_rows(path, [r.to_dict() for r in results.sweep_rows], ["batch_size", "label"])
 
 
-def _batch_text(c: dict[str, Any]) -> str:
-    sizes = c.get("batch_sizes")
-    if sizes:
-        return f"batch sizes {','.join(str(b) for b in sizes)} (sweep)"
-    return f"batch {c.get('batch_size', 1)}"
-
-
 def _header(results) -> list[str]:
     c, s, e = results.config, results.setup, results.environment
     temp = "greedy" if not c["temperature"] else f"temperature {c['temperature']}"
     runs = "1 timed run" if c.get("repeats") == 1 else f"median and min of {c.get('repeats')} interleaved timed runs"
-    lines = [
+    sizes = c.get("batch_sizes")
+    batch = f"batch sizes {','.join(str(b) for b in sizes)} (sweep)" if sizes else f"batch {c.get('batch_size', 1)}"
+    return [
         f"sparkjax.eval: target {s['target']}  drafter {s['drafter']}  ({s['dtype']})",
         *([f"  baseline drafter {s['baseline_drafter']} for {', '.join(s['baseline_methods'])}"]
           if s.get("baseline_drafter") and s.get("baseline_methods") else []),
-        f"  {temp}; {c['max_new_tokens']} new tokens; {_batch_text(c)}; up to {c['max_samples'] or 'all'} "
-        f"prompts per set; {runs} per "
-        f"prompt and method; {e['backend']} ({e.get('device_kind')}), "
-        f"{e['cpu_count']} CPU cores",
+        f"  {temp}; {c['max_new_tokens']} new tokens; {batch}; up to {c['max_samples'] or 'all'} prompts per set; "
+        f"{runs} per prompt and method; {e['backend']} ({e.get('device_kind')}), {e['cpu_count']} CPU cores",
     ]
-    return lines
 
 
 def format_table(results) -> str:
@@ -149,15 +149,12 @@ def format_table(results) -> str:
     lines = _header(results)
     if results.interrupted:
         lines.append("  INTERRUPTED: partial results (the samples every method had finished)")
-    if not results.summary and results.sweep is not None:
-        lines += format_sweep(results)
-        lines += timing_warnings(results)
-        lines += [f"note: {n}" for n in results.notes]
-        return "\n".join(lines)
     if not results.summary:
-        lines.append("\n(no finished sample)")
-        lines += [f"note: {n}" for n in results.notes]
-        return "\n".join(lines)
+        if results.sweep is not None:
+            lines += format_sweep(results) + timing_warnings(results)
+        else:
+            lines.append("\n(no finished sample)")
+        return "\n".join(lines + [f"note: {n}" for n in results.notes])
     dw = max(7, *(len(r.dataset) for r in results.summary))
     mw = max(6, *(len(r.label) for r in results.summary))
     head = (f"{'dataset':<{dw}}  {'method':<{mw}}  {'n':>3}  {'tau':>6}  {'tau':>6}  {'tok/s':>8}  {'tok/s':>8}  "
@@ -174,16 +171,12 @@ def format_table(results) -> str:
         prev = r.dataset
         st = r.stage_ms_per_round or {}
         stages = " ".join(f"{_num(st.get(k), '6.2f'):>6}" for k in (*STAGES, "total"))
-        spread = r.timing_spread
-        same = r.same_as_ar
         lines.append(
             f"{r.dataset:<{dw}}  {r.label:<{mw}}  {r.n_samples:>3}  {_num(r.tau_pooled, '6.2f'):>6}  "
             f"{_num(r.tau_per_response, '6.2f'):>6}  {_num(r.tokens_per_s, '8.1f'):>8}  "
-            f"{_num(r.tokens_per_s_best, '8.1f'):>8}  "
-            f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
+            f"{_num(r.tokens_per_s_best, '8.1f'):>8}  {_pct(r.timing_spread):>6}  "
             f"{_times(r.speedup):>7}  {_times(r.speedup_best):>7}  "
-            f"{_num(r.tpot_ms, '7.3f'):>7}  {_num(r.round_ms, '6.2f'):>6}  "
-            f"{(_num(same, '.2f') if not is_reference(r.label) else '-'):>5}  | {stages}"
+            f"{_num(r.tpot_ms, '7.3f'):>7}  {_num(r.round_ms, '6.2f'):>6}  {_same(r):>5}  | {stages}"
         )
     lines += timing_warnings(results)
     scope = "all" if any(r.dataset == "all" for r in results.summary) else results.summary[0].dataset
@@ -237,14 +230,11 @@ def format_sweep(results) -> list[str]:
         if prev is not None and r.batch_size != prev:
             lines.append("")
         prev = r.batch_size
-        spread, same, across = r.timing_spread, r.same_as_ar, r.same_across_batches
         lines.append(
             f"{r.batch_size:>5}  {r.label:<{mw}}  {r.n_sequences:>4}  "
             f"{_num(r.tau_pooled, '6.2f'):>6}  {_num(r.tokens_per_s, '9.1f'):>9}  "
-            f"{_num(r.tokens_per_s_best, '9.1f'):>9}  "
-            f"{(_num(100 * spread, '.0f') + '%') if _ok(spread) else '-':>6}  "
-            f"{_times(r.speedup):>7}  {_times(r.speedup_best):>7}  "
-            f"{(_num(same, '.2f') if not is_reference(r.label) else '-'):>5}  {_num(across, '.2f'):>7}"
+            f"{_num(r.tokens_per_s_best, '9.1f'):>9}  {_pct(r.timing_spread):>6}  {_times(r.speedup):>7}  "
+            f"{_times(r.speedup_best):>7}  {_same(r):>5}  {_num(r.same_across_batches, '.2f'):>7}"
         )
     lines += [
         "",

@@ -1,10 +1,7 @@
 """What a run returns and writes: :class:`EvalResults`, read back from and saved to an output folder.
 
-Output files (:data:`OUTPUT_FILES`): ``results.json`` (config, package versions, setup, summary rows and every
-raw number), ``results.csv`` (the summary rows, flat), the per-set PNG plots, and with a batch-size sweep
-``batch_sweep.csv`` and ``throughput_vs_batch.png`` instead of the per-set CSV and plots. Each file is written
-atomically (a temp file renamed into place); the files of :data:`OUTPUT_FILES` an earlier run left in the
-folder and this run does not write are removed, and no other file is ever touched.
+Each of :data:`OUTPUT_FILES` is written atomically; those an earlier run left that this run does not write are
+removed, and no other file is touched.
 """
 
 from __future__ import annotations
@@ -154,13 +151,10 @@ def check_out(out: str | os.PathLike) -> pathlib.Path:
     return folder
 
 
-def remove_stale_outputs(folder: str | os.PathLike, keep: list[str]) -> list[str]:
-    """Removes the files of :data:`OUTPUT_FILES` in ``folder`` that are not in ``keep``; returns their names."""
-    removed = []
+def remove_stale_outputs(folder: str | os.PathLike, keep: list[str]) -> None:
+    """Removes the files of :data:`OUTPUT_FILES` in ``folder`` that are not in ``keep``."""
     for name in OUTPUT_FILES:
         path = pathlib.Path(folder) / name
         if name not in keep and path.is_file() and not path.is_symlink():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-                removed.append(name)
-    return removed

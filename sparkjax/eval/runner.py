@@ -39,10 +39,8 @@ from typing import Any
 
 import jax
 
-from ..bench.timing import interleave
+from ..bench.timing import SPREAD_WARNING, interleave
 from .engine import BatchOutput, Engine, MethodConfig
-
-SPREAD_WARNING = 0.25  # the table warns when a row's timing spread ((max - min) / median) is above this
 
 
 class Stopped(Exception):
@@ -146,9 +144,11 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
     last: dict[MethodConfig, Any] = {}
     reps = {mc: 0 for _, mc in units}
 
-    def full(eng, mc):
+    def variant(eng, mc, kind: str):
         def go():
             check()
+            if kind == "prefill":
+                return eng.launch(mc, batch, seed, prefill_only=True)
             r = reps[mc]
             reps[mc] += 1
             res = last[mc] = eng.launch(mc, batch, seed, auto_memory=eng.memory(mc, len(batch), r))
@@ -156,15 +156,7 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             return res
         return go
 
-    def prefill(eng, mc):
-        def go():
-            check()
-            return eng.launch(mc, batch, seed, prefill_only=True)
-        return go
-
-    variants = {}
-    for eng, mc in units:
-        variants[mc, "full"], variants[mc, "prefill"] = full(eng, mc), prefill(eng, mc)
+    variants = {(mc, kind): variant(eng, mc, kind) for eng, mc in units for kind in ("full", "prefill")}
     stats = interleave(variants, repeats)
     out: dict[MethodConfig, Timed] = {}
     for eng, mc in units:

@@ -1,18 +1,9 @@
 """The batch-size sweep (``python -m sparkjax.eval --batch-sizes 1,4,16,64``): throughput against batch size.
 
-**Prompts.** The prompts the run selected form one pool, taken from the sets in turn (set A's first prompt,
-set B's first, ..., then every set's second, ...), N prompts in all. Batch size B runs ``ceil(N / B)`` batches
-of exactly B sequences, slot i of batch j holding ``pool[(j * B + i) mod N]``: the pool is cycled to fill every
-batch, so every batch of a size has one shape (one compilation per method and size).
-
-**Timing.** Every (batch size, batch) is timed by the runner's protocol (:mod:`sparkjax.eval.runner`), with no
-stage pass; batch j of every size runs with ``seed + j``.
-
-**Throughput** of a (method, batch size) = output tokens / decode seconds, both summed over its measured
-batches; ``best``: the same from the min times; speedup = throughput / ar's at the same batch size. Greedy
-runs check exactness: ``same_as_ar`` (each sequence equals ar's at the same slot) and ``same_across_batches``
-(each sequence equals the same method's output for that prompt in the first batch it ran in, at the smallest
-size): the batch changes the speed, never the tokens.
+The selected prompts form one pool (the sets taken in turn), cycled to fill ``ceil(N / B)`` batches of exactly
+B sequences (:data:`FILL_TEXT`), each timed by :mod:`sparkjax.eval.runner` with no stage pass, batch j with
+``seed + j``. Throughput = output tokens / decode seconds summed over the measured batches; greedy runs also
+report ``same_as_ar`` and ``same_across_batches`` (against the smallest size).
 """
 
 from __future__ import annotations
