@@ -1,15 +1,9 @@
 """Slow, obvious NumPy references for the tree code in :mod:`sparkjax.tree` (tests and benchmarks only).
 
-They favour clarity over speed: a Python heap per tree, a Python walk per node. All of them return the
-same padded layout as :class:`sparkjax.tree.Tree` (node ``i + 1`` at entry ``i``, root = node 0, padding
-token -1, parent 0, depth 1, score ``-inf``, candidate index -1, ``valid`` False), so a test can compare
-arrays directly.
-
-Scores are accumulated in float32 in the same order as the device code (``parent + table entry``), so
-that, fed the same tables, the heap reproduces :func:`sparkjax.tree.best_first` bit for bit, ties
-included. Tie-break everywhere: path score descending, then the path of *keys* ascending as a Python
-tuple (a prefix before its extensions). The key of a child is its candidate index (its rank in the
-depth's top-C list) for table-based trees and DDTree, and its token id for the unrestricted naive
+All return the padded layout of :class:`sparkjax.tree.Tree`. Scores are accumulated in float32 in the
+device code's order, so fed the same tables the heap reproduces :func:`sparkjax.tree.best_first` bit for
+bit. Tie-break everywhere: path score descending, then the path of *keys* ascending (a prefix before its
+extensions); a child's key is its candidate index, or its token id for the unrestricted naive
 SparklingTree. Children with log-prob ``-inf`` are never added.
 """
 
@@ -20,20 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-
-__all__ = [
-    "RefTree",
-    "accept_walk",
-    "ancestor_mask",
-    "beam_tree",
-    "ddtree_heap",
-    "log_softmax",
-    "markov_tables",
-    "naive_sparkling_tree",
-    "pctree",
-    "table_heap",
-    "top_k",
-]
 
 
 class RefTree(NamedTuple):
@@ -62,11 +42,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def top_k(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest entries of a 1-D array, largest first, lower index first among ties.
-
-    Same result as ``np.argsort(-values, kind="stable")[:k]``; only the entries tied with or above the
-    k-th largest are sorted, which keeps full-vocabulary calls cheap.
-    """
+    """Indices of the ``k`` largest entries of a 1-D array, largest first, lower index first among ties
+    (``np.argsort(-values, kind="stable")[:k]``)."""
     neg = -np.asarray(values)
     if k < len(neg):
         kth = np.partition(neg, k - 1)[k - 1]
@@ -137,11 +114,8 @@ def _pad(tokens: list, parents: list, depths: list, scores: list, cands: list, m
 
 
 def table_heap(tables: np.ndarray, cand_tokens: np.ndarray, budget: int) -> RefTree:
-    """The DDTree heap over given ``[D, C, C]`` tables (entries clipped to <= 0, as on device).
-
-    The children of a depth-``d`` node with candidate index ``i`` are the candidates of depth ``d + 1``
-    with log-probs ``tables[d, i, :]`` (row 0 for the root), keyed by candidate index.
-    """
+    """The DDTree heap over given ``[D, C, C]`` tables (clipped to <= 0): a depth-``d`` node with candidate
+    index ``i`` has the children ``tables[d, i, :]`` (row 0 for the root), keyed by candidate index."""
     t = np.minimum(np.asarray(tables, np.float32), np.float32(0))
     cand_tokens = np.asarray(cand_tokens)
     d, c, _ = t.shape
@@ -177,23 +151,13 @@ def naive_sparkling_tree(
     budget: int,
     top_c: int | None = None,
 ) -> RefTree:
-    """Naive SparklingTree: a best-first heap that runs the full-vocabulary Markov head for every popped
-    node to get the exact distribution of its children.
+    """Naive SparklingTree: a best-first heap whose node with token ``p`` at level ``d`` (0: the root
+    ``x_start``) has the children ``log_softmax(base_logits[d] + w2 @ parent_feat(d, p))`` (float32, full
+    vocabulary; ``parent_feat``: ``(d, p) -> f[R]``, vanilla ``lambda d, p: w1[p]``).
 
-    The children of a node with token ``p`` at level ``d`` (0 = the root ``x_start``) have log-probs
-    ``log_softmax(base_logits[d] + w2 @ parent_feat(d, p))`` (float32, normalised over the whole vocabulary).
-
-    Args:
-      base_logits: [D, V] drafter base logits (row ``d`` predicts depth ``d + 1``).
-      x_start: the root token.
-      parent_feat: ``(d, p) -> f[R]``, the head's parent features (vanilla: ``lambda d, p: w1[p]``).
-      w2: [V, R] ``markov_w2`` weight.
-      budget: number of nodes.
-      top_c: ``None`` = unrestricted: children are the top-``min(budget, V)`` tokens of the node's own
-        corrected distribution, keyed by token id. An int = restricted to the per-depth base top-C
-        candidate set (:func:`top_k` of ``log_softmax(base_logits[d])``, keyed by candidate index),
-        which is what :func:`sparkjax.tree.best_first` over exact :func:`sparkjax.tree.markov_tables`
-        computes.
+    ``top_c``: None for the top-``min(budget, V)`` tokens of each node's own distribution, keyed by token id;
+    an int restricts children to the per-depth base top-C candidates, keyed by candidate index (what
+    :func:`sparkjax.tree.best_first` over exact :func:`sparkjax.tree.markov_tables` computes).
     """
     base = np.asarray(base_logits, np.float32)
     w2 = np.asarray(w2, np.float32)
@@ -212,55 +176,26 @@ def naive_sparkling_tree(
     return _heap_tree(children_of, d, budget, root=int(x_start))
 
 
-def beam_tree(tables: np.ndarray, cand_tokens: np.ndarray, widths: Sequence[int]) -> RefTree:
-    """Beam reference: at depth ``d + 1`` list every extension of every kept depth-``d`` prefix, sort by
-    (score descending, candidate-index path ascending) and keep the first ``widths[d]``; finally list all
-    kept prefixes in that order."""
+def _beam_levels(tables: np.ndarray, widths: Sequence[int]) -> list[tuple[np.float32, tuple[int, ...]]]:
+    """Every kept ``(score, candidate-index path)``: at depth ``d + 1`` every extension of every kept depth-``d``
+    prefix, sorted by (score descending, path ascending), the first ``widths[d]`` kept."""
     t = np.minimum(np.asarray(tables, np.float32), np.float32(0))
-    cand_tokens = np.asarray(cand_tokens)
-    d, c, _ = t.shape
     kept: list[tuple[np.float32, tuple[int, ...]]] = []
     frontier: list[tuple[np.float32, tuple[int, ...]]] = [(np.float32(0), ())]
-    for level in range(d):
+    for level in range(t.shape[0]):
         ext = []
         for score, path in frontier:
             row = t[level, path[-1] if path else 0]
-            ext += [(np.float32(score + row[j]), (*path, j)) for j in range(c) if row[j] > -np.inf]
+            ext += [(np.float32(score + row[j]), (*path, j)) for j in range(t.shape[1]) if row[j] > -np.inf]
         ext.sort(key=lambda e: (-float(e[0]), e[1]))
         frontier = ext[: widths[level]]
         kept += frontier
-    kept.sort(key=lambda e: (-float(e[0]), e[1]))
-    index = {path: n + 1 for n, (_, path) in enumerate(kept)}
-    return _pad(
-        [int(cand_tokens[len(p) - 1, p[-1]]) for _, p in kept],
-        [index.get(p[:-1], 0) for _, p in kept],
-        [len(p) for _, p in kept],
-        [s for s, _ in kept],
-        [p[-1] for _, p in kept],
-        int(sum(widths)),
-    )
+    return kept
 
 
-def pctree(tables: np.ndarray, cand_tokens: np.ndarray, k: int, nodes: int) -> RefTree:
-    """PCTree reference (:func:`sparkjax.tree.layer_beam`): at depth ``d + 1`` list every extension of every
-    kept depth-``d`` node, sort by (score descending, candidate-index path ascending) and keep the first ``k``;
-    then list the kept nodes of every depth by (score descending, depth ascending, path ascending) and keep
-    the first ``nodes``."""
-    t = np.minimum(np.asarray(tables, np.float32), np.float32(0))
+def _path_tree(kept: list[tuple[np.float32, tuple[int, ...]]], cand_tokens: np.ndarray, m: int) -> RefTree:
+    """The padded tree of ``m`` nodes listing ``kept`` in order (every parent listed before its children)."""
     cand_tokens = np.asarray(cand_tokens)
-    d, c, _ = t.shape
-    kept: list[tuple[np.float32, tuple[int, ...]]] = []
-    frontier: list[tuple[np.float32, tuple[int, ...]]] = [(np.float32(0), ())]
-    for level in range(d):
-        ext = []
-        for score, path in frontier:
-            row = t[level, path[-1] if path else 0]
-            ext += [(np.float32(score + row[j]), (*path, j)) for j in range(c) if row[j] > -np.inf]
-        ext.sort(key=lambda e: (-float(e[0]), e[1]))
-        frontier = ext[:k]
-        kept += frontier
-    kept.sort(key=lambda e: (-float(e[0]), len(e[1]), e[1]))
-    kept = kept[:nodes]
     index = {path: n + 1 for n, (_, path) in enumerate(kept)}
     return _pad(
         [int(cand_tokens[len(p) - 1, p[-1]]) for _, p in kept],
@@ -268,8 +203,24 @@ def pctree(tables: np.ndarray, cand_tokens: np.ndarray, k: int, nodes: int) -> R
         [len(p) for _, p in kept],
         [s for s, _ in kept],
         [p[-1] for _, p in kept],
-        nodes,
+        m,
     )
+
+
+def beam_tree(tables: np.ndarray, cand_tokens: np.ndarray, widths: Sequence[int]) -> RefTree:
+    """Beam reference: keep the best ``widths[d]`` extensions per depth, then list all kept prefixes by
+    (score descending, candidate-index path ascending)."""
+    kept = _beam_levels(tables, widths)
+    kept.sort(key=lambda e: (-float(e[0]), e[1]))
+    return _path_tree(kept, cand_tokens, int(sum(widths)))
+
+
+def pctree(tables: np.ndarray, cand_tokens: np.ndarray, k: int, nodes: int) -> RefTree:
+    """PCTree reference (:func:`sparkjax.tree.layer_beam`): keep the best ``k`` extensions per depth, then the
+    first ``nodes`` kept nodes by (score descending, depth ascending, path ascending)."""
+    kept = _beam_levels(tables, [k] * np.shape(tables)[0])
+    kept.sort(key=lambda e: (-float(e[0]), len(e[1]), e[1]))
+    return _path_tree(kept[:nodes], cand_tokens, nodes)
 
 
 def markov_tables(

@@ -1,51 +1,30 @@
 """On-device draft trees for DDTree and SparklingTree speculative decoding.
 
-Everything here is a pure function of arrays for **one** sequence, with static output shapes, so that it
-runs inside ``jax.jit`` with no host round trip and batches with ``jax.vmap``. Scores are float32.
-
-Pipeline of one round (``D`` depths, vocabulary ``V``, ``C`` candidates per depth, ``M`` nodes)::
-
-    cand_tokens, cand_logp = candidates(base_logits, top_c)               # [D, C] int32, [D, C] f32
-    tables = ddtree_tables(cand_logp)                                      # DDTree: no Markov head
-    tables = markov_tables(base_logits, cand_tokens, feats, w2, "fast")    # SparklingTree: [D, C, C]
-    tree = best_first(tables, cand_tokens, budget)                         # or beam(..., widths)
-    mask = visibility(tree.parents, max_depth=D)                           # [M + 1, M + 1] bool
-    pos = tree_positions(tree.depths, start)                               # [M + 1] int32
-    ... verify [x_start] + tree.tokens with the target ...
-    acc = accept(tree.parents, tree.tokens, posterior, max_depth=D)
+Pure functions of arrays for **one** sequence with static output shapes (``jax.jit``, ``jax.vmap``); scores
+are float32. A round (``D`` depths, vocabulary ``V``, ``C`` candidates per depth, ``M`` nodes) runs
+:func:`candidates` (or :func:`markov_candidates`), :func:`ddtree_tables` or :func:`markov_tables`, a builder
+(:func:`best_first`, :func:`beam`, :func:`layer_beam`), :func:`visibility` and :func:`tree_positions` for the
+verify, then :func:`accept` on the target's posterior.
 
 Conventions
 -----------
 * **Depths.** Row ``d`` (0-based) of every per-depth array describes depth ``d + 1``; the root (``x_start``,
-  the last committed token) is depth 0. For a DSpark drafter, depth ``d + 1`` uses block slot ``d``.
+  the last committed token) is depth 0.
 * **Node indices.** The root is node 0 and the drafted nodes are 1..M. Per-node arrays of a :class:`Tree`
-  have length ``M``: entry ``i`` describes node ``i + 1``. ``parents[i]`` is in ``0..M`` (0 = root).
-  ``visibility`` and ``tree_positions`` include the root as row / element 0, so they line up with the
-  verify input ``[x_start] + tokens``.
+  have length ``M``: entry ``i`` describes node ``i + 1``; ``parents[i]`` is in ``0..M`` (0 = root).
+  ``visibility`` and ``tree_positions`` include the root as row / element 0, lining up with the verify
+  input ``[x_start] + tokens``.
 * **Order.** Nodes come in the total order "path score descending, then the tuple of candidate indices
-  along the path ascending (lexicographic; a prefix before its extensions)". The candidate index of a
-  token is its rank in the per-depth top-C list (``jax.lax.top_k`` order: larger log-prob first, the
-  lower token id first among equal ones), so for DDTree tables this is upstream DDTree's tie-break by
-  the tuple of ranks along the path. A child never precedes its parent, so parents come before children
-  and scores are non-increasing.
-* **Padding.** When fewer than ``M`` prefixes are available (tiny vocabularies or depths, entries of
-  ``-inf`` in the tables), the last nodes are padding: ``valid`` False, token -1, parent 0 (the root),
-  depth 1, score ``-inf``, candidate index -1. Padding nodes are leaves that only see the root and
-  themselves, no valid node sees them, and :func:`accept` never walks into them (token -1 matches no
-  posterior token); an engine must only clamp their token (e.g. ``jnp.maximum(tokens, 0)``) before an
+  along the path ascending (a prefix before its extensions)". A token's candidate index is its rank in the
+  per-depth top-C list (larger log-prob first, the lower token id first among equal ones), so for DDTree
+  tables this is upstream DDTree's tie-break. Parents come before children and scores are non-increasing.
+* **Padding.** When fewer than ``M`` prefixes exist, the last nodes are padding: ``valid`` False, token -1,
+  parent 0, depth 1, score ``-inf``, candidate index -1. They see only the root and themselves, no valid
+  node sees them and :func:`accept` never walks into them; an engine must clamp their token before an
   embedding lookup.
-* **Impossible children.** A table entry of ``-inf`` means "this child does not exist": it is never put
-  into the tree. Setting ``tables[d:] = -inf`` therefore limits the tree to depth ``d`` without a
-  recompile. Positive table entries are clipped to 0 so that a child can never outscore its parent.
-  Likewise a token whose logit is ``-inf`` (e.g. a padded vocabulary row) never enters a tree. NaNs are
-  not supported.
-* **Candidates.** :func:`candidates` ranks the base logits of every depth. :func:`markov_candidates` instead
-  follows the Markov head: depth 1 ranked by its exact corrected row (its parent, ``x_start``, is known),
-  deeper depths the corrected top-k for the greedy chain's parent merged with the base top-C
-  (:func:`merge_candidates`: distinct tokens, static shapes). :func:`markov_tables` takes the candidate tokens
-  as given and the base logits, so any candidate set works.
-* **Cost.** ``markov_tables(..., "fast")`` is ``O(D C^2 R + D V)``; ``"exact"`` is ``O(D C V R)``, which
-  dominates everything else at a real vocabulary (``python -m sparkjax.bench tree``).
+* **Impossible children.** A table entry (or a logit) of ``-inf`` is never put into the tree, so
+  ``tables[d:] = -inf`` limits the tree to depth ``d`` without a recompile. Positive table entries are
+  clipped to 0 (a child never outscores its parent). NaNs are not supported.
 """
 
 from __future__ import annotations
@@ -87,37 +66,22 @@ CANDIDATE_MODES: tuple[str, ...] = ("base", "corrected", "union")  # see markov_
 
 
 class Tree(NamedTuple):
-    """A draft tree of ``M`` nodes (the root excluded); entry ``i`` describes node ``i + 1``.
+    """A draft tree of ``M`` nodes (the root excluded); entry ``i`` describes node ``i + 1``."""
 
-    Attributes:
-      tokens: int32[M] token id of each node (-1 for padding).
-      parents: int32[M] parent node index in ``0..M``; 0 is the root (padding: 0).
-      depths: int32[M] depth in ``1..D`` (padding: 1).
-      scores: float32[M] path log-probability, the sum of the table entries along the path (padding: -inf).
-      cands: int32[M] candidate index of the node's token in its depth's top-C list (padding: -1).
-      valid: bool[M] False for padding nodes.
-    """
-
-    tokens: jax.Array
-    parents: jax.Array
-    depths: jax.Array
-    scores: jax.Array
-    cands: jax.Array
-    valid: jax.Array
+    tokens: jax.Array  # int32[M] token id of each node (padding: -1)
+    parents: jax.Array  # int32[M] parent node index in 0..M, 0 = the root (padding: 0)
+    depths: jax.Array  # int32[M] depth in 1..D (padding: 1)
+    scores: jax.Array  # float32[M] path log-probability, the sum of the table entries along the path (padding: -inf)
+    cands: jax.Array  # int32[M] candidate index of the node's token in its depth's top-C list (padding: -1)
+    valid: jax.Array  # bool[M] False for padding nodes
 
 
 class Accepted(NamedTuple):
-    """The outcome of walking a verified tree.
+    """The outcome of walking a verified tree."""
 
-    Attributes:
-      indices: int32[max_depth + 1] accepted node indices, the root 0 first, padded with -1.
-      length: int32 scalar, number of accepted indices including the root (1..max_depth + 1).
-      bonus: int32 scalar, the posterior token at the last accepted node (the next committed token).
-    """
-
-    indices: jax.Array
-    length: jax.Array
-    bonus: jax.Array
+    indices: jax.Array  # int32[max_depth + 1] accepted node indices, the root 0 first, padded with -1
+    length: jax.Array  # int32 scalar: accepted indices including the root (1..max_depth + 1)
+    bonus: jax.Array  # int32 scalar: the posterior token at the last accepted node (the next committed token)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,24 +109,10 @@ TOPK_CHUNK = 4096  # vocabulary chunk of the two-stage top-k (a larger vocabular
 
 
 def chunked_top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k(x, k)`` over the last axis in two stages: the top ``k`` of every ``chunk`` entries,
-    then the top ``k`` of those winners. The result is identical to ``jax.lax.top_k``, ties included (equal
-    values: the lower index first; the order of ``+-inf`` and NaN is ``top_k``'s own, since both stages use
-    it): the winners lie chunk after chunk and, within a chunk, equal values by index, so the flat position
-    of equal values follows their index and the second stage's tie-break is the first's.
-
-    XLA:GPU has fast top-k kernels only for small inputs and ``k``; at a 152k vocabulary it may sort the
-    whole row. Here every row is only sorted in ``chunk``-sized segments plus one short row of winners.
-
-    Args:
-      x: [..., V] values.
-      k: static, ``1 <= k <= V``.
-      chunk: static chunk length, ``>= k``; the last chunk is padded with ``-inf`` (after every real
-        entry in the order, so padding is never picked while ``k <= V``).
-
-    Returns:
-      ``(values [..., k], indices int32 [..., k])`` as ``jax.lax.top_k``.
-    """
+    """``jax.lax.top_k(x, k)`` over the last axis in two stages (the top ``k`` of every ``chunk`` entries, then
+    of those winners), identical to it, ties included (the lower index first). ``k``: static, ``1 <= k <= V``;
+    ``chunk``: static, ``>= k`` (the last chunk is padded with ``-inf``). Returns ``(values [..., k], indices
+    int32 [..., k])``."""
     k = _check_int("k", k, 1)
     chunk = _check_int("chunk", chunk, k)
     v = x.shape[-1]
@@ -180,8 +130,7 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK) -> tuple[jax.Ar
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k`` over the last axis; two-stage (:func:`chunked_top_k`) for a large vocabulary on
-    accelerators. XLA:CPU's own top-k is faster at a large vocabulary, so CPU keeps it."""
+    """``jax.lax.top_k`` over the last axis; :func:`chunked_top_k` for a large vocabulary off CPU."""
     if x.shape[-1] <= 2 * TOPK_CHUNK or k > TOPK_CHUNK:
         return jax.lax.top_k(x, k)
     return jax.lax.platform_dependent(
@@ -192,16 +141,10 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     """Top-C candidate tokens per depth and their full-vocabulary log-probabilities.
 
-    Args:
-      logits: [D, V] drafter logits; row ``d`` predicts depth ``d + 1``.
-      top_c: number of candidates per depth (static). ``C = min(top_c, V)``, so a vocabulary smaller
-        than ``top_c`` works.
-
-    Returns:
-      ``(cand_tokens int32[D, C], cand_logp float32[D, C])``: per row the C tokens with the largest
-      ``log_softmax`` (computed as ``logits - logsumexp(logits)`` in float32), largest first; among equal
-      log-probs the lower token id comes first (``jax.lax.top_k``). The position of a token in its row is
-      its *candidate index*, used as the tie-break key of the tree builders.
+    ``logits``: [D, V], row ``d`` predicts depth ``d + 1``; ``top_c`` (static): ``C = min(top_c, V)``.
+    Returns ``(cand_tokens int32[D, C], cand_logp float32[D, C])``: per row the C tokens with the largest
+    float32 ``log_softmax``, largest first, the lower token id first among equal ones. A token's position
+    in its row is its *candidate index*, the builders' tie-break key.
     """
     top_c = _check_int("top_c", top_c, 1)
     _check_ndim("logits", logits, 2, "D, V")
@@ -216,17 +159,8 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
 
 
 def merge_candidates(pool: jax.Array, valid: jax.Array, c: int) -> jax.Array:
-    """The first ``c`` distinct valid tokens of ``pool``, in pool order (static shapes, no sort).
-
-    Args:
-      pool: int[Q] tokens in priority order (duplicates allowed).
-      valid: bool[Q] False for entries to skip.
-      c: static number of tokens to keep, ``1 <= c <= Q``. The pool must hold at least ``c`` distinct
-        valid tokens (e.g. end with a row of :func:`candidates`); otherwise the last slots hold token 0.
-
-    Returns:
-      int32[c]: an entry is kept iff it is valid and no earlier valid entry has the same token.
-    """
+    """The first ``c`` distinct valid tokens of ``pool`` int[Q] (``valid`` bool[Q]), in pool order: int32[c].
+    ``c``: static, ``1 <= c <= Q``; with fewer than ``c`` distinct valid tokens the last slots hold token 0."""
     _check_ndim("pool", pool, 1, "Q")
     _check_ndim("valid", valid, 1, "Q")
     q = pool.shape[0]
@@ -252,30 +186,14 @@ def markov_candidates(
 ) -> jax.Array:
     """Per-depth candidates that follow the Markov head (the ``candidates`` option of the SparklingTree methods).
 
-    The tables of :func:`markov_tables` only score the C candidates of each depth, so a child the Markov
-    correction ranks high but the *base* logits do not is out of the tree's reach. ``corrected_logits``
-    row ``d`` are depth ``d + 1``'s logits corrected for one known parent: for depth 1 the root
-    (``x_start``), which makes row 0 exact; deeper, the DSpark greedy chain's token of the depth above
-    (:func:`sparkjax.engine.drafting.markov_chain` at temperature 0), the most probable parent.
+    ``corrected_logits`` [D, V] row ``d`` are depth ``d + 1``'s logits corrected for one known parent: the
+    root for depth 1 (exact), deeper the DSpark greedy chain's token of the depth above. ``mode``: ``"base"``
+    (:func:`candidates` of ``base_logits``), ``"corrected"`` (the top-C of each corrected row) or ``"union"``
+    (depth 1 the corrected top-C; deeper the corrected top-``union_k``, then the base top-C, duplicates
+    dropped, the first C kept). ``top_c`` (static): ``C = min(top_c, V)``; ``union_k``: static, ``1 <= k <=
+    C`` (None: ``max(1, C // 4)``). Any set is exact (the target verifies); only the tree's reach changes.
 
-    * ``"base"``: :func:`candidates` of the base logits (the upstream SparklingTree candidates).
-    * ``"corrected"``: the top-C of each corrected row.
-    * ``"union"``: depth 1 the top-C of the (exact) corrected row; deeper, the corrected top-``union_k``
-      first, then the base top-C, duplicates dropped, the first C kept (so the base top-(C - k) at least).
-
-    Any candidate set is exact for speculative decoding (the target verifies the tree); only the tree's
-    reach changes. In every mode a depth's set contains the chain's corrected argmax (``union_k >= 1``).
-
-    Args:
-      base_logits: [D, V] drafter base logits.
-      corrected_logits: [D, V] Markov-corrected logits as above (ignored for ``"base"``).
-      top_c: candidates per depth (static); ``C = min(top_c, V)``.
-      mode: ``"base"``, ``"corrected"`` or ``"union"``.
-      union_k: static, corrected candidates per depth >= 2 of ``"union"``, ``1 <= k <= C`` (default
-        None: ``C // 4``, at least 1).
-
-    Returns:
-      int32[D, C] distinct tokens per depth; the order within a row is the tie-break order of the builders.
+    Returns int32[D, C] distinct tokens per depth, in the builders' tie-break order.
     """
     if mode not in CANDIDATE_MODES:
         raise ArgumentError(f"candidates must be one of {', '.join(CANDIDATE_MODES)}, got {mode!r}")
@@ -303,14 +221,7 @@ def markov_candidates(
 
 
 def ddtree_tables(cand_logp: jax.Array) -> jax.Array:
-    """DDTree tables: independent per-depth marginals broadcast over parents (no Markov head).
-
-    Args:
-      cand_logp: float32[D, C] candidate log-probs from :func:`candidates`.
-
-    Returns:
-      float32[D, C, C] with ``T[d, i, j] = cand_logp[d, j]`` for every parent ``i``.
-    """
+    """DDTree tables float32[D, C, C]: ``T[d, i, j] = cand_logp[d, j]`` for every parent ``i``."""
     _check_ndim("cand_logp", cand_logp, 2, "D, C")
     lp = jnp.asarray(cand_logp, jnp.float32)
     d, c = lp.shape
@@ -318,17 +229,8 @@ def ddtree_tables(cand_logp: jax.Array) -> jax.Array:
 
 
 def vanilla_parent_feats(w1: jax.Array, x_start: jax.Array | int, cand_tokens: jax.Array) -> jax.Array:
-    """Parent features of the vanilla Markov head, ``f(p) = W1[p]``, laid out for :func:`markov_tables`.
-
-    Args:
-      w1: [V, R] ``markov_w1`` embedding.
-      x_start: int scalar, the root token (may be traced).
-      cand_tokens: int[D, C] candidates from :func:`candidates`.
-
-    Returns:
-      float32[D, C, R]: row 0 repeats ``W1[x_start]`` for every ``i``; row ``d >= 1`` holds
-      ``W1[cand_tokens[d - 1, i]]`` (the parents of depth ``d + 1``).
-    """
+    """Parent features ``f(p) = W1[p]`` of the vanilla Markov head (``w1`` [V, R]) for :func:`markov_tables`:
+    float32[D, C, R], row 0 ``W1[x_start]`` for every ``i``, row ``d >= 1`` ``W1[cand_tokens[d - 1, i]]``."""
     _check_ndim("w1", w1, 2, "V, R")
     _check_ndim("cand_tokens", cand_tokens, 2, "D, C")
     w1 = jnp.asarray(w1, jnp.float32)
@@ -344,33 +246,16 @@ def markov_tables(
     w2: jax.Array,
     normalization: Normalization = "exact",
 ) -> jax.Array:
-    """Top-C Markov tables ``T[d, i, j] = log p(cand j of depth d+1 | parent = cand i of depth d)``.
+    """Top-C Markov tables float32[D, C, C], ``T[d, i, j] = log p(cand j of depth d+1 | parent cand i of depth d)``.
 
-    The Markov head corrects the base logits ``U_d`` (row ``d`` of ``base_logits``) of a child of parent
-    ``p`` to ``U_d + W2 f(p)``, where ``f(p)`` is a rank-R feature vector of the parent: ``W1[p]`` for the
-    vanilla head (:func:`vanilla_parent_feats`), ``W1[p] * gate(h_d, W1[p])`` for the gated head. The
-    features are an input, so this function does not depend on the head type.
-
-    Depth 1 (``d = 0``) has the single parent ``x_start``; its row is normalised exactly over the full
-    vocabulary in both modes, every row ``i`` of ``T[0]`` is the same, and only ``parent_feats[0, 0]``
-    is read. For ``d >= 1`` the parent of row ``i`` is ``cand_tokens[d - 1, i]`` with features
-    ``parent_feats[d, i]``. Normalisations of ``Z_ij = U_d[c_j] + w2[c_j] . f_i`` (``c = cand_tokens[d]``):
-
-    * ``"exact"``: ``T = Z - logsumexp_v(U_d[v] + w2[v] . f_i)`` over the full vocabulary, i.e. the true
-      log-softmax of the corrected logits (costs ``C x V x R`` multiply-adds per depth).
-    * ``"fast"``: ``T = Z - log(sum_j exp(Z_ij) + sum_{v not in top-C} exp(U_d[v]))``: the C corrected
-      candidates plus the *uncorrected* base mass outside the candidates, i.e. it assumes the bias is
-      small off the candidates (costs ``C x C x R`` per depth). It is exact when ``C = V``.
-
-    Args:
-      base_logits: [D, V] drafter base logits.
-      cand_tokens: int[D, C] candidates from :func:`candidates`.
-      parent_feats: [D, C, R] parent features as described above.
-      w2: [V, R] ``markov_w2`` weight in the torch Linear layout, ``bias(p) = w2 @ f(p)``.
-      normalization: ``"exact"`` or ``"fast"``.
-
-    Returns:
-      float32[D, C, C].
+    A child of parent ``p`` has the corrected logits ``U_d + W2 f(p)`` (``U_d``: row ``d`` of ``base_logits``
+    [D, V]; ``w2`` [V, R] in the torch Linear layout; ``parent_feats`` [D, C, R] the parents' rank-R features,
+    e.g. :func:`vanilla_parent_feats`). Depth 1 has the single parent ``x_start``: only ``parent_feats[0, 0]``
+    is read and its row is normalised exactly in both modes; for ``d >= 1`` row ``i``'s parent is
+    ``cand_tokens[d - 1, i]``. With ``Z_ij = U_d[c_j] + w2[c_j] . f_i`` (``c = cand_tokens[d]``):
+    ``"exact"``: ``T = Z - logsumexp_v(U_d[v] + w2[v] . f_i)`` (``O(C V R)`` per depth); ``"fast"``:
+    ``T = Z - log(sum_j exp(Z_ij) + sum_{v not in top-C} exp(U_d[v]))`` (the base mass off the candidates
+    uncorrected; ``O(C^2 R)``; exact when ``C = V``).
     """
     if normalization not in ("exact", "fast"):
         raise ArgumentError(f"normalization must be 'exact' or 'fast', got {normalization!r}")
@@ -442,18 +327,13 @@ def _check_tables(tables: jax.Array, cand_tokens: jax.Array) -> tuple[int, int]:
 def _expand(
     tables: jax.Array, widths: tuple[int, ...] | jax.Array, k: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-depth beams: at depth ``d`` keep the best ``widths[d]`` extensions of the previous beam.
+    """Per-depth beams: at depth ``d`` keep the best ``widths[d]`` extensions (tree order) of the previous beam.
 
-    "Best" is the tree order (score descending, candidate-index path ascending). Each beam is stored in
-    lexicographic path order of its kept entries (empty ``-inf`` slots may sit in between, or at the end),
-    so the flat index ``b * C + j`` of a child in the ``[K, C]`` matrix of extensions is increasing in its
-    path; ``jax.lax.top_k`` prefers lower indices among equal values, so it breaks ties exactly by the
-    path. One step per depth: a gather-add, a top-k and a sort of ``K`` keys carrying their scores. Returns
-    per depth (stacked, ``K = max(widths)``): scores [D, K] (``-inf`` = empty slot), parent slot [D, K],
-    candidate index [D, K]. Every level, empty slots included, is sorted by (parent slot, candidate); a
-    slot emptied by a beam width has a parent slot ``>= K`` (so it sorts past every real parent).
-    With ``k`` given, ``widths`` may be a traced int[D] (each ``<= k``): one compiled program serves every
-    profile of at most ``k`` nodes per depth.
+    Each beam is kept in lexicographic path order, so the flat index ``b * C + j`` of an extension follows its
+    path and ``jax.lax.top_k``'s lower-index tie-break is the path's. Returns, stacked per depth with
+    ``K = max(widths)`` (or ``k``): scores [D, K] (``-inf``: empty), parent slot [D, K] (``>= K`` for a slot
+    emptied by a width) and candidate index [D, K], each level sorted by (parent slot, candidate). With
+    ``k`` given, ``widths`` may be a traced int[D] (each ``<= k``).
     """
     d, c, _ = tables.shape
     full = k is None and all(w == max(widths) for w in widths)  # best_first: every depth keeps K, no limit
@@ -477,27 +357,18 @@ def _expand(
         # one output array per step: the scores' bits and the keys
         return (new_scores, key), jnp.stack([jax.lax.bitcast_convert_type(new_scores, jnp.int32), key])
 
-    # Unrolled: the D steps stay sequential (3 kernels each: gather-add, top-k, sort), without the loop's own
-    # per-step ops (counter, condition, output writes).
     _, out = jax.lax.scan(step, init, (t, jnp.asarray(widths, jnp.int32)), unroll=True)
     scores, key = jax.lax.bitcast_convert_type(out[:, 0], jnp.float32), out[:, 1]
     return scores, key // c, key % c
 
 
 def _preorder(parent_slot: jax.Array) -> jax.Array:
-    """Depth-first preorder rank of every beam entry in the trie of all entries, in closed form (no loop).
+    """Depth-first preorder rank of every beam entry in the trie of all entries (one integer key that orders
+    candidate-index paths lexicographically, a prefix first), in closed form.
 
-    Comparing preorder ranks is comparing candidate-index paths lexicographically (a prefix first), so the
-    global merge needs one integer key instead of D. Every level is sorted by (parent slot, candidate),
-    so the descendants at any deeper level of the first ``s`` entries of a level are a prefix of that
-    level. For an entry ``x`` at level ``u``, slot ``s``, the entries before it are: at each shallower
-    level ``t``, the slots up to its ancestor's (``slot + 1`` of each ancestor); at level ``u``, ``s``
-    entries; at each deeper level ``t``, ``lo_t(s)`` entries, the descendants of the first ``s``. With
-    ``F_t(r)`` = number of level-``t`` entries whose parent slot is below ``r``, ``lo_t = F_t o ... o
-    F_{u+1}``. Both sums come from pointer doubling (``ceil(log2 D)`` vectorised steps each): over the flat
-    parent pointers for the first, over the per-level tables ``F`` (composition and running sum) for the
-    last. Empty slots are entries too (their ranks are never compared: they sort last by score); a
-    parent slot ``>= K`` (beam slots past a depth's width) sorts past every real parent.
+    An entry at level ``u``, slot ``s`` is preceded by ``slot + 1`` entries at each ancestor's level, ``s`` at
+    its own, and ``F_t o ... o F_{u+1}(s)`` at each deeper level ``t`` (``F_t(r)``: level-``t`` entries whose
+    parent slot is below ``r``); both sums come from pointer doubling (``ceil(log2 D)`` steps).
     """
     d, k = parent_slot.shape
     n = d * k
@@ -558,25 +429,13 @@ def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array
 
 
 def best_first(tables: jax.Array, cand_tokens: jax.Array, budget: int) -> Tree:
-    """The ``budget`` most probable prefixes of depth ``1..D`` (DDTree's best-first heap, on device).
+    """The ``budget`` (static, >= 1) most probable prefixes of depth ``1..D`` (DDTree's best-first heap).
 
-    A prefix's score is the sum of ``tables[d, parent_cand, cand]`` along its path (``T[0]`` row 0 for
-    depth 1). The result is a per-depth beam of width ``budget`` followed by a global top-``budget``
-    merge; this is exact because a child never outscores its parent, so a selected prefix's ancestors
-    are selected and no depth holds more than ``budget`` selected prefixes. The first ``b`` nodes of the
-    result are the best ``b`` prefixes for every ``b <= budget``.
-
-    With :func:`ddtree_tables` of ``candidates(logits, top_c)`` and ``top_c >= min(budget, V)`` this is
-    upstream DDTree's tree (same nodes, order and tie-break). With ``top_c`` smaller, children are
-    restricted to the per-depth top-C candidates (the SparklingTree approximation).
-
-    Args:
-      tables: float32[D, C, C] log-prob tables (:func:`ddtree_tables` or :func:`markov_tables`).
-      cand_tokens: int[D, C] the candidates the tables refer to.
-      budget: number of nodes ``M`` (static), >= 1.
-
-    Returns:
-      A :class:`Tree` of ``M = budget`` nodes in the module's order (see the module docstring).
+    A prefix's score is the sum of ``tables[d, parent_cand, cand]`` (float32[D, C, C]) along its path. A
+    per-depth beam of width ``budget``, then a global top-``budget`` merge (exact: a child never outscores
+    its parent). The first ``b`` nodes are the best ``b`` prefixes for every ``b <= budget``. With
+    :func:`ddtree_tables` and ``top_c >= min(budget, V)`` this is upstream DDTree's tree, tie-break included.
+    Returns a :class:`Tree` of ``budget`` nodes in the module's order.
     """
     budget = _check_int("budget", budget, 1)
     d, _ = _check_tables(tables, cand_tokens)
@@ -584,23 +443,13 @@ def best_first(tables: jax.Array, cand_tokens: jax.Array, budget: int) -> Tree:
 
 
 def layer_beam(tables: jax.Array, cand_tokens: jax.Array, k: int, nodes: int) -> Tree:
-    """PCTree's tree (arXiv 2608.02123): a beam of ``k`` nodes per depth, then the global top ``nodes``.
+    """PCTree's tree (arXiv 2608.02123): a beam of ``k`` (static, >= 1) nodes per depth, then the global top
+    ``nodes`` (static, the root excluded, ``1 <= nodes <= k * D``).
 
-    At depth ``d + 1`` every kept depth-``d`` node's children are scored from its row of the tables (its
-    path score plus ``tables[d, parent_cand, :]``) and the ``k`` best of all those (parent, child) pairs are
-    kept (ties: the lower candidate-index path). The tree is then the ``nodes`` best kept nodes of all depths
-    by path score, ties to the shallower node, then to the lower path within its depth. It is prefix-closed:
-    a child never outscores its parent and is deeper, so its parent ranks before it.
-
-    Args:
-      tables: float32[D, C, C] log-prob tables (:func:`markov_tables`; entries clipped to <= 0).
-      cand_tokens: int[D, C] the candidates the tables refer to.
-      k: static beam width per depth, >= 1.
-      nodes: static number of nodes ``M`` (the root excluded), ``1 <= M <= k * D``.
-
-    Returns:
-      A :class:`Tree` of ``M`` nodes in that order (parents before children; padding at the end when fewer
-      than ``M`` kept nodes exist).
+    At each depth the ``k`` best (parent, child) extensions of the kept nodes by path score are kept (ties:
+    the lower candidate-index path); the tree is the ``nodes`` best kept nodes by path score, ties to the
+    shallower node, then the lower path. It is prefix-closed (a child never outscores its parent). Returns a
+    :class:`Tree` in that order, padding at the end.
     """
     d, _ = _check_tables(tables, cand_tokens)
     k = _check_int("k", k, 1)
@@ -611,26 +460,20 @@ def layer_beam(tables: jax.Array, cand_tokens: jax.Array, k: int, nodes: int) ->
 
 
 def even_widths(budget: int, depth: int) -> tuple[int, ...]:
-    """An even beam profile: ``budget`` nodes over ``depth`` depths, the remainder to the shallowest.
-
-    If ``budget < depth``, the first ``budget`` depths get one node each and the rest get 0.
-    """
+    """An even beam profile: ``budget`` nodes over ``depth`` depths, the remainder to the shallowest."""
     budget = _check_int("budget", budget, 1)
     depth = _check_int("depth", depth, 1)
     q, r = divmod(budget, depth)
     return tuple(q + 1 if i < r else q for i in range(depth))
 
 
-# Per-depth conditional acceptance rates of the DSpark greedy chain on the bundled demo pair as pre-trained (depth
-# d accepted given depth d - 1 was; docs/benchmarks.md, "Tree options", has the run): the default profile of
-# ``widths="auto"`` (see auto_widths).
+# Per-depth conditional acceptance rates of the demo pair's DSpark greedy chain: auto_widths' default profile.
 DEMO_DEPTH_RATES: tuple[float, ...] = (
     0.54, 0.69, 0.79, 0.76, 0.81, 0.71, 0.96, 0.86, 0.88, 0.93, 0.76, 0.86, 0.93, 0.90, 0.97, 0.77,
 )
 
 
-# How a depth's miss rate falls with its width in auto_widths' model, ``miss(w) = miss(1) * w ** -exponent``: fitted on
-# the demo pair (docs/benchmarks.md, "Tree options").
+# auto_widths' model ``miss(w) = miss(1) * w ** -exponent``, fitted on the demo pair (docs/benchmarks.md).
 DEMO_WIDTH_EXPONENT = 0.6
 
 
@@ -641,27 +484,14 @@ def auto_widths(
     top_c: int | None = None,
     exponent: float | None = None,
 ) -> tuple[int, ...]:
-    """A beam profile that maximises the expected accepted length for ``budget`` nodes (marginal-gain allocation).
+    """A beam profile of ``depth`` non-negative ints summing to ``budget`` that maximises the expected accepted
+    length ``sum_d prod_{i <= d} q_i(w_i)``, ``q_d(w) = 1 - (1 - r_d) * w ** -exponent`` (``q_d(0) = 0``).
 
-    Model: the kept ``w >= 1`` nodes of depth ``d + 1`` hold the target's token (given the depth above was
-    accepted) with probability ``q_d(w) = 1 - (1 - r_d) * w ** -exponent``, where ``r_d`` is the conditional
-    acceptance rate of a single node at that depth (``q_d(0) = 0``); the expected accepted length is
-    ``sum_d prod_{i <= d} q_i(w_i)``.
-    Nodes are added one at a time to the depth with the largest gain of that sum (the shallowest on a tie),
-    never to a depth below an empty one and never past ``top_c ** (d + 1)`` nor ``top_c`` children per kept
-    node of the depth above. The profile therefore sums to ``budget`` exactly and has no zero before a
-    non-zero entry.
-
-    Args:
-      budget: nodes (static int >= 1); with ``top_c`` at most the reachable ``sum_k top_c ** k``.
-      depth: depths D (static int >= 1).
-      rates: per-depth rates in ``[0, 1]``; depth ``d`` uses ``rates[min(d, len(rates) - 1)]`` (longer
-        profiles are cut, shorter ones repeat their last rate). Default :data:`DEMO_DEPTH_RATES`.
-      top_c: candidates per depth, the per-depth cap (None: no cap).
-      exponent: ``> 0``, how fast a depth's miss rate falls with its width (default :data:`DEMO_WIDTH_EXPONENT`).
-
-    Returns:
-      A tuple of D non-negative ints summing to ``budget``.
+    Nodes are added one at a time to the depth with the largest gain (the shallowest on a tie), never below an
+    empty depth, past ``top_c ** (d + 1)`` or past ``top_c`` children per kept node above. ``rates``: per-depth
+    conditional acceptance rates in ``[0, 1]``, depth ``d`` uses ``rates[min(d, len(rates) - 1)]`` (default
+    :data:`DEMO_DEPTH_RATES`); ``top_c``: None for no cap (else ``budget`` must be reachable); ``exponent``:
+    ``> 0`` (default :data:`DEMO_WIDTH_EXPONENT`).
     """
     budget = _check_int("budget", budget, 1)
     depth = _check_int("depth", depth, 1)
@@ -700,19 +530,9 @@ def auto_widths(
 
 
 def beam(tables: jax.Array, cand_tokens: jax.Array, widths: tuple[int, ...]) -> Tree:
-    """Static-budget beam: at depth ``d + 1`` keep the best ``widths[d]`` extensions of the kept depth-``d``
-    prefixes (in the tree order: score descending, candidate-index path ascending).
-
-    Args:
-      tables: float32[D, C, C] log-prob tables.
-      cand_tokens: int[D, C] the candidates the tables refer to.
-      widths: static tuple of ``D`` non-negative ints with a positive sum; zeros may only appear at the
-        end (nothing can hang below an empty depth). :func:`even_widths` gives a default profile.
-
-    Returns:
-      A :class:`Tree` of ``M = sum(widths)`` nodes, in the same format and order as :func:`best_first`
-      (a depth with fewer than ``widths[d]`` available extensions leaves padding at the end).
-    """
+    """Static-budget beam: at depth ``d + 1`` keep the best ``widths[d]`` extensions (tree order) of the kept
+    depth-``d`` prefixes. ``widths``: static, ``D`` non-negative ints, positive sum, zeros only at the end.
+    Returns a :class:`Tree` of ``sum(widths)`` nodes in :func:`best_first`'s format and order."""
     d, _ = _check_tables(tables, cand_tokens)
     if not isinstance(widths, tuple | list) or len(widths) != d:
         raise ArgumentError(f"widths must be a tuple of {d} ints (one per depth of tables), got {widths!r}")
@@ -730,19 +550,9 @@ def beam(tables: jax.Array, cand_tokens: jax.Array, widths: tuple[int, ...]) -> 
 
 
 def visibility(parents: jax.Array, max_depth: int | None = None) -> jax.Array:
-    """Ancestor mask of a tree, root included: ``mask[q, a]`` is True iff node ``a`` is ``q`` or one of
-    its ancestors (row = query node, column = key node; the root is row / column 0).
-
-    Computed by pointer doubling: ``ceil(log2(max_depth + 1))`` steps of ``mask |= mask[jump]``,
-    ``jump = jump[jump]`` over the whole ``[M + 1, M + 1]`` matrix; no loop over nodes.
-
-    Args:
-      parents: int[M] parent index (``0..M``) of node ``i + 1``, as in :attr:`Tree.parents`.
-      max_depth: static bound on the tree depth (``D``); defaults to ``M``, which is always enough.
-
-    Returns:
-      bool[M + 1, M + 1].
-    """
+    """Ancestor mask bool[M + 1, M + 1] of a tree, root included: ``mask[q, a]`` is True iff node ``a`` is
+    ``q`` or one of its ancestors (by pointer doubling). ``parents``: int[M] as :attr:`Tree.parents`;
+    ``max_depth``: static bound on the tree depth (default ``M``)."""
     _check_ndim("parents", parents, 1, "M")
     m = parents.shape[0]
     bound = m if max_depth is None else _check_int("max_depth", max_depth, 1)
@@ -755,10 +565,7 @@ def visibility(parents: jax.Array, max_depth: int | None = None) -> jax.Array:
 
 
 def tree_positions(depths: jax.Array, start: jax.Array | int) -> jax.Array:
-    """Absolute positions of ``[root] + nodes``: ``start`` for the root, ``start + depth`` for node i+1.
-
-    Returns int32[M + 1].
-    """
+    """Absolute positions int32[M + 1] of ``[root] + nodes``: ``start``, then ``start + depth``."""
     _check_ndim("depths", depths, 1, "M")
     d = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.asarray(depths, jnp.int32)])
     return jnp.asarray(start, jnp.int32) + d
@@ -786,29 +593,14 @@ def accept(
     *,
     mask: jax.Array | None = None,
 ) -> Accepted:
-    """Walk a verified tree (upstream ``follow_verified_tree``), all depths at once.
+    """Walk a verified tree (upstream ``follow_verified_tree``), all depths at once, without a loop.
 
-    The walk starts at the root and, while ``posterior[current]`` equals the token of one of ``current``'s
-    children, moves to that child (children have distinct tokens; if not, the lowest-index child wins),
-    for at most ``max_depth`` steps. A chain is the tree ``parents = [0, 1, ..., M-1]``.
-
-    No loop: a node is *good* if its token equals the posterior at its parent and no lower-index sibling
-    has the same token; the walk reaches a node iff it and all its ancestors are good (read from the
-    ancestor mask) and its depth is at most ``max_depth``. The reached nodes form the accepted path, one
-    per depth. :func:`accept_walk` is the step-by-step walk, kept as the reference.
-
-    Args:
-      parents: int[M] parent of node ``i + 1`` (:attr:`Tree.parents`); parents precede their children.
-      tokens: int[M] token of node ``i + 1`` (padding -1 never matches).
-      posterior: int[M + 1] target token at each of ``[root] + nodes`` (argmax, or a sample).
-      max_depth: static number of walk steps (the tree's depth ``D``); defaults to ``M``.
-      mask: optional bool[M + 1, M + 1] ancestor mask of the tree (:func:`visibility`), e.g. the one the
-        verify step already used; its rows must be complete for every node of depth ``<= max_depth``, which
-        ``visibility(parents, max_depth)`` is when no node is deeper than ``max_depth`` (true for the
-        builders' trees and chains of ``max_depth`` nodes). Computed here when None.
-
-    Returns:
-      :class:`Accepted` with indices padded to ``max_depth + 1``.
+    From the root, while ``posterior[current]`` equals the token of one of ``current``'s children, move to
+    that child (the lowest-index one among equal tokens), for at most ``max_depth`` steps (static; default
+    ``M``). :func:`accept_walk` is the step-by-step reference. ``parents``, ``tokens``: int[M] as in
+    :class:`Tree` (parents precede children); ``posterior``: int[M + 1], the target token at each of
+    ``[root] + nodes``; ``mask``: the tree's :func:`visibility` (complete for every node of depth
+    ``<= max_depth``), computed when None. Returns :class:`Accepted`, indices padded to ``max_depth + 1``.
     """
     m, steps = _check_accept_args(parents, tokens, posterior, max_depth)
     parents = jnp.asarray(parents, jnp.int32)
