@@ -1,9 +1,6 @@
-"""Method ``auto``: the policy, nested best-first prefixes, the branches' layouts, exactness, no host sync, the
-memory, the cost table (a traced input: tables that agree on what they decide statically share one program;
-profile, save, load, the per-machine cache) and bad input.
-
-Most generations here run one program: the sizes ``SIZES``, ``decide="previous"``, the three prompts and 24 new
-tokens, under tables whose every size is viable with the probe floor 4 (any such table reuses it)."""
+"""Method ``auto``: policy, nested best-first prefixes, branch layouts, exactness, no host sync, memory, the cost
+table (a traced input; profile, save, load, the per-machine cache) and bad input. Most generations share one
+program: ``SIZES``, decide="previous", PROMPTS3, NEW_LONG, tables whose every size is viable with probe floor 4."""
 
 from __future__ import annotations
 
@@ -52,8 +49,10 @@ def no_cache_dir(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ar_tokens(random_pair):
-    return functools.lru_cache(lambda prompts: generate(random_pair[0], None, [list(p) for p in prompts],
-                                                        max_new_tokens=NEW).tokens)
+    """The target's greedy NEW tokens of a list of prompts (cached)."""
+    greedy = functools.lru_cache(lambda prompts: generate(random_pair[0], None, [list(p) for p in prompts],
+                                                          max_new_tokens=NEW).tokens)
+    return lambda prompts: greedy(tuple(map(tuple, prompts)))
 
 
 def _table(pair, sizes=SIZES, seconds=BASE) -> CostTable:
@@ -62,6 +61,16 @@ def _table(pair, sizes=SIZES, seconds=BASE) -> CostTable:
 
 def _auto(pair, seconds=BASE, sizes=SIZES, **kw) -> Auto:
     return Auto(sizes=sizes, table=_table(pair, sizes, seconds), **kw)
+
+
+def _start(pair, method=None):
+    """(run, device args, the first round's state) of a generation of PROMPTS3 with ``method`` (default _auto)."""
+    target, drafter = pair
+    run = validate(target, drafter, PROMPTS3, method=method or _auto(pair), max_new_tokens=NEW)
+    args = run.device_args()
+    state = spec_start(*split_pair(target, drafter), *args, run.device_inputs(), plan=run.plan,
+                       cache_size=run.cache_size, buf_len=run.buf_len)
+    return run, args, state
 
 
 def _state(**kw) -> adaptive.AutoState:
@@ -93,9 +102,8 @@ def test_policy_picks_most_tokens_per_cost_on_hand_made_tables():
 
 
 def test_shadow_chain_is_scored_against_the_committed_tokens():
-    """A probe's unverified chain, scored by the leading drafts equal to the tokens committed at their places:
-    only once its places are committed (or its sequence is done, or a probe needs the slot), and into the
-    chain's calibration only."""
+    """A probe's unverified chain scores its leading drafts equal to the committed tokens, once its places are
+    committed (or it is done, or a probe needs the slot), into the chain's calibration only."""
     m = Auto(sizes=(0, "chain", 4))
     c = m.sizes.index("chain")
     out = jnp.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 8, 9, 1, 2, 0], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
@@ -123,14 +131,11 @@ def test_shadow_chain_is_scored_against_the_committed_tokens():
     assert not adaptive.shadowing(Auto(sizes=(0, "chain", 4), decide="draft"))
 
 
-def test_calibration_scales_the_predictions():
+def test_predictions_from_hand_made_scores_and_their_calibration():
     st = _state(real=jnp.array([0.0, 1.0, 0.0]), pred=jnp.array([0.0, 3.0, 0.0]))
     exp = np.asarray(adaptive.calibrated(st, jnp.array([[0.0, 2.0, 2.0]])))
     p = adaptive.CALIBRATION_PRIOR
     np.testing.assert_allclose(exp[0], [1.0, 1.0 + 2.0 * (1.0 + p) / (3.0 + p), 3.0], rtol=1e-6)
-
-
-def test_predictions_from_hand_made_scores_and_chain_probabilities():
     m = Auto(sizes=(0, "chain", 1, 3))
     scores = jnp.log(jnp.array([[0.5, 0.25, 0.1, 0.05]]))
     chain_p = jnp.array([[0.5, 0.5, 1.0]])
@@ -178,16 +183,15 @@ def test_viability_and_the_probe_floor_from_the_seconds():
 
 
 def test_two_cost_tables_share_one_compiled_program(random_pair, ar_tokens, caplog):
-    """Tables with other seconds but the same static part (viability, probe floor) bind to equal plans and run
-    one compiled program (counted by JAX: the jitted program's cache and its compile log); each run's tokens are
-    the target's greedy ones, and the policy reads each table's own seconds."""
+    """Tables of other seconds, same static part: equal plans, one compiled program (the jit cache and JAX's
+    compile log), greedy tokens, each table's own seconds read."""
     target, drafter = random_pair
     runs = [validate(target, drafter, PROMPTS3, method=_auto(random_pair, s), max_new_tokens=NEW)
             for s in (BASE, OTHER)]
     assert runs[0].plan == runs[1].plan and hash(runs[0].plan) == hash(runs[1].plan)
     np.testing.assert_allclose(runs[1].inputs.seconds, OTHER)
     first = generate(target, drafter, PROMPTS3, method=_auto(random_pair, BASE), max_new_tokens=NEW)
-    assert first.tokens == ar_tokens(tuple(map(tuple, PROMPTS3)))
+    assert first.tokens == ar_tokens(PROMPTS3)
     programs = spec_program._cache_size()
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles():
@@ -210,12 +214,10 @@ def test_two_cost_tables_share_one_compiled_program(random_pair, ar_tokens, capl
 def test_branches_return_identical_state_layouts(random_pair):
     target, drafter = random_pair
     run = validate(target, drafter, PROMPTS3, method=_auto(random_pair), max_new_tokens=NEW)
-    plan = run.plan
-    graphdefs, states = split_pair(target, drafter)
-    args = run.device_args()
-    # shapes only (traced, never run)
-    state = jax.eval_shape(lambda a, i: spec_start(graphdefs, states, *a, i, plan=plan, cache_size=run.cache_size,
-                                                   buf_len=run.buf_len), args, run.device_inputs())
+    plan, args = run.plan, run.device_args()
+    state = jax.eval_shape(lambda a, i: spec_start(*split_pair(target, drafter), *a, i, plan=plan,  # shapes only
+                                                   cache_size=run.cache_size, buf_len=run.buf_len),
+                           args, run.device_inputs())
     blk = jax.eval_shape(lambda s: adaptive.draft(target, drafter, s, plan=plan), state)
     aprop = jax.eval_shape(lambda s, b: adaptive.auto_expand(target, drafter, s, b, args.temperature,
                                                              jax.random.key(1), plan=plan), state, blk)
@@ -235,15 +237,10 @@ def test_branches_return_identical_state_layouts(random_pair):
 
 
 def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(random_pair):
-    """decide="previous" probe (idle > 0): the chain is built; the largest tree only when the policy over the fresh
-    chain prediction and the trees' last ones picks a tree, or when no tree prediction exists yet and some tree
-    size is viable (with no viable tree size no tree is ever built)."""
+    """A probe (idle > 0) builds the chain, and the largest tree only if the policy picks a tree or no tree
+    prediction exists yet and some tree size is viable."""
     target, drafter = random_pair
-    graphdefs, states = split_pair(target, drafter)
-    run = validate(target, drafter, PROMPTS3, method=_auto(random_pair), max_new_tokens=NEW)
-    args = run.device_args()
-    state = spec_start(graphdefs, states, *args, run.device_inputs(), plan=run.plan, cache_size=run.cache_size,
-                       buf_len=run.buf_len)
+    run, args, state = _start(random_pair)
     assert int(state.extra.idle) > 0  # the first round is a probe
     blk = adaptive.draft(target, drafter, state, plan=run.plan)
 
@@ -269,11 +266,8 @@ def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
     """A burst of plain steps projects the drafter's context once per chunk of ``depth + 1`` steps; the context
     (and everything else) must equal that of the steps taken one by one, each extending the context."""
     target, drafter = random_pair
-    run = validate(target, drafter, PROMPTS3, method=_auto(random_pair), max_new_tokens=NEW)
-    plan, args = run.plan, run.device_args()
-    graphdefs, states = split_pair(target, drafter)
-    state = spec_start(graphdefs, states, *args, run.device_inputs(), plan=plan, cache_size=run.cache_size,
-                       buf_len=run.buf_len)
+    run, args, state = _start(random_pair)
+    plan = run.plan
     steps = 2 * (plan.depth + 1) + 3  # two whole chunks and a partial one
     state = dataclasses.replace(state, extra=dataclasses.replace(state.extra, gap=jnp.int32(steps), idle=jnp.int32(0)))
     key = jax.random.key(3)
@@ -307,7 +301,7 @@ def test_greedy_auto_equals_ar(random_pair, ar_tokens, decide, batch):
     prompts = PROMPTS3[:batch]
     m = _auto(random_pair, decide=decide)
     out = generate(target, drafter, prompts, method=m, max_new_tokens=NEW)
-    assert out.tokens == ar_tokens(tuple(map(tuple, prompts)))
+    assert out.tokens == ar_tokens(prompts)
     assert [len(c) for c in out.size_choices] == out.rounds
     assert sum(out.size_counts.values()) == sum(out.rounds)
     assert set(out.size_counts) <= set(m.table.labels)
@@ -327,7 +321,7 @@ def test_every_candidate_alone_is_exact(random_pair, ar_tokens, decide):
         seconds = tuple(1e-3 if j == i else 1.0 for j in range(len(labels)))
         out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW,
                        method=Auto(sizes=SIZES, decide=decide, table=CostTable(labels, seconds)))
-        assert out.tokens == ar_tokens(tuple(map(tuple, PROMPTS3))), label
+        assert out.tokens == ar_tokens(PROMPTS3), label
         counts = out.size_counts
         if decide == "draft" or label != "ar":
             assert set(counts) == {label}, (label, counts)
@@ -339,7 +333,7 @@ def test_every_candidate_alone_is_exact(random_pair, ar_tokens, decide):
 def test_instrumented_and_stream_auto_match(random_pair, ar_tokens):
     target, drafter = random_pair
     m = _auto(random_pair)
-    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    ar = ar_tokens(PROMPTS3)
     inst = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, instrument=True)
     assert inst.tokens == ar and inst.size_counts
     chunks = list(sparkjax.stream(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))
@@ -386,7 +380,7 @@ def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, ar_
     memory = None
     for prompts in (PROMPTS3[:batch], PROMPTS3[::-1][:batch], PROMPTS3[1:2]):
         out = generate(target, drafter, prompts, method=m, max_new_tokens=NEW, auto_memory=memory)
-        assert out.tokens == ar_tokens(tuple(map(tuple, prompts)))
+        assert out.tokens == ar_tokens(prompts)
         memory = out.auto_memory
         assert memory.labels == m.resolve(drafter).labels()
         assert all(np.asarray(getattr(memory, f)).shape == (len(SIZES),) for f in ("real", "pred", "last"))
@@ -395,10 +389,8 @@ def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, ar_
 
 
 def test_auto_memory_sets_the_first_round_state(random_pair, ar_tokens):
-    """init_state from a memory: its calibration, predictions and gap, and a probe due at the first round (idle =
-    gap); from none, the fresh state. And the memory decides: one that says drafts accept nothing (realised 0 of
-    many predicted) makes every round of a generation a plain step, while a fresh start under a table that makes
-    drafts cheap drafts (both in the one program of these tables)."""
+    """init_state from a memory (its calibration, predictions, gap; a probe due at once) or fresh; a memory of
+    drafts accepting nothing makes every round a plain step, cheap drafts in a fresh start draft."""
     target, drafter = random_pair
     m = _auto(random_pair)
     run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW)
@@ -412,7 +404,7 @@ def test_auto_memory_sets_the_first_round_state(random_pair, ar_tokens):
     assert int(st.gap) == 40 and int(st.idle) == 40
     fresh = adaptive.init_state(run.plan, 3, 20, run.inputs)
     assert int(fresh.gap) == int(fresh.idle) == run.plan.method.floor == 4 and not np.asarray(fresh.pred).any()
-    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    ar = ar_tokens(PROMPTS3)
     hopeless = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=mem)
     assert hopeless.tokens == ar and set(hopeless.size_counts) == {"ar"}
     eager = generate(target, drafter, PROMPTS3, method=_auto(random_pair, (1.0, 0.01, 0.01, 0.01, 0.01)),
@@ -459,7 +451,7 @@ def test_eval_engine_carries_auto_memory_per_chain(random_pair, ar_tokens, monke
     eng.remember(mc, 1, 0, res)
     assert isinstance(eng.memory(mc, 1, 0), adaptive.AutoMemory) and eng.memory(mc, 1, 1) is None
     out = eng.outputs(eng.launch(mc, PROMPTS3[:1], 0, auto_memory=eng.memory(mc, 1, 0)), 1)
-    assert out.tokens == [t[:6] for t in ar_tokens((tuple(PROMPTS3[0]),))]
+    assert out.tokens == [t[:6] for t in ar_tokens(PROMPTS3[:1])]
     eng.remember(MethodConfig("dspark"), 1, 0, eng.launch(MethodConfig("dspark"), PROMPTS3[:1], 0))
     assert eng.memory(MethodConfig("dspark"), 1, 0) is None
     fresh = Engine(target, drafter, carry_auto=False, **kw)
@@ -471,9 +463,8 @@ def test_eval_engine_carries_auto_memory_per_chain(random_pair, ar_tokens, monke
 
 
 def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burst(random_pair, monkeypatch):
-    """The protocol on a fake clock: every candidate's time is its call's less a call of no round; drafted
-    candidates run PROFILE_ROUNDS forced rounds, the plain step one burst of PROFILE_BURST steps; a call whose
-    net time is not positive keeps its whole time (never 0)."""
+    """On a fake clock: a candidate's time is its call's less a call of no round (PROFILE_ROUNDS forced rounds,
+    the plain step one burst of PROFILE_BURST); a net time not positive keeps the whole time (never 0)."""
     target, drafter = random_pair
     sizes = (0, "chain", 6)
     per_step = {0: 0.5e-3, 1: 3e-3, 2: 4e-3}  # seconds per plain step / per drafted round
@@ -519,8 +510,7 @@ def test_profile_costs_save_and_load(random_pair, ar_tokens, tmp_path):
                            batch_size=2, cache_size=64)
     assert back == tab
     m = Auto(sizes=(0, "chain"), table=back)  # a loaded table is used as is
-    assert generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW).tokens == \
-        ar_tokens(tuple(map(tuple, PROMPTS3)))
+    assert generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW).tokens == ar_tokens(PROMPTS3)
     with pytest.raises(CostTableError, match=r"costs.json: key 'batch' is 2, this run needs 4"):
         load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, "chain")),
                         batch_size=4, cache_size=64)
@@ -530,22 +520,14 @@ def test_profile_costs_save_and_load(random_pair, ar_tokens, tmp_path):
 
 
 def test_unreadable_cost_tables_name_the_file(tmp_path):
-    missing = tmp_path / "none.json"
-    with pytest.raises(CostTableError, match="none.json: unreadable"):
-        load_cost_table(missing)
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(CostTableError, match="bad.json: unreadable"):
-        load_cost_table(bad)
-    other = tmp_path / "other.json"
-    other.write_text(json.dumps({"format": "something-else"}))
-    with pytest.raises(CostTableError, match="other.json: unreadable.*not a sparkjax cost table"):
-        load_cost_table(other)
-    neg = tmp_path / "neg.json"
-    neg.write_text(json.dumps({"format": "sparkjax-cost-table", "key": {},
-                               "candidates": [{"label": "ar", "seconds": -1.0}]}))
-    with pytest.raises(CostTableError, match="neg.json"):
-        load_cost_table(neg)
+    neg = {"format": "sparkjax-cost-table", "key": {}, "candidates": [{"label": "ar", "seconds": -1.0}]}
+    for name, text, words in (("none", None, "none.json: unreadable"), ("bad", "{not json", "bad.json: unreadable"),
+                              ("other", json.dumps({"format": "x"}), "other.json: unreadable.*not a sparkjax cost"),
+                              ("neg", json.dumps(neg), "neg.json")):
+        if text is not None:
+            (tmp_path / f"{name}.json").write_text(text)
+        with pytest.raises(CostTableError, match=words):
+            load_cost_table(tmp_path / f"{name}.json")
     assert issubclass(CostTableError, SparkjaxError)
 
 
@@ -554,9 +536,8 @@ def test_unreadable_cost_tables_name_the_file(tmp_path):
 
 def test_a_profiled_table_is_kept_per_machine_and_a_damaged_file_is_rewritten(random_pair, ar_tokens, tmp_path,
                                                                                monkeypatch, recwarn):
-    """With a cache folder: the first default ``auto`` run profiles and writes its table there; another process
-    (here: the process cache emptied) reads it without profiling; a damaged file (bad JSON, wrong fields, another
-    key) is ignored with one warning, profiled again and rewritten; ``off`` writes nothing."""
+    """The first default ``auto`` run profiles and writes its table; a new process reads it; a damaged file (bad
+    JSON, wrong fields, another key) is ignored with one warning and rewritten; ``off`` writes nothing."""
     target, drafter = random_pair
     monkeypatch.setenv("SPARKJAX_CACHE_DIR", str(tmp_path))
     profiled = []
@@ -566,7 +547,7 @@ def test_a_profiled_table_is_kept_per_machine_and_a_damaged_file_is_rewritten(ra
         return CostTable(plan.method.labels(), BASE, BASE, costs.cost_key(t, d, plan, batch_size, cache_size))
 
     monkeypatch.setattr(costs, "profile", fake)
-    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    ar = ar_tokens(PROMPTS3)
     assert generate(target, drafter, PROMPTS3, method=Auto(sizes=SIZES), max_new_tokens=NEW).tokens == ar
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(profiled) == 1 and len(files) == 1
@@ -609,7 +590,7 @@ def test_default_auto_profiles_once_and_is_exact(random_pair, ar_tokens, monkeyp
         return real(*a, **{**k, "repeats": 1})
 
     monkeypatch.setattr(costs, "profile", counting)
-    ar = ar_tokens(tuple(map(tuple, PROMPTS3)))
+    ar = ar_tokens(PROMPTS3)
     assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=NEW).tokens == ar
     assert generate(target, drafter, PROMPTS3, method="auto", max_new_tokens=12).tokens == [t[:12] for t in ar]
     assert calls == [3]  # profiled once for this batch and cache size, then kept in the process
@@ -649,19 +630,22 @@ def test_bad_auto_options_name_the_argument(bad, name):
 
 def test_auto_checks_against_the_pair(random_pair):
     target, drafter = random_pair
-    with pytest.raises(ArgumentError, match="drafter: method 'auto' needs a drafter"):
-        generate(target, None, PROMPTS3, method="auto")
-    with pytest.raises(ArgumentError, match="budget"):  # 16 ** 4 + ... reachable, but not with top_c=2
-        generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 64), top_c=2), max_new_tokens=4)
-    with pytest.raises(ArgumentError, match="table: its candidates"):
-        generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 8), table=_table(random_pair)), max_new_tokens=4)
-    with pytest.raises(ArgumentError, match="method: profile_costs times the candidates of method 'auto'"):
-        profile_costs(target, drafter, method="dspark")
-    with pytest.raises(ArgumentError, match="method: cost tables are for method 'auto'"):
-        load_cost_table("x.json", target=target, drafter=drafter, method="ar", batch_size=1, cache_size=64)
-    _, plain = make_random_pair(markov=False)
-    with pytest.raises(ArgumentError, match="method: 'auto' needs a drafter with a Markov head"):
-        generate(target, plain, PROMPTS3, method=Auto(tree="sparklingtree"), max_new_tokens=4)
+    plain = make_random_pair(markov=False)[1]
+    for call, words in (
+        (lambda: generate(target, None, PROMPTS3, method="auto"), "drafter: method 'auto' needs a drafter"),
+        # 16 ** 4 + ... reachable, but not with top_c=2
+        (lambda: generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 64), top_c=2), max_new_tokens=4), "budget"),
+        (lambda: generate(target, drafter, PROMPTS3, method=Auto(sizes=(0, 8), table=_table(random_pair)),
+                          max_new_tokens=4), "table: its candidates"),
+        (lambda: profile_costs(target, drafter, method="dspark"),
+         "method: profile_costs times the candidates of method 'auto'"),
+        (lambda: load_cost_table("x.json", target=target, drafter=drafter, method="ar", batch_size=1, cache_size=64),
+         "method: cost tables are for method 'auto'"),
+        (lambda: generate(target, plain, PROMPTS3, method=Auto(tree="sparklingtree"), max_new_tokens=4),
+         "method: 'auto' needs a drafter with a Markov head"),
+    ):
+        with pytest.raises(ArgumentError, match=words):
+            call()
 
 
 def test_parse_auto():
@@ -698,13 +682,10 @@ def test_plain_steps_only_when_no_draft_can_pay(random_pair, ar_tokens):
     target, drafter = random_pair
     hopeless = _auto(random_pair, (1.0, 100.0, 100.0, 100.0, 100.0))
     out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW, method=hopeless)
-    assert out.tokens == ar_tokens(tuple(map(tuple, PROMPTS3))) and set(out.size_counts) == {"ar"}
-    graphdefs, states = split_pair(target, drafter)
+    assert out.tokens == ar_tokens(PROMPTS3) and set(out.size_counts) == {"ar"}
     for method, kept in ((hopeless, False), (_auto(random_pair), True)):
-        run = validate(target, drafter, PROMPTS3, method=method, max_new_tokens=NEW)
+        run, _, state = _start(random_pair, method)
         assert run.plan.method.keeps_context(run.plan) == kept
-        state = spec_start(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
-                           cache_size=run.cache_size, buf_len=run.buf_len)
         assert bool((np.asarray(state.ctx.lengths) > 0).all()) == kept
         if not kept:  # drafting every round (decide="draft") needs the context whatever the table
             plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method, decide="draft"))
