@@ -1,9 +1,7 @@
 """The public entry points: argument validation, :func:`generate`, :func:`launch` and :func:`stream`.
 
-Every argument is checked here, before anything is compiled (an :class:`~sparkjax.errors.ArgumentError`
-naming the argument); the run then goes to one jitted program of :mod:`sparkjax.engine.programs`.
-Prompt buffers and cache sizes are bucketed to powers of two so that a new prompt length rarely
-recompiles; :func:`required_cache_size` is that rule for the cache.
+Every argument is checked before anything is compiled (an :class:`~sparkjax.errors.ArgumentError` naming
+it); prompt buffers and cache sizes are bucketed to powers of two (:func:`required_cache_size`).
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -148,9 +147,8 @@ def eos_array(eos_token_ids: int | Sequence[int] | None, vocab_size: int) -> np.
 def required_cache_size(prompt_length: int, max_new_tokens: int, plans: Iterable[Plan | None] = (), *,
                         prompt_width: int = 0) -> int:
     """The cache slots a run gets by default (``cache_size=None``): the longest prompt + ``max_new_tokens``
-    + the scratch rows of the largest round among ``plans`` (a round may overshoot by its depth D and
-    verifies M + 1 rows: ``D + M + 2``; none for ``ar``), rounded up to a power of two, and at least
-    ``prompt_width`` (the padded prompt buffer). Runs that share one cache size share one compiled program."""
+    + the largest ``Plan.scratch`` among ``plans`` (none for ``ar``), rounded up to a power of two, and at
+    least ``prompt_width``."""
     extra = max((p.scratch for p in plans if p is not None), default=0)
     return max(bucket(prompt_length + max_new_tokens + extra), prompt_width)
 
@@ -158,10 +156,8 @@ def required_cache_size(prompt_length: int, max_new_tokens: int, plans: Iterable
 def check_lengths(
     prompts: Prompts, max_new_tokens: int, max_positions: int, cache_size: int | None, plan: Plan | None = None
 ) -> int:
-    """Validates the budget of positions and returns the cache size (:func:`required_cache_size` by default).
-
-    ``plan``'s scratch rows are the room a round needs past the committed tokens (a verify window).
-    """
+    """Validates the budget of positions and returns the cache size (:func:`required_cache_size` by default;
+    ``plan``'s scratch rows are the room a round needs past the committed tokens)."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens)
     if cache_size is not None:
         cache_size = check_int("cache_size", cache_size, unit="number of cache slots (or None)")
@@ -201,9 +197,7 @@ def check_lengths(
 
 @dataclasses.dataclass
 class GenerateOutput:
-    """What :func:`generate` returns.
-
-    ``tokens``: generated ids per sequence (prompt excluded, cut after EOS).
+    """What :func:`generate` returns. ``tokens``: generated ids per sequence (prompt excluded, cut after EOS).
     ``acceptance_lengths``: per sequence, the tokens each round committed (accepted drafts + 1,
     the bonus / correction token included); tau = their mean. For ``ar`` every entry is 1.
     ``accepted_per_depth``: per sequence, how many rounds accepted a draft at depth d + 1.
@@ -230,16 +224,11 @@ class GenerateOutput:
         """Method ``auto``: how many rounds (summed over the sequences) verified each candidate size."""
         if self.size_choices is None:
             return None
-        counts: dict[str, int] = {}
-        for row in self.size_choices:
-            for label in row:
-                counts[label] = counts.get(label, 0) + 1
-        return counts
+        return dict(Counter(label for row in self.size_choices for label in row))
 
 
 def raise_if_nonfinite(nonfinite: Any) -> None:
-    """Raises :class:`NumericalError` if any entry of a run's ``nonfinite`` flags (``[B]`` int32: the first
-    round whose target logits were not finite, 0 for the prefill; -1 when all were finite) is set."""
+    """Raises :class:`NumericalError` if any of a run's ``nonfinite`` flags (``Launch.nonfinite``) is set."""
     flags = np.asarray(nonfinite).reshape(-1)
     bad = np.flatnonzero(flags >= 0)
     if bad.size == 0:
@@ -281,15 +270,9 @@ def _itemsize(model) -> int:
 
 def estimate_memory(target, drafter, plan: Plan | None, batch: int, prompt_width: int, cache_size: int,
                     buf_len: int) -> dict[str, int]:
-    """A rough count of the bytes a generation holds on device, by what they grow with.
-
-    ``cache``: the target's KV cache ``[layers, 2, B, S, K, H]`` and the drafter's context;
-    ``verify``: a round's tree arrays (candidates, tables, the ``[B, M + 1, M + 1]`` ancestor mask),
-    the visibility mask ``[B, M + 1, S]``, one layer's attention scores and probabilities
-    ``[B, heads, M + 1, S]`` float32, the MLP activations and the logits ``[B, M + 1, V]`` float32;
-    ``prefill``: the same for the ``P`` prompt rows; ``output``: the output buffers ``[B, capacity]``.
-    The model weights are not counted (they are already resident).
-    """
+    """A rough count of the bytes a generation holds on device (weights excluded), by what they grow with:
+    ``cache`` (the KV caches), ``verify`` (a round's tree arrays, masks, one layer's attention scores, the MLP
+    activations and logits), ``prefill`` (the same for the prompt rows) and ``output`` (the output buffers)."""
     tc = target.config
     b, s, p = batch, cache_size, prompt_width
     it = _itemsize(target)
@@ -392,10 +375,8 @@ def _key(seed: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """A validated generation: the method, the padded prompts, the EOS ids, the temperature, the static
-    plan (None for ``ar``), the cache size, the output-buffer length, the seed, ``max_new_tokens``, the
-    device mesh (None: one device), the trace-time options and the method's traced ``inputs``
-    (:meth:`~sparkjax.engine.methods.Method.inputs`)."""
+    """A validated generation (:func:`validate`); ``plan`` is None for ``ar``, ``mesh`` None on one device,
+    ``inputs`` the method's traced inputs (:meth:`~sparkjax.engine.methods.Method.inputs`)."""
 
     method: Method
     prompts: Prompts
@@ -422,12 +403,14 @@ class Run:
 
     def device_args(self) -> DeviceArgs:
         """The run's traced inputs, on device (placed on the mesh when there is one)."""
-        args = _device_args(self.prompts, self.max_new_tokens, self.eos, self.temperature, self.seed)
+        args = DeviceArgs(jnp.asarray(self.prompts.tokens), jnp.asarray(self.prompts.lengths),
+                          jnp.int32(self.max_new_tokens), jnp.asarray(self.eos), jnp.float32(self.temperature),
+                          _key(self.seed))
         return place_args(args, self.mesh)
 
     def split(self, target, drafter=None):
-        """``(graphdef, state)`` of the target (``ar``), else of the pair (:func:`split_pair`), the states
-        placed on the mesh (a new state; the modules are not modified)."""
+        """``(graphdef, state)`` of the target (``ar``), else of the pair (:func:`split_pair`), placed on
+        the mesh (the modules are not modified)."""
         if drafter is None:
             gdef, state = nnx.split(target)
             return gdef, place_state(state, self.mesh)
@@ -435,16 +418,11 @@ class Run:
         return graphdefs, tuple(place_state(st, self.mesh) for st in states)
 
 
-def _device_args(prompts: Prompts, max_new_tokens: int, eos: np.ndarray, temperature: float, seed: int) -> DeviceArgs:
-    return DeviceArgs(jnp.asarray(prompts.tokens), jnp.asarray(prompts.lengths), jnp.int32(max_new_tokens),
-                      jnp.asarray(eos), jnp.float32(temperature), _key(seed))
-
-
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
              normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
              cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None, options=None) -> Run:
-    """Validates every argument of a generation (those of :func:`generate`) and returns the :class:`Run`.
-    The first call turns on the persistent compilation cache (:func:`sparkjax.cachedir.enable_compilation_cache`)."""
+    """Validates every argument of :func:`generate` and returns the :class:`Run` (the first call turns on the
+    persistent compilation cache)."""
     check_models(target, drafter)
     cachedir.enable_compilation_cache()
     options = check_options(options)
@@ -499,54 +477,43 @@ def generate(
     """Generates continuations of ``prompt_ids`` (``[B, P]`` ints or a list of lists).
 
     ``method``: a method object (:class:`~sparkjax.engine.AR`, :class:`~sparkjax.engine.Chain`,
-    :class:`~sparkjax.engine.Tree`) or its name: ``ar`` (target alone), ``dflash`` (argmax chain),
-    ``dspark`` (Markov chain), ``ddtree`` (best-first over independent marginals), ``sparklingtree``
-    (best-first over Markov tables), ``sparklingtree-beam`` (fixed nodes per depth), ``pctree`` (a beam
-    of ``k`` nodes per depth, then the best ``budget`` nodes counting the root: :class:`~sparkjax.engine.PCTree`),
-    ``auto`` (each round verifies a plain step, the chain or a tree of 8 to 64 nodes, chosen on device from the
-    drafter's confidence and a measured cost table: :class:`~sparkjax.engine.Auto`; without a table it profiles once
-    per process and shape, see :func:`~sparkjax.engine.profile_costs`), or ``name@budget`` for a tree.
-    With a name, ``budget`` is the tree size M (trees only, default 64; pctree's counts the root, default
-    32), ``top_c`` the
-    candidates per depth (default ``max(budget, 32)``), ``widths`` the beam profile (per-depth ints,
-    ``"even"``, or ``"auto"``, the default: from measured per-depth acceptance), ``normalization`` the
-    Markov tables' (``fast`` or ``exact``), ``candidates`` the Markov trees' candidate sets (``union``, the
-    default, ``corrected`` or ``base``, see :func:`sparkjax.tree.markov_candidates`); a method object
-    carries its own.
-    Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else
-    lossless sampling seeded by ``seed``. The whole generation is one jitted program with no host
-    sync; ``instrument=True`` instead runs each stage of the same round as its own jitted call and times it.
+    :class:`~sparkjax.engine.Tree`, :class:`~sparkjax.engine.PCTree`, :class:`~sparkjax.engine.Auto`) or its
+    name (``ar``, ``dflash``, ``dspark``, ``ddtree``, ``sparklingtree``, ``sparklingtree-beam``, ``pctree``,
+    ``auto``; the table is in docs/api.md), or ``name@budget`` for a tree. ``auto`` without a table profiles
+    once per process and shape (:func:`~sparkjax.engine.profile_costs`). With a name, ``budget`` is the tree
+    size M (trees only, default 64; pctree's counts the root, default 32), ``top_c`` the candidates per depth
+    (default ``max(budget, 32)``), ``widths`` the beam profile (per-depth ints, ``"even"``, or ``"auto"``, the
+    default), ``normalization`` the Markov tables' (``fast`` or ``exact``), ``candidates`` the Markov trees'
+    candidate sets (``union``, the default, ``corrected`` or ``base``, see
+    :func:`sparkjax.tree.markov_candidates`); a method object carries its own.
+    Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else lossless
+    sampling seeded by ``seed``. The generation is one jitted program with no host sync; ``instrument=True``
+    instead runs each stage of the same round as its own jitted call and times it (``stage_seconds``).
 
-    Shapes (what decides recompilation): prompts are padded to a power of two, or to
-    ``prompt_width``; the cache has ``cache_size`` slots (default: :func:`required_cache_size`); the
-    output buffer holds ``capacity`` tokens (default ``max_new_tokens``, which is otherwise a traced
-    value: runs that differ only in ``max_new_tokens <= capacity`` share one compiled program).
+    Shapes (what decides recompilation): prompts are padded to a power of two, or to ``prompt_width``; the
+    cache has ``cache_size`` slots (default: :func:`required_cache_size`); the output buffer holds
+    ``capacity`` tokens (default ``max_new_tokens``, which is otherwise traced: runs that differ only in
+    ``max_new_tokens <= capacity`` share one program).
 
-    Argument rules: counts (``max_new_tokens``, ``budget``, ``top_c``, ``cache_size``,
-    ``prompt_width``, ``capacity``, ``widths`` entries) are ints, never bools or floats; ``seed`` is an
-    int in ``[0, 2**63)``; ``temperature`` is 0 or in ``[1e-6, 1e4]``; ``eos_token_ids`` is an int or
-    a flat sequence of ints (not a string). A run whose estimated memory (:func:`estimate_memory`)
-    exceeds the device's (or, on CPU, the host's) is refused before anything is compiled. Any
-    violation raises :class:`~sparkjax.errors.ArgumentError` (a mismatched pair
-    :class:`~sparkjax.errors.IncompatiblePairError`). If the target's logits turn non-finite (NaN
-    or Inf weights, an overflow), :class:`NumericalError` names the first such round and sequence.
+    Argument rules: counts (``max_new_tokens``, ``budget``, ``top_c``, ``cache_size``, ``prompt_width``,
+    ``capacity``, ``widths`` entries) are ints, never bools or floats; ``seed`` is an int in ``[0, 2**63)``;
+    ``temperature`` is 0 or in ``[1e-6, 1e4]``; ``eos_token_ids`` is an int or a flat sequence of ints (not a
+    string). A run whose estimated memory (:func:`estimate_memory`) exceeds the device's (on CPU, the host's)
+    is refused before anything is compiled. Any violation raises :class:`~sparkjax.errors.ArgumentError` (a
+    mismatched pair :class:`~sparkjax.errors.IncompatiblePairError`). Non-finite target logits raise
+    :class:`NumericalError` naming the first such round and sequence.
 
     ``mesh``: a :class:`jax.sharding.Mesh` with axes ``("data", "model")`` (or either alone;
-    :func:`sparkjax.sharding.make_mesh` builds one, over the devices of every process after
-    ``jax.distributed.initialize``): tensor parallel over the attention heads and the FFN on ``model``,
-    data parallel over the batch on ``data`` (:mod:`sparkjax.engine.placement` says what is placed
-    where). The modules are not modified: their weights are placed for the run (free when already
-    placed by :func:`sparkjax.sharding.shard_model`). The tokens are the same as on one device. The
-    ``model`` axis must divide the heads, KV heads and FFN width, the ``data`` axis the batch.
+    :func:`sparkjax.sharding.make_mesh`): tensor parallel over the heads and the FFN on ``model``, data
+    parallel over the batch on ``data`` (:mod:`sparkjax.engine.placement`). The modules are not modified;
+    the tokens are the same as on one device. ``model`` must divide the heads, KV heads and FFN width,
+    ``data`` the batch.
 
-    ``auto_memory``: method ``auto`` only, the ``auto_memory`` of an earlier :class:`GenerateOutput` (of the same
-    candidates): this generation starts from its calibration, predictions and probe gap instead of from
-    nothing, so on hard text a request pays its one opening probe rather than a probe every few tokens. Tokens
-    are unchanged (see :class:`~sparkjax.engine.adaptive.AutoMemory`).
+    ``auto_memory``: method ``auto`` only, the ``auto_memory`` of an earlier :class:`GenerateOutput` (of the
+    same candidates) to start from (:class:`~sparkjax.engine.adaptive.AutoMemory`); tokens are unchanged.
 
-    ``options``: the trace-time settings (:class:`~sparkjax.engine.options.Options`: the attention
-    implementation, the chain mode, ...; None: the defaults). They change the compiled program, never the
-    tokens beyond float rounding.
+    ``options``: the trace-time settings (:class:`~sparkjax.engine.options.Options`; None: the defaults).
+    They change the compiled program, never the tokens beyond float rounding.
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
@@ -565,32 +532,22 @@ def generate(
     return _outputs(res)
 
 
-def launch(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget=None, top_c=None,
-           widths=None, normalization="fast", candidates=None, max_new_tokens: int = 128, eos_token_ids=None,
-           temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
-           capacity: int | None = None, mesh: Any = None, auto_memory: AutoMemory | None = None,
-           options: Options | None = None) -> Launch:
-    """Validates the arguments like :func:`generate` and dispatches the jitted program without waiting.
+def launch(target, drafter=None, prompt_ids: Any = None, **kwargs) -> Launch:
+    """Validates the arguments of :func:`generate` (all but ``instrument``, same defaults and errors) and
+    dispatches the jitted program without waiting.
 
     Returns a :class:`~sparkjax.engine.state.Launch` of device arrays (nothing is copied to the host):
     ``out [B, buf]`` and ``n [B]``; for speculative methods ``accept_lens [B, R]``, ``rounds [B]`` and
     ``depth_hits [B, D]`` (None for ``ar``); ``nonfinite [B]`` int32, the first round whose target logits
-    held a NaN or an Inf (0 for the prefill; -1 when all were finite): ``launch`` never syncs, so it cannot
-    raise on them itself, and :func:`raise_if_nonfinite` checks them once the caller syncs; ``extra``, the
-    method's own results (``auto``: ``choices [B, R]``, each round's candidate index into ``labels``, -1 past
-    the last round, and the final :class:`~sparkjax.engine.adaptive.AutoMemory`, the ``auto_memory`` of the next
-    launch); the static ``plan`` and ``labels``.
-    ``max_new_tokens=1`` stops after the prefill and its first token (no round), in the same
-    compiled program as a longer run of the same shapes: that is how to time prefill alone.
-
-    ``mesh``: as in :func:`generate`; the returned arrays are then global arrays sharded over the
-    batch (:func:`sparkjax.engine.placement.to_host` copies one to the host, across processes too).
+    held a NaN or an Inf (0 for the prefill; -1 when all were finite; :func:`raise_if_nonfinite` checks them
+    once the caller syncs); ``extra``, the method's own results (``auto``: ``choices [B, R]``, each round's
+    candidate index into ``labels``, -1 past the last round, and the final
+    :class:`~sparkjax.engine.adaptive.AutoMemory`); the static ``plan`` and ``labels``.
+    ``max_new_tokens=1`` stops after the prefill and its first token, in the same compiled program as a
+    longer run of the same shapes. With ``mesh`` the arrays are global arrays sharded over the batch
+    (:func:`sparkjax.engine.placement.to_host` copies one to the host).
     """
-    run = validate(target, drafter, prompt_ids, method=method, budget=budget, top_c=top_c, widths=widths,
-                   normalization=normalization, candidates=candidates, max_new_tokens=max_new_tokens,
-                   eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
-                   prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory,
-                   options=options)
+    run = validate(target, drafter, prompt_ids, **kwargs)
     return run.method.launch(run, target, drafter)
 
 
@@ -614,14 +571,10 @@ def stream(
     auto_memory: AutoMemory | None = None,
     options: Options | None = None,
 ):
-    """Like :func:`generate`, but yields each round's new tokens: a list per sequence (possibly empty).
-
-    Runs the same jitted round as :func:`generate`, one call per round, so it syncs with the host
-    once per round by design (for notebooks). The concatenated yields equal ``generate(...).tokens``.
-    The arguments are validated when ``stream`` is called, before it returns the generator; a round
-    whose target logits are not finite raises :class:`NumericalError` instead of yielding. ``mesh``: as in
-    :func:`generate` (each round's state stays on the mesh, donated from round to round).
-    """
+    """Like :func:`generate` (speculative methods only), but yields each round's new tokens: a list per
+    sequence (possibly empty); the concatenated yields equal ``generate(...).tokens``. One jitted call and one
+    host sync per round. The arguments are validated before the generator is returned; a round whose target
+    logits are not finite raises :class:`NumericalError` instead of yielding."""
     check_models(target, drafter)
     spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
                         candidates=candidates)
@@ -634,15 +587,17 @@ def stream(
     return _stream_rounds(target, drafter, run)
 
 
-def _start(graphdefs, states, run: Run) -> Any:
-    return spec_start(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
-                      cache_size=run.cache_size, buf_len=run.buf_len, mesh=run.mesh)
+def _start(target, drafter, run: Run) -> tuple[Any, Any, DeviceArgs, Any]:
+    """The split pair, the run's device arguments and the state before the first round."""
+    graphdefs, states = run.split(target, drafter)
+    args = run.device_args()
+    state = spec_start(graphdefs, states, *args, run.device_inputs(), plan=run.plan, cache_size=run.cache_size,
+                       buf_len=run.buf_len, mesh=run.mesh)
+    return graphdefs, states, args, state
 
 
 def _stream_rounds(target, drafter, run: Run):
-    graphdefs, states = run.split(target, drafter)
-    args = run.device_args()
-    state = _start(graphdefs, states, run)
+    graphdefs, states, args, state = _start(target, drafter, run)
     batch = run.prompts.batch
     seen = np.zeros(batch, np.int64)
     while True:
@@ -659,9 +614,8 @@ def _stream_rounds(target, drafter, run: Run):
 def _instrumented(target, drafter, run: Run) -> GenerateOutput:
     """Runs the method's round (``plan.method.round``) with each stage as its own jitted call, blocking
     after each, and sums the wall time of each stage."""
-    graphdefs, states = run.split(target, drafter)
-    args, plan = run.device_args(), run.plan
-    state = _start(graphdefs, states, run)
+    graphdefs, states, args, state = _start(target, drafter, run)
+    plan = run.plan
     times = dict.fromkeys(STAGES, 0.0)
 
     def timed(fn, *stage_args, plan):
@@ -685,9 +639,7 @@ def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **kwargs) -> str:
     run = validate(target, drafter, prompt_ids, mesh=mesh, **kwargs)
     if run.plan is None:
         raise ArgumentError(f"method: a round is speculative; {run.method.name!r} has none")
-    graphdefs, states = run.split(target, drafter)
-    args = run.device_args()
-    state = _start(graphdefs, states, run)
+    graphdefs, states, args, state = _start(target, drafter, run)
     lowered = spec_step.lower(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan,
                               mesh=mesh)
     return lowered.compile().as_text()
@@ -696,10 +648,9 @@ def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **kwargs) -> str:
 def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1, cache_size: int | None = None,
                   prompt_length: int = 16, temperature: float = 0.0, repeats: int = 5, seed: int = 0,
                   options: Options | None = None) -> CostTable:
-    """Times one round of each candidate size of method ``auto`` on the current device and returns its
-    :class:`~sparkjax.engine.costs.CostTable` (the protocol: :func:`sparkjax.engine.costs.profile`).
-    ``method``: ``"auto"`` or an :class:`~sparkjax.engine.Auto` (its sizes and options; its table is ignored);
-    ``cache_size`` default: what a 128-token generation of a ``prompt_length``-token prompt needs."""
+    """Times one round of each candidate size of method ``auto`` (``"auto"`` or an
+    :class:`~sparkjax.engine.Auto`, its table ignored) on the current device and returns its
+    :class:`~sparkjax.engine.costs.CostTable` (:func:`sparkjax.engine.costs.profile`)."""
     check_models(target, drafter)
     spec = Auto.of(method, "profile_costs times the candidates of method 'auto'")
     temperature = check_temperature(temperature)

@@ -1,17 +1,10 @@
 """Decoding methods as objects: the :class:`Method` protocol and one class per method.
 
-A method validates itself when it is built (an :class:`~sparkjax.errors.ArgumentError` naming the
-argument), knows its depth and node count for a drafter and whether it needs a Markov head, and
-resolves into the static :class:`~sparkjax.engine.state.Plan` of a compiled program. It owns its
-round: :meth:`Method.round` (by default draft -> :meth:`~Method.propose` -> verify ->
-:meth:`~Method.accept` -> commit over the stages of :mod:`sparkjax.engine.round`), the state it
-carries between rounds (:meth:`~Method.init_state`), the traced inputs its program takes
-(:meth:`~Method.inputs`), its extra results (:meth:`~Method.results`) and which program runs it
-(:meth:`~Method.launch`). The programs and the entry points reach a method only through these hooks.
-
-Method *names* (``"sparklingtree"``, ``"sparklingtree@64"``) are read in exactly one place,
-:func:`parse_method`, from the one table of names at the end of this module: a new method is one new
-class plus one entry there.
+A method validates itself when built (an :class:`~sparkjax.errors.ArgumentError` naming the argument),
+resolves into the static :class:`~sparkjax.engine.state.Plan` of a compiled program and owns its round
+and the other hooks of :class:`Method`; the programs and the entry points reach a method only through
+them. Method *names* are read only by :func:`parse_method`, from the one table at the end of this module:
+a new method is one new class plus one entry there (docs/design.md).
 """
 
 from __future__ import annotations
@@ -43,11 +36,8 @@ DEFAULT_WIDTHS = "auto"  # the beam's profile when none is given
 
 class Method:
     """What every method answers. Subclasses are frozen dataclasses (hashable: a method is part of the
-    static plan of a jitted program).
-
-    The class attributes ``top_c``, ``widths``, ``normalization`` and ``candidates`` describe a method's
-    tree (what :class:`~sparkjax.engine.state.Plan` reports); a method without one keeps the defaults.
-    """
+    static plan). The class attributes ``top_c``, ``widths``, ``normalization`` and ``candidates`` describe
+    a method's tree (what :class:`~sparkjax.engine.state.Plan` reports)."""
 
     speculative: ClassVar[bool] = True
     top_c: ClassVar[int | None] = None
@@ -91,8 +81,7 @@ class Method:
         raise NotImplementedError
 
     def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int) -> Plan:
-        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (default: ``plan`` itself;
-        a method whose static shape depends on measurements at that size refines it here)."""
+        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (default: ``plan`` itself)."""
         return plan
 
     def inputs(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, memory: Any = None) -> Any:
@@ -121,9 +110,8 @@ class Method:
 
     def round(self, target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
               call=None) -> SpecState:
-        """One round, a pure function of the state (default: :func:`~sparkjax.engine.round.run_stages`, draft ->
-        propose -> verify -> accept -> commit). ``call(stage_fn, *args, plan=plan)`` runs each stage: the mesh
-        placement and the instrumented mode pass their own."""
+        """One round, a pure function of the state (default: :func:`~sparkjax.engine.round.run_stages`, whose
+        ``call`` this is)."""
         return stages.run_stages(target, drafter, state, plan, max_new, eos, temperature, call)
 
     def results(self, state: SpecState, plan: Plan) -> Any:
@@ -140,8 +128,8 @@ class Method:
 
     @classmethod
     def from_options(cls, name: str, *, budget: Any, top_c: Any, widths: Any, normalization: Any) -> Method:
-        """The method named ``name`` (a name of this class in the table) with the keyword options of
-        :func:`~sparkjax.engine.generate`; an option the method does not take is an ArgumentError."""
+        """The method ``name`` with :func:`~sparkjax.engine.generate`'s options (ArgumentError for one it
+        does not take)."""
         raise NotImplementedError
 
 
@@ -237,14 +225,12 @@ class Chain(Method):
 
 @dataclasses.dataclass(frozen=True)
 class Tree(Method):
-    """A draft tree of ``budget`` nodes verified at once: ``ddtree`` (best-first over independent
-    marginals), ``sparklingtree`` (best-first over Markov tables) or ``sparklingtree-beam`` (``widths``
-    nodes per depth: a list, ``"even"`` (:func:`sparkjax.tree.even_widths`) or ``"auto"``, the default
-    (:func:`sparkjax.tree.auto_widths` from the demo pair's measured per-depth acceptance)). ``top_c``:
-    candidates per depth (default ``max(budget, 32)``, at most the vocabulary); ``normalization``: the
-    Markov tables' (``fast`` or ``exact``); ``candidates``: which tokens each depth's candidates are
-    (``base``: the top-C of the base logits; ``corrected`` / ``union`` (the default of the Markov trees):
-    following the Markov head, see :func:`sparkjax.tree.markov_candidates`; ddtree only takes ``base``)."""
+    """A draft tree of ``budget`` nodes verified at once: ``ddtree``, ``sparklingtree`` or
+    ``sparklingtree-beam`` (``widths`` nodes per depth: a list, ``"even"`` or ``"auto"``, the default:
+    :func:`sparkjax.tree.even_widths`, :func:`sparkjax.tree.auto_widths`). ``top_c``: candidates per depth
+    (default ``max(budget, 32)``, at most the vocabulary); ``normalization``: ``fast`` or ``exact``;
+    ``candidates``: ``base``, ``corrected`` or ``union`` (the Markov trees' default;
+    :func:`sparkjax.tree.markov_candidates`); ddtree only takes ``base``."""
 
     kind: str = "sparklingtree"
     budget: int = DEFAULT_BUDGET
@@ -337,8 +323,8 @@ class Tree(Method):
         return jax.vmap(tree.best_first, in_axes=(0, 0, None))(tables, cand_tokens, plan.nodes)
 
     def tables(self, drafter, x_start, blk, plan) -> tuple[jax.Array, jax.Array]:
-        """The batched log-prob tables float32[B, D, C, C] and their candidates int[B, D, C] that :meth:`build`
-        selects the tree from (the input of :func:`sparkjax.tree.best_first` / :func:`sparkjax.tree.beam`)."""
+        """The batched log-prob tables float32[B, D, C, C] and their candidates int[B, D, C] (:meth:`build`'s
+        input)."""
         b = x_start.shape[0]
         opts = plan.options
         # per-depth base logits [B, D, V] and the block hidden states of the same slots [B, D, Dm]
@@ -379,17 +365,11 @@ PCTREE_K = 4  # pctree's default beam width per depth
 
 @dataclasses.dataclass(frozen=True)
 class PCTree(Tree):
-    """PCTree (arXiv 2608.02123): a layer-wise beam over the DSpark drafter, its children re-scored by the
-    Markov head per parent, then a global prefix-closed top-N (:func:`sparkjax.tree.layer_beam`).
-
-    The candidates and tables are ``sparklingtree``'s (each child's log-prob comes from its parent's row
-    of the Markov table; ``top_c``, ``normalization`` and ``candidates`` as for :class:`Tree`). At every
-    depth the ``k`` best (parent, child) extensions of the depth above's kept nodes by path score are
-    kept; the tree is then the ``budget`` best kept nodes *counting the root* (the paper's N): ``budget - 1``
-    drafted nodes are verified, so ``pctree@32`` verifies the same rows as ``sparklingtree@31``. Ties go
-    to the shallower node, then to the lower (lexicographic) path. Verified by the tree walk: exact under
-    greedy, lossless when sampling.
-    """
+    """PCTree (arXiv 2608.02123): ``sparklingtree``'s candidates and Markov tables (``top_c``,
+    ``normalization``, ``candidates`` as for :class:`Tree`), a beam of the ``k`` best (parent, child)
+    extensions per depth, then the ``budget`` best kept nodes *counting the root* (the paper's N; ties to the
+    shallower node, then the lower path): :func:`sparkjax.tree.layer_beam`. ``pctree@32`` verifies
+    ``budget - 1 = 31`` drafted nodes. Verified by the tree walk."""
 
     kind: str = "pctree"
     budget: int = PCTREE_BUDGET
@@ -428,33 +408,22 @@ AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every 
 
 @dataclasses.dataclass(frozen=True)
 class Auto(Method):
-    """Picks each round's verification size on device: ``auto`` (its round: :mod:`sparkjax.engine.adaptive`).
+    """Picks each round's verification size on device: ``auto`` (its round and modes:
+    :mod:`sparkjax.engine.adaptive`; docs/auto.md).
 
-    ``sizes``: the candidate set, out of ``0`` (a plain target step: verify ``[x_start]`` alone and commit
-    one token), ``"chain"`` (the drafter's chain: ``dspark`` with a Markov head, else ``dflash``; or
-    ``chain=``) and tree budgets ``b >= 1`` (one best-first tree of the largest budget per round,
-    ``sparklingtree`` with a Markov head, else ``ddtree``; or ``tree=``; a smaller size verifies its
-    first ``b`` nodes, which are the best ``b``). ``budget``: the largest tree allowed (default: the
-    largest tree size; a size above it is an ArgumentError). ``decide``: ``"draft"`` picks after this
-    round's draft (from its own tree / chain probabilities), ``"previous"`` from the previous round's
-    draft and acceptance, so a size-0 round skips the draft pass (then the drafter drafts again after
-    ``probe`` plain steps in a row; that gap grows 4x, up to 128, while the probe drafts still predict size 0;
-    a probe re-decides from its own draft, and when it takes the plain step its chain is scored later against
-    the committed tokens, so the calibration keeps learning without a verify).
-    ``viable_share`` (in ``(0, 1]``, default 0.5): a drafted size is viable (ever probed or chosen) only if it
-    pays when this share of its most tokens per round (depth + 1) is committed: its round must cost fewer plain
-    steps than ``viable_share * (depth + 1)``. At 1 a size is dropped only when it cannot pay at all; the
-    default 0.5 also drops sizes that pay only on near-perfect acceptance, whose probes cost more than they find
-    (at a large batch the batch-mean acceptance is far from its best sequence's).
-    ``table``: a :class:`~sparkjax.engine.costs.CostTable` for these sizes (default: the one measured for
-    this device and shape, kept per process and in the user's cache folder, else profiled by
-    :func:`~sparkjax.engine.profile_costs`). Its seconds are a traced input of the program, so the
-    table is not compared (two methods that differ only in their table are equal and share one program);
-    what it decides statically is set on the plan's method when the table is bound (:meth:`bind`):
-    ``viable`` (per size, whether it may pay: :func:`~sparkjax.engine.adaptive.viable`) and ``floor``
-    (the probe gap's least value: :func:`~sparkjax.engine.adaptive.gap_floor`); leave those two unset.
-    ``top_c`` (default 32, at most the vocabulary: the largest tree is built every drafted round, so its
-    tables are kept small) and ``normalization``: the tree's, as for :class:`Tree`.
+    ``sizes``: the candidate set, out of ``0`` (a plain target step), ``"chain"`` (``dspark`` with a Markov
+    head, else ``dflash``; or ``chain=``) and tree budgets ``b >= 1`` (the first ``b`` nodes of one best-first
+    tree of the largest budget: ``sparklingtree`` with a Markov head, else ``ddtree``; or ``tree=``).
+    ``budget``: the largest tree allowed (default: the largest tree size; a size above it is an
+    ArgumentError). ``decide``: ``"draft"`` picks after this round's draft, ``"previous"`` from the previous
+    round's draft (a size-0 round then skips the draft pass; a probe drafts again after ``probe`` plain
+    steps). ``viable_share`` (in ``(0, 1]``, default 0.5): a drafted size is viable only if its round costs
+    fewer plain steps than ``viable_share * (depth + 1)``.
+    ``table``: a :class:`~sparkjax.engine.costs.CostTable` for these sizes (default: the one for this device
+    and shape: the process's, the user's cache folder's, or profiled). Its seconds are a traced input, so it
+    is not compared; its static part (``viable``, ``floor``: :func:`~sparkjax.engine.adaptive.viable`,
+    :func:`~sparkjax.engine.adaptive.gap_floor`) is set when it is bound (:meth:`bind`): leave those unset.
+    ``top_c`` (default 32, at most the vocabulary) and ``normalization``: the tree's, as for :class:`Tree`.
     """
 
     sizes: tuple[int | str, ...] = DEFAULT_SIZES
@@ -619,7 +588,7 @@ class Auto(Method):
         return adaptive.auto_round(target, drafter, state, plan, max_new, eos, temperature, call)
 
     def results(self, state: SpecState, plan: Plan) -> adaptive.AutoResults:
-        return adaptive.results_of(state.extra, plan)
+        return adaptive.AutoResults(state.extra.choices, adaptive.memory_of(state.extra, plan))
 
     def tree_plan(self, plan: Plan) -> Plan:
         """The plan of the largest tree (the one built each round)."""

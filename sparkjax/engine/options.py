@@ -1,11 +1,5 @@
-"""Trace-time settings of a generation as one frozen, hashable value (part of the static plan).
-
-Every choice that changes the traced program but not the tokens (which attention implementation the
-models run, how the DSpark chain is computed, how far the tree's candidate chain iterates) is a field
-of :class:`Options`. The static :class:`~sparkjax.engine.state.Plan` carries it, so it is part of
-jit's cache key: two runs with different options compile two programs, and no module-level setting
-is read while tracing.
-"""
+"""Trace-time settings of a generation as one frozen, hashable value that the static
+:class:`~sparkjax.engine.state.Plan` carries (so part of jit's cache key)."""
 
 from __future__ import annotations
 
@@ -22,19 +16,14 @@ from .drafting import CHAIN_MODES
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The trace-time settings of a generation.
-
-    ``attention``: the models' attention, an ``impl`` of :func:`sparkjax.nn.layers.attend` (``"auto"``,
-    the default, resolves by backend when traced: ``"blocked"`` on CPU, ``"einsum"`` elsewhere) or a
-    hashable callable with :func:`~sparkjax.nn.layers.attend`'s signature ``fn(q, parts)`` (a benchmark's
-    model of a fused kernel). ``chain_mode``: the DSpark chain's formulation (``"auto"``: ``"scan"`` on
-    CPU, ``"fixed_point"`` elsewhere; :func:`sparkjax.engine.drafting.chain_mode`).
-    ``candidate_chain_passes``: passes of the fixed-point chain behind the Markov trees' ``corrected`` /
-    ``union`` candidates off CPU (None: to convergence; see
-    :func:`sparkjax.engine.drafting.candidate_chain_logits`). ``union_top_k``: the ``union`` candidates'
-    corrected tokens per depth (None: ``top_c // 4``; :func:`sparkjax.tree.markov_candidates`).
-    ``block_slots``: the blocked / prefix attention's chunk of cache slots. Each field is checked on
+    """The trace-time settings of a generation (the table is in docs/api.md); each field is checked on
     construction (an :class:`~sparkjax.errors.ArgumentError` naming it).
+
+    ``attention``: an ``impl`` of :func:`sparkjax.nn.layers.attend` or a hashable callable with its
+    signature; ``chain_mode``: :func:`sparkjax.engine.drafting.chain_mode`'s; ``candidate_chain_passes``:
+    :func:`sparkjax.engine.drafting.candidate_chain_logits`' ``max_passes``; ``union_top_k``:
+    :func:`sparkjax.tree.markov_candidates`' ``union_k`` (None: ``top_c // 4``); ``block_slots``: the blocked
+    / prefix attention's chunk of cache slots.
     """
 
     attention: str | Callable = "auto"
