@@ -16,17 +16,14 @@ FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "tiny_dspark_b16"
 # No test reads or writes the user's cache folder (cost tables, compilation cache) unless it sets its own.
 os.environ.setdefault("SPARKJAX_CACHE_DIR", "off")
 
-# One persistent XLA compilation cache for the whole test session, shared with the subprocesses the tests
-# start (CLI runs, kill and Ctrl-C tests): the same program is then compiled once per session, not once per
-# process. Set before anything imports jax; a cache dir the caller already chose is kept.
+# One persistent XLA compilation cache for the session and the subprocesses it starts (set before jax is imported;
+# a folder the caller chose is kept).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparkjax-test-xla-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-# The tests check results, not speed: XLA's CPU backend compiles at optimisation level 0 (about 40% less
-# wall time for the suite, which is mostly compilation). The HLO-level passes are the same, so the results
-# agree with the default within the tests' tolerances; CI also runs the exactness files with XLA's
-# defaults (an XLA_FLAGS the caller set, even an empty one, is kept).
+# XLA's CPU backend at optimisation level 0 (the suite is mostly compilation; the HLO passes are the same and CI runs
+# the exactness files with XLA's defaults too). An XLA_FLAGS the caller set, even an empty one, is kept.
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
 
@@ -35,9 +32,8 @@ _STATIC = (bool, int, float, str, tuple, type(None))
 
 
 def jit_call(model, *args, **kwargs):
-    """``model(*args, **kwargs)`` as one compiled program per shape (keyword arguments that are plain Python
-    values or callables are static). An eager call dispatches the model op by op, compiling each op for each new shape:
-    three to five times slower than this for the tiny test models. The result is the same computation."""
+    """``model(*args, **kwargs)`` as one compiled program per shape (plain Python values and callables static),
+    the same computation as an eager call without compiling op by op."""
     static = tuple(sorted((k, v) for k, v in kwargs.items() if _is_static(v)))
     dynamic = {k: v for k, v in kwargs.items() if not _is_static(v)}
     return _jitted_call(model, args, dynamic, static=static)
@@ -65,8 +61,7 @@ def _jitted_call(model, args, dynamic, *, static):
 
 @pytest.fixture(scope="session")
 def xla_cache() -> str:
-    """The session's persistent XLA cache folder (set above): a subprocess started with this environment
-    reuses what the session compiled."""
+    """The session's persistent XLA cache folder (set above), for subprocesses to reuse."""
     return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
@@ -96,9 +91,14 @@ def fixture_drafter(fixture_target):
     return load_drafter(FIXTURE / "drafter", target=fixture_target)
 
 
-# The shapes the engine tests share, so that their compiled programs are reused: a batch of three prompts of
-# at most 32 tokens (one prompt bucket) and these generation lengths (``max_new_tokens`` is traced, but it sets
-# the output buffer's bucket).
+@pytest.fixture(scope="session")
+def pair(fixture_target, fixture_drafter):
+    """The upstream fixture pair as (target, drafter)."""
+    return fixture_target, fixture_drafter
+
+
+# The shapes the engine tests share, so their programs are reused: three prompts in one bucket, and these lengths
+# (``max_new_tokens`` is traced but sets the output buffer's bucket).
 NEW_SHORT, NEW_LONG = 8, 24
 PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
 
@@ -210,8 +210,7 @@ def pytest_configure(config):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """Fails the test if an eval run gets as far as loading a model, warming up or timing anything (a bad
-    input must be refused before any work)."""
+    """Fails the test if an eval run loads a model, warms up or times anything (bad input is refused first)."""
     from sparkjax.eval import harness
 
     def refuse(*a, **k):

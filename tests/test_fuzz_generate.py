@@ -1,12 +1,6 @@
-"""Fuzzing the generation API: any arguments end in a result or a SparkjaxError, never another exception
-and never a hang.
-
-``test_any_arguments_*`` draws every argument from valid values mixed with junk (wrong types, bools,
-NaN, huge ints, strings, odd arrays) and runs only the validation: the jitted programs are replaced by
-stubs of the same output shapes, so hundreds of draws take seconds. ``test_valid_runs_*`` really runs
-generation, over shapes pinned so that it compiles at most two programs (the ones test_api_robust.py
-compiles too), and checks what the runs return.
-"""
+"""Fuzzing the generation API: any arguments end in a result or a SparkjaxError, never another exception or a hang.
+``test_any_arguments_*`` mixes valid values with junk and runs the validation only (the programs stubbed with their
+output shapes); ``test_valid_runs_*`` really generates, on test_api_robust.py's two programs."""
 
 from __future__ import annotations
 
@@ -30,11 +24,6 @@ HANG_SECONDS = 120  # a first compile on a loaded 2-core machine takes well unde
 EXAMPLES = int(os.environ.get("SPARKJAX_FUZZ_EXAMPLES", "300"))
 
 
-@pytest.fixture(scope="module")
-def pair(fixture_target, fixture_drafter):
-    return fixture_target, fixture_drafter
-
-
 class Hang(Exception):
     pass
 
@@ -54,8 +43,7 @@ def no_hang(seconds: int = HANG_SECONDS):
 
 
 def outcome(call):
-    """'ok' with the result, or 'error' with the SparkjaxError; anything else fails the test."""
-    with no_hang():
+    with no_hang():  # ("ok", result) or ("error", the SparkjaxError); anything else fails the test
         try:
             return "ok", call()
         except sparkjax.SparkjaxError as e:
@@ -146,8 +134,6 @@ def arguments(draw):
 
 @contextlib.contextmanager
 def stubbed_programs():
-    """The jitted programs replaced by stubs returning arrays of their output shapes."""
-
     def ar(gdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size, sampling, mesh=None,
            options=None):
         b = tokens.shape[0]
@@ -211,8 +197,7 @@ def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entr
         assert not isinstance(kw["eos_token_ids"], str | bytes)
 
 
-def test_the_validation_fuzz_reaches_both_outcomes(pair):
-    """The strategies are not all junk: valid draws get through validation (and junk does not)."""
+def test_the_validation_fuzz_reaches_both_outcomes(pair):  # valid draws pass validation, junk does not
     target, drafter = pair
     with stubbed_programs():
         assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="sparklingtree", budget=8,
@@ -253,9 +238,8 @@ def ar_reference(pair):
     seed=st.integers(0, 2**63 - 1) | st.integers(0, 2**63 - 1).map(np.uint64),
 )
 def test_valid_runs_return_sane_tokens(pair, ar_reference, lengths, data, method, max_new, eos, temperature, seed):
-    """Two prompts of up to 14 tokens, up to 2 new tokens, one EOS id at most: the shapes of
-    test_api_robust.py's runs, so nothing new compiles. Greedy runs equal the target's greedy tokens.
-    (Sampling only for ``ar``: a sampling speculative plan is another program to compile.)"""
+    """Two prompts of up to 14 tokens, up to 2 new tokens, one EOS at most; greedy runs equal the target's greedy
+    tokens (sampling only for ``ar``: a sampling speculative plan would compile another program)."""
     target, drafter = pair
     if method != "ar":
         temperature = 0.0
