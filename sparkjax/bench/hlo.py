@@ -299,11 +299,8 @@ class HloCounter:
         if cond is None or not init or int(init.group(2)) != 1:
             return None
         r = cond.root
-        if r.op == "fusion":  # a wrapped compare: look inside, then map its operands back
-            body = self.comps.get(r.attr_comp("calls") or "")
-            if body is None or body.root.op != "compare" or "direction=LT" not in body.root.attrs:
-                return None
-        elif r.op != "compare" or "direction=LT" not in r.attrs:
+        body = self.comps.get(r.attr_comp("calls") or "") if r.op == "fusion" else cond  # a fused compare: inside
+        if body is None or body.root.op != "compare" or "direction=LT" not in body.root.attrs:
             return None
         consts = [cond.by_name[o] for o in r.operands if o in cond.by_name and cond.by_name[o].op == "constant"]
         if len(consts) != 1 or not re.fullmatch(r"-?\d+", consts[0].inner):
@@ -477,8 +474,7 @@ class HloCounter:
             elif ins.op == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
                 names = [s.strip().lstrip("%") for s in m.group(1).split(",")] if m else [
-                    c for c in (ins.attr_comp("true_computation"), ins.attr_comp("false_computation")) if c
-                ]
+                    c for c in (ins.attr_comp("true_computation"), ins.attr_comp("false_computation")) if c]
                 branches = [self.walk(b, mult, in_loop) for b in names]
                 if branches:
                     tally.extend(max(branches, key=lambda t: (t.bytes, t.total_kernels)))
