@@ -24,8 +24,7 @@ from ..text import load_tokenizer
 from .config import EvalConfig
 from .engine import MethodConfig
 
-# The drafted methods that read no Markov head: with a baseline drafter they run with it. auto adapts to its
-# drafter (a Markov head when it has one) and runs with the drafter.
+# auto adapts to its drafter, so it runs with the drafter
 BASELINE_METHODS = tuple(m for m in (*core.CHAIN_METHODS, *core.TREE_METHODS) if m not in core.MARKOV_METHODS)
 
 
