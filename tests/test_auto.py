@@ -83,7 +83,7 @@ def _state(**kw) -> adaptive.AutoState:
 # ----------------------------------------------------------------------------- the policy and the predictions
 
 
-def test_policy_picks_most_tokens_per_cost_on_hand_made_tables():
+def test_policy_viability_and_probe_floor_on_hand_made_tables():
     costs_ = np.array([1.0, 1.5, 2.0, 4.0])  # ar, chain, tree@8, tree@64
     # a confident drafter: the big tree commits 9 tokens for 4x the cost of a plain step
     assert int(policy(np.array([1.0, 3.0, 5.0, 9.0]), costs_)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
@@ -99,6 +99,17 @@ def test_policy_picks_most_tokens_per_cost_on_hand_made_tables():
     assert int(policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
     # jit-able, same answer
     assert int(jax.jit(policy)(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
+    # viability: a drafted size whose round costs at least viable_share x its depth + 1 tokens in plain steps is
+    # not viable; probes wait as many plain steps as the cheapest viable drafted round costs (at least ``probe``)
+    m = Auto(sizes=(0, "chain", 8), viable_share=1)
+    assert adaptive.viable(m, 16, (1.0, 30.0, 5.0)) == (True, False, True)  # chain: 17 tokens < 30 steps
+    assert adaptive.gap_floor(m, 16, (1.0, 30.0, 5.0)) == 5  # max(probe=4, ceil(5 / 1))
+    half = Auto(sizes=(0, "chain", 8))  # the default share 0.5: tree@8 must pay at 4.5 tokens, the chain at 8.5
+    assert half.viable_share == 0.5 and adaptive.viable(half, 16, (1.0, 8.0, 5.0)) == (True, True, False)
+    assert adaptive.gap_floor(half, 16, (1.0, 8.0, 5.0)) == 8
+    assert adaptive.gap_floor(half, 16, (1.0, 2.0, 3.0)) == 4
+    assert adaptive.viable(Auto(sizes=("chain", 8)), 16, (50.0, 90.0)) == (True, True)  # no plain step to beat
+    assert adaptive.viable_of(half) == (True,) * 3 and adaptive.floor_of(half) == 4  # unbound: every size, probe
 
 
 def test_shadow_chain_is_scored_against_the_committed_tokens():
@@ -163,20 +174,6 @@ def test_best_first_prefixes_are_nested():
                                           err_msg=f"{name} at b={b}")
         np.testing.assert_array_equal(np.asarray(mask)[: b + 1, : b + 1], np.asarray(tree.visibility(small.parents, d)))
         assert int(np.asarray(big.parents)[:b].max()) <= b  # every parent of a kept node is kept
-
-
-def test_viability_and_the_probe_floor_from_the_seconds():
-    """A drafted size whose round costs at least ``viable_share`` x its depth + 1 tokens in plain steps is not
-    viable; probes wait as many plain steps as the cheapest viable drafted round costs (at least ``probe``)."""
-    m = Auto(sizes=(0, "chain", 8), viable_share=1)
-    assert adaptive.viable(m, 16, (1.0, 30.0, 5.0)) == (True, False, True)  # chain: 17 tokens < 30 steps
-    assert adaptive.gap_floor(m, 16, (1.0, 30.0, 5.0)) == 5  # max(probe=4, ceil(5 / 1))
-    half = Auto(sizes=(0, "chain", 8))  # the default share 0.5: tree@8 must pay at 4.5 tokens, the chain at 8.5
-    assert half.viable_share == 0.5 and adaptive.viable(half, 16, (1.0, 8.0, 5.0)) == (True, True, False)
-    assert adaptive.gap_floor(half, 16, (1.0, 8.0, 5.0)) == 8
-    assert adaptive.gap_floor(half, 16, (1.0, 2.0, 3.0)) == 4
-    assert adaptive.viable(Auto(sizes=("chain", 8)), 16, (50.0, 90.0)) == (True, True)  # no plain step to beat
-    assert adaptive.viable_of(half) == (True,) * 3 and adaptive.floor_of(half) == 4  # unbound: every size, probe
 
 
 # ----------------------------------------------------------------------------- the cost table is a traced input

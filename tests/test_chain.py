@@ -273,10 +273,16 @@ def _argmax_all_axes(x):
     return [jnp.argmax(x, axis=a) for a in range(-x.ndim, x.ndim)]
 
 
-def test_first_argmax_all_equal_and_all_nan():
+def test_first_argmax_all_equal_and_all_nan_and_greedy_pick():
     x = jnp.array([[-jnp.inf] * 4, [2.0] * 4, [jnp.nan] * 4, [1.0, jnp.nan, 3.0, jnp.nan]])
     np.testing.assert_array_equal(np.asarray(sampling.first_argmax(x)), [0, 0, 0, 1])
     np.testing.assert_array_equal(np.asarray(sampling.first_argmax(x)), np.asarray(jnp.argmax(x, -1)))
+    # pick: greedy (ties to the first max) at a Python or a traced zero temperature
+    logits = jnp.array([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, -1.0, 5.0]])
+    np.testing.assert_array_equal(np.asarray(sampling.pick(logits, 0.0, None)), [1, 0])
+    np.testing.assert_array_equal(np.asarray(sampling.pick(logits, jnp.float32(0.0), jax.random.key(0))), [1, 0])
+    draws = jax.vmap(lambda k: sampling.pick(logits, 1.0, k))(jax.random.split(jax.random.key(2), 64))
+    assert len(np.unique(np.asarray(draws[:, 1]))) > 1
 
 
 @pytest.mark.parametrize("shape", [(6,), (4, 33), (2, 3, 320)])
@@ -291,11 +297,3 @@ def test_categorical_equals_jax_random_categorical(shape):
     masked = logits.at[..., ::2].set(-jnp.inf)
     draws = jax.jit(jax.vmap(lambda k: sampling.categorical(k, masked)))(jax.random.split(jax.random.key(1), 200))
     assert np.all(np.asarray(draws) % 2 == 1)
-
-
-def test_pick_greedy_and_traced_zero_temperature():
-    logits = jnp.array([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, -1.0, 5.0]])
-    np.testing.assert_array_equal(np.asarray(sampling.pick(logits, 0.0, None)), [1, 0])
-    np.testing.assert_array_equal(np.asarray(sampling.pick(logits, jnp.float32(0.0), jax.random.key(0))), [1, 0])
-    draws = jax.vmap(lambda k: sampling.pick(logits, 1.0, k))(jax.random.split(jax.random.key(2), 64))
-    assert len(np.unique(np.asarray(draws[:, 1]))) > 1

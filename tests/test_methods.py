@@ -7,7 +7,7 @@ from sparkjax.engine import AR, METHODS, TREE_METHODS, Chain, Options, PCTree, T
 from sparkjax.engine.options import check_options
 
 
-def test_the_parser_round_trips_every_method_string():
+def test_the_parser_round_trips_every_method_and_methods_know_what_they_need():
     for name in METHODS:
         m = parse_method(name)
         assert m.name == name
@@ -19,6 +19,15 @@ def test_the_parser_round_trips_every_method_string():
     assert parse_method("ar") == AR() and parse_method("dspark") == Chain("dspark")
     assert parse_method("sparklingtree", budget=8, top_c=4, normalization="exact") == Tree(
         "sparklingtree", 8, 4, None, "exact")
+    # what each method needs, and its identity
+    assert not AR().speculative and Chain().speculative and Tree().speculative
+    assert Chain("dspark").needs_markov and not Chain("dflash").needs_markov
+    assert not Tree("ddtree").needs_markov and Tree("sparklingtree-beam").needs_markov
+    assert Tree("sparklingtree-beam", budget=8, widths=[4, 4]).widths == (4, 4)
+    assert hash(Tree()) == hash(Tree("sparklingtree", 64))
+    pc = parse_method("pctree")
+    assert pc == PCTree() == PCTree("pctree", 32, k=4) and pc.label == "pctree@32" and pc.needs_markov
+    assert hash(Options()) == hash(Options("auto", "auto", 1, None, 128)) and Options() != Options(block_slots=16)
 
 
 @pytest.mark.parametrize("bad,name", [
@@ -55,14 +64,3 @@ def test_method_objects_validate_themselves(bad, name):
     with pytest.raises(sparkjax.ArgumentError) as info:
         bad()
     assert str(info.value).startswith(f"{name}:")
-
-
-def test_methods_know_what_they_need():
-    assert not AR().speculative and Chain().speculative and Tree().speculative
-    assert Chain("dspark").needs_markov and not Chain("dflash").needs_markov
-    assert not Tree("ddtree").needs_markov and Tree("sparklingtree-beam").needs_markov
-    assert Tree("sparklingtree-beam", budget=8, widths=[4, 4]).widths == (4, 4)
-    assert hash(Tree()) == hash(Tree("sparklingtree", 64))
-    pc = parse_method("pctree")
-    assert pc == PCTree() == PCTree("pctree", 32, k=4) and pc.label == "pctree@32" and pc.needs_markov
-    assert hash(Options()) == hash(Options("auto", "auto", 1, None, 128)) and Options() != Options(block_slots=16)
