@@ -1,4 +1,4 @@
-"""Joint retraining of DSpark drafters with optax (see ``train/README.md``).
+"""Joint retraining of DSpark drafters with optax (see ``docs/training.md``).
 
 :mod:`.anchors` (anchor sampling, block layout), :mod:`.loss` (the DSpark objective), :mod:`.forward` (the
 batch loss), :mod:`.optim`, :mod:`.trainer` (jitted steps), :mod:`.data`, :mod:`.models`, :mod:`.fit` (the

@@ -26,7 +26,7 @@ OPERATIONAL = frozenset({
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run. See ``train/README.md`` for every key; the defaults are upstream's."""
+    """One training run. See ``docs/training.md`` for every key; the defaults are upstream's."""
 
     name: str = "run"
     description: str = ""
