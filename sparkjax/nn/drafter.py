@@ -1,31 +1,15 @@
 """DSpark and DFlash block drafters as Flax NNX modules.
 
-A drafter reads *context features* (the concatenated target hidden states
-``hidden_states[l + 1]`` for ``l`` in ``target_layer_ids``, ``F = len(ids) * D``)
-and a block of tokens ``[x_start, MASK, ..., MASK]``. Per layer:
-
-* the context is projected once, ``c = hidden_norm(fc(features))``, and passes
-  through the layer's ``k_proj`` / ``v_proj`` / ``k_norm`` and RoPE at its own
-  absolute positions (no ``input_layernorm``); these K/V rows are what the
-  :class:`~sparkjax.cache.ContextCache` keeps between rounds;
-* the block goes through ``input_layernorm``; queries come from the block only,
-  block keys/values are appended after the context's;
-* a block query sees the context rows its mask allows and (at inference) every
-  slot of its own block: no causal mask inside a block.
-
-Then ``o_proj`` + residual, the SwiGLU MLP + residual, a final ``norm`` gives the
-block hidden states, and the LM head gives the *base logits*. A DSpark drafter
-owns ``embed_tokens`` / ``lm_head`` (copies of the target's); a DFlash drafter
-uses the target's (pass ``target=``).
-
-Heads (DSpark only): the Markov head adds ``W2 . f(prev)`` to the base logits,
-where ``f(prev) = W1[prev]`` (vanilla) or ``W1[prev] * sigmoid(gate_proj([h ;
-W1[prev]]))`` (gated; ``gate_proj`` has a bias, DeepSpec's
-``markov_head.gate_proj``). The confidence head is ``Linear([h ; W1[prev]] -> 1)``
-(or ``[h]`` alone without the Markov input), read through a sigmoid.
-
-Parameter paths mirror the DeepSpec checkpoint keys (see
-:data:`sparkjax.io.keymaps.DRAFTER_KEYS`).
+A drafter reads *context features* (the target hidden states ``hidden_states[l + 1]`` for ``l`` in
+``target_layer_ids``, concatenated: ``F = len(ids) * D``) and a block ``[x_start, MASK, ..., MASK]``. Per
+layer the context is projected once (``hidden_norm(fc(features))``) and goes through ``k_proj`` /
+``v_proj`` / ``k_norm`` and RoPE at its own positions (the rows the :class:`~sparkjax.cache.ContextCache`
+keeps); the block's queries see the context rows its mask allows and every slot of the block. A DSpark
+drafter owns ``embed_tokens`` / ``lm_head``; a DFlash drafter uses the target's (pass ``target=``).
+Heads (DSpark only): the Markov head adds ``W2 . f(prev)`` to the base logits (``f(prev) = W1[prev]``, or
+gated ``W1[prev] * sigmoid(gate_proj([h ; W1[prev]]))``); the confidence head is ``Linear([h ; W1[prev]]
+-> 1)`` (or ``[h]`` alone), read through a sigmoid. Parameter paths mirror the DeepSpec checkpoint keys
+(:data:`sparkjax.io.keymaps.DRAFTER_KEYS`).
 """
 
 from __future__ import annotations
@@ -40,7 +24,7 @@ from flax import nnx
 from ..cache import ContextCache
 from ..config import DrafterConfig
 from ..errors import ArgumentError
-from .layers import Embed, Linear, RMSNorm, attend, attention_fn, rope_cos_sin
+from .layers import Embed, Linear, RMSNorm, attend, attention_fn, init_normal, rope_cos_sin
 from .qwen3 import DecoderLayer, LMHead
 
 Array = jax.Array
@@ -49,10 +33,8 @@ Array = jax.Array
 class Table(nnx.Module):
     """A ``[V, R]`` table stored like a torch ``nn.Embedding`` / bias-free ``nn.Linear(R -> V)`` weight."""
 
-    def __init__(self, rows: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32, std: float = 0.02):
-        self.weight = nnx.Param(
-            (std * jax.random.normal(rngs.params(), (rows, dim), jnp.float32)).astype(dtype), axes=("vocab", None)
-        )
+    def __init__(self, rows: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.weight = nnx.Param(init_normal(rngs, (rows, dim), dtype), axes=("vocab", None))
 
     def lookup(self, ids: Array) -> Array:
         return jnp.take(self.weight[...], ids, axis=0)
@@ -63,11 +45,8 @@ class Table(nnx.Module):
 
 
 class MarkovHead(nnx.Module):
-    """Low-rank first-order Markov correction ``bias(prev) = W2 . f(prev)``.
-
-    ``markov_w1`` ``[V, R]`` (an embedding), ``markov_w2`` ``[V, R]`` (torch ``Linear(R -> V)``
-    weight), and for the gated head ``gate_proj`` ``Linear(D + R -> R)`` with bias.
-    """
+    """Low-rank first-order Markov correction ``bias(prev) = W2 . f(prev)``: ``markov_w1`` ``[V, R]``,
+    ``markov_w2`` ``[V, R]`` (torch ``Linear(R -> V)`` weight), gated: ``gate_proj`` ``Linear(D + R -> R)``."""
 
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         r = cfg.markov_rank
@@ -85,11 +64,7 @@ class MarkovHead(nnx.Module):
         return self.markov_w1.lookup(prev)
 
     def features(self, hidden: Array, prev: Array) -> Array:
-        """Parent features ``f(prev)`` ``[..., C, R]`` for hidden ``[..., D]`` and prev ids ``[..., C]``.
-
-        Vanilla: ``W1[prev]``. Gated: ``W1[prev] * sigmoid(gate_proj([h ; W1[prev]]))``, with the
-        gate's kernel split into its ``h`` and ``W1[prev]`` rows so ``h`` is projected once per slot.
-        """
+        """Parent features ``f(prev)`` ``[..., C, R]`` for hidden ``[..., D]`` and prev ids ``[..., C]``."""
         e = self.prev_embeddings(prev)
         if not self.gated:
             return e
@@ -144,12 +119,8 @@ class DrafterLayer(DecoderLayer):
 
 
 class Drafter(nnx.Module):
-    """A DSpark (``config.kind == "dspark"``) or DFlash (``"dflash"``) block drafter.
-
-    Submodule names mirror the checkpoint keys: ``embed_tokens``, ``layers.{i}``, ``norm``, ``fc``,
-    ``hidden_norm``, ``lm_head``, ``markov_head``, ``confidence_head``. A DFlash drafter has no
-    ``embed_tokens`` / ``lm_head`` / heads (they are None).
-    """
+    """A DSpark (``config.kind == "dspark"``) or DFlash (``"dflash"``) block drafter; a DFlash drafter's
+    ``embed_tokens`` / ``lm_head`` / heads are None."""
 
     def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
@@ -225,13 +196,9 @@ class Drafter(nnx.Module):
         return_layers: bool = False,
         attention: str | Callable = "auto",
     ) -> BlockOutput:
-        """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``.
-
-        ``ctx_k``/``ctx_v`` ``[L, B, K, S, H]`` (heads-major, as :class:`ContextCache` holds them) are the
-        context rows, ``ctx_mask`` ``[B, Q, S]`` and ``block_mask`` ``[B, Q, Q]`` (or broadcastable) say
-        which context rows / block slots each query sees. ``attention``: as in
-        :meth:`sparkjax.nn.qwen3.Qwen3.__call__`.
-        """
+        """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``: context rows
+        ``ctx_k``/``ctx_v`` ``[L, B, K, S, H]`` (heads-major), ``ctx_mask`` ``[B, Q, S]`` and ``block_mask``
+        ``[B, Q, Q]`` (or broadcastable). ``attention``: as in :meth:`sparkjax.nn.qwen3.Qwen3.__call__`."""
         fn = attention_fn(attention)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         outs = []
@@ -253,10 +220,8 @@ class Drafter(nnx.Module):
         attention: str | Callable = "auto",
     ) -> BlockOutput:
         """Cache-free forward (training): context ``features [B, S, F]`` at ``feature_positions [B, S]``,
-        block ``tokens [B, Q]`` at ``positions [B, Q]``, boolean ``mask [B, Q, S + Q]`` (columns:
-        context rows, then block slots; True = visible). Many anchor blocks can sit side by side
-        in Q with a block-diagonal mask. Returns the final-normed block hidden states ``[B, Q, D]``.
-        """
+        block ``tokens [B, Q]`` at ``positions [B, Q]``, boolean ``mask [B, Q, S + Q]`` (context columns, then
+        block slots; True = visible). Returns the final-normed block hidden states ``[B, Q, D]``."""
         s = features.shape[1]
         if mask.shape[-1] != s + tokens.shape[1]:
             raise ArgumentError(

@@ -1,12 +1,8 @@
 """Building blocks shared by the Qwen3 target and the drafters.
 
-Weights live in Flax NNX ``Param``s whose ``axes`` metadata names their logical
-axes (see :mod:`sparkjax.sharding`). Projections are stored in JAX layout
-(``[in, ...out]``), with the head axes kept separate so that tensor parallelism
-over heads is a plain partition of one axis.
-
-Axis letters: B batch, T tokens, S key slots, D model dim, N query heads,
-K kv heads, H head dim, F ffn dim, V vocab.
+Weights are NNX ``Param``s whose ``axes`` metadata names their logical axes (:mod:`sparkjax.sharding`),
+stored in JAX layout (``[in, ...out]``) with the head axes separate. Axis letters: B batch, T tokens, S key
+slots, D model dim, N query heads, K kv heads, H head dim, F ffn dim, V vocab.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from ..errors import ArgumentError
 Array = jax.Array
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> Array:
+def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> Array:
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
@@ -53,7 +49,7 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
     ):
-        self.kernel = nnx.Param(_normal(rngs, (in_dim, *out_shape), dtype), axes=axes)
+        self.kernel = nnx.Param(init_normal(rngs, (in_dim, *out_shape), dtype), axes=axes)
         self.bias = nnx.Param(jnp.zeros(out_shape, dtype), axes=axes[1:]) if use_bias else None
 
     def __call__(self, x: Array) -> Array:
@@ -68,7 +64,7 @@ class OutProj(nnx.Module):
     """Attention output projection from ``[..., N, H]`` back to ``[..., D]``; kernel ``[N, H, D]``."""
 
     def __init__(self, heads: int, head_dim: int, out_dim: int, *, use_bias: bool, rngs: nnx.Rngs, dtype):
-        self.kernel = nnx.Param(_normal(rngs, (heads, head_dim, out_dim), dtype), axes=("heads", None, "embed"))
+        self.kernel = nnx.Param(init_normal(rngs, (heads, head_dim, out_dim), dtype), axes=("heads", None, "embed"))
         self.bias = nnx.Param(jnp.zeros((out_dim,), dtype), axes=("embed",)) if use_bias else None
 
     def __call__(self, x: Array) -> Array:
@@ -82,7 +78,7 @@ class Embed(nnx.Module):
     """A token embedding table ``[V, D]``; ``attend`` reuses it as a tied output head."""
 
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.embedding = nnx.Param(_normal(rngs, (vocab, dim), dtype), axes=("vocab", "embed"))
+        self.embedding = nnx.Param(init_normal(rngs, (vocab, dim), dtype), axes=("vocab", "embed"))
 
     def __call__(self, ids: Array) -> Array:
         return jnp.take(self.embedding[...], ids, axis=0)
@@ -104,10 +100,8 @@ class MLP(nnx.Module):
 
 
 def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """Default rotary tables for integer ``positions`` ``[...]``: cos, sin of shape ``[..., head_dim]``.
-
-    Computed in float32 with the halves duplicated, as transformers' Qwen3 rotary embedding does.
-    """
+    """Default rotary tables (float32, halves duplicated as in transformers) for integer ``positions``
+    ``[...]``: cos, sin of shape ``[..., head_dim]``."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
@@ -137,27 +131,13 @@ def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str = "au
            block_slots: int = BLOCK_SLOTS) -> Array:
     """Grouped-query attention over one or several key/value sets sharing one softmax.
 
-    ``q`` ``[B, T, N, H]``; each part is ``(k [B, K, S_i, H], v [B, K, S_i, H], mask [B, T, S_i])``:
-    keys and values heads-major, as :class:`~sparkjax.cache.KVCache` stores them (mask
-    broadcastable, True = visible). The target passes one part (its cache or the new tokens); a
-    drafter passes its context rows and its block, which is attention over the concatenated keys
-    without copying the (possibly large) context keys/values. Scores and softmax in float32, scale
-    ``H ** -0.5``; a fully masked row returns zeros.
-
-    ``impl`` (``"auto"``, the default, is ``"blocked"`` on the CPU backend, where it reads only the live
-    chunks of the cache bucket, and ``"einsum"`` elsewhere, where a per-layer loop costs sequential kernels):
-
-    - ``"einsum"``: the reference. Full ``[B, N, T, S]`` float32 scores, one softmax.
-    - ``"dpa"``: :func:`jax.nn.dot_product_attention` (cuDNN on a GPU for bfloat16 / float16,
-      XLA elsewhere) over the parts concatenated token-major (that API takes ``[B, S, K, H]``
-      keys, so this path transposes the keys and values).
-    - ``"blocked"``: the first part in chunks of ``block_slots`` slots with an online softmax,
-      stopping after the last chunk any query can see (a dynamic trip count: reads grow with the
-      live length, not the cache bucket), then the other parts; never materialises the full scores.
-    - ``"prefix"``: the reference over the shortest power-of-two prefix (at least
-      ``block_slots`` slots) of the first part that holds every visible slot, picked at run
-      time by one ``lax.switch``: reads bounded by the live length with no loop (the same kernels
-      as the reference, once).
+    ``q`` ``[B, T, N, H]``; each part is ``(k [B, K, S_i, H], v [B, K, S_i, H], mask [B, T, S_i])``: keys and
+    values heads-major as :class:`~sparkjax.cache.KVCache` stores them, the mask broadcastable (True =
+    visible). Scores and softmax in float32, scale ``H ** -0.5``; a fully masked row returns zeros.
+    ``impl``: ``"einsum"`` (the reference), ``"dpa"`` (:func:`jax.nn.dot_product_attention`; cuDNN on a GPU
+    for bf16 / f16), ``"blocked"`` (the first part in ``block_slots``-slot chunks with an online softmax, up
+    to the last visible chunk), ``"prefix"`` (the reference over the shortest power-of-two prefix of the
+    first part that holds every visible slot) or ``"auto"`` (``blocked`` on CPU, ``einsum`` elsewhere).
     """
     if not isinstance(impl, str) or impl not in ATTENTION_IMPLS:
         raise ArgumentError(f"attend: impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
@@ -208,8 +188,7 @@ def _ungrouped(out: Array) -> Array:
 def _attend_einsum(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
     b, t, n, h = q.shape
     kh = parts[0][0].shape[1]
-    # q stays token-major [B, T, K, G, H]: XLA moves the (small) queries, never the cache; written as
-    # ``bkgth`` instead, XLA:CPU picks another dot blocking whose rounding then depends on S
+    # q stays token-major [B, T, K, G, H] (XLA moves the queries, never the cache)
     qg = q.reshape(b, t, kh, n // kh, h)
     scores = [jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
     scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)) * (h**-0.5)
@@ -221,9 +200,6 @@ def _attend_einsum(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
     offset = 0
     for k, v, _ in parts:
         s = k.shape[2]
-        # written ``bkgth`` (probabilities as the left operand, contracting their last axis): XLA:CPU
-        # runs that as a plain batched matmul; ``btkgh`` made it contract the cache's slot axis on
-        # both sides, a generic dot several times slower at batch 64
         term = jnp.einsum("bkgts,bksh->bkgth", probs[..., offset : offset + s].astype(v.dtype), v)
         out = term if out is None else out + term
         offset += s

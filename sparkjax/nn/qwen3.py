@@ -1,12 +1,6 @@
-"""The Qwen3 decoder (the target model) as Flax NNX modules.
-
-One forward serves prefill, single-token decode, tree verification and
-training: it takes tokens, their positions, an optional fixed-shape
-:class:`~sparkjax.cache.KVCache` and a boolean node-to-node mask over the new
-tokens (causal by default). It returns logits and, in the same pass, any
-requested hidden states with transformers' ``hidden_states[l + 1]`` indexing:
-``l = -1`` is the embedding output, ``0 <= l < L - 1`` the raw output of
-decoder layer ``l``, and ``l = L - 1`` the final-normed state.
+"""The Qwen3 decoder (the target model) as Flax NNX modules: one forward for prefill, decode, tree
+verification and training, returning logits and any requested hidden states with transformers'
+``hidden_states[l + 1]`` indexing (``l = -1``: the embedding output; ``l = L - 1``: the final-normed state).
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from flax import nnx
 from ..cache import KVCache, attention_mask, causal_block
 from ..config import Qwen3Config
 from ..errors import ArgumentError
-from .layers import MLP, AttentionProjections, Embed, RMSNorm, attend, attention_fn, rope_cos_sin
+from .layers import MLP, AttentionProjections, Embed, RMSNorm, attend, attention_fn, init_normal, rope_cos_sin
 
 Array = jax.Array
 
@@ -30,10 +24,7 @@ class LMHead(nnx.Module):
     """An untied output head, stored like an embedding table ``[V, D]`` (transformers' layout)."""
 
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.weight = nnx.Param(
-            (0.02 * jax.random.normal(rngs.params(), (vocab, dim), jnp.float32)).astype(dtype),
-            axes=("vocab", "embed"),
-        )
+        self.weight = nnx.Param(init_normal(rngs, (vocab, dim), dtype), axes=("vocab", "embed"))
 
     def __call__(self, x: Array) -> Array:
         return jnp.einsum("...d,vd->...v", x, self.weight[...])
@@ -114,16 +105,12 @@ class Qwen3(nnx.Module):
     ) -> Qwen3Output:
         """Runs the decoder over new tokens ``[B, T]`` at ``positions`` ``[B, T]``.
 
-        With a cache, the new keys/values are written at ``cache.lengths`` and
-        every query also sees the committed prefix; ``cache.lengths`` is left
-        for the caller to advance (or to :meth:`KVCache.compact`). ``mask`` is
-        the ``[T, T]`` or ``[B, T, T]`` visibility among the new tokens (True =
-        visible, row = query), causal when omitted. ``logits_at`` ``[B, K]``
-        restricts logits to K token indices per sequence. ``fresh_cache=True`` promises that the
-        cache is empty (prefill): attention then runs over the new tokens only, ``O(T^2)`` rather
-        than ``O(T * S)``, and the keys/values are still written to the cache. ``attention``: the
-        attention implementation (an ``impl`` of :func:`~sparkjax.nn.layers.attend`, or a callable with
-        its signature; :func:`~sparkjax.nn.layers.attention_fn`).
+        With a cache, the new keys/values are written at ``cache.lengths`` (left for the caller to advance)
+        and every query also sees the committed prefix. ``mask``: the ``[T, T]`` or ``[B, T, T]`` visibility
+        among the new tokens (True = visible, row = query; causal when omitted). ``logits_at`` ``[B, K]``
+        restricts logits to K token indices per sequence. ``fresh_cache=True`` promises an empty cache
+        (prefill): attention runs over the new tokens only, the keys/values are still written.
+        ``attention``: an ``impl`` of :func:`~sparkjax.nn.layers.attend` or a callable with its signature.
         """
         n_layers = self.config.num_hidden_layers
         for lid in hidden_layers:
