@@ -1,37 +1,12 @@
 """Placing a generation on a device mesh: checks, input placement and in-program sharding constraints.
 
-A generation with ``mesh=`` (a :class:`jax.sharding.Mesh` with axes ``("data", "model")``, or either
-one alone) runs the same jitted programs as a single-device one, with its inputs placed and its
-carried state constrained to explicit shardings:
-
-* **weights**: by the logical-axis rules of :mod:`sparkjax.sharding` (tensor parallel over the
-  attention heads, KV heads and the FFN on ``model``; embeddings, the LM head and every ``vocab``
-  table replicated);
-* **KV cache** ``[B, K, S, H]``: batch over ``data``, KV heads over ``model``
-  (:data:`sparkjax.cache.KV_AXES`); the **drafter context** ``[L, B, K, S, H]`` the same way;
-* **everything else a round carries or passes between stages** (prompts, output buffers, lengths,
-  the drafter's block logits, the tree arrays, the verify logits, the accepted path): batch over
-  ``data``, *replicated over* ``model``; the PRNG key and scalars replicated.
-
-What is replicated over ``model``, and why. The Markov head's factors (``markov_w1`` / ``markov_w2``,
-``vocab x rank`` tables), the drafter's block logits, the tree tables and the tree builder (top-c,
-the best-first / beam expansion, the ancestor mask) are all *per sequence* work that is small
-next to a layer but runs as a long chain of tiny dependent ops (a top-k, a gather, a scan per
-depth). Sharding any of it over ``model`` would put a collective inside each of those steps
-(vocab-sharded logits need an all-reduce / all-gather for every top-k and every softmax of a
-depth); engines serving DSpark's Markov head under tensor parallelism found exactly that
-per-step collectives dominated, and fixed it by replicating the head on every rank. Replicated,
-each model rank builds the same tree from the same (already all-reduced) hidden states, with no
-collective at all: a round's only collectives are the two all-reduces per layer that tensor
-parallelism needs (attention output and MLP down projection) in the target and the drafter
-(``tests/test_mesh.py`` counts them; CPU's blocked attention over more than 128 cache slots adds
-one boolean all-reduce over ``data``: its trip count is the last slot any sequence sees). The greedy tree
-builder runs per data shard (:func:`per_sequence`); a *sampled* one is left to XLA's partitioner, which
-gathers the block logits over ``data`` for its top-k (correct, with the same random draws as one device).
-
-Multi-process (``jax.distributed.initialize``): the mesh spans every process's devices; inputs are
-assembled with :func:`jax.make_array_from_callback` from the host values every process holds (the
-same prompts and weights on each), and :func:`to_host` gathers a global output back on every process.
+A generation with ``mesh=`` (axes ``("data", "model")``, or either alone) runs the same jitted programs as
+a single-device one. Weights follow the logical-axis rules of :mod:`sparkjax.sharding`; the KV cache and
+the drafter context go batch over ``data`` and KV heads over ``model``; everything else a round carries or
+passes between stages goes batch over ``data`` and is replicated over ``model`` (scalars and the PRNG key
+replicated), so a round's only collectives are tensor parallelism's all-reduces (docs/design.md, "Meshes").
+Several processes: inputs are assembled from the host values every process holds (:func:`put`), and
+:func:`to_host` gathers a global output back on every process.
 """
 
 from __future__ import annotations
@@ -41,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -72,12 +46,9 @@ def _divides(what: str, size: int, axis: int, label: str) -> None:
 
 
 def check_mesh(mesh: Any, target, drafter=None, batch: int | None = None) -> Mesh | None:
-    """Validates a generation mesh against the pair and the batch; returns it (None stays None).
-
-    The mesh's axis names must be among :data:`MESH_AXES` with Auto axis types; its ``model`` axis must
-    divide the attention heads, the KV heads and the FFN width of the target (and of the drafter);
-    its ``data`` axis must divide ``batch``. Each violation is an :class:`ArgumentError` naming the sizes.
-    """
+    """Validates a generation mesh (axis names among :data:`MESH_AXES`, Auto axis types; ``model`` divides
+    the pair's heads, KV heads and FFN width, ``data`` the batch) and returns it (None stays None); each
+    violation is an :class:`ArgumentError` naming the sizes."""
     if mesh is None:
         return None
     if not isinstance(mesh, Mesh):
@@ -152,16 +123,12 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
         if isinstance(x, ContextCache):
             ctx = named(logical_to_spec(CTX_AXES, rules))
             return ContextCache(ctx, ctx, named(batch_spec(x.lengths, rules)))
-        if _is_draft_block(x):
+        if isinstance(x, DraftBlock):
             layers = None if x.layers is None else named(PartitionSpec(None, rules.get("batch")))
             return type(x)(named(batch_spec(x.logits, rules)), named(batch_spec(x.hidden, rules)), layers)
         return named(batch_spec(x, rules))
 
-    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, KVCache | ContextCache) or _is_draft_block(x))
-
-
-def _is_draft_block(x) -> bool:
-    return isinstance(x, DraftBlock)
+    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, KVCache | ContextCache | DraftBlock))
 
 
 def constrain(tree: Any, mesh: Mesh | None) -> Any:
@@ -236,21 +203,11 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def replicated(x: Any, mesh: Mesh) -> Any:
-    """Helper for tests and tools: ``x`` replicated on every device of ``mesh``."""
-    return put(jnp.asarray(x), NamedSharding(mesh, PartitionSpec()))
-
-
 def per_sequence(fn, mesh: Mesh, module, *args):
-    """``fn(module, *args)`` run on each data shard's own sequences (``jax.shard_map`` over the whole mesh,
-    every array entering and leaving with :func:`state_shardings`: batch over ``data``, replicated over
-    ``model``; ``module``'s weights enter with their own shardings, so ``fn`` may only use its replicated
-    ones: the Markov head, the ``vocab`` tables).
-
-    For the per-sequence stages whose ops XLA's SPMD partitioner does not keep batch-parallel: the tree
-    builder's ``top_k`` over a batch-sharded operand is partitioned by all-gathering the whole batch onto
-    every data shard (all-gathers of ``[B, top_c * V]`` scores every round). Random draws inside
-    would see the local batch, so callers use it for deterministic (greedy) work."""
+    """``fn(module, *args)`` run on each data shard's own sequences (``jax.shard_map``; arrays enter and leave
+    with :func:`state_shardings`, ``module``'s weights with their own, so ``fn`` may only use its replicated
+    ones). For deterministic (greedy) per-sequence stages XLA would otherwise all-gather over the batch (the
+    tree builder's ``top_k``); random draws inside would see the local batch."""
     graphdef, weights = nnx.split(module)
 
     def local(weights, *a):
@@ -283,10 +240,3 @@ def collective_ops(hlo_text: str) -> list[tuple[str, str]]:
             ops.append((m.group(2), m.group(1)))
     return ops
 
-
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """How many of each collective op (:data:`COLLECTIVES`) :func:`collective_ops` finds."""
-    counts = dict.fromkeys(COLLECTIVES, 0)
-    for kind, _ in collective_ops(hlo_text):
-        counts[kind] += 1
-    return counts
