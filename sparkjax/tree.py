@@ -571,7 +571,8 @@ def tree_positions(depths: jax.Array, start: jax.Array | int) -> jax.Array:
     return jnp.asarray(start, jnp.int32) + d
 
 
-def _check_accept_args(parents, tokens, posterior, max_depth) -> tuple[int, int]:
+def _check_accept_args(parents, tokens, posterior, max_depth) -> tuple[int, int, jax.Array, jax.Array, jax.Array]:
+    """``(M, walk steps)`` and the three arrays as int32."""
     _check_ndim("parents", parents, 1, "M")
     _check_ndim("tokens", tokens, 1, "M")
     _check_ndim("posterior", posterior, 1, "M + 1")
@@ -582,7 +583,7 @@ def _check_accept_args(parents, tokens, posterior, max_depth) -> tuple[int, int]
             f"{tuple(tokens.shape)}, {tuple(posterior.shape)}"
         )
     steps = m if max_depth is None else _check_int("max_depth", max_depth, 1)
-    return m, steps
+    return m, steps, *(jnp.asarray(x, jnp.int32) for x in (parents, tokens, posterior))
 
 
 def accept(
@@ -602,10 +603,7 @@ def accept(
     ``[root] + nodes``; ``mask``: the tree's :func:`visibility` (complete for every node of depth
     ``<= max_depth``), computed when None. Returns :class:`Accepted`, indices padded to ``max_depth + 1``.
     """
-    m, steps = _check_accept_args(parents, tokens, posterior, max_depth)
-    parents = jnp.asarray(parents, jnp.int32)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    posterior = jnp.asarray(posterior, jnp.int32)
+    m, steps, parents, tokens, posterior = _check_accept_args(parents, tokens, posterior, max_depth)
     if mask is None:
         # one more level than the walk can reach: a deeper node then has more than max_depth + 1 ancestors
         # in its (truncated) row, so it reads as deeper than max_depth
@@ -635,10 +633,7 @@ def accept_walk(
     parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max_depth: int | None = None
 ) -> Accepted:
     """The step-by-step walk of :func:`accept` (one ``fori_loop`` step per depth); the reference it equals."""
-    m, steps = _check_accept_args(parents, tokens, posterior, max_depth)
-    parents = jnp.asarray(parents, jnp.int32)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    posterior = jnp.asarray(posterior, jnp.int32)
+    m, steps, parents, tokens, posterior = _check_accept_args(parents, tokens, posterior, max_depth)
 
     def body(k, carry):
         cur, length, path, done = carry
