@@ -1,5 +1,5 @@
-"""The eval: metrics on hand-made numbers, the one shared end-to-end run of ``python -m sparkjax.eval`` on the demo
-pair (its files checked against independent recounts), the prompt sets, and bad input (one line, exit code 2)."""
+"""The eval: metrics by hand, the one shared end-to-end run on the demo pair (its files against independent
+recounts), the prompt sets, bad input (one line, exit code 2)."""
 
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def test_summarize_hand_made_records():
 
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
-    """``python -m sparkjax.eval`` on the demo pair (3 sets x 1 prompt, ar, sparklingtree@16); a stale plot and a
-    user's file in the folder."""
+    """``python -m sparkjax.eval`` on the demo pair (3 sets x 1 prompt, ar, sparklingtree@16), into a folder with a
+    stale plot and a user's file."""
     out = tmp_path_factory.mktemp("eval_out")
     (out / "throughput_vs_batch.png").write_bytes(b"an earlier sweep's plot")
     (out / "notes.txt").write_text("keep me")
@@ -118,7 +118,7 @@ def e2e(tmp_path_factory):
                                  js=json.loads((out / "results.json").read_text()))
 
 
-def test_e2e_table_and_files(e2e):
+def test_e2e_table_files_and_csv(e2e):
     assert e2e.rc == 0, e2e.stdout
     assert "bundled demo pair" in e2e.stdout and "accept_rate@k" in e2e.stdout and "as ar" in e2e.stdout
     for label in ("ar", "sparklingtree@16"):
@@ -127,6 +127,20 @@ def test_e2e_table_and_files(e2e):
     assert {p.name for p in e2e.out.iterdir()} == {"results.json", "results.csv", "notes.txt", *plots}
     assert (e2e.out / "notes.txt").read_text() == "keep me"  # the stale sweep plot is gone, the user's file kept
     assert all((data := (e2e.out / name).read_bytes())[:8] == PNG and len(data) > 10_000 for name in plots)
+    with open(e2e.out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    summary = e2e.js["summary"]
+    assert len(rows) == len(summary) == 8  # 3 sets + all, 2 methods
+    assert {"dataset", "label", "method", "budget", "drafter", "drafter_role", "n_samples", "tau_pooled",
+            "tau_per_response", "tokens_per_s", "tokens_per_s_best", "speedup", "speedup_best", "timing_spread",
+            "same_as_ar", "accept_rate@1", "accept_rate@16", "stage_verify_ms_per_round"} <= set(rows[0])
+    for row, js in zip(rows, summary, strict=True):
+        assert (row["dataset"], row["label"]) == (js["dataset"], js["label"])
+        assert float(row["tau_pooled"]) == pytest.approx(js["tau_pooled"])
+        assert row["timing_spread"] == ""  # one repetition: no spread, an empty cell
+        if js["accept_rate"]:
+            assert float(row["accept_rate@1"]) == pytest.approx(js["accept_rate"][0])
+            assert float(row["stage_verify_ms_per_round"]) == pytest.approx(js["stage_ms_per_round"]["verify"])
 
 
 def test_e2e_json_matches_independent_recounts(e2e):
@@ -168,23 +182,6 @@ def test_e2e_json_matches_independent_recounts(e2e):
         if timed:  # TPOT: the mean over timed batches with a measured decode time
             tpot = sum(r["decode_seconds"] / r["output_tokens"] for r in timed) / len(timed)
             assert row["tpot_ms"] == pytest.approx(1000 * tpot) and row["tokens_per_s"] == pytest.approx(1 / tpot)
-
-
-def test_e2e_csv_has_the_summary_columns(e2e):
-    with open(e2e.out / "results.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    summary = e2e.js["summary"]
-    assert len(rows) == len(summary) == 8  # 3 sets + all, 2 methods
-    assert {"dataset", "label", "method", "budget", "drafter", "drafter_role", "n_samples", "tau_pooled",
-            "tau_per_response", "tokens_per_s", "tokens_per_s_best", "speedup", "speedup_best", "timing_spread",
-            "same_as_ar", "accept_rate@1", "accept_rate@16", "stage_verify_ms_per_round"} <= set(rows[0])
-    for row, js in zip(rows, summary, strict=True):
-        assert (row["dataset"], row["label"]) == (js["dataset"], js["label"])
-        assert float(row["tau_pooled"]) == pytest.approx(js["tau_pooled"])
-        assert row["timing_spread"] == ""  # one repetition: no spread, an empty cell
-        if js["accept_rate"]:
-            assert float(row["accept_rate@1"]) == pytest.approx(js["accept_rate"][0])
-            assert float(row["stage_verify_ms_per_round"]) == pytest.approx(js["stage_ms_per_round"]["verify"])
 
 
 def test_e2e_reloads_and_compares(e2e, tmp_path, capsys):

@@ -38,31 +38,25 @@ def _one_device_mesh(names, axis_types=None):
     return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names, axis_types=types)
 
 
-def test_mesh_with_unknown_axis_names_is_refused(pair):
-    from sparkjax import engine
-
-    target, drafter = pair
-    with pytest.raises(ArgumentError, match=r"mesh: axis names \('batch', 'tp'\).*unknown \('batch', 'tp'\)"):
-        engine.generate(target, drafter, [[1, 2, 3]], method="dspark", max_new_tokens=4,
-                        mesh=_one_device_mesh(("batch", "tp")))
-    with pytest.raises(ArgumentError, match=r"mesh: .*unknown \('x',\)"):
-        engine.launch(target, None, [[1, 2, 3]], max_new_tokens=4, mesh=_one_device_mesh(("data", "x")))
-    with pytest.raises(ArgumentError, match=r"mesh: .*unknown \('replica',\)"):
-        engine.stream(target, drafter, [[1, 2, 3]], method="dspark", max_new_tokens=4,
-                      mesh=_one_device_mesh(("replica",)))
-
-
-def test_mesh_of_the_wrong_type_or_axis_type_is_refused(pair):
+def test_bad_meshes_are_refused(pair):
     from jax.sharding import AxisType
 
     from sparkjax import engine
 
     target, drafter = pair
-    with pytest.raises(ArgumentError, match=r"mesh: expected a jax.sharding.Mesh .* got .*tuple"):
-        engine.generate(target, drafter, [[1, 2, 3]], method="dspark", max_new_tokens=4, mesh=(2, 4))
+    spec = dict(method="dspark", drafter=drafter)
     explicit = _one_device_mesh(("data", "model"), (AxisType.Explicit, AxisType.Auto))
-    with pytest.raises(ArgumentError, match=r"mesh: axes \('data',\) are not AxisType.Auto"):
-        engine.generate(target, None, [[1, 2, 3]], max_new_tokens=4, mesh=explicit)
+    tp = _one_device_mesh(("batch", "tp"))
+    for call, kw, mesh, words in (
+        (engine.generate, spec, tp, r"axis names \('batch', 'tp'\).*unknown \('batch', 'tp'\)"),
+        (engine.launch, {}, _one_device_mesh(("data", "x")), r".*unknown \('x',\)"),
+        (engine.stream, spec, _one_device_mesh(("replica",)), r".*unknown \('replica',\)"),
+        (engine.generate, spec, (2, 4), r"expected a jax.sharding.Mesh .* got .*tuple"),
+        (engine.generate, {}, explicit, r"axes \('data',\) are not AxisType.Auto"),
+    ):
+        kw = {"drafter": None, **kw}
+        with pytest.raises(ArgumentError, match="mesh: " + words):
+            call(target, kw.pop("drafter"), [[1, 2, 3]], max_new_tokens=4, mesh=mesh, **kw)
 
 
 @pytest.mark.slow

@@ -1,6 +1,5 @@
-"""The README and docs/: their Python snippets run as written (the placeholder model folders swapped for the
-bundled demo pair), their relative links resolve, the README stays under 10 KB with a short quickstart, and no
-page carries dated history."""
+"""README and docs/: Python snippets run as written (placeholder folders -> the demo pair), relative links resolve,
+README under 10 KB with a short quickstart, no dated history."""
 
 from __future__ import annotations
 
