@@ -63,6 +63,14 @@ def test_usage_has_snippets():
     assert any("sparkjax.stream" in code for _, code in python_blocks(DOCS / "usage.md"))
 
 
+def test_api_lists_every_public_name():
+    import sparkjax
+
+    text = (DOCS / "api.md").read_text(encoding="utf-8")
+    missing = [name for name in sparkjax.__all__ if not re.search(rf"`{re.escape(name)}[`(]", text)]
+    assert not missing, f"docs/api.md does not list {missing}"
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor of a Markdown heading."""
     s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
