@@ -27,7 +27,7 @@ def test_interleave_runs_every_variant_once_per_repetition_in_order():
     assert timing.interleave({"a": lambda: None}, 10, measure=lambda f: 1.0, deadline=0.0, min_reps=2)["a"].n == 2
 
 
-def test_stats_are_medians_minima_and_spreads_never_clamped():
+def test_stats_are_medians_minima_and_spreads_never_clamped_and_the_load_warns(monkeypatch):
     values = {"a": iter([3.0, 1.0, 2.0]), "b": iter([-1.0, 0.5, -2.0])}
     stats = timing.interleave({k: (lambda it=it: next(it)) for k, it in values.items()}, 3, measure=lambda f: f())
     a, b = stats["a"], stats["b"]
@@ -37,6 +37,11 @@ def test_stats_are_medians_minima_and_spreads_never_clamped():
     assert b.spread is None  # no spread of a median <= 0
     assert any("b: spread undefined" in w for w in timing.warnings(stats))
     assert not any(w.startswith("a:") for w in timing.warnings(stats, max_spread=1.5))
+    assert timing.wall(lambda: jnp.ones(3) * 2) >= 0
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (99.0, 0.0, 0.0))
+    assert "load average 99.0" in timing.load_warning()
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert timing.load_warning() is None and timing.warnings() == []
 
 
 def test_interrupt_keeps_what_was_measured():
@@ -52,14 +57,6 @@ def test_interrupt_keeps_what_was_measured():
         timing.interleave({"a": lambda: 1.0, "b": b, "c": lambda: 2.0}, 4, measure=lambda f: f())
     assert isinstance(e.value, KeyboardInterrupt)
     assert {k: s.samples for k, s in e.value.partial.items()} == {"a": (1.0, 1.0), "b": (5.0,), "c": (2.0,)}
-
-
-def test_wall_syncs_and_load_warning(monkeypatch):
-    assert timing.wall(lambda: jnp.ones(3) * 2) >= 0
-    monkeypatch.setattr(timing.os, "getloadavg", lambda: (99.0, 0.0, 0.0))
-    assert "load average 99.0" in timing.load_warning()
-    monkeypatch.setattr(timing.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert timing.load_warning() is None and timing.warnings() == []
 
 
 # ============================================================================= the command line
