@@ -1,19 +1,8 @@
 """Token choice and lossless acceptance rules (all float32, batch-first, jit-friendly).
 
-* :func:`first_argmax` — the first index attaining the maximum (``jnp.argmax``'s answer, NaN included),
-  as a max followed by a min over the matching indices: several times faster than ``jnp.argmax``'s
-  value/index pair reduction on XLA:CPU. Every greedy pick and every Gumbel-max draw here uses it.
-* :func:`categorical` — ``jax.random.categorical`` (the same Gumbel noise, the same token) through
-  :func:`first_argmax`.
-* :func:`pick` — greedy (first maximal index) at ``T == 0``, else a draw from ``softmax(logits / T)``.
-* :func:`posterior` — the target's token at every verified node: its argmax, or an independent
-  sample per node. Walking a tree with sampled posteriors is lossless: every emitted token is a
-  draw from the target's conditional given the tokens before it, because the tree was fixed
-  before the draws and the draws at different nodes are independent.
-* :func:`speculative_chain` — standard speculative sampling for a chain against the draft
-  distribution q the chain was drawn from: accept draft k with probability
-  ``min(1, p_k(d_k) / q_k(d_k))``, at the first rejection emit a draw from
-  ``normalize(max(p_k - q_k, 0))``, and if every draft is accepted emit a bonus from ``p``.
+Walking a tree with :func:`posterior`'s independent per-node samples is lossless (the tree is fixed before
+the draws); :func:`speculative_chain` is standard speculative sampling against the chain's draft
+distribution.
 """
 
 from __future__ import annotations
@@ -25,12 +14,8 @@ Array = jax.Array
 
 
 def first_argmax(x: Array, axis: int = -1) -> Array:
-    """The first index of ``x`` along ``axis`` attaining its maximum (int32): equal to ``jnp.argmax``.
-
-    NaN is handled as ``jnp.argmax`` (and numpy) does: if the slice holds a NaN the answer is the index
-    of its first NaN. Computed as ``max`` then the smallest index whose value equals it (or is NaN):
-    two plain reductions, which XLA vectorises, instead of ``argmax``'s (value, index) pair reduction.
-    """
+    """The first index of ``x`` along ``axis`` attaining its maximum (int32): equal to ``jnp.argmax``, NaN
+    included (the first NaN wins), as two plain reductions."""
     x = jnp.asarray(x)
     axis = axis % x.ndim
     n = x.shape[axis]
@@ -67,12 +52,12 @@ def posterior(logits: Array, temperature: Array | float, key: Array | None) -> A
 def speculative_chain(
     target_logits: Array, draft_logits: Array, drafts: Array, temperature: Array | float, key: Array
 ) -> tuple[Array, Array]:
-    """Speculative sampling of a chain.
+    """Speculative sampling of a chain: accept draft k with probability ``min(1, p_k(d_k) / q_k(d_k))``, at
+    the first rejection draw from ``normalize(max(p_k - q_k, 0))``, else a bonus from ``p``.
 
-    ``target_logits`` ``[B, n + 1, V]``: row k is the target at the node before draft k (row n after
-    the last draft); ``draft_logits`` ``[B, n, V]`` the logits whose ``softmax(. / T)`` the drafts
-    ``[B, n]`` were drawn from. Returns ``(accepted [B], next_token [B])``: the number of accepted
-    drafts and the token that follows them (residual draw or bonus).
+    ``target_logits`` ``[B, n + 1, V]``: row k is the target at the node before draft k; ``draft_logits``
+    ``[B, n, V]`` the logits whose ``softmax(. / T)`` the drafts ``[B, n]`` were drawn from. Returns
+    ``(accepted [B], next_token [B])``.
     """
     b, n = drafts.shape
     t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)

@@ -1,19 +1,6 @@
-"""The decoding engine: methods, one speculative round, the jitted programs and the public entry points.
-
-* :mod:`~sparkjax.engine.methods`: the :class:`Method` protocol and the method objects (:class:`AR`,
-  :class:`Chain`, :class:`Tree`, :class:`Auto`), each owning its round, and :func:`parse_method`, the one
-  reader of method names;
-* :mod:`~sparkjax.engine.options`: :class:`Options`, the trace-time settings a plan carries;
-* :mod:`~sparkjax.engine.drafting`: the drafter's block and chains (the draft stage's pieces);
-* :mod:`~sparkjax.engine.adaptive`: method ``auto``'s round (a verification size per round, chosen on device)
-  and its memory; :mod:`~sparkjax.engine.costs`: its cost table (measured by :func:`profile_costs`, kept per
-  process and per machine);
-* :mod:`~sparkjax.engine.round`: the stages draft -> expand -> verify -> accept -> commit, one function each;
-* :mod:`~sparkjax.engine.programs`: the jitted prefill, AR and speculative programs;
-* :mod:`~sparkjax.engine.state`: the static :class:`Plan`, the dataclasses passed between the stages and
-  :class:`Launch`, what :func:`launch` returns;
-* :mod:`~sparkjax.engine.placement`: a run on a device mesh (``mesh=``): checks, placement, sharding constraints;
-* :mod:`~sparkjax.engine.api`: validation, :func:`generate`, :func:`launch`, :func:`stream`.
+"""The decoding engine: the method objects (:mod:`~sparkjax.engine.methods`), their trace-time
+:class:`Options`, the drafting and round stages, ``auto``'s round and cost tables, the jitted programs, mesh
+placement and the public entry points (:mod:`~sparkjax.engine.api`). The module map is in docs/design.md.
 """
 
 from .adaptive import AutoMemory, policy

@@ -1,33 +1,10 @@
-"""The draft stage: DSpark / DFlash drafting as pure, batch-first functions with static shapes.
+"""The draft stage: DSpark / DFlash drafting as pure, batch-first functions with static shapes (lengths,
+starts and counts are traced), taking the drafter module (and, for DFlash, the target) and plain arrays.
 
-Every function takes the drafter module (and, for DFlash, the target) plus plain
-arrays, so it runs unchanged inside ``jax.jit`` over ``nnx.split`` state
-(``nnx.merge(graphdef, state)`` inside the jitted function). Shapes depend only
-on the config and the arguments' shapes; lengths, starts and counts are traced.
-
-Alignment (DESIGN.md section 5). A round drafts from ``start``, the index of the
-last committed token ``x_start`` (not yet seen by the target); the block input is
-``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``.
-
-* DSpark: slot ``i`` predicts the token at ``start + i + 1`` -> ``G`` drafts; tree
-  depth ``d`` (1-based) reads slot ``d - 1``.
-* DFlash: slot ``i`` predicts the token at ``start + i``; slot 0 is unused ->
-  ``G - 1`` drafts; depth ``d`` reads slot ``d``.
-
-:func:`aligned_logits` turns base logits into per-depth logits for either kind.
-
-One round of the engine::
-
-    # prefill: feats = concat of target hidden states at drafter.config.target_layer_ids  [B, P, F]
-    ctx = drafter.init_context(B, size)                   # size >= max total length + G + 1
-    ctx = append_context(drafter, ctx, feats, prompt_len) # slots 0..P-1
-    # round (ctx.lengths == start):
-    blk = draft_block(drafter, ctx, x_start, start, target)        # base logits [B, G, V], hidden [B, G, D]
-    chain = markov_chain(drafter, blk.logits, blk.hidden, x_start, T, key)   # DSpark: G drafts
-    chain = argmax_chain(drafter, blk.logits)                                # DFlash: G - 1 drafts
-    # verify [x_start, drafts] with the target; n drafts accepted ->
-    ctx = append_context(drafter, ctx, verify_feats[:, : G + 1], n + 1)     # positions start .. start + n
-    x_start, start = bonus, start + n + 1
+Alignment: a round drafts from ``start``, the index of the last committed token ``x_start``; the block
+input is ``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``. DSpark slot ``i`` predicts
+``start + i + 1`` (``G`` drafts, depth ``d`` reads slot ``d - 1``); DFlash slot ``i`` predicts ``start + i``
+(slot 0 unused, ``G - 1`` drafts, depth ``d`` reads slot ``d``): :func:`aligned_logits`.
 """
 
 from __future__ import annotations
@@ -61,36 +38,23 @@ class DraftBlock:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftChain:
-    """Drafted ``tokens`` ``[B, n]`` and the ``logits`` ``[B, n, V]`` (float32) they were drawn from.
-
-    ``softmax(logits / T)`` is the draft distribution q of each position (T > 0), the one the
-    tokens were sampled from: speculative sampling must use exactly that. At T = 0 the tokens are
-    the first-max argmax of ``logits``. For DSpark ``n = G`` and token j sits at ``start + j + 1``;
-    for DFlash ``n = G - 1`` (slots 1..G-1) with the same placement.
-    """
+    """Drafted ``tokens`` ``[B, n]`` (token j at ``start + j + 1``; DSpark ``n = G``, DFlash ``G - 1``) and
+    the ``logits`` ``[B, n, V]`` (float32) they were drawn from: ``softmax(logits / T)`` is the draft
+    distribution speculative sampling must use; at T = 0 the tokens are the first-max argmax."""
 
     tokens: Array
     logits: Array
 
 
 def features_from_hidden(hidden: Sequence[Array]) -> Array:
-    """Concatenates the target hidden states of ``target_layer_ids`` (in order) into ``[B, T, F]``.
-
-    ``hidden`` is ``target(..., hidden_layers=drafter.config.target_layer_ids).hidden``.
-    """
+    """``target(..., hidden_layers=drafter.config.target_layer_ids).hidden`` concatenated into ``[B, T, F]``."""
     return jnp.concatenate(list(hidden), axis=-1)
 
 
 def append_context(drafter: Drafter, ctx: ContextCache, features: Array, count: Array) -> ContextCache:
-    """Adds newly committed positions to the drafter's context.
-
-    ``features`` ``[B, A, F]`` are the target features of positions ``ctx.lengths[b] + j``;
-    row j gets that position's RoPE and is written at slot ``ctx.lengths[b] + j``. ``count``
-    ``[B]`` (or a scalar, ``<= A``) of them are committed: ``lengths`` advances by ``count``
-    and rows past it stay invisible scratch. Prefill appends the prompt (A = prompt bucket,
-    count = prompt length); each round appends the verify features of the accepted path
-    (A = G + 1, count = accepted drafts + 1).
-    """
+    """Adds newly committed positions to the drafter's context: ``features`` ``[B, A, F]`` of positions
+    ``ctx.lengths[b] + j`` are written at those slots; ``lengths`` advances by ``count`` (``[B]`` or a scalar,
+    ``<= A``) and rows past it stay invisible scratch."""
     if features.ndim != 3 or features.shape[-1] != drafter.config.feature_size:
         raise ArgumentError(
             f"features: expected [B, A, {drafter.config.feature_size}] "
@@ -121,13 +85,9 @@ def draft_block(
     return_layers: bool = False,
     attention="auto",
 ) -> DraftBlock:
-    """Runs one block ``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``.
-
-    Each block query sees context slots ``< ctx.lengths`` (which should equal ``start``) and
-    every slot of the block. The context cache is read, not written. ``target`` is required for
-    DFlash drafters (embedding and LM head) and ignored by DSpark ones. ``attention``: as in
-    :meth:`sparkjax.nn.drafter.Drafter.run_block`.
-    """
+    """Runs one block ``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``; each query sees
+    context slots ``< ctx.lengths`` (== ``start``) and the whole block; the context is not written.
+    ``target``: required for DFlash drafters (embedding and LM head), ignored by DSpark ones."""
     c = drafter.config
     g = c.block_size
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (x_start.shape[0],))
@@ -142,10 +102,7 @@ def draft_block(
 
 
 def aligned_logits(drafter: Drafter, base_logits: Array) -> Array:
-    """Per-depth logits ``[B, n, V]``: depth ``d = 1..n`` predicts the token at ``start + d``.
-
-    DSpark: all ``G`` slots (depth d <- slot d - 1). DFlash: slots ``1..G-1`` (depth d <- slot d).
-    """
+    """Per-depth logits ``[B, n, V]``: depth ``d = 1..n`` predicts the token at ``start + d``."""
     return base_logits[:, drafter.config.first_draft_slot :]
 
 
@@ -161,10 +118,7 @@ def _static_greedy(temperature, key, what: str) -> bool:
 
 
 def argmax_chain(drafter: Drafter, base_logits: Array) -> DraftChain:
-    """The chain of per-position argmaxes of the base logits (no Markov correction).
-
-    DFlash: slots ``1..G-1`` -> ``G - 1`` drafts (slot 0 unused). DSpark: all ``G`` slots.
-    """
+    """The chain of per-depth argmaxes of the base logits (no Markov correction)."""
     logits = aligned_logits(drafter, base_logits).astype(jnp.float32)
     return DraftChain(first_argmax(logits, axis=-1), logits)
 
@@ -191,13 +145,9 @@ def markov_w2(drafter: Drafter) -> Array:
 
 
 def markov_features(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Array:
-    """Rank-R parent features ``f(prev)`` ``[B, G, C, R]`` for prev ids ``[B, G, C]``.
-
-    Position g's candidates ``prev_tokens[:, g]`` are the possible tokens right before the one
-    slot g predicts (depth g for DSpark, ``x_start`` at g = 0). Vanilla: ``W1[prev]``; gated:
-    ``W1[prev] * sigmoid(gate_proj([h_g ; W1[prev]]))`` with slot g's hidden ``h_g``. The Markov
-    bias of a candidate is ``f @ markov_w2(drafter).T`` (float32).
-    """
+    """Rank-R parent features ``f(prev)`` ``[B, G, C, R]`` for prev ids ``[B, G, C]`` (slot g's possible
+    previous tokens): vanilla ``W1[prev]``, gated ``W1[prev] * sigmoid(gate_proj([h_g ; W1[prev]]))``. The
+    Markov bias of a candidate is ``f @ markov_w2(drafter).T`` (float32)."""
     _require_markov(drafter, "markov_features")
     return drafter.markov_head.features(block_hidden, prev_tokens)
 
@@ -231,24 +181,15 @@ def markov_chain(
     *,
     mode: str = "auto",
 ) -> DraftChain:
-    """DSpark's left-to-right Markov-corrected chain.
+    """DSpark's left-to-right Markov-corrected chain: ``G`` tokens and the corrected logits they were chosen
+    from.
 
-    Slot g's logits are ``base[g] + W2 . f(prev_g)`` with ``prev_0 = x_start`` and ``prev_g`` the
-    token chosen at slot g - 1; the token is the first-max argmax at T = 0, else a draw from
-    ``softmax(logits / T)`` with slot g's key (``jax.random.split(key, G)[g]``). ``temperature`` may
-    be a Python number or a traced scalar (then ``key`` is required; T <= 0 still means greedy).
-    Without a Markov head the chain is the per-slot choice on the base logits. Returns ``G`` tokens
-    and the corrected logits they were chosen from.
-
-    ``mode`` (static) says how the chain is computed; both give the same tokens:
-
-    * ``"fixed_point"``: :func:`markov_chain_fixed_point`, the whole block's Markov bias in one batched
-      product per pass, usually a few passes over ``W2`` per round instead of G, the GPU formulation (the
-      chain's cost there is reading ``W2``, once per pass);
-    * ``"scan"``: the reference, a ``lax.scan`` over the G slots, one mat-vec over ``W2`` per slot. On
-      XLA:CPU it is the faster one (a small ``W2``: the fixed point's top-k sort and small ops cost more
-      than the mat-vecs it saves);
-    * ``"auto"`` (default): :func:`chain_mode`, ``scan`` on CPU and ``fixed_point`` elsewhere.
+    Slot g's logits are ``base[g] + W2 . f(prev_g)`` with ``prev_0 = x_start`` and ``prev_g`` the token chosen
+    at slot g - 1; the token is the first-max argmax at T = 0, else a draw from ``softmax(logits / T)`` with
+    slot g's key (``jax.random.split(key, G)[g]``). ``temperature`` may be traced (then ``key`` is required;
+    T <= 0 still means greedy). Without a Markov head the chain is the per-slot choice on the base logits.
+    ``mode`` (static; same tokens): ``"scan"`` (the reference, one mat-vec over ``W2`` per slot),
+    ``"fixed_point"`` (:func:`markov_chain_fixed_point`) or ``"auto"`` (:func:`chain_mode`).
     """
     if chain_mode(mode) == "fixed_point":
         return markov_chain_fixed_point(drafter, base_logits, block_hidden, x_start, temperature, key)[0]
@@ -289,36 +230,18 @@ def markov_chain_fixed_point(
     candidates: int = CHAIN_CANDIDATES,
     max_passes: int | None = None,
 ) -> tuple[DraftChain, Array]:
-    """The Markov chain of :func:`markov_chain` by guess-and-verify passes; also returns the number of
-    passes over ``W2`` (an int32 scalar, ``1 <= passes <= G``; 0 without a Markov head).
+    """The Markov chain of :func:`markov_chain` by guess-and-verify passes (docs/design.md); also returns the
+    number of passes over ``W2`` (an int32 scalar, ``1 <= passes <= G``; 0 without a Markov head).
 
-    A *pass* takes a prev id for every slot, computes all G slots' corrected logits in one batched
-    product (``W2`` read once for the G rows) and chooses every slot's token with exactly the
-    sequential chain's rule (first-max argmax at T = 0, else the Gumbel-max draw of ``pick`` with slot
-    g's key ``jax.random.split(key, G)[g]``). Slot g's choice is final once its prev is: slot 0's prev
-    is ``x_start``, and if the prevs of slots ``0..m`` are the choices of the slots before them, the
-    choices ``0..m`` are the sequential chain's. The first slot m whose prev differs from the choice
-    before it is the *frontier*: its true prev is now known. The run stops when no slot differs (for
-    every sequence of the batch): the tokens are the sequential chain and the logits are those of its
-    own prevs. The frontier advances by at least one slot per pass, so at most G passes.
-
-    The prevs past the frontier are guesses. ``candidates = C > 0``: each slot's C best tokens on its
-    base logits (with slot g's Gumbel noise when sampling) and the exact Markov bias between the
-    candidates of neighbouring slots (``C x C`` per slot, from gathered rows of ``W2``, built once)
-    give a restricted chain, walked from the frontier's true prev in ``log2 G`` composition steps
-    (``lax.associative_scan``); its tokens are the guesses. A guess is only wrong where the true choice
-    is outside the C candidates, so a round usually takes 1 + (number of such slots) passes. ``C = 0``:
-    plain Jacobi iteration, the guesses are the previous pass's choices (the first pass guesses each
-    slot's choice on its base logits).
-
-    ``max_passes = n`` (static, ``1 <= n``) instead runs exactly ``min(n, G)`` passes, unrolled (no loop): the
-    tokens are then the sequential chain's only where the passes reached it, and the logits are each slot's
-    corrected logits for the prev of the last pass. ``n = 1`` is one product over ``W2``: every slot corrected
-    for the restricted chain's guess of its prev (what the tree's ``"union"`` candidates read).
-
-    The loop is a ``lax.while_loop``: no host round trip in the compiled program. The batched product
-    may round a row differently from the scan's mat-vec (last bit); a choice could then differ only
-    between logits equal to float rounding.
+    A pass computes all G slots' corrected logits for a guessed prev per slot in one product over ``W2`` and
+    chooses every slot with the sequential chain's rule and keys; the first slot whose prev differs from the
+    choice before it (the frontier) is then known, so the loop (a ``lax.while_loop``) ends with the
+    sequential chain's tokens within G passes. ``candidates = C > 0``: the guesses past the frontier walk a
+    chain restricted to each slot's C best base tokens (exact Markov scores between neighbouring slots'
+    candidates); ``C = 0``: plain Jacobi (the previous pass's choices). ``max_passes = n`` (static, ``>= 1``)
+    instead runs exactly ``min(n, G)`` unrolled passes: the tokens are the sequential chain's only where the
+    passes reached it, the logits each slot's for the last pass's prev. The batched product may round a row
+    differently from the scan's mat-vec (last bit).
     """
     c = drafter.config
     if c.kind != "dspark":
@@ -433,14 +356,10 @@ def candidate_chain_logits(
     drafter: Drafter, base_logits: Array, block_hidden: Array, x_start: Array, *, max_passes: int | None = 1,
     mode: str = "auto",
 ) -> Array:
-    """Each slot's logits corrected for the greedy DSpark chain's token before it ``[B, G, V]`` (float32): what
-    the tree's ``"corrected"`` / ``"union"`` candidates rank (:func:`sparkjax.tree.markov_candidates`).
-
-    With the ``scan`` chain (``mode``, resolved by :func:`chain_mode`: XLA:CPU for ``"auto"``) the exact sequential
-    chain, the cheap one there; with the ``fixed_point`` chain ``max_passes`` passes of
-    :func:`markov_chain_fixed_point` (default one: every slot corrected for the restricted chain's guess of its
-    prev, one product over ``W2`` and no loop; None: to convergence). Only the tree's reach depends on it.
-    """
+    """Each slot's logits corrected for the greedy DSpark chain's token before it ``[B, G, V]`` (float32), what
+    the ``"corrected"`` / ``"union"`` candidates rank: the exact scan chain when ``mode`` resolves to ``scan``
+    (:func:`chain_mode`), else ``max_passes`` passes of :func:`markov_chain_fixed_point` (None: to convergence).
+    Only the tree's reach depends on it."""
     if chain_mode(mode) == "scan":
         return markov_chain(drafter, base_logits, block_hidden, x_start, mode="scan").logits
     return markov_chain_fixed_point(drafter, base_logits, block_hidden, x_start, max_passes=max_passes)[0].logits
@@ -452,11 +371,8 @@ def chain_prev(x_start: Array, tokens: Array) -> Array:
 
 
 def confidence(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Array:
-    """Confidence logits ``[B, G]`` (float32; read through a sigmoid) for a chain.
-
-    ``prev_tokens`` ``[B, G]`` are the chain's prev ids (:func:`chain_prev`), used only when the head
-    takes the Markov input ``[h ; W1[prev]]``; otherwise the head reads ``h`` alone.
-    """
+    """Confidence logits ``[B, G]`` (float32; read through a sigmoid) for a chain; ``prev_tokens`` ``[B, G]``
+    (:func:`chain_prev`) are read only when the head takes the Markov input ``[h ; W1[prev]]``."""
     if drafter.confidence_head is None:
         raise ArgumentError("confidence: the drafter has no confidence head (enable_confidence_head is false)")
     h = block_hidden

@@ -1,11 +1,8 @@
 """The jitted programs: the target's prefill, the AR program and the speculative program.
 
-Every generation is one jitted ``jax.lax.while_loop`` over fixed-shape state: nothing returns to the
-host until it ends. The speculative programs reach the method only through the static plan's
-``plan.method`` (its ``keeps_context``, ``init_state``, ``round`` and ``results``), and take the
-method's ``inputs`` (:meth:`~sparkjax.engine.methods.Method.inputs`) as a traced argument.
-:func:`spec_start` / :func:`spec_step` are the same prefill and round as separate jitted calls (for
-``stream``, one host sync per round by design).
+Every generation is one jitted ``jax.lax.while_loop`` over fixed-shape state. The speculative programs
+reach the method only through ``plan.method``'s hooks and take its ``inputs`` as a traced argument;
+:func:`spec_start` / :func:`spec_step` are the same prefill and round as separate jitted calls (``stream``).
 """
 
 from __future__ import annotations
@@ -49,12 +46,8 @@ def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, .
 def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size,
                sampling=True, mesh=None, options=DEFAULT_OPTIONS):
     """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite)``.
-
-    ``sampling`` (static) is False for a greedy run (temperature 0): the program is then a plain argmax loop
-    with no key splitting and no sampling branch, the baseline every speculative method is measured against.
-    ``mesh`` (static): the carried cache and buffers are pinned to their shardings
-    (:func:`~sparkjax.engine.placement.state_shardings`). ``options`` (static): the trace-time settings
-    (:class:`~sparkjax.engine.options.Options`: the attention)."""
+    Static: ``sampling`` (False: a plain argmax loop with no key splitting), ``mesh`` (the carried state is
+    pinned to its shardings) and ``options`` (:class:`~sparkjax.engine.options.Options`)."""
     model = nnx.merge(graphdef, state)
     attention = options.attend
     b = tokens.shape[0]
@@ -125,10 +118,9 @@ _STATIC = ("graphdefs", "plan", "cache_size", "buf_len", "mesh")
 
 def placed_call(target, drafter, plan: Plan, mesh=None):
     """The ``call`` a round's stages run through (:func:`~sparkjax.engine.round.run_stages`): None without a
-    mesh (each stage directly); on ``mesh``, every stage's output pinned to its sharding
-    (:func:`~sparkjax.engine.placement.constrain`: the drafter block, the tree arrays and the verify logits
-    batch over ``data`` and replicated over ``model``, caches over ``data`` x KV heads), and the greedy tree
-    builder run per data shard (:func:`~sparkjax.engine.placement.per_sequence`)."""
+    mesh; on ``mesh``, every stage's output pinned to its sharding
+    (:func:`~sparkjax.engine.placement.constrain`) and the greedy tree builder run per data shard
+    (:func:`~sparkjax.engine.placement.per_sequence`)."""
     if mesh is None:
         return None
 
@@ -150,9 +142,7 @@ def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, te
 def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
                  buf_len, mesh=None):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
-    depth_hits, nonfinite, extra)`` (``extra``: the method's ``results``). ``inputs`` (traced): the method's
-    :meth:`~sparkjax.engine.methods.Method.inputs`. ``mesh`` (static): the state and each stage's output are
-    pinned to their shardings (:func:`placed_call`)."""
+    depth_hits, nonfinite, extra)`` (``extra``: the method's ``results``); ``mesh``: see :func:`placed_call`."""
     target, drafter = merge_pair(graphdefs, states)
     state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
                          buf_len)

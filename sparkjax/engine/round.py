@@ -1,12 +1,8 @@
 """The stages of a speculative round: draft -> expand (tree) -> verify -> accept -> commit, one function each.
 
-Every stage is a pure function of the models and named dataclasses (:mod:`sparkjax.engine.state`)
-and runs under :func:`jax.named_scope` of its stage name, so a profile reads by stage. A stage takes
-``(target, drafter, *args, plan=plan)`` and reaches the method only through ``plan.method`` (its
-``propose`` and ``accept``). :func:`run_stages` is the generic round over them
-(:meth:`sparkjax.engine.methods.Method.round`); it runs each stage through a ``call``: directly in the
-fused program, pinned to its shardings on a mesh, or as its own jitted, timed call in the instrumented
-mode (``generate(instrument=True)``).
+A stage is a pure function ``(target, drafter, *args, plan=plan)`` of the models and the dataclasses of
+:mod:`sparkjax.engine.state`, run under :func:`jax.named_scope` of its name; it reaches the method only
+through ``plan.method``. :func:`run_stages` is the generic round, each stage run through a ``call``.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from .state import Acceptance, Plan, Proposal, SpecState, Verified
 
 Array = jax.Array
 
-# The stage names, defined once: the instrumented mode's timings, the eval's tables and plots, and the
-# named scopes of a profile. "commit" times accept + commit (the accepted path is chosen and written).
+# The stage names (timings, tables, profile scopes); "commit" times accept + commit.
 DRAFT, TREE, VERIFY, COMMIT = STAGES = ("draft", "tree", "verify", "commit")
 
 
@@ -45,11 +40,8 @@ def stage(name: str):
 
 
 def flag_nonfinite(flags: Array, logits: Array, active: Array, round_index: Array) -> Array:
-    """Records, per sequence, the first round whose target logits hold a NaN or an Inf.
-
-    ``flags`` ``[B]`` int32 is -1 while every logit so far was finite; ``logits`` is ``[B, ..., V]``;
-    only ``active`` sequences are checked. One reduction, no host sync.
-    """
+    """Records, per ``active`` sequence, the first round whose target logits ``[B, ..., V]`` hold a NaN or an
+    Inf (``flags`` ``[B]`` int32 is -1 while every logit so far was finite)."""
     finite = jnp.isfinite(logits).reshape(logits.shape[0], -1).all(axis=1)
     return jnp.where((flags < 0) & active & ~finite, round_index, flags)
 
@@ -140,12 +132,8 @@ Call = Callable[..., object]
 def run_stages(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
                call: Call | None = None) -> SpecState:
     """The generic round: draft, expand (``plan.method.propose``), verify, accept (``plan.method.accept``)
-    and commit. A pure function of the state.
-
-    ``call(stage_fn, *args, plan=plan)`` runs each stage (default: directly, with ``target, drafter``
-    first); a mesh run passes one that pins each stage's output to its sharding, the instrumented mode one
-    that runs the stage as its own jitted, timed call.
-    """
+    and commit. ``call(stage_fn, *args, plan=plan)`` runs each stage (default: directly, with ``target,
+    drafter`` first; a mesh run and the instrumented mode pass their own)."""
     if call is None:
         def call(fn, *args, **kwargs):
             return fn(target, drafter, *args, **kwargs)

@@ -1,11 +1,6 @@
-"""The data a generation carries, as dataclasses (the device-side ones registered as pytrees).
-
-:class:`Plan` is the static shape of a speculative program, :class:`DeviceArgs` a run's traced inputs,
-:class:`SpecState` the carry of the speculative ``while_loop``; a round passes
-:class:`~sparkjax.engine.drafting.DraftBlock` (draft) -> :class:`Proposal` (tree) -> :class:`Verified`
-(verify) -> :class:`Acceptance` (accept) -> a new :class:`SpecState` (commit). :class:`Launch` is what
-:func:`~sparkjax.engine.launch` returns.
-"""
+"""The data a generation carries, as dataclasses (the device-side ones registered as pytrees): a round
+passes ``DraftBlock`` -> :class:`Proposal` -> :class:`Verified` -> :class:`Acceptance` -> a new
+:class:`SpecState`."""
 
 from __future__ import annotations
 
@@ -21,14 +16,9 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The static shape of a speculative program (anything that changes it recompiles: it is hashed into
-    jit's cache key).
-
-    ``method``: the :class:`~sparkjax.engine.methods.Method` with every default resolved for this pair
-    (a tree's ``top_c`` and ``widths``); ``depth`` D: drafted depths per round; ``nodes`` M: nodes verified
-    per round (D for chains); ``sampling``: temperature > 0; ``layer_ids``: the target layers the drafter
-    reads; ``options``: the trace-time :class:`~sparkjax.engine.options.Options`.
-    """
+    """The static shape of a speculative program (part of jit's cache key): ``method`` with every default
+    resolved for this pair, ``depth`` D, ``nodes`` M verified per round (D for chains), ``sampling``
+    (temperature > 0), ``layer_ids`` (the target layers the drafter reads) and ``options``."""
 
     method: Any
     depth: int
@@ -77,14 +67,10 @@ class DeviceArgs(NamedTuple):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecState:
-    """Everything a round reads and writes; fixed shapes, so it lives in a ``while_loop`` carry.
-
-    The target has processed every committed token but the last one, ``x_start``, which sits at
-    index ``start = cache.lengths`` (and the drafter context holds positions ``< start``).
-    ``out`` holds the generated tokens (``n`` of them), ``accept_lens[b, r]`` the tokens round r
-    committed (accepted drafts + 1), ``depth_hits[b, d]`` how many rounds accepted depth d + 1,
-    ``nonfinite[b]`` the first round whose target logits were not finite (-1 while all were).
-    """
+    """Everything a round reads and writes (fixed shapes: a ``while_loop`` carry). The target has processed
+    every committed token but the last, ``x_start``, at ``start = cache.lengths``; ``out`` holds ``n``
+    tokens, ``accept_lens[b, r]`` the tokens round r committed, ``depth_hits[b, d]`` how many rounds
+    accepted depth d + 1."""
 
     cache: Any
     ctx: Any
@@ -138,17 +124,8 @@ class Acceptance:
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """What :func:`~sparkjax.engine.launch` returns: device arrays, nothing synced (a pytree, so
-    ``jax.block_until_ready`` waits for it; ``plan`` and ``labels`` are static).
-
-    ``out`` ``[B, buf]`` generated tokens (``n`` ``[B]`` of them per sequence); ``accept_lens`` ``[B, R]``,
-    ``rounds`` ``[B]``, ``depth_hits`` ``[B, D]`` as in :class:`SpecState` (None for ``ar``); ``nonfinite``
-    ``[B]`` int32, the first round whose target logits held a NaN or an Inf (0: the prefill; -1: none;
-    :func:`~sparkjax.engine.api.raise_if_nonfinite` checks it); ``extra``: the method's
-    :meth:`~sparkjax.engine.methods.Method.results` (None for most; ``auto``: its ``choices`` and
-    ``memory``); ``plan``: the static plan (None for ``ar``); ``labels``: the names ``extra``'s choices
-    index (``auto``'s candidates; empty otherwise).
-    """
+    """What :func:`~sparkjax.engine.launch` returns (its docstring has the fields): device arrays, nothing
+    synced (a pytree; ``plan`` and ``labels`` are static)."""
 
     out: Array
     n: Array
