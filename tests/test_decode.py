@@ -21,11 +21,6 @@ NEW = NEW_LONG
 
 
 @pytest.fixture(scope="module")
-def pair(fixture_target, fixture_drafter):
-    return fixture_target, fixture_drafter
-
-
-@pytest.fixture(scope="module")
 def prompts3(ref):
     p = ref["a.prompt_ids"][0].tolist()
     rng = np.random.default_rng(7)
@@ -76,9 +71,7 @@ def test_dspark_reproduces_upstream_rounds(pair, ref):
 
 
 def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
-    """EOS committed in the middle of a multi-token round stops that sequence right there.
-
-    Same batch and lengths as the exactness runs above, so the compiled programs are reused."""
+    """EOS committed in the middle of a multi-token round stops that sequence right there."""
     target, drafter = pair
     base = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW)
     toks, lens = base.tokens[0], base.acceptance_lengths[0]
@@ -95,18 +88,12 @@ def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
         assert out.tokens == ar, method
 
 
-def test_batch_one_equals_batch_three(pair, prompts3, ar3):
+def test_batch_one_stream_and_instrumented_match_generate(pair, prompts3, ar3):
     target, drafter = pair
     out = generate(target, drafter, [prompts3[0]], method="sparklingtree", budget=8, max_new_tokens=NEW)
     assert out.tokens == [ar3[0]]
-
-
-def test_stream_and_instrumented_match_generate(pair, prompts3, ar3):
-    target, drafter = pair
     chunks = list(stream(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW))
-    joined = [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)]
-    assert joined == ar3
-    assert len(chunks) > 2
+    assert [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)] == ar3 and len(chunks) > 2
     inst = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW, instrument=True)
     assert inst.tokens == ar3
     assert set(inst.stage_seconds) == {"draft", "tree", "verify", "commit"}
@@ -217,15 +204,9 @@ def test_sampling_is_lossless(random_pair, method, temperature):
 
 
 def test_sampling_is_seeded(random_pair):
-    target, drafter = random_pair
-    a = generate(target, drafter, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
-                 temperature=1.0, seed=5)
-    b = generate(target, drafter, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
-                 temperature=1.0, seed=5)
-    c = generate(target, drafter, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
-                 temperature=1.0, seed=6)
-    assert a.tokens == b.tokens
-    assert a.tokens != c.tokens
+    a, b, c = (generate(*random_pair, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
+                        temperature=1.0, seed=seed).tokens for seed in (5, 5, 6))
+    assert a == b and a != c
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -233,31 +214,27 @@ def test_sampling_is_seeded(random_pair):
 
 def test_bad_arguments(pair):
     target, drafter = pair
-    p = [[1, 2, 3]]
-    with pytest.raises(sparkjax.ArgumentError, match="cache_size"):
-        generate(target, drafter, [[1] * 50], method="dspark", max_new_tokens=8, cache_size=32)
-    with pytest.raises(sparkjax.ArgumentError, match="max_new_tokens"):
-        generate(target, drafter, p, method="dspark", max_new_tokens=2000)
-    with pytest.raises(sparkjax.ArgumentError, match="cache_size.*max_new_tokens"):
-        generate(target, drafter, p, method="ddtree", budget=64, max_new_tokens=NEW, cache_size=64)
-    with pytest.raises(sparkjax.ArgumentError, match="budget"):
-        generate(target, drafter, p, method="ddtree", budget=0)
-    with pytest.raises(sparkjax.ArgumentError, match="budget.*reachable"):
-        generate(target, drafter, p, method="sparklingtree", budget=10**9, top_c=2)
-    with pytest.raises(sparkjax.ArgumentError, match="budget"):
-        generate(target, drafter, p, method="dspark", budget=8)
-    with pytest.raises(sparkjax.ArgumentError, match="temperature"):
-        generate(target, drafter, p, method="dspark", temperature=-0.5)
-    with pytest.raises(sparkjax.ArgumentError, match="empty"):
-        generate(target, drafter, [[]], method="sparklingtree")
-    with pytest.raises(sparkjax.ArgumentError, match="drafter"):
-        generate(target, None, p, method="ddtree")
-    with pytest.raises(sparkjax.ArgumentError, match="widths"):
-        generate(target, drafter, p, method="sparklingtree-beam", budget=8, widths=(4, 4))
+    for prompts, kw, words in (
+        ([[1] * 50], dict(method="dspark", max_new_tokens=8, cache_size=32), "cache_size"),
+        (None, dict(method="dspark", max_new_tokens=2000), "max_new_tokens"),
+        (None, dict(method="ddtree", budget=64, max_new_tokens=NEW, cache_size=64), "cache_size.*max_new_tokens"),
+        (None, dict(method="ddtree", budget=0), "budget"),
+        (None, dict(method="sparklingtree", budget=10**9, top_c=2), "budget.*reachable"),
+        (None, dict(method="dspark", budget=8), "budget"),
+        (None, dict(method="dspark", temperature=-0.5), "temperature"),
+        ([[]], dict(method="sparklingtree"), "empty"),
+        (None, dict(method="ddtree", drafter=None), "drafter"),
+        (None, dict(method="sparklingtree-beam", budget=8, widths=(4, 4)), "widths"),
+    ):
+        kw = {"drafter": drafter, **kw}
+        with pytest.raises(sparkjax.ArgumentError, match=words):
+            generate(target, kw.pop("drafter"), prompts or [[1, 2, 3]], **kw)
 
 
-def test_markov_methods_refuse_a_drafter_without_markov_head(pair, prompts3, ar3):
+def test_markov_methods_refuse_a_drafter_without_markov_head_and_pairs_must_fit(pair, random_pair, prompts3, ar3):
     target, drafter = pair
+    with pytest.raises(sparkjax.IncompatiblePairError, match="vocab"):
+        generate(target, random_pair[1], [[1, 2, 3]], method="dflash")
     cfg = dataclasses.replace(drafter.config, markov_rank=0, markov_head_type=None, enable_confidence_head=False,
                               confidence_head_with_markov=False)
     plain = Drafter(cfg, rngs=nnx.Rngs(0))
@@ -268,14 +245,8 @@ def test_markov_methods_refuse_a_drafter_without_markov_head(pair, prompts3, ar3
     assert generate(target, plain, prompts3, method="ddtree", budget=8, max_new_tokens=NEW).tokens == ar3
 
 
-def test_mismatched_pair_is_refused(pair, random_pair):
-    with pytest.raises(sparkjax.IncompatiblePairError, match="vocab"):
-        generate(pair[0], random_pair[1], [[1, 2, 3]], method="dflash")
-
-
 def test_fixed_shapes_share_one_program(pair, prompts3, ar3):
-    """prompt_width / capacity pin the shapes: a prefill-only run and a full run of other prompts reuse
-    the compiled program, and the full run is still exact."""
+    """prompt_width / capacity pin the shapes: a prefill-only run and a full exact run reuse one program."""
     from sparkjax.engine.programs import spec_program as _spec_program
 
     target, drafter = pair
