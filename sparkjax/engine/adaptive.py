@@ -32,25 +32,9 @@ probe (it starts at the floor, and ``idle`` starts at ``gap``, so the first roun
                                                (:func:`score_shadow`)
 
 ``decide="previous"`` without size 0 is ``previous`` every round. A round's branches run as while loops of 0
-or 1 trips (:func:`run_selected`), not a ``lax.switch``/``lax.cond``: XLA copies every cache into a
-conditional's branch, while a loop updates its carry in place.
-
-* **Candidates** (``Auto.sizes``): ``0`` (a plain target step over ``[x_start]``: one committed token, the
-  drafter's context still extended), the chain, and tree sizes ``b``. One best-first tree of the largest
-  size is built per round; size ``b`` verifies its first ``b`` nodes (the best ``b``: ``best_first``
-  returns nested prefixes, so parents, depths and the ancestor mask slice with it).
-* **Predictions** (:func:`predictions`): expected accepted drafts of each candidate for each sequence: the
-  sum of ``exp(score)`` over a tree's first ``b`` nodes (each node's path probability is the chance it is
-  accepted), the sum of the cumulative product of the chain's per-depth probabilities (the confidence head's
-  when the drafter has one, else the chain's own draft probabilities), 0 for size 0.
-* **Calibration** (:class:`AutoState`): per candidate, running averages of realised and predicted accepted
-  drafts; the prediction is scaled by their ratio. A tree round also tells what every smaller tree would have
-  accepted (the walk's nodes with index ``<= b``), so those are updated too.
-* **Policy** (:func:`policy`): the candidate with the most expected committed tokens (accepted + 1, summed
-  over the batch's active sequences) per second of round cost.
-* **Exactness.** Every branch verifies with the target and accepts exactly like the fixed methods (tree walk
-  over the target's posterior; speculative sampling on the chain), and the choice reads only draft-side
-  quantities and past rounds, never this round's verify: greedy output is the target's, sampling is lossless.
+or 1 trips (:func:`run_selected`). Predictions (:func:`predictions`), calibration (:class:`AutoState`) and
+the policy (:func:`policy`) are described in docs/auto.md. Exactness: every branch verifies and accepts like
+the fixed methods, and the choice reads only draft-side quantities and past rounds, never this round's verify.
 """
 
 from __future__ import annotations
@@ -88,21 +72,15 @@ GAP_GROWTH = 4  # a probe draft that still predicts size 0 multiplies the gap by
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AutoState:
-    """What ``auto`` carries from round to round (part of :class:`~sparkjax.engine.state.SpecState`).
+    """What ``auto`` carries from round to round (``SpecState.extra``).
 
     ``choices[b, r]``: the candidate index round r chose (-1 past the last round); ``real`` / ``pred``
-    ``[K]``: running averages of realised and predicted accepted drafts per candidate (the calibration);
-    ``last`` ``[B, K]``: the last draft's raw predictions (``decide="previous"``); ``idle``: plain target
-    steps in a row since the last draft (starts at the gap: the first round drafts); ``force``: a
-    candidate index every round takes (-1: the policy; ``sparkjax.engine.costs.profile`` times each
-    candidate this way); ``gap``: plain steps before the next probe draft (the floor ``Auto.floor``, see
-    :func:`gap_floor`; x :data:`GAP_GROWTH` after each probe that still predicts size 0, up to :data:`MAX_GAP`;
-    back to the floor when a draft predicts a larger size pays); ``seconds`` ``[K]``: the cost table's round
-    times (a traced input: :class:`AutoInputs`), what :func:`policy` divides by.
-    ``shadow`` ``[B, D]``, ``shadow_at``, ``shadow_pred``, ``shadow_live`` ``[B]`` (:func:`shadowing` methods): the
-    chain a probe drafted but did not verify (its fresh predictions chose the plain step), the output index of
-    its first token, its raw prediction and whether it is still to be scored against the tokens the plain
-    steps then commit (:func:`score_shadow`).
+    ``[K]``: running averages of realised and predicted accepted drafts (the calibration); ``last`` ``[B, K]``:
+    the last draft's raw predictions; ``idle``: plain steps in a row since the last draft; ``force``: a
+    candidate index every round takes (-1: the policy); ``gap``: plain steps before the next probe (see the
+    module docstring); ``seconds`` ``[K]``: the cost table's round times (traced). ``shadow`` ``[B, D]``,
+    ``shadow_at``, ``shadow_pred``, ``shadow_live`` ``[B]`` (:func:`shadowing` methods): the chain a probe did
+    not verify, its first token's output index, its raw prediction and whether it is still to be scored.
     """
 
     choices: Array
@@ -121,30 +99,21 @@ class AutoState:
 
 def shadowing(m: Auto) -> bool:
     """Whether a probe may choose the plain step from its own fresh draft and score the chain it did not verify
-    against the tokens the plain steps commit (``decide="previous"`` with size 0 and the chain among the
-    sizes). A probe that verifies costs a whole drafted round for the few tokens hard text accepts; a shadow
-    probe costs the draft and one plain step, and the chain's calibration still learns (greedy: the committed
-    tokens are exactly what a verify would have accepted; sampling: the drawn ones, a conservative proxy)."""
+    against the committed tokens (``decide="previous"`` with size 0 and the chain among the sizes)."""
     return m.decide == "previous" and 0 in m.sizes and CHAIN in m.sizes
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AutoMemory:
-    """What method ``auto`` knows at the end of a generation, to start the next one from instead of from nothing
-    (``generate(..., method="auto", auto_memory=previous.auto_memory)``; ``GenerateOutput.auto_memory``).
+    """What method ``auto`` knows at the end of a generation, to start the next one from
+    (``generate(..., method="auto", auto_memory=previous.auto_memory)``; docs/auto.md).
 
     ``real`` / ``pred`` ``[K]``: the calibration (:class:`AutoState`); ``last`` ``[K]``: the last draft's raw
-    predictions, averaged over the batch (a probe that builds only the chain compares it with the trees' last
-    predictions); ``gap``: the probe gap. A generation from a memory still starts with a probe (its prompt may
-    be of another kind than the last one's), but a probe that finds the plain step best then waits the
-    carried gap rather than the floor, and judges drafts with the carried calibration: on hard text one probe
-    per request instead of several. The plain steps since the last probe are not carried, so that a request
-    of easy text after hard text still opens with a draft.
-    ``labels``: the candidates they refer to (``Auto.labels()``); a memory only fits a method with the same ones.
-    Carrying a memory changes which sizes are verified, never the tokens: greedy output is still the target's,
-    sampling still lossless (the choice reads only the past). A seeded sampled run draws other random numbers
-    when its choices differ, so it is reproducible given the same memory, not across memories.
+    predictions, averaged over the batch; ``gap``: the probe gap; ``labels``: the candidates they refer to
+    (``Auto.labels()``; a memory only fits a method with the same ones). A generation from a memory still
+    opens with a probe. It changes which sizes are verified, never the tokens (greedy); a seeded sampled run
+    is reproducible given the same memory.
     """
 
     real: Array
@@ -163,10 +132,9 @@ def fresh_memory(plan: Plan) -> AutoMemory:
 
 
 def check_auto_memory(memory: Any, plan: Plan) -> AutoMemory:
-    """``memory`` checked against ``plan`` (raises ArgumentError naming ``auto_memory``). Host values (numpy,
-    lists, numbers: a saved or edited memory) are checked to be finite and >= 0 and the gap is clipped to
-    ``[1, MAX_GAP]``; device arrays (a launch's memory, chained to the next launch) are checked by shape and
-    dtype only, so chaining launches never copies anything to the host."""
+    """``memory`` checked against ``plan`` (ArgumentError naming ``auto_memory``): host values must be finite
+    and >= 0 (the gap is clipped to ``[1, MAX_GAP]``); device arrays are checked by shape and dtype only (no
+    host copy)."""
     m: Auto = plan.method
     if not isinstance(memory, AutoMemory):
         raise ArgumentError(f"auto_memory: expected the auto_memory of an earlier GenerateOutput (an "
@@ -212,8 +180,7 @@ class AutoInputs:
 
 
 def auto_inputs(plan: Plan, memory: Any = None) -> AutoInputs:
-    """The inputs of a generation of ``plan`` (host arrays, or the device arrays of a chained memory): its
-    table's seconds (equal costs without a table: what ``profile_costs`` runs under, every size forced) and
+    """The inputs of a generation of ``plan``: its table's seconds (equal costs without a table) and
     ``memory`` checked (:func:`check_auto_memory`; None: :func:`fresh_memory`)."""
     m: Auto = plan.method
     seconds = m.table.seconds if m.table is not None else (1.0,) * len(m.sizes)
@@ -229,10 +196,6 @@ class AutoResults:
 
     choices: Array
     memory: AutoMemory
-
-
-def results_of(st: AutoState, plan: Plan) -> AutoResults:
-    return AutoResults(st.choices, memory_of(st, plan))
 
 
 def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> AutoState:
@@ -252,10 +215,8 @@ def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> Auto
 
 
 def score_shadow(m: Auto, st: AutoState, state: SpecState, now: Any) -> AutoState:
-    """Scores the live shadow chains whose tokens are all committed (or whose sequence is done, or all of them
-    when ``now``): accepted drafts = the leading drafts equal to the committed tokens at their places (only
-    committed places count, so a chain scored early gets a lower bound), folded into the chain's calibration
-    like a verified chain round."""
+    """Scores the live shadow chains whose tokens are all committed (or whose sequence is done, or all when
+    ``now``): the leading drafts equal to the committed tokens, folded into the chain's calibration."""
     if not shadowing(m):
         return st
     d = st.shadow.shape[1]
@@ -292,12 +253,10 @@ class AutoProposal:
 
 
 def policy(expected: Any, costs: Any, active: Any = None, allowed: Any = None) -> Array:
-    """The candidate index with the most expected committed tokens per unit of cost.
+    """The candidate index (int32 scalar) with the most expected committed tokens per unit of cost.
 
-    ``expected``: committed tokens per candidate ``[K]`` or per sequence ``[B, K]`` (summed over the
-    ``active`` sequences, all by default); ``costs``: ``[K]`` seconds per round; ``allowed``: optional
-    ``[K]`` bool, the candidates that may be picked. Ties go to the first (cheapest-listed) candidate.
-    A pure function of arrays (an int32 scalar), usable inside ``jit`` and with hand-made numbers.
+    ``expected``: committed tokens ``[K]`` or ``[B, K]`` (summed over the ``active`` sequences, all by
+    default); ``costs``: ``[K]`` seconds per round; ``allowed``: optional ``[K]`` bool. Ties go to the first.
     """
     e = jnp.asarray(expected, jnp.float32)
     if e.ndim == 1:
@@ -312,9 +271,8 @@ def policy(expected: Any, costs: Any, active: Any = None, allowed: Any = None) -
 
 def viable(m: Auto, depth: int, seconds: Sequence[float]) -> tuple[bool, ...]:
     """Per candidate, whether it may pay with these round times: a drafted size whose round costs at least
-    ``m.viable_share`` x its most committed tokens per round (its depth + 1) in plain steps is never chosen,
-    and never probed (at share 1: a size that cannot pay even when every draft is accepted; at the default 0.5
-    also one that pays only when more than half are). Every size is viable without the plain step."""
+    ``m.viable_share`` x its most committed tokens per round in plain steps is not (every size is without
+    the plain step)."""
     if 0 not in m.sizes:
         return (True,) * len(m.sizes)
     plain = seconds[m.sizes.index(0)]
@@ -325,8 +283,7 @@ def viable(m: Auto, depth: int, seconds: Sequence[float]) -> tuple[bool, ...]:
 
 def gap_floor(m: Auto, depth: int, seconds: Sequence[float]) -> int:
     """Plain steps between two probe drafts, at least: ``probe``, and as many plain steps as the cheapest
-    viable drafted round costs (a probe that finds nothing then costs at most about as much as the steps
-    before it; the gap still grows x :data:`GAP_GROWTH` from there)."""
+    viable drafted round costs (at most :data:`MAX_GAP`)."""
     if 0 not in m.sizes:
         return m.probe
     plain = seconds[m.sizes.index(0)]
@@ -409,13 +366,9 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
                 plan: Plan) -> AutoProposal:
     """The largest tree and the chain of the round, and every candidate's raw prediction.
 
-    With the round's choice ``k`` already made (``decide="previous"``) only the kind it verifies is built
-    (a ``lax.cond``): a chain round skips the tree, a tree round the chain, and the other kind's predictions
-    stay those of the last round that built it; the first draft and every probe draft (after plain steps)
-    build both, so every candidate's prediction is refreshed there, except that a :func:`shadowing` method's
-    probe builds the tree only when the policy over the fresh chain prediction and the trees' last ones picks a
-    tree, or no tree has been built yet (no tree prediction to compare). A probe that picks the chain therefore
-    costs a chain round, not a chain and the largest tree."""
+    With the choice ``k`` already made (``decide="previous"``) only the kind it verifies is built; the other
+    kind keeps its last predictions. A probe builds both, except that a :func:`shadowing` method's probe builds
+    the tree only when the fresh chain and the trees' last predictions pick a tree, or none was built yet."""
     m: Auto = plan.method
     b = state.x_start.shape[0]
 
@@ -446,9 +399,7 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     chain_prop, chain_p = jax.lax.cond(is_chain | refresh, build_chain, empty(build_chain))
     want_tree = ~is_chain | refresh
     if shadowing(m):
-        # a probe builds the chain first and the tree only if drafting may pay: the policy over the fresh chain
-        # prediction and the trees' last ones; when it says the plain step, the probe is a shadow of the chain
-        # and the (costlier) tree is not built
+        # the tree only when the policy over the fresh chain and the trees' last predictions picks a tree
         chain_raw = jnp.where(chain_cols[None], predictions(m, b, None, chain_p), state.extra.last)
         pick = _choose(state.extra, chain_raw, plan, ~state.done)
         # no tree built yet (no prediction to compare), and some tree size is viable (else none is ever built)
@@ -464,11 +415,9 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
 
 
 def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos, plan: Plan, features: bool = True):
-    """Size 0's target part: the target over ``[x_start]`` alone and its token committed, with the same writes
-    as :func:`~sparkjax.engine.round.commit` for one token, in fewer ops (a plain step must cost about what
-    the target's own decode step does). Returns ``(state, features [B, 1, F], step [B], bonus [B])``; the
-    drafter's context is not touched (``state.ctx`` still ends where the step started). ``features=False``
-    (static): the target's hidden states are not gathered and the features returned are None."""
+    """Size 0's target part: the target over ``[x_start]`` alone and its token committed (the writes of
+    :func:`~sparkjax.engine.round.commit` for one token). Returns ``(state, features [B, 1, F] or None when
+    ``features`` is False, step [B], bonus [B])``; the drafter's context is not touched."""
     b = state.x_start.shape[0]
     tokens = state.x_start[:, None]
     start = state.cache.lengths
@@ -578,9 +527,7 @@ def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any =
 
 def run_selected(k: Array, branches, state: SpecState, *args):
     """``branches[k](state, *args)`` (each returns ``(state, extra)`` of one layout) as a chain of while loops
-    of 0 or 1 trips instead of a ``lax.switch``. XLA copies a conditional's cache-sized operands into the
-    branch (the caches are updated in place inside it); a while loop updates its carry in place, so the
-    round pays no cache copy. Only the selected loop runs its body; the others test their condition."""
+    of 0 or 1 trips: unlike a ``lax.switch``, a loop updates the caches in its carry in place."""
     extra = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(branches[0], state, *args)[1])
     for i, branch in enumerate(branches):
         def body(carry, branch=branch):
@@ -624,25 +571,20 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
 def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key, *, plan: Plan,
                run: Any = True) -> SpecState:
     """Size 0 without a draft (``decide="previous"``): plain target steps, one per round, until the next probe
-    draft is due (``gap - idle`` of them, at least one) or every sequence is done; the last predictions stay.
-
-    The steps run in a ``while_loop`` inside this one branch: XLA copies the caches into a conditional's
-    branch, so a burst of steps pays that copy once rather than once per token. The drafter's context is
-    extended once per chunk of up to ``depth + 1`` steps. Step j samples with ``fold_in(key, j)``."""
+    is due (``gap - idle`` of them, at least one) or every sequence is done, in one ``while_loop``. The
+    drafter's context is extended once per chunk of up to ``depth + 1`` steps. Step j samples with
+    ``fold_in(key, j)``."""
     st = state.extra
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
     steps = jnp.maximum(st.gap - st.idle, 1)
     track = keeps_context(plan)  # auto_plain runs for decide="previous" only: drafts_can_pay
-    if not track:
-        # no draft can pay: plain steps to the end, and no draft ever needs the drafter's context, so the steps
-        # neither gather the target's hidden states nor extend the context
+    if not track:  # no draft can pay: plain steps to the end, without the drafter's context
         steps = jnp.int32(st.choices.shape[1])
     steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
 
-    # the drafter's context is extended once per chunk of up to `chunk` steps (one projection of the chunk's
-    # features) rather than once per step: what a plain step costs beyond the target's own decode step
-    chunk = plan.depth + 1  # the rows a drafted round's commit appends: the context cache has room for them
+    chunk = plan.depth + 1
+  # the rows a drafted round's commit appends: the context cache has room for them
     feat_size = drafter.config.feature_size
     dtype = target.dtype  # the target's hidden states, as the per-step path passes them
 
@@ -716,8 +658,7 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
         if int(k) == i0:
             return call(auto_plain, state, max_new, eos, temperature, k_accept, plan=plan)
         return drafted(state, k)
-    # a plain burst (0 steps unless k is size 0), then a drafted round (0 or 1 trip): while loops, not a
-    # conditional, so the caches are updated in place (see run_selected)
+    # a plain burst (0 steps unless k is size 0), then a drafted round (0 or 1 trip), as while loops
     plain = k == i0
     state = call(auto_plain, state, max_new, eos, temperature, k_accept, plan=plan, run=plain)
     return run_selected(jnp.where(plain, 1, 0), [lambda s: (drafted(s, k), ()), lambda s: (s, ())], state)[0]

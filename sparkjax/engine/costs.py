@@ -1,13 +1,5 @@
 """Method ``auto``, host side: its cost table (:class:`CostTable`), measured by :func:`profile`, saved and
-loaded as JSON, and kept per process and per machine.
-
-A run of ``auto`` without a table of its own takes the table for its key (:func:`cost_key`: device, jax version,
-pair, dtype, batch, cache size, candidates) from the process, else from the user's cache folder
-(:mod:`sparkjax.cachedir`, ``costs/``), else profiles it once and writes it there (atomically), so the next
-process on this machine starts without profiling. A cache file that cannot be read or was written for another
-key is ignored with one warning and written again. The table's seconds are a traced input of the program
-(:mod:`sparkjax.engine.adaptive`): tables that agree on which sizes are viable and on the probe gap's floor run
-one compiled program.
+loaded as JSON, and kept per process and per machine (:func:`table_for`; docs/auto.md, "Cost tables").
 """
 
 from __future__ import annotations
@@ -45,12 +37,9 @@ PROFILE_NEW_TOKENS = 128  # the generation length whose cache profile_costs size
 
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """Seconds per round of each candidate of an ``auto`` method, measured on one device at one shape.
-
-    ``labels``: the candidates (``Auto.labels()``: ``ar``, the chain's kind, ``tree@b``); ``seconds``: the
-    median round time of each; ``best``: the fastest; ``key``: what the times depend on (:func:`cost_key`),
-    as ``(name, value)`` pairs.
-    """
+    """Seconds per round of each candidate of an ``auto`` method, measured on one device at one shape:
+    ``labels`` (``Auto.labels()``), ``seconds`` (the median round time of each), ``best`` (the fastest) and
+    ``key`` (:func:`cost_key`, as ``(name, value)`` pairs)."""
 
     labels: tuple[str, ...]
     seconds: tuple[float, ...]
@@ -166,17 +155,14 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
             prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0
             ) -> CostTable:
     """Times one round of each candidate of ``plan``'s ``auto`` method on the current device and returns the
-    :class:`CostTable` (the table the method carries, if any, is not used).
+    :class:`CostTable` (the method's own table is not used; public entry point:
+    :func:`sparkjax.engine.api.profile_costs`).
 
-    One program (:data:`PROFILE_ROUNDS` rounds with the size forced in a ``fori_loop``, compiled once) runs
-    from one state after a prefill of ``batch_size`` random prompts of ``prompt_length`` tokens in a
-    ``cache_size``-slot cache (default: what a :data:`PROFILE_NEW_TOKENS`-token generation needs), sampled
-    at ``temperature`` (default: 1 for a sampling plan, else greedy); after a
-    warm-up call per candidate, ``repeats`` interleaved repetitions (every candidate in turn, A B C A B C); a
-    round's time is the call's, less that of a call of no round (the dispatch, which a generation's loop does
-    not pay per round), over :data:`PROFILE_ROUNDS`: the median (and the fastest) per candidate. The plain step
-    (size 0, ``decide="previous"``) is timed inside one burst of :data:`PROFILE_BURST` steps, as generations
-    run it. Public entry point: :func:`sparkjax.engine.api.profile_costs` (which checks its arguments).
+    After a prefill of ``batch_size`` random ``prompt_length``-token prompts in a ``cache_size``-slot cache
+    (default: what a :data:`PROFILE_NEW_TOKENS`-token generation needs), sampled at ``temperature`` (default:
+    1 for a sampling plan, else greedy), one compiled program runs :data:`PROFILE_ROUNDS` forced rounds of a
+    candidate (the plain step: one burst of :data:`PROFILE_BURST` steps); after a warm-up, ``repeats``
+    interleaved repetitions, each less a call of no round: the median (and the fastest) per candidate.
     """
     batch_size = check_int("batch_size", batch_size)
     prompt_length = check_int("prompt_length", prompt_length)
@@ -201,10 +187,7 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
     buf_len = bucket(plan.depth + 2, 1)
     start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed),
                        auto_inputs(plan), plan=plan, cache_size=cache_size, buf_len=buf_len)
-    # time the steady state: a drafted round that is not a probe (it builds only the kind it verifies), and a
-    # plain step inside a burst (plain steps come in bursts until the next probe: one round of a burst of
-    # PROFILE_BURST steps, its time over the steps; a burst of one would add the round's own overhead to
-    # every plain step and make drafted rounds look cheaper than they are)
+    # the steady state: a drafted round that is not a probe, and a plain step inside a burst
     zero = jnp.zeros((), jnp.int32)
     start = dataclasses.replace(start, extra=dataclasses.replace(start.extra, idle=zero, gap=jnp.ones((), jnp.int32)))
     burst = dataclasses.replace(start, extra=dataclasses.replace(start.extra, gap=jnp.int32(PROFILE_BURST)))
