@@ -193,8 +193,7 @@ def markov_chain(
     """
     if chain_mode(mode) == "fixed_point":
         return markov_chain_fixed_point(drafter, base_logits, block_hidden, x_start, temperature, key)[0]
-    c = drafter.config
-    if c.kind != "dspark":
+    if drafter.config.kind != "dspark":
         raise ArgumentError("markov_chain: DFlash drafters have no Markov head; use argmax_chain / sample_chain")
     greedy = _static_greedy(temperature, key, "markov_chain")
     base = base_logits.astype(jnp.float32)
@@ -243,8 +242,7 @@ def markov_chain_fixed_point(
     passes reached it, the logits each slot's for the last pass's prev. The batched product may round a row
     differently from the scan's mat-vec (last bit).
     """
-    c = drafter.config
-    if c.kind != "dspark":
+    if drafter.config.kind != "dspark":
         raise ArgumentError("markov_chain: DFlash drafters have no Markov head; use argmax_chain / sample_chain")
     if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
         raise ArgumentError(f"candidates: expected an int >= 0 (0 = plain Jacobi), got {candidates!r}")
