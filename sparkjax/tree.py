@@ -339,6 +339,7 @@ def _expand(
     full = k is None and all(w == max(widths) for w in widths)  # best_first: every depth keeps K, no limit
     k = max(widths) if k is None else k
     t = jnp.minimum(jnp.asarray(tables, jnp.float32), 0.0)
+    t = jnp.where(t == 0, 0.0, t)  # -0.0 as +0.0: jit folds ``0 + x`` to ``x`` and top_k ranks -0.0 below +0.0
     slots = jnp.arange(k, dtype=jnp.int32)
     # carry: scores and flat keys b * C + j of the beam (slot 0 = the root, key 0 = candidate row 0)
     init = (jnp.full((k,), -jnp.inf, jnp.float32).at[0].set(0.0), jnp.zeros((k,), jnp.int32))
