@@ -204,8 +204,8 @@ def test_candidates_stage_out_the_chunked_top_k_for_accelerators():
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), widths=st.lists(st.integers(1, 6), min_size=5, max_size=5))
 def test_expand_with_traced_widths_keeps_what_static_widths_keep(seed, widths):
-    """``_expand(tables, widths, k)`` with the widths as a traced array (one program for every profile, the beam
-    search of eval/bench_tree_options.py) keeps, at every depth, the same entries as the static profile: the same
+    """``_expand(tables, widths, k)`` with the widths as a traced array (one program for every width profile)
+    keeps, at every depth, the same entries as the static profile: the same
     scores, parent slots and candidates in its first max(widths) slots, and empty slots after them."""
     rng = np.random.default_rng(seed)
     tables = -rng.integers(0, 3, size=(5, 4, 4)).astype(np.float32)  # exact ties: the tie-break must agree too
