@@ -1,0 +1,167 @@
+"""``python -m sparkjax.serve``: an OpenAI-compatible server over the slot-pool engine (see docs/serving.md).
+
+    python -m sparkjax.serve                                  # the bundled demo pair on 127.0.0.1:8000
+    python -m sparkjax.serve --target DIR --drafter DIR [--tokenizer DIR] [--method auto] [--slots 8]
+                             [--host 127.0.0.1] [--port 8000] [--api-key KEY | $SPARKJAX_API_KEY]
+
+It loads the pair, compiles and warms the engine up, then accepts requests and logs "ready" with the address.
+SIGTERM or Ctrl-C stops admitting, lets in-flight requests finish within --grace-s, cancels the rest and exits 0.
+A bad flag or a model that does not load is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+
+from sparkjax import _startup
+from sparkjax.cli import OneLineParser, run_cli
+from sparkjax.errors import ArgumentError
+
+API_KEY_ENV = "SPARKJAX_API_KEY"
+DEMO_MODEL = "sparkjax-demo"
+log = logging.getLogger("sparkjax.serve")
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m sparkjax.serve", description=__doc__.splitlines()[0])
+    m = p.add_argument_group("model (none: the bundled demo pair)")
+    m.add_argument("--target", metavar="DIR", help="Hugging Face Qwen3 folder")
+    m.add_argument("--drafter", metavar="DIR", help="DeepSpec DSpark or z-lab DFlash folder (needs --target)")
+    m.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the --target folder)")
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="compute dtype (default: float32 for the demo pair, the checkpoint's otherwise)")
+    m.add_argument("--model-name", metavar="NAME",
+                   help=f"the model id clients send (default: {DEMO_MODEL}, or the --target folder's name)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--method", default="auto", help="decoding method: auto (default), ar, or any sparkjax method")
+    e.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+    e.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt admitted (engine default)")
+    e.add_argument("--max-new-tokens", type=int, metavar="N", help="largest max_tokens a request may ask for")
+    e.add_argument("--cache-size", type=int, metavar="S", help="KV cache slots per sequence (engine default)")
+    e.add_argument("--rounds-per-visit", type=int, default=8, metavar="K",
+                   help="rounds run on device per host visit (default 8)")
+    e.add_argument("--queue-limit", type=int, default=64, metavar="N",
+                   help="requests waiting for a slot before new ones get 429 (default 64)")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--api-key", metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    h.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="larger request bodies get 413 (default 1 MiB)")
+    h.add_argument("--grace-s", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM / Ctrl-C, seconds in-flight requests may take to finish (default 30)")
+    h.add_argument("--temperature", type=float, default=1.0,
+                   help="temperature of requests that give none (default 1, as OpenAI)")
+    h.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    return p
+
+
+def check_args(args) -> str | None:
+    """Refuses bad flags before any model is loaded; returns the API key (None: no key)."""
+    for flag in ("slots", "rounds_per_visit", "queue_limit", "max_body_bytes", "max_prompt_tokens", "max_new_tokens",
+                 "cache_size"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ArgumentError(f"--{flag.replace('_', '-')}: expected at least 1, got {v}")
+    if not 0 <= args.port <= 65535:
+        raise ArgumentError(f"--port: expected 0..65535, got {args.port}")
+    if not args.grace_s >= 0:
+        raise ArgumentError(f"--grace-s: expected at least 0, got {args.grace_s}")
+    if not 0 <= args.temperature <= 2:
+        raise ArgumentError(f"--temperature: expected a number in [0, 2], got {args.temperature}")
+    if args.target is None and (args.drafter or args.tokenizer):
+        raise ArgumentError(f"--{'drafter' if args.drafter else 'tokenizer'}: given without --target (the demo "
+                            f"pair brings its own)")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise ArgumentError("--api-key: empty")
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((args.host, args.port))
+        except OSError as e:
+            raise ArgumentError(f"--host/--port: cannot bind {args.host}:{args.port} ({e.strerror or e})") from None
+    return key
+
+
+def load(args):
+    """(target, drafter or None, tokenizer, target folder, pair description) of the flags."""
+    from sparkjax import demo
+    from sparkjax.io.hf import load_drafter, load_target
+    from sparkjax.text import load_tokenizer, quiet_transformers
+
+    if args.target is None:
+        target_dir = demo.path("target")
+        dtype = args.dtype or demo.COMPUTE_DTYPE
+        target = load_target(target_dir, dtype=dtype)
+        drafter = None if args.method == "ar" else load_drafter(demo.path("dspark_b16"), target=target, dtype=dtype)
+        with quiet_transformers():
+            tok = load_tokenizer(target_dir, what="demo target")
+        return target, drafter, tok, target_dir, f"the bundled demo pair ({demo.DEMO_DIR}: target + dspark_b16)"
+    target = load_target(args.target, dtype=args.dtype)
+    drafter = load_drafter(args.drafter, target=target, dtype=args.dtype) if args.drafter else None
+    with quiet_transformers():
+        tok = load_tokenizer(args.tokenizer or args.target)
+    return target, drafter, tok, args.target, f"target {args.target}" + (f", drafter {args.drafter}" if drafter
+                                                                        else ", no drafter")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _startup.check()
+    args = parser().parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("sparkjax.serve").setLevel(logging.INFO)
+
+    def run() -> int:
+        t_start = time.perf_counter()
+        key = check_args(args)
+        import jax
+
+        from sparkjax import cachedir
+        from sparkjax.text import eos_ids
+
+        from .engine import Engine
+        from .server import create_app, is_loopback, serve
+
+        xla = cachedir.enable_compilation_cache()
+        target, drafter, tok, target_dir, what = load(args)
+        if drafter is None and args.method != "ar":
+            raise ArgumentError(f"--method {args.method}: needs --drafter (or use --method ar)")
+        eos = eos_ids(tok, target_dir)
+        devices = jax.devices()
+        log.info("device: %d x %s (%s); compilation cache: %s", len(devices), devices[0].device_kind,
+                 devices[0].platform, xla or "off")
+        log.info("pair: %s; method %s; %d slots", what, args.method, args.slots)
+        engine = Engine(target, drafter, method=args.method, slots=args.slots, cache_size=args.cache_size,
+                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                        rounds_per_visit=args.rounds_per_visit, queue_limit=args.queue_limit, tokenizer=tok,
+                        eos_token_ids=eos)
+        compile_s = engine.start()
+        log.info("compiled and warmed up in %.1f s (max prompt %d tokens, max new tokens %d, queue limit %d)",
+                 compile_s, engine.max_prompt_tokens, engine.max_new_tokens, args.queue_limit)
+        model = args.model_name or (DEMO_MODEL if args.target is None else os.path.basename(
+            os.path.normpath(args.target)))
+        app = create_app(engine, tokenizer=tok, model=model, eos_token_ids=eos, api_key=key,
+                         max_body_bytes=args.max_body_bytes, default_temperature=args.temperature)
+        if not is_loopback(args.host) and key is None:
+            log.warning("binding %s without an API key: anyone who can reach this address can use the server "
+                        "(pass --api-key or set $%s)", args.host, API_KEY_ENV)
+
+        def ready(address: str) -> None:
+            log.info("ready on %s (model %r, %.1f s after start)", address, model, time.perf_counter() - t_start)
+
+        rc = serve(app, host=args.host, port=args.port, grace_s=args.grace_s, access_log=args.access_log,
+                   ready=ready)
+        log.info("shut down")
+        return rc
+
+    return run_cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,728 @@
+"""The OpenAI-compatible HTTP server over a slot-pool :class:`~sparkjax.serve.Engine` (Starlette on uvicorn).
+
+    app = create_app(engine, tokenizer=tok, model="sparkjax-demo", eos_token_ids=[2], api_key=None)
+    serve(app, host="127.0.0.1", port=8000, grace_s=30.0)      # blocks; SIGTERM / Ctrl-C end it with 0
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
+events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and
+``GET /metrics`` (Prometheus text). A completions prompt is encoded as :func:`sparkjax.text.encode_text` does;
+chat messages go through the tokenizer's chat template (one user turn exactly as
+:func:`sparkjax.text.encode_chat`). Every refused request gets an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}``; the fields, limits and status codes are in docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import (
+    ArgumentError,
+    EngineClosedError,
+    EngineFailure,
+    QueueFullError,
+    SparkjaxError,
+    TokenizerError,
+)
+from ..text import encode_chat, encode_text
+
+log = logging.getLogger("sparkjax.serve")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
+MAX_STOP = 4  # OpenAI accepts up to four stop sequences
+MAX_SEED = 2**63
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the engine's bound
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROLES = ("system", "user", "assistant")
+
+# fields accepted only at the value that changes nothing (what OpenAI does by default)
+NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False,
+           "logprobs": None, "top_logprobs": None, "suffix": None, "logit_bias": None, "n": 1,
+           "parallel_tool_calls": None, "tools": None, "tool_choice": None, "response_format": None}
+COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user", *NEUTRAL}
+FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
+# the engine's argument names, as the API calls them (an engine ArgumentError names the former)
+API_NAMES = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt", "temperature": "temperature", "seed": "seed",
+             "stop": "stop"}
+
+
+class APIError(Exception):
+    """A refused request: its status code and OpenAI-style error fields."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code=code)
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+
+
+# --- request fields -----------------------------------------------------------------------------------------------
+
+
+def _integer(body: dict, name: str, default: Any, *, minimum: int | None = None, maximum: int | None = None,
+             limit_what: str = "") -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, f"expected an integer, got {_kind(v)}")
+    if minimum is not None and v < minimum:
+        raise bad(name, f"must be at least {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise bad(name, f"must be at most {maximum}{limit_what}, got {v}")
+    return v
+
+
+def _temperature(body: dict, default: float) -> float:
+    v = body.get("temperature")
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad("temperature", f"expected a number in [0, {TEMPERATURE_MAX:g}], got {_kind(v)}")
+    if not 0 <= v <= TEMPERATURE_MAX:
+        raise bad("temperature", f"must be in [0, {TEMPERATURE_MAX:g}], got {v}")
+    return float(v)
+
+
+def _stop(body: dict) -> list[str] | None:
+    v = body.get("stop")
+    if v is None:
+        return None
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("stop", f"expected a string or an array of strings, got {_kind(v)}")
+    if len(items) > MAX_STOP:
+        raise bad("stop", f"at most {MAX_STOP} sequences, got {len(items)}")
+    if any(s == "" for s in items):
+        raise bad("stop", "a stop sequence must not be empty")
+    return items or None
+
+
+def _check_fields(body: dict, kind: str) -> None:
+    for name in body:
+        if name not in FIELDS[kind]:
+            raise bad(name, "unsupported field", code="unsupported_field")
+    for name, neutral in NEUTRAL.items():
+        v = body.get(name)
+        if name in body and v is not None and v != neutral and not (neutral is None and v in (False, [], {})):
+            raise bad(name, f"unsupported value {json.dumps(v)} (only {json.dumps(neutral)} is supported)",
+                      code="unsupported_value")
+    if "user" in body and not isinstance(body["user"], str | type(None)):
+        raise bad("user", f"expected a string, got {_kind(body['user'])}")
+    if not isinstance(body.get("stream", False), bool | type(None)):
+        raise bad("stream", f"expected a boolean, got {_kind(body['stream'])}")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"} \
+                or not isinstance(opts.get("include_usage", False), bool):
+            raise bad("stream_options", 'expected {"include_usage": true|false}')
+        if not body.get("stream"):
+            raise bad("stream_options", "only allowed with stream: true")
+
+
+def _prompt_ids(body: dict, tokenizer, vocab: int | None) -> list[int]:
+    if "prompt" not in body:
+        raise bad("prompt", "missing")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+        p = p[0]  # one prompt in an array
+    if isinstance(p, str):
+        ids = encode_text(tokenizer, p)
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        ids = list(p)
+        if vocab is not None and not all(0 <= t < vocab for t in ids):
+            raise bad("prompt", f"token ids must be in [0, {vocab})")
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, str | list) for t in p):
+        raise bad("prompt", f"one prompt per request is supported, got {len(p)}")
+    else:
+        raise bad("prompt", f"expected a string or an array of token ids, got {_kind(p)}")
+    if not ids:
+        raise bad("prompt", "encodes to no tokens")
+    return ids
+
+
+def _message_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    raise bad(f"messages[{i}].content", f"expected a string or an array of text parts, got {_kind(content)}")
+
+
+def render_messages(tokenizer, messages: list[dict]) -> str:
+    """The chat-template text of a conversation followed by the assistant header, rendered as
+    :func:`sparkjax.text.render_chat` renders one user turn (thinking off)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TokenizerError("the tokenizer has no chat template: send one user message")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=False)
+    except Exception as e:  # noqa: BLE001 - a template that does not render (jinja2's TemplateError, ...)
+        raise TokenizerError(f"the chat template does not render these messages ({type(e).__name__}: {e})") \
+            from None
+
+
+def _chat_ids(body: dict, tokenizer) -> list[int]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", f"expected a non-empty array of messages, got {_kind(msgs)}")
+    turns = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"expected an object, got {_kind(m)}")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise bad(f"messages[{i}].{sorted(extra)[0]}", "unsupported field", code="unsupported_field")
+        if m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role", f"expected one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))}")
+        turns.append({"role": m["role"], "content": _message_text(i, m.get("content"))})
+    try:
+        if len(turns) == 1 and turns[0]["role"] == "user":
+            ids = encode_chat(tokenizer, turns[0]["content"])
+        else:
+            ids = encode_text(tokenizer, render_messages(tokenizer, turns))
+    except SparkjaxError as e:
+        raise bad("messages", str(e)) from None
+    if not ids:
+        raise bad("messages", "encode to no tokens")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    """A checked request: the prompt's ids and the engine's arguments."""
+
+    kind: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    stop: list[str] | None
+    stream: bool
+    include_usage: bool
+
+
+# --- the app ------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Stats:
+    """What the server itself counts for /metrics: responses per (path, status) and time-to-first-token buckets."""
+
+    responses: Counter = dataclasses.field(default_factory=Counter)
+    ttft_buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    ttft_count: int = 0
+    ttft_sum: float = 0.0
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft_count += 1
+        self.ttft_sum += seconds
+        for i, b in enumerate(TTFT_BUCKETS):
+            if seconds <= b:
+                self.ttft_buckets[i] += 1
+
+
+class Server:
+    """The request handlers over one engine (see :func:`create_app`)."""
+
+    def __init__(self, engine, *, tokenizer, model: str, eos_token_ids: Sequence[int] | None = None,
+                 api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 default_temperature: float = 1.0, vocab_size: int | None = None):
+        if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
+            raise ArgumentError(f"max_body_bytes: expected a positive integer, got {max_body_bytes!r}")
+        if api_key is not None and not (isinstance(api_key, str) and api_key):
+            raise ArgumentError("api_key: expected a non-empty string (or None for no key)")
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.eos = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.default_temperature, self.vocab = default_temperature, vocab_size
+        self.created = int(time.time())
+        self.stats = Stats()
+        self.draining = False
+
+    # -- plumbing
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            what = "no API key given" if not auth else "wrong API key"
+            raise APIError(401, f"{what}: send the header 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise APIError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes",
+                           code="body_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > self.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                               code="body_too_large")
+
+        def no_constant(name):
+            raise ValueError(f"{name} is not valid JSON")
+
+        try:
+            data = json.loads(bytes(body), parse_constant=no_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(None, f"the body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad(None, f"the body must be a JSON object, got {_kind(data)}", code="invalid_json")
+        return data
+
+    def parse(self, body: dict, kind: str) -> Parsed:
+        _check_fields(body, kind)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad("model", f"expected a string, got {_kind(model)}")
+        if model is not None and model != self.model:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model!r}", param="model",
+                           code="model_not_found")
+        limit = self.engine.max_new_tokens
+        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, limit) if kind == "completions" else limit
+        name = "max_tokens"
+        if kind == "chat" and body.get("max_completion_tokens") is not None:
+            if body.get("max_tokens") is not None:
+                raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+            name = "max_completion_tokens"
+        max_tokens = _integer(body, name, default, minimum=1, maximum=limit, limit_what=" (the server's limit)")
+        temperature = _temperature(body, self.default_temperature)
+        seed = _integer(body, "seed", None, minimum=0, maximum=MAX_SEED - 1)
+        stop = _stop(body)
+        ids = _prompt_ids(body, self.tokenizer, self.vocab) if kind == "completions" else \
+            _chat_ids(body, self.tokenizer)
+        where = "prompt" if kind == "completions" else "messages"
+        if len(ids) > self.engine.max_prompt_tokens:
+            raise bad(where, f"{len(ids)} tokens, more than the server's limit of {self.engine.max_prompt_tokens} "
+                             f"prompt tokens", code="context_length_exceeded")
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return Parsed(kind, ids, max_tokens, temperature, seed, stop, stream, include_usage)
+
+    def submit(self, p: Parsed):
+        if self.draining:
+            raise APIError(503, "the server is shutting down and admits no new request", type="server_error",
+                           code="shutting_down")
+        try:
+            return self.engine.submit(p.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                                      seed=p.seed, eos_token_ids=self.eos, stop=p.stop)
+        except QueueFullError as e:
+            raise APIError(429, f"the request queue is full: {e}; retry later", type="rate_limit_error",
+                           code="queue_full") from None
+        except EngineClosedError as e:
+            raise APIError(503, f"the engine admits no new request: {e}", type="server_error",
+                           code="shutting_down") from None
+        except ArgumentError as e:
+            arg = str(e).split(":", 1)[0].strip()
+            raise bad(None, str(e)) if arg not in API_NAMES else APIError(400, str(e), param=API_NAMES[arg]) \
+                from None
+
+    # -- endpoints
+
+    async def health(self, request: Request) -> Response:
+        if self.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        m = self.engine.metrics()
+        return JSONResponse({"status": "ok", "model": self.model, "slots": self.engine.slots,
+                             "active_slots": m.get("active_slots"), "queue_length": m.get("queue_length")})
+
+    async def models(self, request: Request) -> Response:
+        self.check_key(request)
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    def model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sparkjax"}
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(prometheus(self.engine.metrics(), self.stats),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completions")
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        self.check_key(request)
+        p = self.parse(await self.read_json(request), kind)
+        t0 = time.perf_counter()
+        req = self.submit(p)
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, req))
+        rid = ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        chunks = aiter(req)
+        try:
+            first = await anext(chunks)
+        except EngineFailure as e:
+            watcher.cancel()
+            raise _failure(e) from None
+        except BaseException:
+            watcher.cancel()
+            req.cancel()
+            raise
+        self.stats.first_token(time.perf_counter() - t0)
+        if p.stream:
+            return _SSE(self.events(p, rid, created, first, chunks, req, watcher), media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            pieces, finish = [first], first.finish_reason
+            while finish is None:
+                c = await anext(chunks)
+                pieces.append(c)
+                finish = c.finish_reason
+        except EngineFailure as e:
+            raise _failure(e) from None
+        finally:
+            watcher.cancel()
+            if pieces[-1].finish_reason is None:
+                req.cancel()
+        if finish == "cancelled":
+            raise _cancelled(self.draining)
+        n_out = sum(len(c.token_ids) for c in pieces)
+        text = "".join(c.text for c in pieces)
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if kind == "completions":
+            out = {"id": rid, "object": "text_completion", "created": created, "model": self.model,
+                   "choices": [{**choice, "text": text}]}
+        else:
+            out = {"id": rid, "object": "chat.completion", "created": created, "model": self.model,
+                   "choices": [{**choice, "message": {"role": "assistant", "content": text}}]}
+        out["usage"] = _usage(len(p.prompt_ids), n_out)
+        return JSONResponse(out)
+
+    async def events(self, p: Parsed, rid: str, created: int, first, chunks: AsyncIterator, req,
+                     watcher) -> AsyncIterator[str]:
+        obj = "text_completion" if p.kind == "completions" else "chat.completion.chunk"
+        head = {"id": rid, "object": obj, "created": created, "model": self.model}
+
+        def event(delta: str | None, finish: str | None, role: bool = False) -> str:
+            if p.kind == "completions":
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            else:
+                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            return _sse({**head, "choices": [choice]})
+
+        n_out, finish, c = 0, None, first
+        try:
+            if p.kind == "chat":
+                yield event(None, None, role=True)
+            while True:
+                n_out += len(c.token_ids)
+                finish = c.finish_reason
+                if finish == "cancelled":
+                    yield _sse(_cancelled(self.draining).body())
+                    break
+                if c.text:
+                    yield event(c.text, None)
+                if finish is not None:
+                    yield event(None, finish)
+                    if p.include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(len(p.prompt_ids), n_out)})
+                    break
+                c = await anext(chunks)
+        except EngineFailure as e:
+            yield _sse(_failure(e).body())
+        finally:
+            watcher.cancel()
+            if finish is None:
+                req.cancel()
+        yield "data: [DONE]\n\n"
+
+
+class _SSE(StreamingResponse):
+    """A streaming response whose client may leave: a failed send ends the stream quietly (the events' own
+    ``finally`` cancels the request)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def guarded(message):
+            with contextlib.suppress(OSError):
+                await send(message)
+
+        try:
+            await self.stream_response(guarded)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _failure(e: BaseException) -> APIError:
+    cause = e.__cause__ or e
+    return APIError(500, f"the engine failed while generating this request ({type(cause).__name__}: {cause}); "
+                         f"the server keeps serving", type="server_error", code="engine_failure")
+
+
+def _cancelled(draining: bool) -> APIError:
+    why = "the server is shutting down" if draining else "the request was cancelled"
+    return APIError(503, f"{why}; the request was not completed", type="server_error", code="cancelled")
+
+
+async def _cancel_on_disconnect(request: Request, req) -> None:
+    """Cancels ``req`` when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            req.cancel()
+            return
+
+
+def create_app(engine, *, tokenizer, model: str = "sparkjax", eos_token_ids: Sequence[int] | None = None,
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               default_temperature: float = 1.0) -> Starlette:
+    """The Starlette app serving a started ``engine`` (:class:`sparkjax.serve.Engine`) as ``model``.
+
+    ``tokenizer`` encodes prompts and chat messages; ``eos_token_ids`` (the pair's, :func:`sparkjax.text.eos_ids`)
+    end every generation; ``api_key`` (None: none) is then required as ``Authorization: Bearer KEY`` on every
+    ``/v1/*`` request (``/health`` and ``/metrics`` stay open); bodies over ``max_body_bytes`` get a 413;
+    ``default_temperature`` applies when a request gives none (OpenAI's default is 1). ``app.state.server`` is
+    the :class:`Server` (its ``draining`` flag refuses new requests with a 503)."""
+    vocab = getattr(getattr(engine, "target", None), "config", None)
+    server = Server(engine, tokenizer=tokenizer, model=model, eos_token_ids=eos_token_ids, api_key=api_key,
+                    max_body_bytes=max_body_bytes, default_temperature=default_temperature,
+                    vocab_size=getattr(vocab, "vocab_size", None))
+
+    def route(path: str, fn: Callable, method: str) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                response = await fn(request)
+            except APIError as e:
+                response = e.response()
+            server.stats.responses[(path, response.status_code)] += 1
+            return response
+
+        return Route(path, endpoint, methods=[method])
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        server.stats.responses[("other", exc.status_code)] += 1
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        server.stats.responses[(request.url.path, 500)] += 1
+        return APIError(500, f"internal server error ({type(exc).__name__}: {exc})", type="server_error").response()
+
+    app = Starlette(routes=[route("/v1/completions", server.completions, "POST"),
+                            route("/v1/chat/completions", server.chat, "POST"),
+                            route("/v1/models", server.models, "GET"),
+                            route("/health", server.health, "GET"),
+                            route("/metrics", server.metrics, "GET")],
+                    exception_handlers={HTTPException: http_error, Exception: internal})
+    app.state.server = server
+    return app
+
+
+# --- /metrics -----------------------------------------------------------------------------------------------------
+
+
+def _metric_name(key: str) -> str:
+    clean = "".join(ch if ch.isalnum() else "_" for ch in str(key)).strip("_").lower()
+    return f"sparkjax_{clean}"
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def _fmt(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() and abs(v) < 2**53 else repr(float(v))
+
+
+def prometheus(engine_metrics: dict, stats: Stats) -> str:
+    """Prometheus text exposition of the engine's :meth:`metrics` (a number is a gauge, or a counter when its
+    name ends in ``_total``; a dict of numbers is one series per key, labelled ``key``; anything else is left
+    out) followed by the server's own response counts and time-to-first-token histogram."""
+    lines: list[str] = []
+    for key, value in sorted(engine_metrics.items()):
+        name = _metric_name(key)
+        kind = "counter" if name.endswith("_total") else "gauge"
+        if isinstance(value, dict):
+            series = [(k, _number(v)) for k, v in value.items()]
+            series = [(k, v) for k, v in series if v is not None]
+            if not series:
+                continue
+            lines.append(f"# TYPE {name} {kind}")
+            lines += [f'{name}{{key="{_label(k)}"}} {_fmt(v)}' for k, v in sorted(series, key=lambda kv: str(kv[0]))]
+        elif (v := _number(value)) is not None:
+            lines += [f"# TYPE {name} {kind}", f"{name} {_fmt(v)}"]
+    lines.append("# TYPE sparkjax_http_responses_total counter")
+    for (path, code), n in sorted(stats.responses.items()):
+        lines.append(f'sparkjax_http_responses_total{{path="{_label(path)}",code="{code}"}} {n}')
+    name = "sparkjax_http_time_to_first_token_seconds"
+    lines.append(f"# TYPE {name} histogram")
+    for b, n in zip(TTFT_BUCKETS, stats.ttft_buckets, strict=True):
+        lines.append(f'{name}_bucket{{le="{b:g}"}} {n}')
+    lines += [f'{name}_bucket{{le="+Inf"}} {stats.ttft_count}', f"{name}_sum {stats.ttft_sum!r}",
+              f"{name}_count {stats.ttft_count}"]
+    return "\n".join(lines) + "\n"
+
+
+def _label(v: Any) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+# --- running it ---------------------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _uvicorn_server(app: Starlette, host: str, port: int, *, grace_s: float, on_exit: Callable[[], None] | None,
+                    access_log: bool):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server, but a signal only starts the graceful shutdown (``on_exit``) and is not raised again
+        afterwards, so the process exits 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit and on_exit is not None:
+                threading.Thread(target=on_exit, name="sparkjax-serve-drain", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            import signal
+
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            previous = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
+                            timeout_graceful_shutdown=max(1.0, grace_s + 5.0), lifespan="off")
+    return _Server(config)
+
+
+def drain(app: Starlette, engine, grace_s: float) -> None:
+    """Stops admitting (new requests get 503), lets the engine finish what is in flight within ``grace_s``
+    seconds and cancels the rest (their clients get a 503 naming the shutdown)."""
+    app.state.server.draining = True
+    engine.close(grace_s=grace_s)
+
+
+def serve(app: Starlette, *, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,
+          access_log: bool = False, ready: Callable[[str], None] | None = None) -> int:
+    """Runs ``app`` (from :func:`create_app`) on ``host:port`` until SIGTERM or Ctrl-C, then drains
+    (:func:`drain`) and returns 0. ``ready(address)`` is called once the socket accepts connections."""
+    engine = app.state.server.engine
+    server = _uvicorn_server(app, host, port, grace_s=grace_s, on_exit=lambda: drain(app, engine, grace_s),
+                             access_log=access_log)
+    _announce_when_started(server, host, port, ready)
+    server.run()
+    if not app.state.server.draining:  # the server ended without a signal (e.g. the port was taken)
+        drain(app, engine, 0.0)
+    return 0 if server.started else 1
+
+
+def _announce_when_started(server, host: str, port: int, ready: Callable[[str], None] | None) -> None:
+    original = server.startup
+
+    async def startup(sockets=None):
+        await original(sockets=sockets)
+        if server.started and ready is not None:
+            bound = port
+            with contextlib.suppress(Exception):
+                bound = server.servers[0].sockets[0].getsockname()[1]
+            ready(f"http://{host}:{bound}")
+
+    server.startup = startup
+
+
+class ServerThread:
+    """``app`` served on ``host:port`` from a background thread (tests and benchmarks); ``port=0`` picks a free
+    port, read back as :attr:`port` once :meth:`start` returns. :meth:`stop` drains like a signal would."""
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0):
+        self.app, self.host, self.grace_s = app, host, grace_s
+        self.server = _uvicorn_server(app, host, port, grace_s=grace_s, on_exit=None, access_log=False)
+        self.port = port
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self.server.run, name="sparkjax-serve-http", daemon=True)
+
+        def ready(address: str) -> None:
+            self.port = int(address.rsplit(":", 1)[1])
+            self._ready.set()
+
+        _announce_when_started(self.server, host, port, ready)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"the server did not start on {self.host}:{self.port} within {timeout} s")
+        return self
+
+    def stop(self) -> None:
+        drain(self.app, self.app.state.server.engine, self.grace_s)
+        self.server.should_exit = True
+        self._thread.join(timeout=self.grace_s + 10)
