@@ -1,5 +1,6 @@
-"""``sparkjax.nn.layers.attend``'s paths ``dpa``, ``blocked`` (online softmax bounded by the live length) and
-``prefix`` (a power-of-two prefix) against ``einsum``: GQA, tree masks over a cache, two parts, fully masked rows."""
+"""``sparkjax.nn.layers.attend``'s paths ``dpa``, ``blocked`` (online softmax bounded by the live length),
+``prefix`` (a power-of-two prefix) and ``split`` (committed prefix and block merged through their log-sum-exps)
+against ``einsum``: GQA, tree masks over a cache, two parts, fully masked rows, the tokens of generation."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparkjax.cache import attention_mask
-from sparkjax.engine import Options
+from sparkjax.engine import Options, generate
 from sparkjax.errors import ArgumentError
 from sparkjax.nn import layers
-from tests.conftest import jit_call
+from tests.conftest import NEW_LONG, PROMPTS3, jit_call
 
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -38,15 +39,18 @@ def _tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
     return vis
 
 
-def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32, lengths=None):
-    """Queries [B, T, N, H], a cache [B, K, S, H] with random live lengths, a tree mask over T new slots."""
+def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32, lengths=None,
+          lazy=False):
+    """Queries [B, T, N, H], a cache [B, K, S, H] with random live lengths, a tree mask over T new slots (dense,
+    or as a CacheMask when ``lazy``)."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
     k = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
     v = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
     lengths = jnp.asarray(rng.integers(0, s - t + 1, b) if lengths is None else lengths, jnp.int32)
     block = jnp.asarray(np.stack([_tree_mask(rng, t) for _ in range(b)]))
-    return q, k, v, attention_mask(lengths, block, s), lengths
+    mask = layers.CacheMask(lengths, block) if lazy else attention_mask(lengths, block, s)
+    return q, k, v, mask, lengths
 
 
 def _close(a, b, tol):
@@ -115,8 +119,58 @@ def test_bounded_paths_read_only_live_slots(impl):
     assert np.isnan(np.asarray(_attend(q, [(k_bad, v_bad, mask)], "einsum"))).any()
 
 
+# a chunked prefix in float32; one step over a cache that is not whole chunks in bfloat16
+@pytest.mark.parametrize("dtype,tol,s", [(jnp.float32, 1e-5, 64), (jnp.bfloat16, 2e-2, 60)])
+def test_split_matches_reference_over_a_cache(dtype, tol, s):
+    """Tree masks over a cache as a CacheMask (lengths 0 and up to S - T), GQA and MHA, a fully masked row, the
+    drafter's context-plus-block pattern; the dense mask of a CacheMask is the model's."""
+    for seed, (n, kh) in enumerate([(4, 2), (2, 2)]):
+        q, k, v, cm, lengths = _case(seed, b=4, t=5, n=n, kh=kh, s=s, dtype=dtype, lengths=[0, 7, 33, s - 5],
+                                     lazy=True)
+        dense = attention_mask(lengths, cm.block, s)
+        np.testing.assert_array_equal(np.asarray(cm.dense(5, s)), np.asarray(dense))
+        cm = layers.CacheMask(lengths, cm.block.at[1, 3].set(False))  # row 3 of sequence 1 sees the prefix only
+        empty = layers.CacheMask(lengths, cm.block.at[0, 2].set(False))  # sequence 0 row 2: nothing at all
+        for mask in (cm, empty):
+            ref = _attend(q, [(k, v, mask.dense(5, s))], "einsum")
+            got = _attend(q, [(k, v, mask)], "split", block=16)
+            assert got.shape == q.shape and got.dtype == ref.dtype == dtype
+            _close(got, ref, tol)
+        np.testing.assert_array_equal(np.asarray(got[0, 2], np.float32), 0.0)
+        assert np.abs(np.asarray(got[0, 1], np.float32)).max() > 0
+        # the drafter's pattern: context slots below each length, then a dense block part
+        bk, bv = k[:, :, :5], v[:, :, :5]
+        ctx = layers.CacheMask(lengths)
+        parts = [(k, v, ctx), (bk, bv, jnp.ones((1, 5, 5), bool))]
+        ref = _attend(q, [(k, v, ctx.dense(5, s)), parts[1]], "einsum")
+        _close(_attend(q, parts, "split", block=16), ref, tol)
+
+
+def test_split_reads_only_the_prefix_and_the_block():
+    """Slots past each sequence's block (rounded up to a chunk for the prefix) are never read: NaN there leaves
+    the split intact; every other path makes the CacheMask dense and agrees with the reference."""
+    q, k, v, cm, lengths = _case(5, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37], lazy=True)
+    clean = _attend(q, [(k, v, cm.dense(3, 128))], "einsum")
+    k_bad, v_bad = k.at[:, :, 48:].set(jnp.nan), v.at[:, :, 48:].set(jnp.nan)
+    _close(_attend(q, [(k_bad, v_bad, cm)], "split", block=16), clean, 1e-5)
+    for impl in ("einsum", "dpa", "blocked", "prefix"):
+        _close(_attend(q, [(k, v, cm)], impl, block=16), clean, 1e-5)
+
+
+@pytest.mark.parametrize("method", [pytest.param("dspark", marks=pytest.mark.slow), "sparklingtree"])
+def test_split_keeps_the_tokens(random_pair, method):
+    """Greedy generation with the split attention equals the target's own greedy tokens (einsum)."""
+    target, drafter = random_pair
+    ar = generate(target, None, PROMPTS3, max_new_tokens=NEW_LONG, options=Options(attention="einsum")).tokens
+    split = Options(attention="split", block_slots=16)
+    assert generate(target, None, PROMPTS3, max_new_tokens=NEW_LONG, options=split).tokens == ar
+    kw = {"budget": 8} if method == "sparklingtree" else {}
+    assert generate(target, drafter, PROMPTS3, method=method, max_new_tokens=NEW_LONG, options=split,
+                    **kw).tokens == ar
+
+
 @pytest.mark.slow  # over 5 s; CI runs it in its slow step
-@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix"])
+@pytest.mark.parametrize("impl", ["dpa", "blocked", "prefix", "split"])
 def test_target_verify_logits_match_reference(fixture_target, impl):
     """A Qwen3 tree-verification step over a cache: the reference's logits with each path."""
     rng = np.random.default_rng(6)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ..cache import ContextCache
 from ..errors import ArgumentError
 from ..nn.drafter import Drafter
+from ..nn.layers import CacheMask
 from ..sampling import first_argmax, pick
 from ..tree import top_k
 
@@ -96,7 +97,7 @@ def draft_block(
     x = drafter.embed(tokens, target)
     block_mask = jnp.ones((1, g, g), bool)
     out = drafter.run_block(
-        x, positions, ctx.k, ctx.v, ctx.visible(g), block_mask, return_layers=return_layers, attention=attention
+        x, positions, ctx.k, ctx.v, CacheMask(ctx.lengths), block_mask, return_layers=return_layers, attention=attention
     )
     return DraftBlock(drafter.logits(out.hidden, target), out.hidden, out.layers)
 

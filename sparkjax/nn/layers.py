@@ -7,6 +7,7 @@ slots, D model dim, N query heads, K kv heads, H head dim, F ffn dim, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..cache import attention_mask
 from ..errors import ArgumentError
 
 Array = jax.Array
@@ -117,34 +119,72 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
-ATTENTION_IMPLS = ("auto", "einsum", "dpa", "blocked", "prefix")  # the names :func:`attend` takes as ``impl``
+ATTENTION_IMPLS = ("auto", "einsum", "dpa", "blocked", "prefix", "split")  # the names :func:`attend` takes as ``impl``
 BLOCK_SLOTS = 128  # the blocked path's default cache slots per chunk
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheMask:
+    """The visibility of a cache part of :func:`attend`, kept in the structure the split path reads.
+
+    Query ``t`` of sequence ``b`` sees every committed slot ``s < lengths[b]`` and, when ``block`` (``[T, T]``
+    or ``[B, T, T]``) is given, the slot ``lengths[b] + u`` of the block row ``u`` iff ``block[b, t, u]``.
+    :meth:`dense` is that mask as a ``[B, T, S]`` array (``block=None``: the committed slots only).
+    """
+
+    lengths: Array
+    block: Array | None = None
+
+    def dense(self, queries: int, size: int) -> Array:
+        if self.block is not None:
+            return attention_mask(self.lengths, self.block, size)
+        vis = jnp.arange(size, dtype=jnp.int32)[None, :] < self.lengths[:, None]
+        return jnp.broadcast_to(vis[:, None, :], (self.lengths.shape[0], queries, size))
+
+
+def dense_mask(mask, queries: int, size: int):
+    """``mask`` as an array: a :class:`CacheMask` made dense, anything else unchanged."""
+    return mask.dense(queries, size) if isinstance(mask, CacheMask) else mask
+
+
+def _dense_parts_call(fn: Callable, q: Array, parts: list) -> Array:
+    return fn(q, [(k, v, dense_mask(m, q.shape[1], k.shape[2])) for k, v, m in parts])
+
+
 def attention_fn(attention: str | Callable = "auto") -> Callable:
-    """The attention a model call runs: ``attention`` itself when it is a callable with the signature of
-    :func:`attend` (``fn(q, parts)``), else :func:`attend` with ``impl=attention``."""
-    return attention if callable(attention) else functools.partial(attend, impl=attention)
+    """The attention a model call runs: :func:`attend` with ``impl=attention`` for a name; :func:`attend`
+    itself or a ``functools.partial`` of it as given; any other callable with the signature of
+    :func:`attend` (``fn(q, parts)``) as given, called with every mask as a dense array."""
+    if not callable(attention):
+        return functools.partial(attend, impl=attention)
+    if attention is attend or (isinstance(attention, functools.partial) and attention.func is attend):
+        return attention
+    return functools.partial(_dense_parts_call, attention)
 
 
-def attend(q: Array, parts: list[tuple[Array, Array, Array]], *, impl: str = "auto",
+def attend(q: Array, parts: list[tuple[Array, Array, Array | CacheMask]], *, impl: str = "auto",
            block_slots: int = BLOCK_SLOTS) -> Array:
     """Grouped-query attention over one or several key/value sets sharing one softmax.
 
-    ``q`` ``[B, T, N, H]``; each part is ``(k [B, K, S_i, H], v [B, K, S_i, H], mask [B, T, S_i])``: keys and
-    values heads-major as :class:`~sparkjax.cache.KVCache` stores them, the mask broadcastable (True =
-    visible). Scores and softmax in float32, scale ``H ** -0.5``; a fully masked row returns zeros.
+    ``q`` ``[B, T, N, H]``; each part is ``(k [B, K, S_i, H], v [B, K, S_i, H], mask)``: keys and values
+    heads-major as :class:`~sparkjax.cache.KVCache` stores them, the mask a boolean array broadcastable to
+    ``[B, T, S_i]`` (True = visible) or a :class:`CacheMask`. Scores and softmax in float32, scale
+    ``H ** -0.5``; a fully masked row returns zeros.
     ``impl``: ``"einsum"`` (the reference), ``"dpa"`` (:func:`jax.nn.dot_product_attention`; cuDNN on a GPU
     for bf16 / f16), ``"blocked"`` (the first part in ``block_slots``-slot chunks with an online softmax, up
     to the last visible chunk), ``"prefix"`` (the reference over the shortest power-of-two prefix of the
-    first part that holds every visible slot) or ``"auto"`` (``blocked`` on CPU, ``einsum`` elsewhere).
+    first part that holds every visible slot), ``"split"`` (see :func:`attend_split`) or ``"auto"``
+    (``blocked`` on CPU, ``einsum`` elsewhere). Every path but ``split`` makes a :class:`CacheMask` dense.
     """
     if not isinstance(impl, str) or impl not in ATTENTION_IMPLS:
         raise ArgumentError(f"attend: impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
     if impl == "auto":
         impl = "blocked" if jax.default_backend() == "cpu" else "einsum"
+    if impl == "split":
+        return attend_split(q, parts, block_slots=block_slots)
     b, t = q.shape[:2]
-    parts = [(k, v, jnp.broadcast_to(m, (b, t, k.shape[2]))) for k, v, m in parts]
+    parts = [(k, v, jnp.broadcast_to(dense_mask(m, t, k.shape[2]), (b, t, k.shape[2]))) for k, v, m in parts]
     if impl == "dpa":
         return _attend_dpa(q, parts)
     size = parts[0][0].shape[2]
@@ -224,52 +264,184 @@ def _attend_dpa(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
     return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
-def _attend_blocked(q: Array, parts: list[tuple[Array, Array, Array]], block_slots: int) -> Array:
-    h = q.shape[-1]
-    (k0, v0, m0), rest = parts[0], parts[1:]
-    b, t, n, _ = q.shape
-    kh = k0.shape[1]
-    g = n // kh
-    qg = q.reshape(b, t, kh, g, h)
-    scale = h**-0.5
-    neg = jnp.float32(-jnp.inf)
+_NEG = float("-inf")
 
-    def update(carry, k, v, mask):
-        mx, l, acc = carry
-        s = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-        vis = mask[:, None, None, :, :]
-        s = jnp.where(vis, s, neg)
-        new = jnp.maximum(mx, jnp.max(s, axis=-1))
-        safe = jnp.where(new == neg, 0.0, new)  # rows with nothing visible yet: every term is 0
-        p = jnp.exp(s - safe[..., None])
-        corr = jnp.exp(mx - safe)
-        l = l * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return new, l, acc * corr[..., None] + pv
 
-    c = block_slots
-    # chunks past the last slot any query sees are skipped: the trip count follows the live length
-    trips = (_live_slots(m0) + c - 1) // c
+def _online_update(qg: Array, carry, k: Array, v: Array, vis: Array):
+    """One online-softmax step of grouped queries ``qg [B, T, K, G, H]`` over keys/values ``[B, K, S, H]``
+    visible where ``vis`` (broadcastable to ``[B, K, G, T, S]``); carry ``(max, sum, acc)`` in float32."""
+    mx, l, acc = carry
+    neg = jnp.float32(_NEG)
+    s = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * (qg.shape[-1] ** -0.5)
+    s = jnp.where(vis, s, neg)
+    new = jnp.maximum(mx, jnp.max(s, axis=-1))
+    safe = jnp.where(new == neg, 0.0, new)  # rows with nothing visible yet: every term is 0
+    p = jnp.exp(s - safe[..., None])
+    corr = jnp.exp(mx - safe)
+    l = l * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return new, l, acc * corr[..., None] + pv
+
+
+def _online_init(qg: Array):
+    b, t, kh, g, h = qg.shape
+    return (
+        jnp.full((b, kh, g, t), _NEG, jnp.float32),
+        jnp.zeros((b, kh, g, t), jnp.float32),
+        jnp.zeros((b, kh, g, t, h), jnp.float32),
+    )
+
+
+def _chunked(qg: Array, carry, k0: Array, v0: Array, chunk_vis: Callable, trips: Array, c: int):
+    """Online-softmax steps over ``c``-slot chunks ``0 .. trips - 1`` of ``k0``/``v0``; ``chunk_vis(at)``: the
+    visibility of the chunk starting at slot ``at``."""
 
     def body(state):
         i, carry = state
         at = i * c
         k = jax.lax.dynamic_slice_in_dim(k0, at, c, axis=2)
         v = jax.lax.dynamic_slice_in_dim(v0, at, c, axis=2)
-        m = jax.lax.dynamic_slice_in_dim(m0, at, c, axis=2)
-        return i + 1, update(carry, k, v, m)
+        return i + 1, _online_update(qg, carry, k, v, chunk_vis(at))
 
-    init = (
-        jnp.full((b, kh, g, t), neg, jnp.float32),
-        jnp.zeros((b, kh, g, t), jnp.float32),
-        jnp.zeros((b, kh, g, t, h), jnp.float32),
-    )
-    _, carry = jax.lax.while_loop(lambda st: st[0] < trips, body, (jnp.int32(0), init))
+    return jax.lax.while_loop(lambda st: st[0] < trips, body, (jnp.int32(0), carry))[1]
+
+
+def _attend_blocked(q: Array, parts: list[tuple[Array, Array, Array]], block_slots: int) -> Array:
+    h = q.shape[-1]
+    (k0, v0, m0), rest = parts[0], parts[1:]
+    b, t, n, _ = q.shape
+    kh = k0.shape[1]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    c = block_slots
+    # chunks past the last slot any query sees are skipped: the trip count follows the live length
+    trips = (_live_slots(m0) + c - 1) // c
+
+    def vis(at):
+        return jax.lax.dynamic_slice_in_dim(m0, at, c, axis=2)[:, None, None, :, :]
+
+    carry = _chunked(qg, _online_init(qg), k0, v0, vis, trips, c)
     for k, v, m in rest:
-        carry = update(carry, k, v, m)
+        carry = _online_update(qg, carry, k, v, m[:, None, None, :, :])
     _, l, acc = carry
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return _ungrouped(out.astype(v0.dtype))
+
+
+# ----------------------------------------------------------------------------- split attention
+# A piece is (out [B, K, G, T, H], lse [B, K, G, T]), both float32: a normalised attention over some keys and
+# the log-sum-exp of its scaled scores (-inf and zeros for a row that sees none of them).
+
+
+def _piece(carry):
+    mx, l, acc = carry
+    seen = l > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, jnp.where(jnp.isfinite(mx), mx, 0.0) + jnp.log(jnp.where(seen, l, 1.0)), _NEG)
+    return out, lse
+
+
+def _merge(pieces):
+    """The attention over the union of the pieces' keys, from their outputs and log-sum-exps (exact)."""
+    lses = jnp.stack([lse for _, lse in pieces])
+    top = jnp.max(lses, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lses - top)  # 0 for a piece a row does not see
+    total = jnp.sum(w, axis=0)
+    out = sum(w[i][..., None] * o for i, (o, _) in enumerate(pieces))
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+def _prefix_xla(qg: Array, k: Array, v: Array, lengths: Array, block_slots: int):
+    """The piece of slots ``[0, lengths[b])``: online softmax in ``block_slots`` chunks up to the longest
+    prefix (one step over all slots when they are not a whole number of chunks); no mask array."""
+    size, c = k.shape[2], block_slots
+
+    def vis(at, n):
+        return ((at + jnp.arange(n, dtype=jnp.int32))[None, :] < lengths[:, None])[:, None, None, None, :]
+
+    if size > c and size % c == 0:
+        trips = (jnp.max(lengths) + c - 1) // c
+        carry = _chunked(qg, _online_init(qg), k, v, lambda at: vis(at, c), trips, c)
+    else:
+        carry = _online_update(qg, _online_init(qg), k, v, vis(0, size))
+    return _piece(carry)
+
+
+def _cudnn_usable(dtype, head_dim: int) -> bool:
+    """Whether this process can stage out cuDNN's flash attention (its library found) for this dtype."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or head_dim % 8 or head_dim > 256:
+        return False
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        cudnn.check_cudnn_version()
+    except Exception:  # no CUDA plugin or no cuDNN library on this machine
+        return False
+    return True
+
+
+def _prefix_cudnn(qg: Array, k: Array, v: Array, lengths: Array, block_slots: int):
+    """The piece of slots ``[0, lengths[b])`` from cuDNN's flash attention with key lengths and no mask,
+    reading the heads-major cache in place (layout ``BNTH``) and returning its log-sum-exp."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    b, t, kh, g, h = qg.shape
+    qn = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh * g, t, h).astype(k.dtype)  # [B, N, T, H], small
+    out, lse = cudnn.dot_product_attention(
+        qn, k, v, q_seqlen=jnp.full((b,), t, jnp.int32), kv_seqlen=lengths.astype(jnp.int32),
+        scale=h**-0.5, mask_type=cudnn.MaskType.PADDING, qkv_layout="BNTH", return_residual=True,
+    )
+    seen = (lengths > 0)[:, None, None, None]
+    out = jnp.where(seen[..., None], out.reshape(b, kh, g, t, h).astype(jnp.float32), 0.0)
+    lse = jnp.where(seen, lse.reshape(b, kh, g, t).astype(jnp.float32), _NEG)
+    return out, lse
+
+
+def _prefix_piece(qg: Array, k: Array, v: Array, lengths: Array, block_slots: int):
+    if not _cudnn_usable(k.dtype, qg.shape[-1]):
+        return _prefix_xla(qg, k, v, lengths, block_slots)
+    fn = functools.partial(_prefix_xla, block_slots=block_slots)
+    cuda = functools.partial(_prefix_cudnn, block_slots=block_slots)
+    return jax.lax.platform_dependent(qg, k, v, lengths, cuda=cuda, default=fn)
+
+
+def _masked_piece(qg: Array, k: Array, v: Array, mask: Array):
+    return _piece(_online_update(qg, _online_init(qg), k, v, mask[:, None, None, :, :]))
+
+
+def _block_rows(buf: Array, slots: Array) -> Array:
+    """Slots ``slots [B, U]`` (clipped) of a heads-major ``buf [B, K, S, H]`` as ``[B, K, U, H]``."""
+    return jax.vmap(lambda x, idx: x.at[:, idx].get(mode="clip"))(buf, slots)
+
+
+def attend_split(q: Array, parts: list[tuple[Array, Array, Array | CacheMask]], *,
+                 block_slots: int = BLOCK_SLOTS) -> Array:
+    """:func:`attend` as separate pieces merged exactly through their log-sum-exps.
+
+    A part whose mask is a :class:`CacheMask` gives a prefix piece over slots ``[0, lengths[b])`` with no mask
+    (cuDNN flash attention with key lengths on a GPU for bf16 / f16, reading the heads-major cache in place;
+    elsewhere an online softmax in ``block_slots`` chunks up to the longest prefix) and, with a ``block``, a
+    masked piece over the block's ``T`` rows read from slots ``lengths[b] ..``; any other part is one
+    masked piece.
+    """
+    b, t, n, h = q.shape
+    kh = parts[0][0].shape[1]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    pieces = []
+    for k, v, m in parts:
+        size = k.shape[2]
+        if not isinstance(m, CacheMask):
+            pieces.append(_masked_piece(qg, k, v, jnp.broadcast_to(m, (b, t, size))))
+            continue
+        lengths = jnp.broadcast_to(jnp.asarray(m.lengths, jnp.int32), (b,))
+        pieces.append(_prefix_piece(qg, k, v, lengths, block_slots))
+        if m.block is not None:
+            u = m.block.shape[-1]
+            slots = lengths[:, None] + jnp.arange(u, dtype=jnp.int32)[None, :]  # [B, U]
+            # block row u is visible where the mask says and its slot lies inside the cache
+            mask = jnp.broadcast_to(m.block, (b, t, u)) & (slots < size)[:, None, :]
+            pieces.append(_masked_piece(qg, _block_rows(k, slots), _block_rows(v, slots), mask))
+    return _ungrouped(_merge(pieces).astype(parts[0][1].dtype))
 
 
 class AttentionProjections(nnx.Module):

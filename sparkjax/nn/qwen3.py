@@ -12,10 +12,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..cache import KVCache, attention_mask, causal_block
+from ..cache import KVCache, causal_block
 from ..config import Qwen3Config
 from ..errors import ArgumentError
-from .layers import MLP, AttentionProjections, Embed, RMSNorm, attend, attention_fn, init_normal, rope_cos_sin
+from .layers import (
+    MLP,
+    AttentionProjections,
+    CacheMask,
+    Embed,
+    RMSNorm,
+    attend,
+    attention_fn,
+    init_normal,
+    rope_cos_sin,
+)
 
 Array = jax.Array
 
@@ -38,7 +48,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
 
     def __call__(
-        self, x: Array, cos: Array, sin: Array, mask: Array, cache: KVCache | None, index: int,
+        self, x: Array, cos: Array, sin: Array, mask: Array | CacheMask, cache: KVCache | None, index: int,
         fresh: bool = False, attention=attend,
     ) -> tuple[Array, KVCache | None]:
         h = self.input_layernorm(x)
@@ -121,7 +131,7 @@ class Qwen3(nnx.Module):
         if cache is None or fresh_cache:
             full_mask = jnp.broadcast_to(block, (b, t, t))
         else:
-            full_mask = attention_mask(cache.lengths, block, cache.size)
+            full_mask = CacheMask(cache.lengths, block)  # the committed prefix, then the block's rows
         fn = attention_fn(attention)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(tokens)
