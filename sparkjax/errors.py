@@ -65,3 +65,8 @@ class TrainingError(SparkjaxError, ValueError):
 
 class DataError(TrainingError):
     """Training data that is missing, unreadable or malformed (the message names the file and line)."""
+
+
+class GpuCompileError(SparkjaxError, RuntimeError):
+    """A deviceless GPU compile cannot start here: this jax has no CUDA PJRT plugin (the message says which
+    extra installs it)."""

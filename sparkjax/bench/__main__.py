@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from sparkjax import _startup
 from sparkjax.cli import OneLineParser, run_cli
 
-from . import ar, attention, drafter, round, scale, train, tree
+from . import ar, attention, device, drafter, gpu, round, scale, train, tree
 from .common import Report, command_line
 
 COMMANDS = {"ar": ar, "round": round, "tree": tree, "drafter": drafter, "scale": scale, "train": train,
-            "attention": attention}
+            "attention": attention, "gpu-compile": gpu, "device": device}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -5,6 +5,8 @@ trip-count times (``known_trip_count``, else a condition ``i < constant``; else 
 a ``call`` in place, a ``conditional`` its costliest branch. A kernel is every executed instruction except
 :data:`NOT_KERNELS` and pure converts; ``sequential`` kernels are inside a loop. Bytes: operands read + results
 written (sliced operands and in-place updates count only the slice). The byte model is in docs/benchmarks.md.
+``elide_converts=False`` counts a module compiled for a GPU (``python -m sparkjax.bench gpu-compile``): every
+convert is a kernel there, and cuDNN / cuBLAS custom calls are charged their matrix FLOPs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ NOT_KERNELS = frozenset({
 _VIEW = frozenset({"bitcast", "reshape", "convert"})  # seen through when looking how a fused parameter is used
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
+# what a kernel that only relayouts or joins values is made of
+MOVING_OPS = frozenset({"transpose", "copy", "concatenate", "bitcast", "reshape", "convert", "slice",
+                        "dynamic-slice", "pad", "broadcast"})
+_CUDNN_ATTENTION = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
+_GEMM = re.compile(r'custom_call_target="__cublas\$\w*gemm\w*"')
 
 # the custom-call target jax.pure_callback lowers to (xla_ffi_python_cpu_callback on XLA:CPU, ..._gpu_... on a GPU)
 FUSED_ATTENTION_TARGET = re.compile(r'custom_call_target="[\w]*python_\w*callback"')
@@ -55,6 +62,28 @@ def fused_attention_flops(shapes: Sequence[tuple[int, ...]]) -> float:
     per part, ``k [B, K, S_i, H]``): ``2 B T N H S`` for the scores and as many for the weighted values."""
     b, t, n, h = shapes[0]
     return 4.0 * b * t * n * h * sum(k[2] for k in shapes[1::3])
+
+
+def library_call_flops(ins: Instr, operand_shapes: Sequence[str]) -> float:
+    """Matrix FLOPs of a cuDNN fused attention call (``4 B N T S H``, from its score shape ``[B, N, T, S]`` in the
+    backend config and the queries' head size) or a cuBLAS gemm (``2 * out * contracted``); 0 for other calls."""
+    if _CUDNN_ATTENTION.search(ins.attrs):
+        m = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
+        if not m or not operand_shapes:
+            return 0.0
+        scores = math.prod(int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip())
+        head = shape_arrays(operand_shapes[0])[0][1][-1]
+        factor = 4.0 if "Backward" not in ins.attrs else 8.0
+        return factor * scores * head
+    if _GEMM.search(ins.attrs) and operand_shapes:
+        m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
+        lhs = shape_arrays(operand_shapes[0])[0][1]
+        out = shape_arrays(ins.shape)[0][1]
+        if not m:
+            return 0.0
+        k = math.prod(lhs[int(d.strip().strip('"'))] for d in m.group(1).split(",") if d.strip())
+        return 2.0 * math.prod(out) * k
+    return 0.0
 
 
 def shape_arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -207,6 +236,8 @@ class Kernel:
     flops: float  # per execution
     sequential: bool
     stage: str = "other"  # the round's stage (named scope) it runs in, from the HLO metadata
+    shape: str = ""  # the HLO shape of what it writes
+    moves: bool = False  # it only moves or joins values (transpose, copy, concatenate, ...; no arithmetic)
 
 
 @dataclasses.dataclass
@@ -231,10 +262,11 @@ class Tally:
     def flops(self) -> float:
         return sum(k.count * k.flops for k in self.kernels)
 
-    def seconds(self, bandwidth: float, peak: float, launch: float = 0.0) -> float:
-        """Per-kernel roofline ``max(bytes / BW, flops / peak)`` summed, plus ``launch`` per sequential kernel."""
+    def seconds(self, bandwidth: float, peak: float, launch: float = 0.0, every_kernel: bool = False) -> float:
+        """Per-kernel roofline ``max(bytes / BW, flops / peak)`` summed, plus ``launch`` per sequential kernel
+        (``every_kernel``: per kernel executed)."""
         t = sum(k.count * max(k.bytes / bandwidth, k.flops / peak) for k in self.kernels)
-        return t + launch * self.sequential_kernels
+        return t + launch * (self.total_kernels if every_kernel else self.sequential_kernels)
 
     def by_stage(self) -> dict[str, dict[str, float]]:
         """Per stage: kernels, sequential kernels and bytes executed."""
@@ -263,8 +295,9 @@ def _updates(ins: Instr) -> list[str]:
 class HloCounter:
     """Counts kernels, bytes and FLOPs of an optimised HLO module (see the module docstring)."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, elide_converts: bool = True):
         self.comps, self.entry = parse_module(text)
+        self.elide_converts = elide_converts
         self._elided: dict[str, set[str]] = {}
         self.param_ratio: dict[tuple[str, int], object] = {}  # (computation, parameter number) -> ratios
 
@@ -290,6 +323,24 @@ class HloCounter:
         ops = self._fused_ops(ins)
         return ops is not None and bool(ops) and ops <= {"convert", "transpose", "copy", "bitcast", "reshape"}
 
+    def fused_ops(self, ins: Instr) -> set[str]:
+        """The ops a kernel runs: its own, or those of its fused computation (nested fusions opened)."""
+        if ins.op != "fusion":
+            return {ins.op}
+        body = self.comps.get(ins.attr_comp("calls") or "")
+        if body is None:
+            return {ins.op}
+        ops: set[str] = set()
+        for i in body.instrs:
+            if i.op not in ("parameter", "constant", "tuple", "get-tuple-element"):
+                ops |= self.fused_ops(i)
+        return ops
+
+    def only_moves(self, ins: Instr) -> bool:
+        """A kernel that only moves, joins, slices or converts values (:data:`MOVING_OPS`), not just a fill."""
+        ops = self.fused_ops(ins)
+        return ops <= MOVING_OPS and bool(ops - {"broadcast", "bitcast", "reshape"})
+
     def trip_count(self, ins: Instr) -> int | None:
         m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
         if m:
@@ -309,7 +360,8 @@ class HloCounter:
 
     def elided(self, comp: Computation) -> set[str]:
         if comp.name not in self._elided:
-            self._elided[comp.name] = {i.name for i in comp.instrs if self.is_pure_convert(comp, i)}
+            self._elided[comp.name] = {i.name for i in comp.instrs
+                                       if self.elide_converts and self.is_pure_convert(comp, i)}
         return self._elided[comp.name]
 
     def ratios(self, comp: Computation, name: str):
@@ -408,6 +460,8 @@ class HloCounter:
     def dot_flops(self, comp: Computation, ins: Instr) -> float:
         if ins.op == "custom-call" and FUSED_ATTENTION_TARGET.search(ins.attrs):
             return fused_attention_flops([shape_arrays(comp.by_name[o].shape)[0][1] for o in ins.operands])
+        if ins.op == "custom-call":
+            return library_call_flops(ins, [comp.by_name[o].shape for o in ins.operands if o in comp.by_name])
         if ins.op == "dot":
             lhs = comp.by_name.get(ins.operands[0])
             m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
@@ -482,7 +536,8 @@ class HloCounter:
                 continue
             else:
                 b, f = self.kernel_cost(comp, ins, elided)
-                tally.kernels.append(Kernel(ins.name, ins.op, mult, b, f, in_loop, self.stage(ins)))
+                tally.kernels.append(Kernel(ins.name, ins.op, mult, b, f, in_loop, self.stage(ins), ins.shape,
+                                            self.only_moves(ins)))
         return tally
 
     def generation_loop(self) -> Instr:
@@ -511,9 +566,35 @@ class HloCounter:
         return t
 
 
-def count_hlo(text: str, *, loop_body: bool = False) -> Tally:
-    c = HloCounter(text)
+def count_hlo(text: str, *, loop_body: bool = False, elide_converts: bool = True) -> Tally:
+    c = HloCounter(text, elide_converts)
     return c.count_loop_body() if loop_body else c.walk(c.entry)
+
+
+def f32_score_tensors(tally: Tally, batch: int, heads: int, kv_heads: int, slots: int) -> list[str]:
+    """The float32 results of ``tally``'s kernels shaped like attention scores ``[B, N, T, S]`` (grouped
+    ``[B, K, N / K, T, S]`` too; a size-1 batch may be dropped): a dimension of at least ``slots``, the heads
+    (``N``, or ``K`` and ``N / K``) among the others, and ``B N`` dividing the rest. Their shapes, once each."""
+    found: dict[str, None] = {}
+    group = heads // max(kv_heads, 1)
+    for k in tally.kernels:
+        for dt, dims in shape_arrays(k.shape):
+            if dt != "f32" or len(dims) < 2:
+                continue
+            big = [i for i, d in enumerate(dims) if d >= slots]
+            if not big:
+                continue
+            rest = [d for i, d in enumerate(dims) if i != big[-1]]
+            has_heads = heads in rest or (kv_heads in rest and group in rest)
+            if has_heads and math.prod(rest) % (batch * heads) == 0:
+                found[f"f32{list(dims)}"] = None
+    return list(found)
+
+
+def cache_copies(tally: Tally, layer_bytes: float) -> float:
+    """Executions of kernels that only move values (:attr:`Kernel.moves`) and write at least ``layer_bytes``
+    (one layer's key or value cache): per-layer copies, transposes or concatenations of the cache."""
+    return sum(k.count for k in tally.kernels if k.moves and shape_bytes(k.shape) >= layer_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

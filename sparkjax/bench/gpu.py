@@ -1,0 +1,306 @@
+"""Generation programs compiled for an H200 on this CPU (deviceless ahead-of-time), and what their GPU HLO holds.
+
+    pip install -e ".[gpu-aot]"      # the CUDA PJRT plugin of this jax, cuDNN and ptxas (no GPU needed)
+    python -m sparkjax.bench gpu-compile --preset real --batches 1,8 --contexts 1024 \\
+        --methods ar,dspark,sparklingtree@16,sparklingtree@64,auto --attention einsum,dpa
+    python -m sparkjax.bench gpu-compile --cases 1:1024,8:1024,32:8192 --methods ar,sparklingtree@64
+
+Every program is compiled by XLA:GPU for an H200 target description (``jax.experimental.topologies`` with
+:data:`H200`), from abstract bf16 weights placed on that compile-only device; nothing runs and no weight is
+allocated. Programs are traced as a GPU process traces them (``jax.default_backend()`` reads ``"gpu"`` while
+lowering: the attention and chain defaults, and cuDNN for ``dpa``). Per program: ``memory_analysis()`` (peak =
+arguments + outputs + temporaries - aliased), and for one iteration of the generation loop (the round; for ``ar``
+one decode step) the kernels executed, their bytes and FLOPs (:mod:`sparkjax.bench.hlo`), a projection
+``sum over kernels of max(bytes / 4.8 TB/s, FLOPs / 989.5 TFLOP/s) + --launch-us per kernel``, in AR steps (the
+same projection of the ``ar`` step at the same batch and context), float32 tensors shaped like attention scores
+``[B, N, T, S]`` left in the round, and kernels that copy, transpose or concatenate a layer's KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import time
+from unittest import mock
+
+import jax
+from flax import nnx
+
+from sparkjax.engine.options import Options
+from sparkjax.errors import ArgumentError, GpuCompileError
+from sparkjax.nn.layers import ATTENTION_IMPLS
+
+from . import hlo
+from .common import (
+    TAU,
+    WRITEUP_SPEEDUP,
+    abstract_models,
+    add_output,
+    at_least,
+    configs,
+    describe,
+    ints,
+    label_fields,
+    log,
+    lower,
+    names,
+    parse_label,
+    write_text,
+)
+
+# An H200 SXM as XLA:GPU's target description (GpuTargetConfigProto text): the numbers of XLA's own spec
+# (xla/backends/gpu/target_config/specs/h200.txtpb), sm_90, cuDNN 9.10 and CUDA runtime 12.8.
+H200 = {
+    "name": "NVIDIA H200 141GB HBM3e", "core_count": 132, "fpus_per_core": 128, "clock_rate_ghz": 1.98,
+    "memory_bandwidth": 4_800_000_000_000, "device_memory_size": 151_397_597_184, "l2_cache_size": 52_428_800,
+    "shared_memory_per_block": 49152, "shared_memory_per_block_optin": 232448, "shared_memory_per_core": 233472,
+    "threads_per_block_limit": 1024, "threads_per_warp": 32, "threads_per_core_limit": 2048,
+    "registers_per_core_limit": 65536, "registers_per_block_limit": 65536, "block_dim_limit_x": 2147483647,
+    "block_dim_limit_y": 65535, "block_dim_limit_z": 65535, "compute_capability": (9, 0),
+    "runtime_version": "12.8.0", "dnn_version": (9, 10, 0),
+    "bf16_flops": 989.5e12,  # dense bf16 tensor-core peak (not part of XLA's description)
+}
+TARGETS = {"h200": H200}
+LAUNCH_US = 2.0  # the default launch cost charged per kernel (see docs/benchmarks.md)
+GPU_AOT_HINT = 'pip install -e ".[gpu-aot]" (jax-cuda12-plugin / jax-cuda12-pjrt of this jax, nvidia-cudnn-cu12)'
+PROMPT = 16  # prompt width of the compiled programs
+BUF_LEN = 64  # output slots of the compiled programs
+
+
+def target_config(spec: dict) -> str:
+    """The ``GpuTargetConfigProto`` text of a target in :data:`TARGETS`."""
+    ints_ = ("threads_per_block_limit", "threads_per_warp", "shared_memory_per_block", "shared_memory_per_core",
+             "threads_per_core_limit", "core_count", "fpus_per_core", "block_dim_limit_x", "block_dim_limit_y",
+             "block_dim_limit_z", "memory_bandwidth", "l2_cache_size", "device_memory_size",
+             "shared_memory_per_block_optin", "registers_per_core_limit", "registers_per_block_limit")
+    major, minor = spec["compute_capability"]
+    dnn = spec["dnn_version"]
+    info = [f"  {k}: {spec[k]}" for k in ints_] + [
+        f"  clock_rate_ghz: {spec['clock_rate_ghz']}",
+        f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
+        f'  name: "{spec["name"]}"', f'  runtime_version: "{spec["runtime_version"]}"',
+        f'  dnn_version: "{".".join(map(str, dnn))}"']
+    return "\n".join(["gpu_device_info {", *info, "}", 'platform_name: "CUDA"',
+                      f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}",
+                      f'device_description_str: "{spec["name"]}"']) + "\n"
+
+
+@functools.cache
+def compile_device(target: str = "h200"):
+    """The compile-only CUDA device of ``target`` (``jax.experimental.topologies``, topology 1x1x1); a
+    :class:`~sparkjax.errors.GpuCompileError` saying how to install the plugin when this jax has none."""
+    from jax.experimental import topologies
+
+    if target not in TARGETS:
+        raise ArgumentError(f"--target: unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(TARGETS[target]),
+                                            topology="1x1x1")
+    except Exception as e:  # no CUDA plugin: jax raises RuntimeError / JaxRuntimeError / NotImplementedError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GpuCompileError(f"no deviceless CUDA compile with jax {jax.__version__} ({first[:200]}); "
+                              f"install the extra: {GPU_AOT_HINT}") from None
+    return topo.devices[0]
+
+
+def placed(tree, device):
+    """Abstract ``ShapeDtypeStruct`` copies of every leaf of ``tree``, on ``device``."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+@contextlib.contextmanager
+def traced_as_gpu():
+    """While lowering: ``jax.default_backend()`` reads ``"gpu"``, so every backend-dependent choice of the
+    engine is the one a GPU process makes."""
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        yield
+
+
+def compile_program(preset: str, label: str, batch: int, context: int, attention: str, target: str = "h200",
+                    prompt: int = PROMPT):
+    """``(compiled, lower seconds, compile seconds)`` of the greedy generation program of ``label`` for
+    ``target``'s compile-only device (``ar``: the target alone)."""
+    device = compile_device(target)
+    t_model, dspark, dflash = abstract_models(preset)
+    drafter = dspark if parse_label(label).needs_markov else dflash
+    for model in (t_model, drafter):  # abstract weights placed on the compile-only device
+        graphdef, state = nnx.split(model)
+        nnx.update(model, placed(state, device))
+    opts = Options(attention=attention, chain_mode="auto")
+    t0 = time.perf_counter()
+    with traced_as_gpu():
+        lowered, _ = lower(parse_label(label), t_model, drafter, batch, prompt, context, BUF_LEN, opts)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, t1 - t0, time.perf_counter() - t1
+
+
+def memory(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    out = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
+    out["peak_bytes"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def kernel_seconds(k: hlo.Kernel, spec: dict) -> float:
+    return max(k.bytes / spec["memory_bandwidth"], k.flops / spec["bf16_flops"])
+
+
+def analyse(text: str, preset: str, batch: int, context: int, spec: dict, launch_us: float) -> dict:
+    """The round's (the loop body's) figures from the optimised GPU HLO ``text``."""
+    tc = configs(preset)[0]
+    tally = hlo.count_hlo(text, loop_body=True, elide_converts=False)
+    layer = batch * tc.num_key_value_heads * context * tc.head_dim  # elements of one layer's K (or V) cache
+    copies = [k for k in tally.kernels if k.moves and any(
+        math.prod(dims) >= layer and tc.head_dim in dims and tc.num_key_value_heads in dims
+        and max(dims) >= context for _, dims in hlo.shape_arrays(k.shape))]
+    f32 = hlo.f32_score_tensors(tally, batch, tc.num_attention_heads, tc.num_key_value_heads, context)
+    costly = sorted(tally.kernels, key=lambda k: -k.count * kernel_seconds(k, spec))[:8]
+    bw, peak = spec["memory_bandwidth"], spec["bf16_flops"]
+    return {
+        "kernels_per_round": tally.total_kernels, "bytes_per_round": tally.bytes, "flops_per_round": tally.flops,
+        "unknown_loops": tally.unknown_loops,
+        "round_us": tally.seconds(bw, peak, launch_us * 1e-6, every_kernel=True) * 1e6,
+        "round_us_by_launch": {f"{us:g}": tally.seconds(bw, peak, us * 1e-6, every_kernel=True) * 1e6
+                               for us in hlo.LAUNCH_US},
+        "f32_scores": bool(f32), "f32_score_shapes": f32,
+        "kv_copies": int(round(sum(k.count for k in copies))),
+        "kv_copy_shapes": sorted({k.shape.split("{")[0] for k in copies}),
+        "stages": tally.by_stage(),
+        "costliest_kernels": [{"name": k.name, "stage": k.stage, "shape": k.shape.split("{")[0], "count": k.count,
+                               "bytes": k.bytes, "flops": k.flops, "us": kernel_seconds(k, spec) * 1e6}
+                              for k in costly],
+    }
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", default="real", help="real (Qwen3-4B + DSpark-b16), reduced, demo or tiny")
+    p.add_argument("--batches", default="1,8", help="batch sizes (crossed with --contexts)")
+    p.add_argument("--contexts", default="1024", help="cache slots S (crossed with --batches)")
+    p.add_argument("--cases", help="batch:context pairs instead of the cross product, e.g. 1:1024,8:1024,32:8192")
+    p.add_argument("--methods", default="ar,dspark,sparklingtree@16,sparklingtree@64,auto",
+                   help="names or name@budget (ar is always compiled: it is the AR step of the projection)")
+    p.add_argument("--attention", default="einsum,dpa",
+                   help=f"comma-separated attention paths ({', '.join(ATTENTION_IMPLS)}; auto: the GPU default)")
+    p.add_argument("--target", default="h200", choices=tuple(TARGETS))
+    p.add_argument("--launch-us", type=float, default=LAUNCH_US,
+                   help=f"launch cost charged per kernel in round_ar_steps (default {LAUNCH_US:g})")
+    p.add_argument("--tau", type=float, default=TAU, help="accepted tokens per round for the projected speedup")
+    p.add_argument("--timeout", type=float, help="stop starting compiles after this many seconds")
+    p.add_argument("--dump-hlo", metavar="DIR", help="also write each compiled program's HLO text into DIR")
+    add_output(p)
+
+
+def cases(a) -> list[tuple[int, int]]:
+    if a.cases:
+        out = []
+        for part in names(a.cases):
+            b, sep, s = part.partition(":")
+            if not sep:
+                raise ArgumentError(f"--cases: expected batch:context pairs, got {part!r}")
+            out.append((ints(b, "--cases")[0], ints(s, "--cases", 64)[0]))
+        return out
+    return [(b, s) for s in ints(a.contexts, "--contexts", 64) for b in ints(a.batches, "--batches")]
+
+
+def labels(methods: str) -> list[str]:
+    out = ["ar"]
+    for m in names(methods):
+        parse_label(m)  # unknown names fail before any compile
+        if m != "ar":
+            out.append(m)
+    return out
+
+
+def fmt_table(rows: list[dict]) -> str:
+    head = (f"{'attention':9} {'B':>3} {'S':>5} {'method':18} {'kernels':>7} {'GB/round':>8} {'GFLOP':>7} "
+            f"{'round us':>8} {'xAR':>5} {'spd@tau':>7} {'f32 scores':>10} {'kv copies':>9} {'peak GiB':>8} "
+            f"{'fits':>4} {'compile':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['attention']:9} {r['batch']:>3} {r['context']:>5} {r['label']:18} failed: {r['error']}")
+            continue
+        spd = f"{r['projected_speedup']:.2f}x" if r.get("projected_speedup") else "-"
+        xar = f"{r['round_ar_steps']:.2f}" if r.get("round_ar_steps") is not None else "-"
+        lines.append(
+            f"{r['attention']:9} {r['batch']:>3} {r['context']:>5} {r['label']:18} {r['kernels_per_round']:>7} "
+            f"{r['bytes_per_round'] / 1e9:>8.2f} {r['flops_per_round'] / 1e9:>7.0f} {r['round_us']:>8.0f} {xar:>5} "
+            f"{spd:>7} {str(r['f32_scores']):>10} {r['kv_copies']:>9} {r['peak_bytes'] / 2**30:>8.1f} "
+            f"{'yes' if r['fits'] else 'NO':>4} {r['compile_s']:>6.0f}s")
+    return "\n".join(lines)
+
+
+def run(a, report) -> None:
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # the CUDA plugin compiles; nothing needs a GPU to run
+    configs(a.preset)
+    todo, methods = cases(a), labels(a.methods)
+    attentions = names(a.attention)
+    for at in attentions:
+        if at not in ATTENTION_IMPLS:
+            raise ArgumentError(f"--attention: unknown path {at!r}; expected one of {', '.join(ATTENTION_IMPLS)}")
+    at_least(a.launch_us, "--launch-us", 0)
+    spec = TARGETS[a.target]
+    device = compile_device(a.target)
+    deadline = report.start + a.timeout if a.timeout else float("inf")
+    report.table = fmt_table
+    report.header += [
+        f"# compiled by XLA:GPU for {getattr(device, 'device_kind', spec['name'])} (deviceless, jax "
+        f"{jax.__version__}); nothing ran. Abstract bf16 weights, greedy programs, prompt {PROMPT}, "
+        f"{BUF_LEN} output slots.",
+        f"# round = one iteration of the generation loop (ar: one decode step). round us = sum over kernels of "
+        f"max(bytes / {spec['memory_bandwidth'] / 1e12:g} TB/s, FLOPs / {spec['bf16_flops'] / 1e12:g} TFLOP/s) + "
+        f"{a.launch_us:g} us per kernel; xAR = round us / the ar step's at the same B and S; spd@tau = tau "
+        f"{a.tau} / xAR (the SparklingTree write-up: {WRITEUP_SPEEDUP}x).",
+        "# f32 scores: a float32 [B, N, T, S]-shaped kernel result in the round; kv copies: kernels per round that "
+        "only copy / transpose / concatenate at least one layer's KV cache. peak = args + out + temp - alias "
+        f"(memory_analysis); fits: peak <= {spec['device_memory_size'] / 2**30:.0f} GiB.",
+        *("# " + line for line in describe(a.preset).splitlines())]
+    complete = True
+    for at in attentions:
+        for b, s in todo:
+            ar_us = None
+            for label in methods:
+                if time.perf_counter() > deadline:
+                    complete = False
+                    break
+                row = {**label_fields(label), "label": label, "batch": b, "context": s, "target": a.target,
+                       "attention": at, "preset": a.preset, "launch_us": a.launch_us, "projection": True}
+                try:
+                    compiled, lower_s, compile_s = compile_program(a.preset, label, b, s, at, a.target)
+                except Exception as e:  # a compile that fails is a result of this command: recorded, not hidden
+                    if isinstance(e, ArgumentError | GpuCompileError):
+                        raise
+                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
+                    report.rows.append(row)
+                    log(f"  [{at} B={b} S={s}] {label} failed: {row['error']}")
+                    continue
+                text = compiled.as_text()
+                if a.dump_hlo:
+                    os.makedirs(a.dump_hlo, exist_ok=True)
+                    write_text(os.path.join(a.dump_hlo, f"{a.target}_{at}_b{b}_s{s}_{label}.hlo.txt"), text)
+                row.update(memory(compiled))
+                row["fits"] = row["peak_bytes"] <= spec["device_memory_size"]
+                row.update(analyse(text, a.preset, b, s, spec, a.launch_us))
+                row.update({"lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1)})
+                if label == "ar":
+                    ar_us = row["round_us"]
+                    row["round_ar_steps"] = 1.0
+                    row["ar_step_us"] = ar_us
+                elif ar_us:
+                    row["ar_step_us"] = ar_us
+                    row["round_ar_steps"] = row["round_us"] / ar_us
+                    row["projected_speedup"] = a.tau / row["round_ar_steps"]
+                    row.update({"tau": a.tau, "writeup_speedup": WRITEUP_SPEEDUP})
+                report.rows.append(row)
+                log(f"  [{at} B={b} S={s}] {label}: compiled in {compile_s:.0f}s, {row['kernels_per_round']} kernels, "
+                    f"{row['round_us']:.0f} us ({row.get('round_ar_steps') or 0:.2f} AR steps), peak "
+                    f"{row['peak_bytes'] / 2**30:.1f} GiB, f32 scores {row['f32_scores']}, "
+                    f"kv copies {row['kv_copies']}")
+    if not complete:
+        report.footer.append(f"# stopped early by --timeout {a.timeout:g}s: the rows above are what was compiled")
+
