@@ -67,6 +67,19 @@ class DataError(TrainingError):
     """Training data that is missing, unreadable or malformed (the message names the file and line)."""
 
 
+class QueueFullError(SparkjaxError, RuntimeError):
+    """A serving engine's waiting queue is at its bound (``queue_limit``): try again later."""
+
+
+class EngineClosedError(SparkjaxError, RuntimeError):
+    """A request was submitted to a serving engine that is closed (or closing)."""
+
+
+class EngineFailure(SparkjaxError, RuntimeError):
+    """A serving engine's device loop raised while the request was in flight (the message names the error);
+    the engine starts a fresh pool for the requests after it."""
+
+
 class GpuCompileError(SparkjaxError, RuntimeError):
     """A deviceless GPU compile cannot start here: this jax has no CUDA PJRT plugin (the message says which
     extra installs it)."""

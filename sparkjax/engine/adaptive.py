@@ -53,7 +53,7 @@ from .. import sampling, tree
 from ..errors import ArgumentError
 from . import drafting
 from .checks import describe
-from .round import COMMIT, TREE, VERIFY, commit, draft, flag_nonfinite, stage, verify
+from .round import COMMIT, TREE, VERIFY, commit, draft, flag_nonfinite, hits_eos, stage, verify
 from .state import Acceptance, Plan, Proposal, SpecState
 
 if TYPE_CHECKING:
@@ -212,6 +212,18 @@ def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> Auto
                      last=jnp.broadcast_to(jnp.asarray(mem.last, jnp.float32), (batch, len(m.sizes))),
                      idle=gap, force=jnp.full((), -1, jnp.int32), gap=gap,
                      seconds=jnp.asarray(inputs.seconds, jnp.float32), **shadow)
+
+
+def admit_state(pool: AutoState, row: AutoState, slot: Array) -> AutoState:
+    """``pool`` with sequence ``slot`` started over from ``row`` (a batch-1 :func:`init_state`): its choices,
+    predictions and shadow chain are the row's; the calibration and the gap stay the batch's, and the next round
+    is a probe (the new sequence has no predictions yet)."""
+    per_row = {}
+    for f in ("choices", "last", "shadow", "shadow_at", "shadow_pred", "shadow_live"):
+        p, r = getattr(pool, f), getattr(row, f)
+        if p is not None:
+            per_row[f] = jax.lax.dynamic_update_slice_in_dim(p, r.astype(p.dtype), slot, axis=0)
+    return dataclasses.replace(pool, **per_row, idle=jnp.maximum(pool.idle, pool.gap))
 
 
 def score_shadow(m: Auto, st: AutoState, state: SpecState, now: Any) -> AutoState:
@@ -431,7 +443,7 @@ def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos,
     rows = jnp.arange(b)
     out_buf = state.out.at[rows, jnp.where(active, state.n, state.out.shape[1])].set(bonus, mode="drop")
     n = state.n + step
-    done = state.done | (active & (jnp.isin(bonus, eos) | (n >= max_new)))
+    done = state.done | (active & (hits_eos(bonus, eos) | (n >= max_new)))
     r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
     new = dataclasses.replace(
         state, cache=out.cache.with_lengths(start + step), x_start=jnp.where(active, bonus, state.x_start),

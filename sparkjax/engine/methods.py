@@ -95,6 +95,11 @@ class Method:
         """The method's own carried state before the first round (``SpecState.extra``; default None)."""
         return None
 
+    def admit_state(self, plan: Plan, pool: Any, row: Any, slot: Array) -> Any:
+        """The carried state (``SpecState.extra``) of a batch whose sequence ``slot`` (traced) starts over with
+        ``row``, a batch-1 :meth:`init_state` (continuous batching, :mod:`sparkjax.serve`; default: ``pool``)."""
+        return pool
+
     def keeps_context(self, plan: Plan) -> bool:
         """Whether the generation fills the drafter's context (default True)."""
         return True
@@ -579,6 +584,9 @@ class Auto(Method):
 
     def init_state(self, plan: Plan, batch: int, buf_len: int, inputs: adaptive.AutoInputs) -> adaptive.AutoState:
         return adaptive.init_state(plan, batch, buf_len, inputs)
+
+    def admit_state(self, plan: Plan, pool: adaptive.AutoState, row: adaptive.AutoState, slot) -> adaptive.AutoState:
+        return adaptive.admit_state(pool, row, slot)
 
     def keeps_context(self, plan: Plan) -> bool:
         return adaptive.keeps_context(plan)

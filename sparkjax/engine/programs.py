@@ -17,7 +17,7 @@ from ..sampling import pick
 from .drafting import append_context
 from .options import DEFAULT_OPTIONS
 from .placement import constrain, per_sequence
-from .round import expand, flag_nonfinite
+from .round import expand, flag_nonfinite, hits_eos
 from .state import Plan, SpecState
 
 
@@ -59,7 +59,7 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
     first = pick(logits, temperature, sub)
     out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
     n = jnp.ones((b,), jnp.int32)
-    done = jnp.isin(first, eos) | (n >= max_new)
+    done = hits_eos(first, eos) | (n >= max_new)
     bad = flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
 
     def cond(carry):
@@ -78,7 +78,7 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
         write = jnp.where(done, buf_len, n)  # out of range -> dropped
         out = jax.vmap(lambda o, w, x: o.at[w].set(x, mode="drop"))(out, write, nxt)  # batch-local on a mesh
         n = n + (~done).astype(jnp.int32)
-        done = done | jnp.isin(nxt, eos) | (n >= max_new)
+        done = done | hits_eos(nxt, eos) | (n >= max_new)
         return constrain((cache, out, n, done, key, bad), mesh)
 
     carry = constrain((cache, out, n, done, key, bad), mesh)
@@ -102,7 +102,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
         ctx = append_context(drafter, ctx, jnp.concatenate(hidden, -1), lengths)
     out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
     n = jnp.ones((b,), jnp.int32)
-    done = jnp.isin(first, eos) | (n >= max_new)
+    done = hits_eos(first, eos) | (n >= max_new)
     return SpecState(
         cache=cache, ctx=ctx, x_start=first, out=out, n=n, done=done, key=key,
         accept_lens=jnp.zeros((b, buf_len), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),

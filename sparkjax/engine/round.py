@@ -39,6 +39,16 @@ def stage(name: str):
     return wrap
 
 
+def hits_eos(tokens: Array, eos: Array) -> Array:
+    """Whether each token is an EOS id: ``eos`` is ``[E]`` (every sequence's) or ``[B, E]`` (per sequence, for
+    ``tokens`` ``[B, ...]``); ``-1`` entries never match."""
+    eos = jnp.asarray(eos)
+    if eos.ndim < 2:
+        return jnp.isin(tokens, eos)
+    rows = eos.reshape(eos.shape[:1] + (1,) * (tokens.ndim - 1) + eos.shape[-1:])
+    return jnp.any(tokens[..., None] == rows, axis=-1)
+
+
 def flag_nonfinite(flags: Array, logits: Array, active: Array, round_index: Array) -> Array:
     """Records, per ``active`` sequence, the first round whose target logits ``[B, ..., V]`` hold a NaN or an
     Inf (``flags`` ``[B]`` int32 is -1 while every logit so far was finite)."""
@@ -92,7 +102,7 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     j = jnp.arange(d + 1, dtype=jnp.int32)[None]
     emitted = jnp.where(j < length[:, None] - 1, jnp.roll(path, -1, axis=1), bonus[:, None])
     live = j < length[:, None]
-    hit_eos = jnp.isin(emitted, eos) & live
+    hit_eos = hits_eos(emitted, eos) & live
     first_eos = jnp.where(jnp.any(hit_eos, axis=1), jnp.argmax(hit_eos, axis=1), d + 1)
     active = ~state.done
     keep = jnp.minimum(jnp.minimum(length, first_eos + 1), max_new - state.n)

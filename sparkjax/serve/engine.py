@@ -1,0 +1,707 @@
+"""The serving engine: continuous batching over a fixed pool of slots on device (:mod:`sparkjax.serve.slots`).
+
+One background thread admits waiting requests into free slots (a jitted prefill written into the slot),
+runs up to ``rounds_per_visit`` rounds of every running slot in one jitted loop that ends early when a
+slot finishes, copies only the new tokens to the host, streams them to the requests and frees finished and
+cancelled slots. Nothing compiles per request after :meth:`Engine.start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import math
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import cachedir
+from ..engine.api import check_seed, eos_array
+from ..engine.checks import MAX_SLOTS, bucket, check_int, check_models, check_temperature, describe, is_int
+from ..engine.methods import Method, parse_method
+from ..engine.options import check_options
+from ..engine.programs import split_pair
+from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError
+from . import slots as programs
+from .text import TextStream
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+DEFAULT_MAX_PROMPT = 256  # prompt tokens a request may have when neither it nor cache_size is given
+DEFAULT_MAX_NEW = 256  # generated tokens a request may ask for by default
+MIN_EOS_SLOTS = 4  # EOS ids a request may give (at least; more when the pair has more)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds (histogram bounds)
+TTFT_SAMPLES = 1024  # the latest times to first token kept for metrics()
+MIN_PROMPT_BUCKET = 16  # the smallest prompt buffer (prompt lengths are bucketed to powers of two from here)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A piece of a request's stream: new ``token_ids``, the new ``text`` (empty without a tokenizer) and,
+    on the last chunk only, its ``finish_reason`` (``stop``, ``length`` or ``cancelled``)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request (:meth:`Request.result`): every generated id (an EOS id that ended it included, as
+    :func:`sparkjax.generate` returns them), the text (cut before a stop string), ``finish_reason``,
+    ``prompt_tokens``, ``completion_tokens``, ``ttft_s`` (seconds from submit to the first token, None when
+    none came), ``latency_s`` (submit to finish) and ``rounds`` (device rounds it ran)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    latency_s: float
+    rounds: int
+
+
+class Request:
+    """A submitted request (:meth:`Engine.submit`): iterate it (``for`` or ``async for``) for its
+    :class:`Chunk` s, :meth:`cancel` it, or wait for its :meth:`result`. An engine failure while it is in
+    flight raises :class:`~sparkjax.errors.EngineFailure` from the iterator and from :meth:`result`."""
+
+    def __init__(self, engine: Engine, rid: int, prompt: list[int], max_new_tokens: int, temperature: float,
+                 seed: int, eos: np.ndarray, stop: tuple[str, ...]):
+        self.id = rid
+        self.prompt_ids = prompt
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seed = seed
+        self.eos = eos
+        self.stop = stop
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._chunks: list[Chunk] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._text = TextStream(engine.tokenizer, stop)
+        self._tokens: list[int] = []
+        self._finish: str | None = None
+        self._error: EngineFailure | None = None
+        self._cancel = False
+        self.rounds = 0
+        self.submitted = time.perf_counter()
+        self.first_token: float | None = None
+        self.finished: float | None = None
+
+    # ------------------------------------------------------------------ the scheduler's side
+    def _push(self, chunk: Chunk | None = None, error: EngineFailure | None = None) -> None:
+        with self._cond:
+            if chunk is not None:
+                self._chunks.append(chunk)
+            if error is not None:
+                self._error = error
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that event loop is closed: its reader is gone
+                pass
+
+    def _add_tokens(self, ids: list[int]) -> bool:
+        """Streams new ids; returns whether a stop string ended the request (the caller finishes it)."""
+        if not ids or self.done:
+            return False
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        self._tokens.extend(ids)
+        text = self._text.push(ids)
+        if self._text.stopped:
+            self._end("stop", ids, text)
+            return True
+        self._push(Chunk(list(ids), text))
+        return False
+
+    def _end(self, reason: str, ids: Sequence[int] = (), text: str = "") -> None:
+        if self.done:
+            return
+        text += self._text.finish()
+        self._finish = reason
+        self.finished = time.perf_counter()
+        self._push(Chunk(list(ids), text, reason))
+
+    def _fail(self, error: EngineFailure) -> None:
+        if self.done:
+            return
+        self.finished = time.perf_counter()
+        self._push(error=error)
+
+    # ------------------------------------------------------------------ the caller's side
+    @property
+    def done(self) -> bool:
+        """Whether the request has finished (its last chunk is out) or failed."""
+        return self._finish is not None or self._error is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish
+
+    def cancel(self) -> None:
+        """Cancels the request: its slot is freed at the scheduler's next visit and its stream ends with
+        ``finish_reason`` ``cancelled`` (a request that already finished is unchanged)."""
+        if self.done:
+            return
+        self._cancel = True
+        self._engine._wake()
+
+    def _chunk(self, i: int) -> Chunk | None:
+        """Chunk ``i``, or None when the stream ended before it; the error when it failed (caller holds no lock)."""
+        if i < len(self._chunks):
+            return self._chunks[i]
+        if self._error is not None:
+            raise self._error
+        return None
+
+    def __iter__(self):
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._chunks) and not self.done:
+                    self._cond.wait()
+                chunk = self._chunk(i)
+            if chunk is None:
+                return
+            i += 1
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        try:
+            i = 0
+            while True:
+                event.clear()
+                with self._cond:
+                    ready = i < len(self._chunks) or self.done
+                    chunk = self._chunk(i) if ready else None
+                if not ready:
+                    await event.wait()
+                    continue
+                if chunk is None:
+                    return
+                i += 1
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Waits for the request to finish (TimeoutError after ``timeout`` seconds) and returns its
+        :class:`Completion`; raises :class:`~sparkjax.errors.EngineFailure` if it failed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.id}: not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        ttft = None if self.first_token is None else self.first_token - self.submitted
+        return Completion(list(self._tokens), self._text.text, self._finish, len(self.prompt_ids),
+                          len(self._tokens), ttft, self.finished - self.submitted, self.rounds)
+
+
+class Engine:
+    """Continuous batching for one target / drafter pair (``drafter`` None for ``method="ar"``).
+
+    ``slots``: sequences on device at once; ``cache_size``: each slot's KV slots (default: room for
+    ``max_prompt_tokens + max_new_tokens`` and a round's scratch rows, rounded up to a power of two);
+    ``max_prompt_tokens`` / ``max_new_tokens``: the limits requests are checked against (defaults 256 each,
+    or what ``cache_size`` leaves); ``rounds_per_visit``: rounds per device call between host visits;
+    ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`;
+    ``tokenizer``: for the chunks' text and stop strings (None: empty text); ``eos_token_ids``: the pair's EOS
+    ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`.
+    Greedy requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone.
+    """
+
+    def __init__(self, target, drafter=None, *, method: str | Method = "auto", slots: int = 8,
+                 cache_size: int | None = None, max_prompt_tokens: int | None = None,
+                 max_new_tokens: int | None = None, rounds_per_visit: int = 8, queue_limit: int = 64,
+                 tokenizer: Any = None, eos_token_ids: int | Sequence[int] | None = None, options: Any = None):
+        check_models(target, drafter)
+        self.target, self.drafter = target, drafter
+        self.options = check_options(options)
+        self.method = parse_method(method)
+        self.slots = check_int("slots", slots, maximum=4096, unit="number of sequences")
+        self.rounds_per_visit = check_int("rounds_per_visit", rounds_per_visit, maximum=MAX_SLOTS)
+        self.queue_limit = check_int("queue_limit", queue_limit, minimum=0, unit="number of waiting requests")
+        self.tokenizer = tokenizer
+        cfg = target.config
+        self.vocab_size = cfg.vocab_size
+        self.eos = eos_array(eos_token_ids, cfg.vocab_size)
+        self.eos_slots = max(MIN_EOS_SLOTS, len(self.eos))
+        self.plan = self.method.plan(target, drafter, False, self.options)
+        if self.method.speculative and self.plan is None:  # pragma: no cover - every drafting method has a plan
+            raise ArgumentError(f"method: {self.method.label!r} has no plan")
+        scratch = self.plan.scratch if self.plan is not None else 1
+        depth = self.plan.depth if self.plan is not None else 0
+        self.cache_size, self.max_prompt_tokens, self.max_new_tokens = _limits(
+            cache_size, max_prompt_tokens, max_new_tokens, scratch, cfg.max_position_embeddings)
+        self.buf_len = bucket(self.max_new_tokens + depth + 1, 1)
+        self.window = min(self.buf_len, self.rounds_per_visit * (depth + 1) + 1)
+        self.buckets = _buckets(self.max_prompt_tokens, self.cache_size)
+        self._target_only = self.plan is None
+        kw = dict(target=target, drafter=drafter, batch=self.slots, cache_size=self.cache_size)
+        if self.plan is not None:
+            self.plan = self.method.bind(self.plan, **kw)
+        self._inputs = self.method.inputs(self.plan, **kw)
+        self.labels = tuple(self.plan.method.labels()) if self.plan is not None else ()
+        # scheduler state (under self._cond)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._in_slot: list[Request | None] = [None] * self.slots
+        self._seen = np.zeros(self.slots, np.int32)
+        self._stop = np.zeros(self.slots, bool)
+        self._closing = False
+        self._abort = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._pool = None
+        self._compile_s: float | None = None
+        self._slot_max_new = np.ones(self.slots, np.int32)
+        self._slot_eos = np.full((self.slots, self.eos_slots), -1, np.int32)
+        self._slot_temp = np.zeros(self.slots, np.float32)
+        self._m = _Metrics(self.labels or (self.method.label,))
+
+    # ------------------------------------------------------------------------------------------ start / close
+    def start(self) -> float:
+        """Compiles and warms up every program the engine runs (the pool, the prefill of each prompt bucket,
+        the visit loop) and starts the scheduler thread; returns the seconds that took (0 when already
+        started)."""
+        with self._cond:
+            if self._thread is not None:
+                return 0.0
+            if self._closing:
+                raise EngineClosedError("engine: closed; build a new Engine")
+        t0 = time.perf_counter()
+        cachedir.enable_compilation_cache()
+        if self._target_only:
+            self._graphdefs, self._states = nnx.split(self.target)
+        else:
+            self._graphdefs, self._states = split_pair(self.target, self.drafter)
+        self._device_inputs = None if self._inputs is None else jax.tree.map(jnp.asarray, self._inputs)
+        self._pool = self._fresh_pool()
+        for width in self.buckets:  # admit a dummy prompt of each bucket into slot 0, then free it
+            tokens = np.zeros((1, width), np.int32)
+            self._pool = self._admit_call(0, tokens, 1, 1, self.eos_row(None), 0.0, 0)
+        self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1)
+        jax.block_until_ready(visit)
+        programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32), width=self.buf_len)
+        self._pool = self._fresh_pool()
+        jax.block_until_ready(self._pool)
+        self._compile_s = time.perf_counter() - t0
+        self._thread = threading.Thread(target=self._loop, name="sparkjax-serve", daemon=True)
+        self._thread.start()
+        return self._compile_s
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """What :meth:`start` took (None before it ran)."""
+        return self._compile_s
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """Stops admitting new requests; the submitted ones (running or waiting) may finish within ``grace_s``
+        seconds, then the rest are cancelled and the scheduler thread is joined. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None:
+            with self._cond:
+                pending = list(self._waiting)
+                self._waiting.clear()
+            for r in pending:
+                self._finish(r, "cancelled")
+            return
+        thread.join(max(0.0, float(grace_s)))
+        if thread.is_alive():
+            with self._cond:
+                self._abort = True
+                self._cond.notify_all()
+            thread.join()
+
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ requests
+    def eos_row(self, eos_token_ids: Any) -> np.ndarray:
+        """A request's EOS ids as the fixed-width row the device takes (the pair's when None)."""
+        ids = self.eos if eos_token_ids is None else eos_array(eos_token_ids, self.vocab_size)
+        ids = ids[ids >= 0]
+        if len(ids) > self.eos_slots:
+            raise ArgumentError(f"eos_token_ids: {len(ids)} ids; this engine takes at most {self.eos_slots}")
+        row = np.full((self.eos_slots,), -1, np.int32)
+        row[: len(ids)] = ids
+        return row
+
+    def submit(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
+               eos_token_ids: Any = None, stop: Any = None) -> Request:
+        """Validates a request and queues it; returns its :class:`Request`. ArgumentError naming the argument
+        for bad input; :class:`~sparkjax.errors.QueueFullError` when ``queue_limit`` requests are waiting;
+        :class:`~sparkjax.errors.EngineClosedError` after :meth:`close`."""
+        prompt = self._check_prompt(prompt_ids)
+        if not is_int(max_new_tokens):
+            raise ArgumentError(f"max_new_tokens: expected an integer, got {describe(max_new_tokens)}")
+        if not 1 <= int(max_new_tokens) <= self.max_new_tokens:
+            raise ArgumentError(f"max_new_tokens: {int(max_new_tokens)} is outside [1, {self.max_new_tokens}] "
+                                f"(this engine's limit)")
+        temperature = check_temperature(temperature)
+        if temperature > 0:
+            raise ArgumentError("temperature: this engine serves greedy requests only (temperature 0)")
+        seed = secrets.randbits(63) if seed is None else check_seed(seed)
+        eos = self.eos_row(eos_token_ids)
+        stops = _check_stop(stop, self.tokenizer)
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("engine: closed, not admitting requests")
+            if len(self._waiting) >= self.queue_limit:
+                raise QueueFullError(f"engine: {len(self._waiting)} requests are waiting (queue_limit="
+                                     f"{self.queue_limit}); try again later")
+            req = Request(self, next(self._ids), prompt, int(max_new_tokens), temperature, seed, eos, stops)
+            self._waiting.append(req)
+            self._m.submitted += 1
+            self._cond.notify_all()
+        if self._thread is None:
+            self.start()
+        return req
+
+    def _check_prompt(self, prompt_ids: Any) -> list[int]:
+        if isinstance(prompt_ids, np.ndarray | jax.Array):
+            arr = np.asarray(prompt_ids)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise ArgumentError(f"prompt_ids: expected a flat sequence of token ids, got shape "
+                                    f"{list(arr.shape)} of {arr.dtype}")
+            ids = [int(x) for x in arr]
+        elif isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Sequence):
+            raise ArgumentError(f"prompt_ids: expected a list of token ids, got {describe(prompt_ids)}")
+        else:
+            ids = []
+            for j, x in enumerate(prompt_ids):
+                if not is_int(x):
+                    raise ArgumentError(f"prompt_ids[{j}]: expected an integer token id, got {describe(x)}")
+                ids.append(int(x))
+        if not ids:
+            raise ArgumentError("prompt_ids: empty prompt")
+        if len(ids) > self.max_prompt_tokens:
+            raise ArgumentError(f"prompt_ids: {len(ids)} tokens exceed this engine's limit of "
+                                f"{self.max_prompt_tokens} prompt tokens (max_prompt_tokens)")
+        bad = [x for x in ids if not 0 <= x < self.vocab_size]
+        if bad:
+            raise ArgumentError(f"prompt_ids: token id {bad[0]} is outside [0, {self.vocab_size}) (the target's "
+                                "vocabulary)")
+        return ids
+
+    # ------------------------------------------------------------------------------------------ metrics
+    def metrics(self) -> dict[str, Any]:
+        """Counters since the engine was built: ``requests`` (finished, by finish reason, and ``failed``),
+        ``submitted``, ``prompt_tokens``, ``generated_tokens``, ``rounds`` (slot rounds), ``visits``,
+        ``accepted_tokens`` (tokens the rounds committed) and ``tau`` (their ratio), ``verify_sizes`` (rounds
+        per verification size: the method's label, or ``auto``'s candidates), ``queue_length``,
+        ``active_slots``, ``slots``, ``ttft`` (``count``, ``sum``, ``buckets``: cumulative counts per upper
+        bound in seconds) and ``ttft_samples`` (the latest times to first token)."""
+        with self._cond:
+            out = self._m.snapshot()
+            out["queue_length"] = len(self._waiting)
+            out["active_slots"] = sum(r is not None for r in self._in_slot)
+            out["slots"] = self.slots
+            out["method"] = self.method.label
+            out["compile_s"] = self._compile_s
+        return out
+
+    # ------------------------------------------------------------------------------------------ the scheduler
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _fresh_pool(self):
+        return programs.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
+                                  **self._static(), slots=self.slots)
+
+    def _static(self) -> dict[str, Any]:
+        return dict(plan=self.plan, target_only=self._target_only, cache_size=self.cache_size,
+                    buf_len=self.buf_len, sampling=False, options=self.options)
+
+    def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
+                    temperature: float, seed: int):
+        from ..engine.api import _key
+
+        return programs.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
+                                   jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
+                                   jnp.float32(temperature), _key(seed), self._device_inputs, **self._static())
+
+    def _visit_call(self, stop: np.ndarray, rounds: int):
+        st = self._static()
+        return programs.pool_visit(
+            self._graphdefs, self._states, self._pool, jnp.asarray(stop), jnp.int32(rounds),
+            jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos), jnp.float32(0.0),
+            jnp.asarray(self._seen), plan=st["plan"], target_only=st["target_only"], window=self.window,
+            sampling=st["sampling"], options=st["options"])
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req._end(reason)
+        with self._cond:
+            self._m.finished(req, reason)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    self._drop_cancelled_waiting()
+                    occupied = any(r is not None for r in self._in_slot)
+                    if self._abort or (self._closing and not occupied and not self._waiting):
+                        break
+                    if occupied or (self._waiting and None in self._in_slot):
+                        break
+                    self._cond.wait()
+                if self._abort or (self._closing and not any(r is not None for r in self._in_slot)
+                                   and not self._waiting):
+                    abort = self._abort
+                    break
+            try:
+                self._admit_waiting()
+                self._visit()
+            except Exception as e:  # noqa: BLE001 - any failure of the device loop fails the requests in flight
+                self._recover(e)
+        if abort:
+            self._cancel_all()
+
+    def _drop_cancelled_waiting(self) -> None:
+        for r in [r for r in self._waiting if r._cancel]:
+            self._waiting.remove(r)
+            r._end("cancelled")
+            self._m.finished(r, "cancelled")
+
+    def _cancel_all(self) -> None:
+        with self._cond:
+            pending = list(self._waiting) + [r for r in self._in_slot if r is not None]
+            self._waiting.clear()
+            self._in_slot = [None] * self.slots
+        for r in pending:
+            self._finish(r, "cancelled")
+
+    def _admit_waiting(self) -> None:
+        while True:
+            with self._cond:
+                free = [i for i, r in enumerate(self._in_slot) if r is None]
+                if not free or not self._waiting or self._abort:
+                    return
+                req = self._waiting.popleft()
+                slot = free[0]
+                self._in_slot[slot] = req
+            ids = req.prompt_ids
+            width = next(w for w in self.buckets if w >= len(ids))
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, : len(ids)] = ids
+            self._pool = self._admit_call(slot, tokens, len(ids), req.max_new_tokens, req.eos, req.temperature,
+                                          req.seed)
+            self._seen[slot] = 0
+            self._stop[slot] = False
+            self._slot_max_new[slot] = req.max_new_tokens
+            self._slot_eos[slot] = req.eos
+            self._slot_temp[slot] = req.temperature
+
+    def _visit(self) -> None:
+        with self._cond:
+            for i, r in enumerate(self._in_slot):  # cancelled requests leave their slots now
+                if r is not None and r._cancel:
+                    self._in_slot[i] = None
+                    self._stop[i] = True
+                    r._end("cancelled")
+                    self._m.finished(r, "cancelled")
+            occupied = [i for i, r in enumerate(self._in_slot) if r is not None]
+            stop = self._stop.copy()
+            self._stop[:] = False
+        if not occupied and not stop.any():
+            return
+        self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0)
+        v = jax.device_get(visit)
+        n = v.n
+        over = n - self._seen > self.window
+        rest = None
+        if over.any():  # more new tokens than the window holds (a long plain burst): read the rest
+            rest = np.asarray(programs.read_tokens(self._pool.out, jnp.asarray(self._seen + self.window),
+                                                   width=self.buf_len))
+        with self._cond:
+            self._m.visits += 1
+            self._m.rounds += int(v.rounds.sum())
+            self._m.accepted += int((n - v.n0).clip(0).sum())
+            if self.labels:
+                for label, count in zip(self.labels, v.choices.sum(axis=0), strict=True):
+                    self._m.sizes[label] += int(count)
+            else:
+                self._m.sizes[self.method.label] += int(v.rounds.sum())
+        for i in occupied:
+            req = self._in_slot[i]
+            if req is None:
+                continue
+            new = int(n[i] - self._seen[i])
+            ids = v.tokens[i, : min(new, self.window)].tolist()
+            if new > self.window:
+                ids += rest[i, : new - self.window].tolist()
+            self._seen[i] = n[i]
+            req.rounds += int(v.rounds[i])
+            if v.nonfinite[i] >= 0:
+                self._release(i, running=not v.done[i])
+                self._fail(req, EngineFailure(
+                    f"engine: the target's logits are not finite (NaN or Inf) in round {int(v.nonfinite[i])} of "
+                    f"request {req.id}; its tokens would be garbage"))
+                continue
+            if req._add_tokens(ids):  # a stop string
+                self._release(i, running=not v.done[i])
+                with self._cond:
+                    self._m.finished(req, "stop")
+                continue
+            if v.done[i]:
+                self._release(i, running=False)
+                last = req._tokens[-1] if req._tokens else -1
+                self._finish(req, "stop" if last in set(req.eos.tolist()) - {-1} else "length")
+
+    def _release(self, slot: int, *, running: bool) -> None:
+        with self._cond:
+            self._in_slot[slot] = None
+            if running:
+                self._stop[slot] = True
+
+    def _fail(self, req: Request, error: EngineFailure) -> None:
+        req._fail(error)
+        with self._cond:
+            self._m.failed += 1
+
+    def _recover(self, error: Exception) -> None:
+        """Fails every request in a slot and starts a fresh pool (waiting requests stay queued)."""
+        failure = EngineFailure(f"engine: the device loop failed ({type(error).__name__}: {error}); the request "
+                                "was lost and the engine restarted its pool")
+        with self._cond:
+            lost = [r for r in self._in_slot if r is not None]
+            self._in_slot = [None] * self.slots
+            self._stop[:] = False
+            self._seen[:] = 0
+            self._m.faults += 1
+        for r in lost:
+            self._fail(r, failure)
+        self._pool = self._fresh_pool()
+
+
+class _Metrics:
+    def __init__(self, labels: tuple[str, ...]):
+        self.by_reason = dict.fromkeys(FINISH_REASONS, 0)
+        self.failed = 0
+        self.submitted = 0
+        self.prompt_tokens = 0
+        self.generated = 0
+        self.rounds = 0
+        self.visits = 0
+        self.accepted = 0
+        self.faults = 0
+        self.sizes = dict.fromkeys(labels, 0)
+        self.ttft: collections.deque[float] = collections.deque(maxlen=TTFT_SAMPLES)
+        self.ttft_count = 0
+        self.ttft_sum = 0.0
+        self.ttft_buckets = [0] * len(TTFT_BUCKETS)
+
+    def finished(self, req: Request, reason: str) -> None:
+        self.by_reason[reason] += 1
+        self.prompt_tokens += len(req.prompt_ids)
+        self.generated += len(req._tokens)
+        if req.first_token is not None:
+            t = req.first_token - req.submitted
+            self.ttft.append(t)
+            self.ttft_count += 1
+            self.ttft_sum += t
+            for j, bound in enumerate(TTFT_BUCKETS):
+                if t <= bound:
+                    self.ttft_buckets[j] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests": {**self.by_reason, "failed": self.failed}, "submitted": self.submitted,
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated, "rounds": self.rounds,
+            "visits": self.visits, "accepted_tokens": self.accepted,
+            "tau": self.accepted / self.rounds if self.rounds else math.nan, "verify_sizes": dict(self.sizes),
+            "faults": self.faults,
+            "ttft": {"count": self.ttft_count, "sum": self.ttft_sum,
+                     "buckets": list(zip(TTFT_BUCKETS, self.ttft_buckets, strict=True))},
+            "ttft_samples": list(self.ttft),
+        }
+
+
+def _limits(cache_size, max_prompt, max_new, scratch: int, max_positions: int) -> tuple[int, int, int]:
+    """``(cache_size, max_prompt_tokens, max_new_tokens)`` from the given ones (see :class:`Engine`)."""
+    if cache_size is not None:
+        cache_size = check_int("cache_size", cache_size, maximum=MAX_SLOTS, unit="number of cache slots (or None)")
+    if max_prompt is not None:
+        max_prompt = check_int("max_prompt_tokens", max_prompt, maximum=MAX_SLOTS)
+    if max_new is not None:
+        max_new = check_int("max_new_tokens", max_new, maximum=MAX_SLOTS)
+    if cache_size is None:
+        max_prompt = DEFAULT_MAX_PROMPT if max_prompt is None else max_prompt
+        max_new = DEFAULT_MAX_NEW if max_new is None else max_new
+        cache_size = bucket(max_prompt + max_new + scratch)
+    else:
+        room = cache_size - scratch
+        if max_prompt is None and max_new is None:
+            max_prompt = room // 2
+        if max_prompt is None:
+            max_prompt = room - max_new
+        if max_new is None:
+            max_new = room - max_prompt
+        if max_prompt < 1 or max_new < 1 or max_prompt + max_new > room:
+            raise ArgumentError(f"cache_size: {cache_size} slots cannot hold max_prompt_tokens {max_prompt} + "
+                                f"max_new_tokens {max_new} + {scratch} scratch rows")
+    if max_prompt + max_new > max_positions:
+        raise ArgumentError(f"max_new_tokens: max_prompt_tokens {max_prompt} + max_new_tokens {max_new} exceed the "
+                            f"target's max_position_embeddings ({max_positions})")
+    return cache_size, max_prompt, max_new
+
+
+def _buckets(max_prompt: int, cache_size: int) -> tuple[int, ...]:
+    """The prompt buffers admission compiles: powers of two from :data:`MIN_PROMPT_BUCKET` up to the one that
+    holds ``max_prompt`` tokens (the last capped at ``cache_size``)."""
+    out = []
+    w = bucket(1, MIN_PROMPT_BUCKET)
+    while True:
+        out.append(min(w, cache_size))
+        if w >= max_prompt:
+            return tuple(dict.fromkeys(out))
+        w *= 2
+
+
+def _check_stop(stop: Any, tokenizer: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if isinstance(items, bytes) or not isinstance(items, Sequence):
+        raise ArgumentError(f"stop: expected a string or a list of strings, got {describe(stop)}")
+    out = []
+    for j, s in enumerate(items):
+        if not isinstance(s, str) or not s:
+            raise ArgumentError(f"stop[{j}]: expected a non-empty string, got {describe(s)}")
+        out.append(s)
+    if out and tokenizer is None:
+        raise ArgumentError("stop: stop strings need the engine's tokenizer (Engine(tokenizer=...))")
+    return tuple(out)
+
+
+__all__ = ["Chunk", "Completion", "Engine", "Request"]

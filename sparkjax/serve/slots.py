@@ -1,0 +1,216 @@
+"""The slot pool's jitted programs: a fixed batch of N sequences on device that requests enter and leave.
+
+The pool is a :class:`~sparkjax.engine.state.SpecState` of batch N (for ``ar``, the same dataclass without a
+drafter context: :func:`ar_round`). A free slot is a finished sequence (``done``): every round masks it, so its
+cache and context lengths do not grow and it commits nothing. Three programs touch the pool, each compiled
+once per shape and the pool donated:
+
+- :func:`pool_init`: the empty pool (every slot free);
+- :func:`pool_admit`: the prefill of one prompt (batch 1, a prompt bucket) written into slot ``i``;
+- :func:`pool_visit`: up to ``rounds`` rounds in one ``while_loop`` that also ends as soon as a sequence that
+  was running finishes; it returns the pool and a :class:`Visit`, a fixed window of each slot's new tokens.
+
+Per-slot values (``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]``) are traced inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..cache import ContextCache, KVCache
+from ..engine.programs import merge_pair, prefill, spec_prefill
+from ..engine.round import flag_nonfinite, hits_eos
+from ..engine.state import Plan, SpecState
+from ..sampling import pick
+
+Array = jax.Array
+
+
+class Visit(NamedTuple):
+    """What a host visit copies back: ``tokens`` ``[N, W]`` (slot b's tokens ``seen[b] .. seen[b] + W``; past
+    ``n`` is padding), ``n0`` / ``n`` ``[N]`` its token counts before and after the rounds, ``done`` ``[N]``,
+    ``rounds`` ``[N]`` rounds each slot ran, ``choices`` ``[N, K]`` how many of them verified each of the
+    method's ``labels()`` (``K = 0`` without labels) and ``nonfinite`` ``[N]``."""
+
+    tokens: Array
+    n0: Array
+    n: Array
+    done: Array
+    rounds: Array
+    choices: Array
+    nonfinite: Array
+
+
+def _put(pool: Array, row: Array, slot: Array, axis: int = 0) -> Array:
+    return jax.lax.dynamic_update_slice_in_dim(pool, row.astype(pool.dtype), slot, axis=axis)
+
+
+def _put_cache(pool: KVCache, row: KVCache, slot: Array) -> KVCache:
+    k = tuple(_put(p, r, slot) for p, r in zip(pool.k, row.k, strict=True))
+    v = tuple(_put(p, r, slot) for p, r in zip(pool.v, row.v, strict=True))
+    return KVCache(k, v, _put(pool.lengths, row.lengths, slot))
+
+
+def _put_context(pool: ContextCache | None, row: ContextCache | None, slot: Array) -> ContextCache | None:
+    if pool is None:
+        return None
+    return ContextCache(_put(pool.k, row.k, slot, 1), _put(pool.v, row.v, slot, 1),
+                        _put(pool.lengths, row.lengths, slot))
+
+
+def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) -> SpecState:
+    """``pool`` with sequence ``slot`` replaced by the batch-1 state ``row``; the key stays the pool's (or, with a
+    key per slot, slot ``slot``'s is the row's) and the method's carried state is merged by its
+    :meth:`~sparkjax.engine.methods.Method.admit_state`."""
+    per_row = {f: _put(getattr(pool, f), getattr(row, f), slot)
+               for f in ("x_start", "out", "n", "done", "accept_lens", "rounds", "depth_hits", "nonfinite")}
+    key = pool.key if pool.key.ndim == 0 else _put(pool.key, row.key.reshape(1), slot)
+    extra = pool.extra if plan is None else plan.method.admit_state(plan, pool.extra, row.extra, slot)
+    return dataclasses.replace(pool, cache=_put_cache(pool.cache, row.cache, slot),
+                               ctx=_put_context(pool.ctx, row.ctx, slot), key=key, extra=extra, **per_row)
+
+
+def ar_start(target, tokens, lengths, max_new, eos, temperature, key, *, cache_size: int, buf_len: int,
+             sampling: bool, attention) -> SpecState:
+    """The ``ar`` prefill of :func:`~sparkjax.engine.programs.ar_program` as a :class:`SpecState` (no drafter
+    context, no rounds recorded): the first token is ``x_start`` and ``out[:, 0]``."""
+    b = tokens.shape[0]
+    cache, logits, _ = prefill(target, tokens, lengths, cache_size, attention=attention)
+    sub = None
+    if sampling:
+        key, sub = jax.random.split(key)
+    first = pick(logits, temperature, sub)
+    n = jnp.ones((b,), jnp.int32)
+    zeros = jnp.zeros((b,), jnp.int32)
+    return SpecState(
+        cache=cache, ctx=None, x_start=first, out=jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first), n=n,
+        done=hits_eos(first, eos) | (n >= max_new), key=key, accept_lens=jnp.zeros((b, 1), jnp.int32), rounds=zeros,
+        depth_hits=jnp.zeros((b, 0), jnp.int32),
+        nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool), zeros))
+
+
+def ar_round(target, state: SpecState, max_new, eos, temperature, *, sampling: bool, attention) -> SpecState:
+    """One target step of every running sequence: the body of
+    :func:`~sparkjax.engine.programs.ar_program`'s loop on a :class:`SpecState`."""
+    done = state.done
+    cache = state.cache
+    step = target(state.x_start[:, None], cache.lengths[:, None], cache=cache, attention=attention)
+    cache = step.cache.with_lengths(cache.lengths + (~done).astype(jnp.int32))
+    key, sub = state.key, None
+    if sampling:
+        key, sub = jax.random.split(key)
+    nxt = pick(step.logits[:, 0], temperature, sub)
+    n = state.n
+    bad = flag_nonfinite(state.nonfinite, step.logits, ~done, n)
+    write = jnp.where(done, state.out.shape[1], n)
+    out = jax.vmap(lambda o, w, x: o.at[w].set(x, mode="drop"))(state.out, write, nxt)
+    n = n + (~done).astype(jnp.int32)
+    return dataclasses.replace(state, cache=cache, x_start=jnp.where(done, state.x_start, nxt), out=out, n=n,
+                               done=done | hits_eos(nxt, eos) | (n >= max_new), key=key,
+                               rounds=state.rounds + (~done).astype(jnp.int32), nonfinite=bad)
+
+
+def _start_row(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, target_only,
+               cache_size, buf_len, sampling, attention) -> SpecState:
+    if target_only:
+        return ar_start(target, tokens, lengths, max_new, eos, temperature, key, cache_size=cache_size,
+                        buf_len=buf_len, sampling=sampling, attention=attention)
+    return spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
+                        buf_len)
+
+
+def _models(graphdefs, states, target_only):
+    if target_only:
+        from flax import nnx
+
+        return nnx.merge(graphdefs, states), None
+    return merge_pair(graphdefs, states)
+
+
+_STATIC = ("graphdefs", "plan", "target_only", "cache_size", "buf_len", "sampling", "options")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("slots",))
+def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache_size, buf_len, sampling, options):
+    """The pool of ``slots`` free slots (every sequence done, nothing generated)."""
+    target, drafter = _models(graphdefs, states, target_only)
+    tokens = jnp.zeros((slots, 1), jnp.int32)
+    lengths = jnp.ones((slots,), jnp.int32)
+    state = _start_row(target, drafter, tokens, lengths, jnp.ones((slots,), jnp.int32),
+                       jnp.full((slots, 1), -1, jnp.int32), jnp.float32(0.0), key, inputs, plan=plan,
+                       target_only=target_only, cache_size=cache_size, buf_len=buf_len, sampling=sampling,
+                       attention=options.attend)
+    zeros = jnp.zeros((slots,), jnp.int32)
+    return dataclasses.replace(state, n=zeros, done=jnp.ones((slots,), bool), rounds=zeros,
+                               nonfinite=jnp.full((slots,), -1, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
+def pool_admit(graphdefs, states, pool, slot, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan,
+               target_only, cache_size, buf_len, sampling, options):
+    """The prefill of one prompt (``tokens`` ``[1, P]``, ``lengths`` ``[1]``; ``max_new``, ``eos`` ``[E]``,
+    ``temperature`` and ``key`` its own) written into slot ``slot`` of ``pool`` (donated)."""
+    target, drafter = _models(graphdefs, states, target_only)
+    row = _start_row(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan=plan,
+                     target_only=target_only, cache_size=cache_size, buf_len=buf_len, sampling=sampling,
+                     attention=options.attend)
+    return write_slot(pool, row, slot, plan)
+
+
+def _choice_counts(plan: Plan | None, state: SpecState, r0: Array) -> Array:
+    """``[N, K]``: rounds ``r0[b] ..`` of each slot that verified each of the method's labels."""
+    labels = () if plan is None else plan.method.labels()
+    res = None if plan is None else plan.method.results(state, plan)
+    choices = getattr(res, "choices", None)
+    n = state.n.shape[0]
+    if not labels or choices is None:
+        return jnp.zeros((n, 0), jnp.int32)
+    r = jnp.arange(choices.shape[1], dtype=jnp.int32)[None]
+    live = (r >= r0[:, None]) & (r < state.rounds[:, None])
+    onehot = choices[..., None] == jnp.arange(len(labels), dtype=jnp.int32)
+    return jnp.sum(onehot & live[..., None], axis=1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "target_only", "window", "sampling", "options"),
+                   donate_argnames=("pool",))
+def pool_visit(graphdefs, states, pool, stop, rounds, max_new, eos, temperature, seen, *, plan, target_only, window,
+               sampling, options):
+    """Frees the slots in ``stop`` ``[N]``, then runs up to ``rounds`` rounds (traced) of every running slot in
+    one ``while_loop`` that ends early once a slot that was running finishes. Returns ``(pool, Visit)``, the
+    window of each slot's tokens starting at ``seen`` ``[N]`` (the tokens the host has already read)."""
+    target, drafter = _models(graphdefs, states, target_only)
+    pool = dataclasses.replace(pool, done=pool.done | stop)
+    n0, r0, running = pool.n, pool.rounds, ~pool.done
+
+    def cond(carry):
+        i, s = carry
+        return (i < rounds) & ~jnp.any(running & s.done) & jnp.any(~s.done)
+
+    def body(carry):
+        i, s = carry
+        if target_only:
+            s = ar_round(target, s, max_new, eos, temperature, sampling=sampling, attention=options.attend)
+        else:
+            s = plan.method.round(target, drafter, s, plan, max_new, eos, temperature)
+        return i + 1, s
+
+    _, pool = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), pool))
+    cols = jnp.minimum(seen[:, None] + jnp.arange(window, dtype=jnp.int32)[None], pool.out.shape[1] - 1)
+    tokens = jnp.take_along_axis(pool.out, cols, axis=1)
+    visit = Visit(tokens, n0, pool.n, pool.done, pool.rounds - r0, _choice_counts(plan, pool, r0), pool.nonfinite)
+    return pool, visit
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def read_tokens(out: Array, start: Array, *, width: int) -> Array:
+    """``out[b, start[b] .. start[b] + width]`` (clipped): the rest of a visit that outgrew its window."""
+    cols = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], out.shape[1] - 1)
+    return jnp.take_along_axis(out, cols, axis=1)
+
+
+__all__ = ["Visit", "ar_round", "ar_start", "pool_admit", "pool_init", "pool_visit", "read_tokens", "write_slot"]

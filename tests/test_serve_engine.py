@@ -1,0 +1,233 @@
+"""The serving engine without HTTP: exactness under continuous batching, cancellation, the queue bound, bad
+arguments, no compilation after warm-up, and recovery from a fault in the device loop."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from sparkjax.engine import Auto, CostTable, generate, parse_method
+from sparkjax.errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError
+from sparkjax.serve import Chunk, Engine
+from sparkjax.serve.text import TextStream
+
+NEW = 24  # the engines' max_new_tokens (and the reference runs' capacity: one program per method)
+SLOTS = 3
+PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8], [3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 1, 2],
+           [2, 2], [11, 4, 6, 1], [8, 1, 8, 1, 8, 1, 8]]
+LENGTHS = [24, 8, 17, 5, 20, 1, 12, 24]
+AUTO_SIZES = (0, "chain", 2, 6, 16)
+AUTO_SECONDS = (1.0, 1.3, 1.4, 1.6, 1.9)  # every size viable
+
+
+@pytest.fixture(autouse=True)
+def no_cache_dir(monkeypatch):
+    monkeypatch.setenv("SPARKJAX_CACHE_DIR", "off")
+
+
+def _method(pair, name):
+    if name == "auto":
+        labels = Auto(sizes=AUTO_SIZES).resolve(pair[1]).labels()
+        return Auto(sizes=AUTO_SIZES, table=CostTable(labels, AUTO_SECONDS))
+    return parse_method(name)
+
+
+@pytest.fixture(scope="module")
+def engines(random_pair):
+    """One started engine per method (built on first use), closed at the end of the module."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            target, drafter = random_pair
+            eng = Engine(target, None if name == "ar" else drafter, method=_method(random_pair, name), slots=SLOTS,
+                         max_prompt_tokens=16, max_new_tokens=NEW, rounds_per_visit=1, queue_limit=8)
+            eng.start()
+            built[name] = eng
+        return built[name]
+
+    yield get
+    for eng in built.values():
+        eng.close(grace_s=0)
+
+
+@pytest.fixture(scope="module")
+def solo(random_pair):
+    """``generate``'s tokens for one prompt alone (cached)."""
+    target, drafter = random_pair
+
+    @functools.cache
+    def tokens(name, prompt, n):
+        d = None if name == "ar" else drafter
+        return generate(target, d, [list(prompt)], method=_method(random_pair, name), max_new_tokens=n,
+                        capacity=NEW).tokens[0]
+
+    return lambda name, prompt, n: tokens(name, tuple(prompt), n)
+
+
+@pytest.mark.parametrize("name", ["sparklingtree@16", "dspark", "auto", "ar"])
+def test_greedy_tokens_equal_solo_generate_whenever_a_request_joins(engines, solo, name):
+    """A long request runs; another joins after each of its rounds (one round per visit), so requests enter at
+    every round offset and share the pool with up to two others; each one's tokens are generate's alone."""
+    eng = engines(name)
+    first = eng.submit(PROMPTS[0], max_new_tokens=NEW)
+    joined = []
+    for j, chunk in enumerate(first):
+        assert isinstance(chunk, Chunk)
+        if 1 + j < len(PROMPTS):
+            joined.append((PROMPTS[1 + j], LENGTHS[1 + j], eng.submit(PROMPTS[1 + j], max_new_tokens=LENGTHS[1 + j])))
+    assert len(joined) >= 3  # enough rounds that several requests joined while it ran
+    res = first.result(timeout=120)
+    assert res.finish_reason == "length" and res.token_ids == solo(name, PROMPTS[0], NEW)
+    for prompt, n, req in joined:
+        out = req.result(timeout=120)
+        assert out.token_ids == solo(name, prompt, n), (prompt, n)
+        assert out.finish_reason == "length" and out.completion_tokens == n and out.prompt_tokens == len(prompt)
+    m = eng.metrics()
+    assert m["active_slots"] == 0 and m["queue_length"] == 0 and m["requests"]["failed"] == 0
+    assert sum(m["verify_sizes"].values()) == m["rounds"] > 0
+
+
+def test_eos_stops_a_request_with_its_own_ids(engines, solo):
+    eng = engines("sparklingtree@16")
+    ref = solo("sparklingtree@16", PROMPTS[2], NEW)
+    eos = ref[5]
+    out = eng.submit(PROMPTS[2], max_new_tokens=NEW, eos_token_ids=[eos]).result(timeout=120)
+    assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(eos) + 1]
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request(engines, solo):
+    name = "sparklingtree@16"
+    eng = engines(name)
+    running = [eng.submit(p, max_new_tokens=NEW) for p in PROMPTS[:SLOTS]]  # every slot taken
+    waiting = eng.submit(PROMPTS[4], max_new_tokens=10)
+    dropped = eng.submit(PROMPTS[5], max_new_tokens=10)
+    dropped.cancel()  # cancelled while it waits
+    stream = iter(running[1])
+    next(stream)  # running: it has a slot
+    running[1].cancel()
+    last = list(stream)[-1] if not running[1].done else None
+    res = running[1].result(timeout=120)
+    assert res.finish_reason == "cancelled" and (last is None or last.finish_reason == "cancelled")
+    assert res.completion_tokens < NEW and res.token_ids == solo(name, PROMPTS[1], NEW)[: res.completion_tokens]
+    assert dropped.result(timeout=120).finish_reason == "cancelled"
+    assert waiting.result(timeout=120).token_ids == solo(name, PROMPTS[4], 10)
+    for p, r in zip(PROMPTS[:SLOTS], running, strict=True):
+        if r is not running[1]:
+            assert r.result(timeout=120).token_ids == solo(name, p, NEW)
+    m = eng.metrics()
+    assert m["requests"]["cancelled"] >= 2 and m["active_slots"] == 0
+
+
+def test_async_iteration(engines, solo):
+    eng = engines("sparklingtree@16")
+
+    async def collect():
+        reqs = [eng.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[3:6], LENGTHS[3:6], strict=True)]
+
+        async def one(r):
+            return [c async for c in r]
+
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    for p, n, chunks in zip(PROMPTS[3:6], LENGTHS[3:6], asyncio.run(collect()), strict=True):
+        assert [t for c in chunks for t in c.token_ids] == solo("sparklingtree@16", p, n)
+        assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_no_compilation_after_start(engines, solo, caplog):
+    eng = engines("sparklingtree@16")
+    refs = [solo("sparklingtree@16", p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]  # compiled before
+    x = jnp.ones(3)
+    caplog.set_level(logging.WARNING, logger="jax")
+    with jax.log_compiles():
+        reqs = [eng.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+        outs = [r.result(timeout=120).token_ids for r in reqs]
+        jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
+    assert outs == refs
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert any("jit(<lambda>)" in m for m in logged)
+    assert [m for m in logged if "<lambda>" not in m] == []
+
+
+def test_a_fault_in_the_device_loop_fails_in_flight_requests_and_the_engine_recovers(engines, solo, monkeypatch):
+    eng = engines("sparklingtree@16")
+    real = eng._visit_call
+    calls = []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected device fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "_visit_call", faulty)
+    victims = [eng.submit(p, max_new_tokens=NEW) for p in PROMPTS[:2]]
+    for r in victims:
+        with pytest.raises(EngineFailure, match="RuntimeError: injected device fault"):
+            r.result(timeout=120)
+        with pytest.raises(EngineFailure):
+            list(r)
+    assert isinstance(EngineFailure("x"), SparkjaxError)
+    after = eng.submit(PROMPTS[2], max_new_tokens=17)
+    assert after.result(timeout=120).token_ids == solo("sparklingtree@16", PROMPTS[2], 17)
+    m = eng.metrics()
+    assert m["faults"] == 1 and m["requests"]["failed"] >= 2
+
+
+def test_bad_requests_and_a_full_queue(random_pair, engines):
+    eng = engines("sparklingtree@16")
+    bad = [
+        (dict(prompt_ids=list(range(1, 16)) + [1, 2]), "prompt_ids: 17 tokens exceed .* 16 prompt tokens"),
+        (dict(prompt_ids=[]), "prompt_ids: empty"),
+        (dict(prompt_ids="hello"), "prompt_ids"),
+        (dict(prompt_ids=[1, 99]), r"prompt_ids: token id 99 is outside \[0, 16\)"),
+        (dict(prompt_ids=[1, 2.5]), r"prompt_ids\[1\]"),
+        (dict(max_new_tokens=0), r"max_new_tokens: 0 is outside \[1, 24\]"),
+        (dict(max_new_tokens=25), r"max_new_tokens: 25 is outside \[1, 24\]"),
+        (dict(max_new_tokens=2.0), "max_new_tokens: expected an integer"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=1e9), "temperature"),
+        (dict(seed=-3), "seed"),
+        (dict(eos_token_ids="3"), "eos_token_ids"),
+        (dict(eos_token_ids=list(range(8))), "eos_token_ids: 8 ids"),
+        (dict(stop=[3]), r"stop\[0\]"),
+        (dict(stop=["x"]), "stop: stop strings need the engine's tokenizer"),
+    ]
+    for kw, match in bad:
+        args = {"prompt_ids": [1, 2], "max_new_tokens": 4, **kw}
+        with pytest.raises(ArgumentError, match=match):
+            eng.submit(args.pop("prompt_ids"), **args)
+    target, drafter = random_pair
+    with pytest.raises(ArgumentError, match="slots"):
+        Engine(target, drafter, method="dspark", slots=0)
+    with pytest.raises(ArgumentError, match="cache_size: 32 slots cannot hold"):
+        Engine(target, drafter, method="dspark", cache_size=32, max_prompt_tokens=30)
+    none_waiting = Engine(target, drafter, method="dspark", queue_limit=0, max_prompt_tokens=16, max_new_tokens=8)
+    with pytest.raises(QueueFullError, match="queue_limit=0"):
+        none_waiting.submit([1, 2], max_new_tokens=4)
+    none_waiting.close()
+    with pytest.raises(EngineClosedError):
+        none_waiting.submit([1, 2], max_new_tokens=4)
+
+
+class _Letters:
+    """A tokenizer stand-in: id i decodes to chr(97 + i); id 0 is special (skipped)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i) for i in ids if not (skip_special_tokens and i == 0))
+
+
+def test_text_stream_holds_back_and_cuts_at_stop_strings():
+    s = TextStream(_Letters(), stop=["dc"])
+    assert s.push([1, 2]) == "b"  # "c" may start "dc"... held back (one char: len("dc") - 1)
+    assert s.push([0, 3]) == "c"
+    assert s.push([2, 5]) == "" and s.stopped and s.text == "bc"
+    plain = TextStream(_Letters())
+    assert plain.push([1, 2]) + plain.push([3]) + plain.finish() == "bcd"
+    assert TextStream(None).push([1]) == ""
