@@ -90,11 +90,14 @@ def target_config(spec: dict) -> str:
 @functools.cache
 def compile_device(target: str = "h200"):
     """The compile-only CUDA device of ``target`` (``jax.experimental.topologies``, topology 1x1x1); a
-    :class:`~sparkjax.errors.GpuCompileError` saying how to install the plugin when this jax has none."""
+    :class:`~sparkjax.errors.GpuCompileError` saying how to install the plugin when this jax has none. Where
+    ``JAX_PLATFORMS`` is unset, sets ``jax_platforms`` to ``cpu`` (effective before jax's backends start)."""
     from jax.experimental import topologies
 
     if target not in TARGETS:
         raise ArgumentError(f"--target: unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    if not os.environ.get("JAX_PLATFORMS"):  # the CUDA plugin only compiles here: no CUDA backend to start
+        jax.config.update("jax_platforms", "cpu")
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(TARGETS[target]),
                                             topology="1x1x1")
@@ -235,8 +238,6 @@ def fmt_table(rows: list[dict]) -> str:
 
 
 def run(a, report) -> None:
-    if not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")  # the CUDA plugin compiles; nothing needs a GPU to run
     configs(a.preset)
     todo, methods = cases(a), labels(a.methods)
     attentions = names(a.attention)

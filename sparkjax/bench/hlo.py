@@ -573,10 +573,10 @@ def count_hlo(text: str, *, loop_body: bool = False, elide_converts: bool = True
 
 def f32_score_tensors(tally: Tally, batch: int, heads: int, kv_heads: int, slots: int) -> list[str]:
     """The float32 results of ``tally``'s kernels shaped like attention scores ``[B, N, T, S]`` (grouped
-    ``[B, K, N / K, T, S]`` too; a size-1 batch may be dropped): a dimension of at least ``slots``, the heads
-    (``N``, or ``K`` and ``N / K``) among the others, and ``B N`` dividing the rest. Their shapes, once each."""
+    ``[B, K, N / K, T, S]`` or with dimensions merged, ``[K, S, N / K * T]``; a size-1 batch may be dropped): a
+    dimension of at least ``slots``, ``N`` or ``K`` among the others, and ``B N`` dividing their product (a shape
+    test: a matching tensor of something else would be reported too). Their shapes, once each."""
     found: dict[str, None] = {}
-    group = heads // max(kv_heads, 1)
     for k in tally.kernels:
         for dt, dims in shape_arrays(k.shape):
             if dt != "f32" or len(dims) < 2:
@@ -585,7 +585,7 @@ def f32_score_tensors(tally: Tally, batch: int, heads: int, kv_heads: int, slots
             if not big:
                 continue
             rest = [d for i, d in enumerate(dims) if i != big[-1]]
-            has_heads = heads in rest or (kv_heads in rest and group in rest)
+            has_heads = heads in rest or kv_heads in rest
             if has_heads and math.prod(rest) % (batch * heads) == 0:
                 found[f"f32{list(dims)}"] = None
     return list(found)

@@ -1,0 +1,100 @@
+"""``python -m sparkjax.bench gpu-compile``: the GPU HLO checks on hand-made kernels (default suite), and the
+deviceless H200 compile itself (slow; needs the ``gpu-aot`` extra, skipped without it)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sparkjax.bench import gpu, hlo
+from sparkjax.bench.__main__ import main
+from sparkjax.bench.common import child_env
+from sparkjax.errors import GpuCompileError
+
+
+def _k(shape, moves=False, count=1.0):
+    return hlo.Kernel("k", "fusion", count, hlo.shape_bytes(shape), 0.0, False, shape=shape, moves=moves)
+
+
+def test_score_tensor_and_cache_copy_checks():
+    b, n, kv, s = 2, 32, 8, 1024
+    scores = [_k("f32[2,8,4,65,1024]{4,3,2,1,0}"), _k("f32[2,32,65,1040]"), _k("f32[8,1024,260]")]
+    tally = hlo.Tally(scores + [_k("bf16[2,8,4,65,1024]"), _k("f32[2,65,151936]"), _k("f32[8,65,2560]")])
+    # float32 score-shaped results only: bf16 probabilities, f32 logits and gemm partials are not scores
+    assert hlo.f32_score_tensors(tally, b, n, kv, s) == ["f32[2, 8, 4, 65, 1024]", "f32[2, 32, 65, 1040]"]
+    assert hlo.f32_score_tensors(hlo.Tally(scores[2:]), 1, n, kv, s) == ["f32[8, 1024, 260]"]  # batch 1 dropped
+    assert hlo.f32_score_tensors(hlo.Tally(scores), b, n, kv, 2048) == []  # nothing spans 2048 slots
+
+    c = hlo.HloCounter("ENTRY %e (p: f32[4]) -> f32[4] {\n  ROOT %p = f32[4]{0} parameter(0)\n}\n")
+    moving = hlo.Instr("t", "bf16[2,1040,8,128]", "transpose", ["x"], "")
+    assert c.only_moves(moving) and not c.only_moves(hlo.Instr("a", "f32[4]", "add", ["x", "y"], ""))
+    assert not c.only_moves(hlo.Instr("z", "bf16[4]", "broadcast", ["x"], ""))  # a fill moves nothing
+
+    gemm = hlo.Instr("g", "bf16[65,2560]", "custom-call", ["a", "w"],
+                     ', custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{'
+                     '"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
+    assert hlo.library_call_flops(gemm, ["bf16[65,4096]", "bf16[4096,2560]"]) == 2.0 * 65 * 2560 * 4096
+    fmha = hlo.Instr("f", "(bf16[1,32,65,128], u8[0])", "custom-call", ["q", "k", "v"],
+                     ', custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":'
+                     '{"intermediate_tensor_shape":{"element_type":"BF16","dimensions":["1","32","65","1024"]}}}')
+    assert hlo.library_call_flops(fmha, ["bf16[1,65,32,128]", "bf16[1,1024,8,128]"]) == 4.0 * 32 * 65 * 1024 * 128
+    assert hlo.library_call_flops(hlo.Instr("c", "f32[1]", "custom-call", [], ', custom_call_target="x"'), []) == 0
+    t = hlo.Tally([_k("bf16[1024]", count=3.0)])
+    assert t.seconds(1e12, 1e15, 1e-6, every_kernel=True) == pytest.approx(3 * (2048 / 1e12 + 1e-6))
+    assert t.seconds(1e12, 1e15, 1e-6) == pytest.approx(3 * 2048 / 1e12)  # none of them in a loop
+
+    text = gpu.target_config(gpu.H200)
+    for field in ("core_count: 132", "memory_bandwidth: 4800000000000", "device_memory_size: 151397597184",
+                  "cuda_compute_capability { major: 9 minor: 0 }", 'platform_name: "CUDA"',
+                  "dnn_version_info { major: 9 minor: 10 patch: 0 }", 'runtime_version: "12.8.0"'):
+        assert field in text
+
+
+def test_gpu_compile_arguments(capsys):
+    for argv, needle in ((["--cases", "1"], "--cases"), (["--cases", "1:32"], "--cases"),
+                         (["--attention", "flash"], "--attention"), (["--methods", "nope"], "nope")):
+        assert main(["gpu-compile", "--preset", "tiny", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and needle in err, err
+    try:
+        gpu.compile_device()
+    except GpuCompileError as e:  # this environment has no CUDA plugin: one line that names the extra
+        assert main(["gpu-compile", "--preset", "tiny", "--cases", "1:256", "--methods", "ar"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "gpu-aot" in err and str(e) in err
+
+
+def _plugin() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+        return False
+
+
+@pytest.mark.slow
+def test_h200_compile(tmp_path):
+    if not _plugin():
+        pytest.skip(f"no CUDA PJRT plugin in this environment: {gpu.GPU_AOT_HINT} (a separate venv)")
+    out, hlo_dir = tmp_path / "rows.json", tmp_path / "hlo"
+    res = subprocess.run([sys.executable, "-m", "sparkjax.bench", "gpu-compile", "--preset", "tiny", "--cases",
+                          "2:256", "--methods", "ar,sparklingtree@16", "--attention", "einsum,dpa", "--json", str(out),
+                          "--dump-hlo", str(hlo_dir)], capture_output=True, text=True, timeout=1500,
+                         env=child_env(JAX_PLATFORMS="cpu"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["attention"], r["label"]) for r in rows] == [
+        ("einsum", "ar"), ("einsum", "sparklingtree@16"), ("dpa", "ar"), ("dpa", "sparklingtree@16")]
+    for r in rows:
+        assert "error" not in r and r["target"] == "h200" and r["batch"] == 2 and r["context"] == 256
+        assert r["kernels_per_round"] > 0 and r["bytes_per_round"] > 0 and r["fits"]
+        assert r["peak_bytes"] >= r["argument"] > 0
+    by = {(r["attention"], r["label"]): r for r in rows}
+    assert by["einsum", "ar"]["round_ar_steps"] == 1.0
+    assert by["einsum", "sparklingtree@16"]["round_ar_steps"] > 1.0  # 17 verified rows plus the drafter
+    assert by["einsum", "sparklingtree@16"]["f32_scores"]  # the reference path materialises f32 scores
+    einsum = (hlo_dir / "h200_einsum_b2_s256_ar.hlo.txt").read_text()
+    dpa = (hlo_dir / "h200_dpa_b2_s256_ar.hlo.txt").read_text()
+    assert "__triton" in einsum and "__cudnn$fmha" not in einsum  # XLA:GPU's program, no cuDNN attention
+    assert "__cudnn$fmha" in dpa  # traced as on a GPU: dpa is cuDNN's fused attention
