@@ -157,11 +157,11 @@ def check_attention(cfg, impls, seed: int, s: int, t: int, b: int) -> list[dict]
 
 
 def exact_pair(preset: str, target_layers: int, seed: int):
-    """Random bf16 weights at the preset's widths with ``target_layers`` target layers and one drafter layer
-    reading target layers ``0 .. min(target_layers, 5) - 1``."""
+    """Random bf16 weights at the preset's widths with ``target_layers`` (at least 2) target layers and one
+    drafter layer reading target layers ``0 .. min(target_layers - 1, 5) - 1``."""
     t, ds, _, _ = configs(preset)
     t = dataclasses.replace(t, num_hidden_layers=target_layers)
-    ids = tuple(range(min(target_layers, len(ds.target_layer_ids))))
+    ids = tuple(range(min(target_layers - 1, len(ds.target_layer_ids))))  # never the final-normed last layer
     ds = dataclasses.replace(ds, num_hidden_layers=1, num_target_layers=target_layers, target_layer_ids=ids)
     return (Qwen3(t, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16),
             Drafter(ds, rngs=nnx.Rngs(seed + 1), dtype=jnp.bfloat16))
@@ -346,7 +346,7 @@ def run(a, report) -> int:
     skip = set(names(a.skip))
     if skip - {"attention", "exactness", "timing"}:
         raise ArgumentError(f"--skip: unknown parts {sorted(skip - {'attention', 'exactness', 'timing'})}")
-    at_least(a.exact_layers, "--exact-layers", 1)
+    at_least(a.exact_layers, "--exact-layers", 2)
     timeout = at_least(a.timeout if a.timeout is not None else d_timeout, "--timeout", 1)
     out = a.folder or os.environ.get("OUT") or "."
     os.makedirs(out, exist_ok=True)
