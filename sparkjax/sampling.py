@@ -7,6 +7,8 @@ distribution.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -27,21 +29,64 @@ def first_argmax(x: Array, axis: int = -1) -> Array:
     return jnp.min(jnp.where(hit, index, n), axis=axis)
 
 
+# Keys and temperatures come either as one for the whole batch (a single key, a scalar) or one per sequence (a
+# key array [B], a temperature [B]); a per-sequence key draws row b's numbers from key b alone (vmapped), so a
+# sequence's draws do not depend on the other rows of the batch.
+
+
+def split_keys(key: Array, num: int) -> Array:
+    """``jax.random.split(key, num)`` ``[num]``; for per-sequence keys ``[B]``, each split: ``[num, B]``."""
+    if key.ndim == 0:
+        return jax.random.split(key, num)
+    return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, num))(key), 0, 1)
+
+
+def fold_in(key: Array, data: Any) -> Array:
+    """``jax.random.fold_in`` of a single key, or of each per-sequence key."""
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    return jax.vmap(lambda k: jax.random.fold_in(k, data))(key)
+
+
+def _draw(fn, key: Array, shape: tuple[int, ...], dtype) -> Array:
+    if key.ndim == 0:
+        return fn(key, shape, dtype)
+    return jax.vmap(lambda k: fn(k, shape[1:], dtype))(key)  # shape[0] is the batch: row b from key b
+
+
+def gumbel(key: Array, shape: tuple[int, ...], dtype=jnp.float32) -> Array:
+    """``jax.random.gumbel(key, shape)``; with per-sequence keys ``[B]``, row b (of ``shape[0] == B``) from key b."""
+    return _draw(jax.random.gumbel, key, tuple(shape), dtype)
+
+
+def uniform(key: Array, shape: tuple[int, ...], dtype=jnp.float32) -> Array:
+    """``jax.random.uniform(key, shape)``; per-sequence keys as in :func:`gumbel`."""
+    return _draw(jax.random.uniform, key, tuple(shape), dtype)
+
+
+def per_row(value: Array | float, ndim: int) -> Array:
+    """A scalar, or a per-sequence ``[B]`` value shaped ``[B, 1, ...]`` to broadcast against ``ndim`` axes."""
+    v = jnp.asarray(value, jnp.float32)
+    return v if v.ndim == 0 else v.reshape(v.shape + (1,) * (ndim - 1))
+
+
 def categorical(key: Array, logits: Array) -> Array:
     """A draw from ``softmax(logits)`` over the last axis (int32): exactly ``jax.random.categorical(key,
-    logits, axis=-1)`` (the same Gumbel noise added to the logits, the same first maximum)."""
-    return first_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits, axis=-1)
+    logits, axis=-1)`` for a single key (the same Gumbel noise added to the logits, the same first maximum);
+    per-sequence keys draw row b's noise from key b."""
+    return first_argmax(gumbel(key, logits.shape, logits.dtype) + logits, axis=-1)
 
 
 def pick(logits: Array, temperature: Array | float, key: Array | None) -> Array:
-    """Greedy argmax when ``key`` is None or ``temperature == 0``, else a sample at that temperature."""
+    """Greedy argmax when ``key`` is None or ``temperature == 0``, else a sample at that temperature
+    (``temperature`` a scalar or one per sequence ``[B]``; ``key`` one key or one per sequence)."""
     logits = logits.astype(jnp.float32)
     greedy = first_argmax(logits, axis=-1)
     if key is None:
         return greedy
-    t = jnp.asarray(temperature, jnp.float32)
+    t = per_row(temperature, logits.ndim)
     sampled = categorical(key, logits / jnp.where(t > 0, t, 1.0))
-    return jnp.where(t > 0, sampled, greedy)
+    return jnp.where(t[..., 0] > 0 if t.ndim else t > 0, sampled, greedy)
 
 
 def posterior(logits: Array, temperature: Array | float, key: Array | None) -> Array:
@@ -60,13 +105,13 @@ def speculative_chain(
     ``(accepted [B], next_token [B])``.
     """
     b, n = drafts.shape
-    t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
+    t = jnp.maximum(per_row(temperature, 3), 1e-6)
     p = jax.nn.softmax(target_logits.astype(jnp.float32) / t, axis=-1)
     q = jax.nn.softmax(draft_logits.astype(jnp.float32) / t, axis=-1)
-    k_accept, k_resid = jax.random.split(key)
+    k_accept, k_resid = split_keys(key, 2)
     p_d = jnp.take_along_axis(p[:, :n], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(k_accept, (b, n))
+    u = uniform(k_accept, (b, n))
     ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 since the draft was drawn from q
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     rows = jnp.arange(b)

@@ -342,7 +342,7 @@ def chain_probs(drafter, x_start: Array, blk: drafting.DraftBlock, prop: Proposa
         hidden = blk.hidden[:, drafter.config.first_draft_slot:]
         conf = drafting.confidence(drafter, hidden, drafting.chain_prev(x_start, prop.tokens))
         return jax.nn.sigmoid(conf.astype(jnp.float32))
-    t = jnp.asarray(temperature, jnp.float32)
+    t = sampling.per_row(temperature, prop.draft_logits.ndim)
     logp = jax.nn.log_softmax(prop.draft_logits / jnp.where(t > 0, t, 1.0), axis=-1)
     return jnp.exp(jnp.take_along_axis(logp, prop.tokens[..., None], axis=-1)[..., 0])
 
@@ -613,7 +613,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
 
         def body(c):
             i, s, feats, count = c
-            new, f, step, _ = _plain_target_step(target, s, temperature, jax.random.fold_in(key, j0 + i), max_new,
+            new, f, step, _ = _plain_target_step(target, s, temperature, sampling.fold_in(key, j0 + i), max_new,
                                                  eos, plan, features=track)
             r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
             choices = s.extra.choices.at[jnp.arange(b), r].set(i0, mode="drop")
@@ -645,7 +645,7 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
             return fn(target, drafter, *args, **kwargs)
 
     m: Auto = plan.method
-    key, k_expand, k_accept = jax.random.split(state.key, 3)
+    key, k_expand, k_accept = sampling.split_keys(state.key, 3)
     state = dataclasses.replace(state, key=key)
 
     def drafted(state, k_prev):

@@ -19,7 +19,7 @@ from ..cache import ContextCache
 from ..errors import ArgumentError
 from ..nn.drafter import Drafter
 from ..nn.layers import CacheMask
-from ..sampling import first_argmax, pick
+from ..sampling import first_argmax, gumbel, per_row, pick, split_keys
 from ..tree import top_k
 
 Array = jax.Array
@@ -129,7 +129,7 @@ def sample_chain(drafter: Drafter, base_logits: Array, temperature, key: Array |
     if _static_greedy(temperature, key, "sample_chain"):
         return argmax_chain(drafter, base_logits)
     logits = aligned_logits(drafter, base_logits).astype(jnp.float32)
-    keys = jax.random.split(key, logits.shape[1])
+    keys = split_keys(key, logits.shape[1])
     tokens = jax.vmap(lambda lg, k: pick(lg, temperature, k), in_axes=(1, 0), out_axes=1)(logits, keys)
     return DraftChain(tokens, logits)
 
@@ -199,7 +199,7 @@ def markov_chain(
     greedy = _static_greedy(temperature, key, "markov_chain")
     base = base_logits.astype(jnp.float32)
     g = base.shape[1]
-    keys = jax.random.split(key, g) if not greedy else jnp.zeros((g,), jnp.uint32)
+    keys = split_keys(key, g) if not greedy else jnp.zeros((g,), jnp.uint32)
     head = drafter.markov_head
 
     def step(prev, inp):
@@ -263,14 +263,15 @@ def markov_chain_fixed_point(
             return first_argmax(logits, axis=-1)
 
     else:
-        keys = jax.random.split(key, g)
-        t = jnp.asarray(temperature, jnp.float32)
+        keys = split_keys(key, g)
+        t = per_row(temperature, 3)  # [B, 1, 1] per sequence (or a scalar)
         scale = jnp.where(t > 0, t, 1.0)
         # slot g's Gumbel noise: exactly what pick(logits[:, g], T, keys[g]) draws (same key, same shape)
-        noise = jax.vmap(lambda k: jax.random.gumbel(k, (b, v), jnp.float32), out_axes=1)(keys)
+        noise = jax.vmap(lambda k: gumbel(k, (b, v), jnp.float32), out_axes=1)(keys)
 
         def choose(logits):  # == pick(logits[:, g], T, keys[g]) for every slot g
-            return jnp.where(t > 0, first_argmax(noise + logits / scale, axis=-1), first_argmax(logits, axis=-1))
+            hot = t[..., 0] > 0 if t.ndim else t > 0
+            return jnp.where(hot, first_argmax(noise + logits / scale, axis=-1), first_argmax(logits, axis=-1))
 
     if head is None:
         return DraftChain(choose(base), base), jnp.zeros((), jnp.int32)

@@ -218,7 +218,15 @@ class Chain(Method):
             return super().accept(prop, ver, temperature, key, plan=plan)
         n_acc, nxt = sampling.speculative_chain(ver.logits, prop.draft_logits, prop.tokens, temperature, key)
         j = jnp.arange(plan.depth + 1, dtype=jnp.int32)
-        return Acceptance(jnp.where(j[None] <= n_acc[:, None], j[None], -1), n_acc + 1, nxt)
+        acc = Acceptance(jnp.where(j[None] <= n_acc[:, None], j[None], -1), n_acc + 1, nxt)
+        t = jnp.asarray(temperature)
+        if t.ndim == 0:
+            return acc
+        # a temperature per sequence: the greedy ones take the greedy walk (exactly the target's tokens)
+        greedy = super().accept(prop, ver, 0.0, None, plan=dataclasses.replace(plan, sampling=False))
+        hot = t > 0
+        return Acceptance(jnp.where(hot[:, None], acc.indices, greedy.indices), jnp.where(hot, acc.length,
+                          greedy.length), jnp.where(hot, acc.bonus, greedy.bonus))
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> Chain:

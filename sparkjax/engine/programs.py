@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..sampling import pick
+from ..sampling import pick, split_keys
 from .drafting import append_context
 from .options import DEFAULT_OPTIONS
 from .placement import constrain, per_sequence
@@ -95,7 +95,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
     track = method.keeps_context(plan)
     cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids if track else (),
                                     attention=plan.options.attend)
-    key, sub = jax.random.split(key)
+    key, sub = split_keys(key, 2)
     first = pick(logits, temperature, sub if plan.sampling else None)
     ctx = drafter.init_context(b, cache_size)
     if track:

@@ -148,7 +148,7 @@ def run_stages(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
         def call(fn, *args, **kwargs):
             return fn(target, drafter, *args, **kwargs)
 
-    key, k_expand, k_accept = jax.random.split(state.key, 3)
+    key, k_expand, k_accept = sampling.split_keys(state.key, 3)
     state = dataclasses.replace(state, key=key)
     blk = call(draft, state, plan=plan)
     prop = call(expand, state, blk, temperature, k_expand, plan=plan)

@@ -228,15 +228,23 @@ class Engine:
     or what ``cache_size`` leaves); ``rounds_per_visit``: rounds per device call between host visits;
     ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`;
     ``tokenizer``: for the chunks' text and stop strings (None: empty text); ``eos_token_ids``: the pair's EOS
-    ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`.
-    Greedy requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone.
+    ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`;
+    ``sampling``: whether requests may sample (temperature > 0; False compiles only the greedy programs).
+    Greedy requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone, whatever shares
+    the pool; a sampled request draws from its own key (its seed), so with a fixed method it gets the same
+    tokens alone and in a busy pool (``auto``'s verification sizes, and so its sampled tokens, depend on the
+    pool).
     """
 
     def __init__(self, target, drafter=None, *, method: str | Method = "auto", slots: int = 8,
                  cache_size: int | None = None, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, rounds_per_visit: int = 8, queue_limit: int = 64,
-                 tokenizer: Any = None, eos_token_ids: int | Sequence[int] | None = None, options: Any = None):
+                 tokenizer: Any = None, eos_token_ids: int | Sequence[int] | None = None, options: Any = None,
+                 sampling: bool = True):
         check_models(target, drafter)
+        if not isinstance(sampling, bool):
+            raise ArgumentError(f"sampling: expected True or False, got {describe(sampling)}")
+        self.sampling = sampling
         self.target, self.drafter = target, drafter
         self.options = check_options(options)
         self.method = parse_method(method)
@@ -264,6 +272,8 @@ class Engine:
             self.plan = self.method.bind(self.plan, **kw)
         self._inputs = self.method.inputs(self.plan, **kw)
         self.labels = tuple(self.plan.method.labels()) if self.plan is not None else ()
+        # the sampling programs: the same bound plan (cost table included), sampling
+        self.sampling_plan = None if self.plan is None else dataclasses.replace(self.plan, sampling=True)
         # scheduler state (under self._cond)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -302,8 +312,9 @@ class Engine:
         for width in self.buckets:  # admit a dummy prompt of each bucket into slot 0, then free it
             tokens = np.zeros((1, width), np.int32)
             self._pool = self._admit_call(0, tokens, 1, 1, self.eos_row(None), 0.0, 0)
-        self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1)
-        jax.block_until_ready(visit)
+        for hot in (False, True) if self.sampling else (False,):
+            self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, hot)
+            jax.block_until_ready(visit)
         programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32), width=self.buf_len)
         self._pool = self._fresh_pool()
         jax.block_until_ready(self._pool)
@@ -368,8 +379,8 @@ class Engine:
             raise ArgumentError(f"max_new_tokens: {int(max_new_tokens)} is outside [1, {self.max_new_tokens}] "
                                 f"(this engine's limit)")
         temperature = check_temperature(temperature)
-        if temperature > 0:
-            raise ArgumentError("temperature: this engine serves greedy requests only (temperature 0)")
+        if temperature > 0 and not self.sampling:
+            raise ArgumentError("temperature: this engine serves greedy requests only (built with sampling=False)")
         seed = secrets.randbits(63) if seed is None else check_seed(seed)
         eos = self.eos_row(eos_token_ids)
         stops = _check_stop(stop, self.tokenizer)
@@ -439,9 +450,11 @@ class Engine:
         return programs.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
                                   **self._static(), slots=self.slots)
 
-    def _static(self) -> dict[str, Any]:
-        return dict(plan=self.plan, target_only=self._target_only, cache_size=self.cache_size,
-                    buf_len=self.buf_len, sampling=False, options=self.options)
+    def _static(self, sampling: bool | None = None) -> dict[str, Any]:
+        """The programs' static arguments; ``sampling`` None: the engine's (the prefill, the pool)."""
+        hot = self.sampling if sampling is None else sampling
+        return dict(plan=self.sampling_plan if hot else self.plan, target_only=self._target_only,
+                    cache_size=self.cache_size, buf_len=self.buf_len, sampling=hot, options=self.options)
 
     def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
                     temperature: float, seed: int):
@@ -451,11 +464,11 @@ class Engine:
                                    jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
                                    jnp.float32(temperature), _key(seed), self._device_inputs, **self._static())
 
-    def _visit_call(self, stop: np.ndarray, rounds: int):
-        st = self._static()
+    def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool):
+        st = self._static(sampling)
         return programs.pool_visit(
             self._graphdefs, self._states, self._pool, jnp.asarray(stop), jnp.int32(rounds),
-            jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos), jnp.float32(0.0),
+            jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos), jnp.asarray(self._slot_temp),
             jnp.asarray(self._seen), plan=st["plan"], target_only=st["target_only"], window=self.window,
             sampling=st["sampling"], options=st["options"])
 
@@ -535,7 +548,8 @@ class Engine:
             self._stop[:] = False
         if not occupied and not stop.any():
             return
-        self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0)
+        hot = bool(any(self._slot_temp[i] > 0 for i in occupied))
+        self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0, hot)
         v = jax.device_get(visit)
         n = v.n
         over = n - self._seen > self.window

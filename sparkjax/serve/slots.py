@@ -26,7 +26,7 @@ from ..cache import ContextCache, KVCache
 from ..engine.programs import merge_pair, prefill, spec_prefill
 from ..engine.round import flag_nonfinite, hits_eos
 from ..engine.state import Plan, SpecState
-from ..sampling import pick
+from ..sampling import pick, split_keys
 
 Array = jax.Array
 
@@ -64,8 +64,8 @@ def _put_context(pool: ContextCache | None, row: ContextCache | None, slot: Arra
 
 
 def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) -> SpecState:
-    """``pool`` with sequence ``slot`` replaced by the batch-1 state ``row``; the key stays the pool's (or, with a
-    key per slot, slot ``slot``'s is the row's) and the method's carried state is merged by its
+    """``pool`` with sequence ``slot`` replaced by the batch-1 state ``row`` (its key too, with a key per slot; a
+    single key stays the pool's); the method's carried state is merged by its
     :meth:`~sparkjax.engine.methods.Method.admit_state`."""
     per_row = {f: _put(getattr(pool, f), getattr(row, f), slot)
                for f in ("x_start", "out", "n", "done", "accept_lens", "rounds", "depth_hits", "nonfinite")}
@@ -83,7 +83,7 @@ def ar_start(target, tokens, lengths, max_new, eos, temperature, key, *, cache_s
     cache, logits, _ = prefill(target, tokens, lengths, cache_size, attention=attention)
     sub = None
     if sampling:
-        key, sub = jax.random.split(key)
+        key, sub = split_keys(key, 2)
     first = pick(logits, temperature, sub)
     n = jnp.ones((b,), jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
@@ -103,7 +103,7 @@ def ar_round(target, state: SpecState, max_new, eos, temperature, *, sampling: b
     cache = step.cache.with_lengths(cache.lengths + (~done).astype(jnp.int32))
     key, sub = state.key, None
     if sampling:
-        key, sub = jax.random.split(key)
+        key, sub = split_keys(key, 2)
     nxt = pick(step.logits[:, 0], temperature, sub)
     n = state.n
     bad = flag_nonfinite(state.nonfinite, step.logits, ~done, n)
@@ -137,8 +137,9 @@ _STATIC = ("graphdefs", "plan", "target_only", "cache_size", "buf_len", "samplin
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("slots",))
 def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache_size, buf_len, sampling, options):
-    """The pool of ``slots`` free slots (every sequence done, nothing generated)."""
+    """The pool of ``slots`` free slots (every sequence done, nothing generated), a key per slot."""
     target, drafter = _models(graphdefs, states, target_only)
+    key = jax.random.split(key, slots)  # a key per slot
     tokens = jnp.zeros((slots, 1), jnp.int32)
     lengths = jnp.ones((slots,), jnp.int32)
     state = _start_row(target, drafter, tokens, lengths, jnp.ones((slots,), jnp.int32),
@@ -154,8 +155,10 @@ def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache
 def pool_admit(graphdefs, states, pool, slot, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan,
                target_only, cache_size, buf_len, sampling, options):
     """The prefill of one prompt (``tokens`` ``[1, P]``, ``lengths`` ``[1]``; ``max_new``, ``eos`` ``[E]``,
-    ``temperature`` and ``key`` its own) written into slot ``slot`` of ``pool`` (donated)."""
+    ``temperature`` and ``key`` its own, the key as a per-sequence key ``[1]``) written into slot ``slot`` of
+    ``pool`` (donated)."""
     target, drafter = _models(graphdefs, states, target_only)
+    key = key.reshape(1)  # a per-sequence key: the row's draws depend on its key alone
     row = _start_row(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan=plan,
                      target_only=target_only, cache_size=cache_size, buf_len=buf_len, sampling=sampling,
                      attention=options.attend)
