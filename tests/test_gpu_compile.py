@@ -21,8 +21,8 @@ def _k(shape, moves=False, count=1.0):
 def test_score_tensor_and_cache_copy_checks():
     b, n, kv, s = 2, 32, 8, 1024
     scores = [_k("f32[2,8,4,65,1024]{4,3,2,1,0}"), _k("f32[2,32,65,1040]"), _k("f32[8,1024,260]")]
-    tally = hlo.Tally(scores + [_k("bf16[2,8,4,65,1024]"), _k("f32[2,65,151936]"), _k("f32[8,65,2560]")])
-    # float32 score-shaped results only: bf16 probabilities, f32 logits and gemm partials are not scores
+    tally = hlo.Tally(scores + [_k("bf16[2,8,4,65,1024]"), _k("f32[2,65,151936]"), _k("f32[8,32,2560]")])
+    # float32 score-shaped results only: bf16 probabilities, f32 logits and split-K gemm partials are not scores
     assert hlo.f32_score_tensors(tally, b, n, kv, s) == ["f32[2, 8, 4, 65, 1024]", "f32[2, 32, 65, 1040]"]
     assert hlo.f32_score_tensors(hlo.Tally(scores[2:]), 1, n, kv, s) == ["f32[8, 1024, 260]"]  # batch 1 dropped
     assert hlo.f32_score_tensors(hlo.Tally(scores), b, n, kv, 2048) == []  # nothing spans 2048 slots

@@ -571,22 +571,21 @@ def count_hlo(text: str, *, loop_body: bool = False, elide_converts: bool = True
     return c.count_loop_body() if loop_body else c.walk(c.entry)
 
 
-def f32_score_tensors(tally: Tally, batch: int, heads: int, kv_heads: int, slots: int) -> list[str]:
+def f32_score_tensors(tally: Tally, batch: int, heads: int, kv_heads: int, slots: int, rows: int = 256) -> list[str]:
     """The float32 results of ``tally``'s kernels shaped like attention scores ``[B, N, T, S]`` (grouped
-    ``[B, K, N / K, T, S]`` or with dimensions merged, ``[K, S, N / K * T]``; a size-1 batch may be dropped): a
-    dimension of at least ``slots``, ``N`` or ``K`` among the others, and ``B N`` dividing their product (a shape
-    test: a matching tensor of something else would be reported too). Their shapes, once each."""
+    ``[B, K, N / K, T, S]``, or with dimensions merged, e.g. ``[K, S, N / K * T]``): one dimension that spans the
+    cache and at most ``rows`` more (``slots <= d <= slots + rows``) and ``B N`` dividing the product of the others
+    (a shape test: another tensor of such a shape would be reported too). Their shapes, once each."""
     found: dict[str, None] = {}
     for k in tally.kernels:
         for dt, dims in shape_arrays(k.shape):
             if dt != "f32" or len(dims) < 2:
                 continue
-            big = [i for i, d in enumerate(dims) if d >= slots]
-            if not big:
+            span = [i for i, d in enumerate(dims) if slots <= d <= slots + rows]
+            if not span:
                 continue
-            rest = [d for i, d in enumerate(dims) if i != big[-1]]
-            has_heads = heads in rest or kv_heads in rest
-            if has_heads and math.prod(rest) % (batch * heads) == 0:
+            rest = math.prod(d for i, d in enumerate(dims) if i != span[-1])
+            if rest % (batch * heads) == 0:
                 found[f"f32{list(dims)}"] = None
     return list(found)
 
