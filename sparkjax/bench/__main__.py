@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from sparkjax import _startup
 from sparkjax.cli import OneLineParser, run_cli
 
-from . import ar, attention, device, drafter, gpu, round, scale, train, tree
+from . import ar, attention, device, drafter, gpu, round, scale, serve, train, tree
 from .common import Report, command_line
 
 COMMANDS = {"ar": ar, "round": round, "tree": tree, "drafter": drafter, "scale": scale, "train": train,
-            "attention": attention, "gpu-compile": gpu, "device": device}
+            "attention": attention, "gpu-compile": gpu, "device": device,
+            "serve": serve}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ A bad flag or a model that does not load is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -44,6 +45,8 @@ def parser() -> OneLineParser:
     e.add_argument("--cache-size", type=int, metavar="S", help="KV cache slots per sequence (engine default)")
     e.add_argument("--rounds-per-visit", type=int, default=8, metavar="K",
                    help="rounds run on device per host visit (default 8)")
+    e.add_argument("--no-sampling", action="store_true",
+                   help="compile only the greedy programs (a faster start); requests with temperature > 0 get 400")
     e.add_argument("--queue-limit", type=int, default=64, metavar="N",
                    help="requests waiting for a slot before new ones get 429 (default 64)")
     h = p.add_argument_group("HTTP")
@@ -55,8 +58,9 @@ def parser() -> OneLineParser:
                    help="larger request bodies get 413 (default 1 MiB)")
     h.add_argument("--grace-s", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests may take to finish (default 30)")
-    h.add_argument("--temperature", type=float, default=1.0,
-                   help="temperature of requests that give none (default 1, as OpenAI)")
+    h.add_argument("--temperature", type=float, default=None,
+                   help="temperature of requests that give none (default: 0 when the target's "
+                        "generation_config.json says do_sample false, else its temperature, else 1 as OpenAI)")
     h.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
 
@@ -72,7 +76,7 @@ def check_args(args) -> str | None:
         raise ArgumentError(f"--port: expected 0..65535, got {args.port}")
     if not args.grace_s >= 0:
         raise ArgumentError(f"--grace-s: expected at least 0, got {args.grace_s}")
-    if not 0 <= args.temperature <= 2:
+    if args.temperature is not None and not 0 <= args.temperature <= 2:
         raise ArgumentError(f"--temperature: expected a number in [0, 2], got {args.temperature}")
     if args.target is None and (args.drafter or args.tokenizer):
         raise ArgumentError(f"--{'drafter' if args.drafter else 'tokenizer'}: given without --target (the demo "
@@ -87,6 +91,22 @@ def check_args(args) -> str | None:
         except OSError as e:
             raise ArgumentError(f"--host/--port: cannot bind {args.host}:{args.port} ({e.strerror or e})") from None
     return key
+
+
+def default_temperature(target_dir) -> float:
+    """The temperature of a request that gives none: the target folder's generation_config.json (0 for
+    ``do_sample: false``, else its ``temperature``), else 1 (OpenAI's default)."""
+    try:
+        with open(os.path.join(target_dir, "generation_config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return 1.0
+    if not isinstance(cfg, dict):
+        return 1.0
+    if cfg.get("do_sample") is False:
+        return 0.0
+    t = cfg.get("temperature")
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) and 0 <= t <= 2 else 1.0
 
 
 def load(args):
@@ -133,21 +153,26 @@ def main(argv: list[str] | None = None) -> int:
         if drafter is None and args.method != "ar":
             raise ArgumentError(f"--method {args.method}: needs --drafter (or use --method ar)")
         eos = eos_ids(tok, target_dir)
+        temperature = default_temperature(target_dir) if args.temperature is None else args.temperature
+        if args.no_sampling and temperature > 0:
+            raise ArgumentError(f"--no-sampling: the default temperature is {temperature:g}; pass --temperature 0")
         devices = jax.devices()
         log.info("device: %d x %s (%s); compilation cache: %s", len(devices), devices[0].device_kind,
                  devices[0].platform, xla or "off")
-        log.info("pair: %s; method %s; %d slots", what, args.method, args.slots)
+        log.info("pair: %s; method %s; %d slots; default temperature %g", what, args.method, args.slots,
+                 temperature)
         engine = Engine(target, drafter, method=args.method, slots=args.slots, cache_size=args.cache_size,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         rounds_per_visit=args.rounds_per_visit, queue_limit=args.queue_limit, tokenizer=tok,
-                        eos_token_ids=eos)
+                        eos_token_ids=eos, sampling=not args.no_sampling)
         compile_s = engine.start()
         log.info("compiled and warmed up in %.1f s (max prompt %d tokens, max new tokens %d, queue limit %d)",
                  compile_s, engine.max_prompt_tokens, engine.max_new_tokens, args.queue_limit)
         model = args.model_name or (DEMO_MODEL if args.target is None else os.path.basename(
             os.path.normpath(args.target)))
         app = create_app(engine, tokenizer=tok, model=model, eos_token_ids=eos, api_key=key,
-                         max_body_bytes=args.max_body_bytes, default_temperature=args.temperature)
+                         max_body_bytes=args.max_body_bytes,
+                         default_temperature=temperature)
         if not is_loopback(args.host) and key is None:
             log.warning("binding %s without an API key: anyone who can reach this address can use the server "
                         "(pass --api-key or set $%s)", args.host, API_KEY_ENV)

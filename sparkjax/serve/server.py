@@ -563,6 +563,26 @@ def create_app(engine, *, tokenizer, model: str = "sparkjax", eos_token_ids: Seq
 # --- /metrics -----------------------------------------------------------------------------------------------------
 
 
+# the engine's metrics() keys: (Prometheus name, type, label of a dict's keys)
+ENGINE_METRICS = {
+    "requests": ("sparkjax_requests_total", "counter", "reason"),
+    "submitted": ("sparkjax_requests_submitted_total", "counter", None),
+    "prompt_tokens": ("sparkjax_prompt_tokens_total", "counter", None),
+    "generated_tokens": ("sparkjax_generated_tokens_total", "counter", None),
+    "rounds": ("sparkjax_rounds_total", "counter", None),
+    "visits": ("sparkjax_host_visits_total", "counter", None),
+    "accepted_tokens": ("sparkjax_accepted_tokens_total", "counter", None),
+    "tau": ("sparkjax_tau", "gauge", None),
+    "verify_sizes": ("sparkjax_verify_rounds_total", "counter", "size"),
+    "faults": ("sparkjax_engine_faults_total", "counter", None),
+    "queue_length": ("sparkjax_queue_length", "gauge", None),
+    "active_slots": ("sparkjax_active_slots", "gauge", None),
+    "slots": ("sparkjax_slots", "gauge", None),
+    "compile_s": ("sparkjax_compile_seconds", "gauge", None),
+}
+SKIPPED = {"ttft_samples", "method", "ttft"}  # samples, a label (sparkjax_info) and a histogram (below)
+
+
 def _metric_name(key: str) -> str:
     clean = "".join(ch if ch.isalnum() else "_" for ch in str(key)).strip("_").lower()
     return f"sparkjax_{clean}"
@@ -580,32 +600,42 @@ def _fmt(v: float) -> str:
     return str(int(v)) if float(v).is_integer() and abs(v) < 2**53 else repr(float(v))
 
 
+def _histogram(name: str, buckets: Sequence[tuple[float, int]], count: int, total: float) -> list[str]:
+    lines = [f"# TYPE {name} histogram"]
+    lines += [f'{name}_bucket{{le="{b:g}"}} {n}' for b, n in buckets]
+    return lines + [f'{name}_bucket{{le="+Inf"}} {count}', f"{name}_sum {total!r}", f"{name}_count {count}"]
+
+
 def prometheus(engine_metrics: dict, stats: Stats) -> str:
-    """Prometheus text exposition of the engine's :meth:`metrics` (a number is a gauge, or a counter when its
-    name ends in ``_total``; a dict of numbers is one series per key, labelled ``key``; anything else is left
-    out) followed by the server's own response counts and time-to-first-token histogram."""
+    """Prometheus text exposition of the engine's :meth:`metrics` (the keys of :data:`ENGINE_METRICS` under their
+    names; any other number as a gauge, a dict of numbers as one series per key; ``ttft`` as the histogram
+    ``sparkjax_time_to_first_token_seconds``, ``method`` as a label of ``sparkjax_info``), followed by the
+    server's own response counts and its time-to-first-token histogram (request received to first token)."""
     lines: list[str] = []
-    for key, value in sorted(engine_metrics.items()):
-        name = _metric_name(key)
-        kind = "counter" if name.endswith("_total") else "gauge"
+    m = dict(engine_metrics)
+    if "method" in m:
+        lines += ["# TYPE sparkjax_info gauge", f'sparkjax_info{{method="{_label(m["method"])}"}} 1']
+    for key, value in sorted(m.items()):
+        if key in SKIPPED:
+            continue
+        name, kind, label = ENGINE_METRICS.get(key, (_metric_name(key), "gauge", "key"))
         if isinstance(value, dict):
             series = [(k, _number(v)) for k, v in value.items()]
             series = [(k, v) for k, v in series if v is not None]
-            if not series:
-                continue
-            lines.append(f"# TYPE {name} {kind}")
-            lines += [f'{name}{{key="{_label(k)}"}} {_fmt(v)}' for k, v in sorted(series, key=lambda kv: str(kv[0]))]
+            if series:
+                lines.append(f"# TYPE {name} {kind}")
+                lines += [f'{name}{{{label or "key"}="{_label(k)}"}} {_fmt(v)}' for k, v in series]
         elif (v := _number(value)) is not None:
             lines += [f"# TYPE {name} {kind}", f"{name} {_fmt(v)}"]
+    ttft = m.get("ttft")
+    if isinstance(ttft, dict) and {"count", "sum", "buckets"} <= set(ttft):
+        lines += _histogram("sparkjax_time_to_first_token_seconds", ttft["buckets"], ttft["count"], ttft["sum"])
     lines.append("# TYPE sparkjax_http_responses_total counter")
     for (path, code), n in sorted(stats.responses.items()):
         lines.append(f'sparkjax_http_responses_total{{path="{_label(path)}",code="{code}"}} {n}')
-    name = "sparkjax_http_time_to_first_token_seconds"
-    lines.append(f"# TYPE {name} histogram")
-    for b, n in zip(TTFT_BUCKETS, stats.ttft_buckets, strict=True):
-        lines.append(f'{name}_bucket{{le="{b:g}"}} {n}')
-    lines += [f'{name}_bucket{{le="+Inf"}} {stats.ttft_count}', f"{name}_sum {stats.ttft_sum!r}",
-              f"{name}_count {stats.ttft_count}"]
+    lines += _histogram("sparkjax_http_time_to_first_token_seconds", list(zip(TTFT_BUCKETS, stats.ttft_buckets,
+                                                                              strict=True)),
+                        stats.ttft_count, stats.ttft_sum)
     return "\n".join(lines) + "\n"
 
 

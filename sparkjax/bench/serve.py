@@ -1,0 +1,453 @@
+"""Serving under load: live ``python -m sparkjax.serve`` servers on 127.0.0.1 (one per method), side by side.
+
+    python -m sparkjax.bench serve [--methods ar,auto] [--concurrency 1,4,16,64] [--poisson-rate 4]
+                                   [--requests 64] [--time-limit-s 120] [--max-tokens 64] [--slots 8]
+                                   [--json PATH] [--csv PATH] [--png PATH]
+
+Starts one server per method (the bundled demo pair, greedy) and records how long each took to be ready; then,
+for every load level, drives each server in turn (interleaved: the order alternates between levels) with the
+demo's held-out prompts (chat turns through /v1/chat/completions, raw rows through /v1/completions), streamed.
+A level is a fixed concurrency (each of C clients sends its next request when the last one ends) or open-loop
+Poisson arrivals at ``--poisson-rate`` per second; each is bounded by ``--requests`` (at least C) and
+``--time-limit-s`` (requests not started by then are not sent; ones still running at twice the limit are
+abandoned and counted as lost). Per level and method: throughput (completion tokens / wall seconds),
+time to first token and time per output token (p50 / p99), tau (tokens per round, from the server's /metrics)
+and the share of rounds per verification size. Afterwards every greedy response is checked against
+``sparkjax.generate`` (the target's own greedy tokens) for its prompt alone, and batch-1 ``generate``
+throughput of each method is measured on the same prompts (the serving overhead at concurrency 1). The
+servers are then stopped with SIGTERM and their exit codes recorded.
+
+``--json`` writes everything; ``--csv`` one row per level and method; ``--png`` throughput and latency against
+concurrency. All are written atomically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from sparkjax.errors import ArgumentError
+
+from .common import add_output, at_least, child_env, device_name, ints, log, names, write_text
+from .timing import load_warning
+
+MODEL = "sparkjax-demo"
+READY = re.compile(r" ready on (http://\S+)")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--methods", default="ar,auto", help="comma-separated methods, one server each (default ar,auto)")
+    p.add_argument("--concurrency", default="1,4,16,64", help="fixed-concurrency levels (default 1,4,16,64)")
+    p.add_argument("--poisson-rate", type=float, default=4.0,
+                   help="open-loop Poisson arrivals per second (0: no Poisson level; default 4)")
+    p.add_argument("--requests", type=int, default=64, help="requests per level and method (at least the "
+                                                             "concurrency; default 64)")
+    p.add_argument("--time-limit-s", type=float, default=120.0, help="seconds a level may start requests")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    p.add_argument("--slots", type=int, default=8, help="the servers' --slots (default 8)")
+    p.add_argument("--rounds-per-visit", type=int, default=8, help="the servers' --rounds-per-visit")
+    p.add_argument("--ready-timeout-s", type=float, default=1200.0, help="seconds a server may take to be ready")
+    p.add_argument("--no-solo", action="store_true", help="skip the exactness check and the batch-1 generate runs")
+    p.add_argument("--seed", type=int, default=0, help="the prompt order and the Poisson arrivals")
+    add_output(p)
+    p.add_argument("--csv", metavar="PATH", help="write one row per level and method here")
+    p.add_argument("--png", metavar="PATH", help="write the throughput and latency plot here")
+
+
+# --- prompts ------------------------------------------------------------------------------------------------------
+
+
+def prompts() -> list[dict]:
+    """The demo's held-out prompt rows as requests: ``{"kind": "chat"|"text", "text", "set", "id"}``."""
+    from sparkjax import demo
+
+    out = []
+    for name in demo.PROMPT_SETS:
+        for row in demo.prompts(name):
+            kind, text = ("text", row["text"]) if "text" in row else ("chat", row["turns"][0])
+            out.append({"index": len(out), "kind": kind, "text": text, "set": name, "id": row.get("id")})
+    return out
+
+
+def body(p: dict, max_tokens: int) -> tuple[str, dict]:
+    common = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if p["kind"] == "chat":
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": p["text"]}]}
+    return "/v1/completions", {**common, "prompt": p["text"]}
+
+
+# --- servers ------------------------------------------------------------------------------------------------------
+
+
+class Server:
+    """One ``python -m sparkjax.serve`` child process; :attr:`ready_s` is spawn to its "ready" log line."""
+
+    def __init__(self, method: str, args):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.method, self.url, self.ready_s, self.log = method, None, None, []
+        queue = max(256, 4 * max(ints(args.concurrency, "--concurrency")))
+        cmd = [sys.executable, "-m", "sparkjax.serve", "--method", method, "--port", str(self.port), "--slots",
+               str(args.slots), "--max-new-tokens", str(args.max_tokens), "--queue-limit", str(queue),
+               "--rounds-per-visit", str(args.rounds_per_visit), "--grace-s", "10"]
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=child_env(PYTHONUNBUFFERED="1"))
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            m = READY.search(line)
+            if m and self.url is None:
+                self.ready_s = time.perf_counter() - self.t0
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def wait(self, timeout: float) -> None:
+        if not self._ready.wait(timeout) or self.url is None:
+            self.stop()
+            tail = "; ".join(self.log[-3:])
+            raise ArgumentError(f"--methods {self.method}: the server was not ready within {timeout:.0f} s "
+                                f"(exit {self.proc.poll()}; {tail})")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as ``{series: value}``."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+# --- one load level -----------------------------------------------------------------------------------------------
+
+
+async def _one(client, url: str, p: dict, max_tokens: int) -> dict:
+    path, payload = body(p, max_tokens)
+    rec: dict[str, Any] = {"prompt": p["index"], "kind": p["kind"], "status": None, "text": "", "tokens": 0,
+                           "finish": None}
+    t0 = time.perf_counter()
+    first = None
+    try:
+        async with client.stream("POST", url + path, json=payload) as r:
+            rec["status"] = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                rec["error"] = r.text[:300]
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    rec["error"] = data["error"]["message"]
+                    continue
+                if data.get("usage"):
+                    rec["tokens"] = data["usage"]["completion_tokens"]
+                for c in data.get("choices", []):
+                    piece = c.get("text") if p["kind"] == "text" else (c.get("delta") or {}).get("content")
+                    if piece and first is None:
+                        first = time.perf_counter()
+                    rec["text"] += piece or ""
+                    rec["finish"] = c.get("finish_reason") or rec["finish"]
+    except Exception as e:  # noqa: BLE001 - a transport failure is a lost request, recorded
+        rec["error"] = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    rec["latency_s"] = end - t0
+    rec["ttft_s"] = None if first is None else first - t0
+    rec["tpot_s"] = (end - first) / (rec["tokens"] - 1) if first is not None and rec["tokens"] > 1 else None
+    return rec
+
+
+async def _level(url: str, rows: list[dict], *, concurrency: int | None, rate: float | None, requests: int,
+                 limit_s: float, max_tokens: int, seed: int) -> tuple[list[dict], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=30, read=max(60.0, 2 * limit_s), write=30, pool=None)
+    order = [rows[i % len(rows)] for i in range(requests)]
+    random.Random(seed).shuffle(order)
+    records: list[dict] = []
+    started = [0]  # closed loop: requests sent
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        t0 = time.perf_counter()
+        deadline = t0 + limit_s
+        if concurrency is not None:
+            todo = iter(order)
+
+            async def worker():
+                for p in todo:
+                    if time.perf_counter() > deadline:
+                        return
+                    started[0] += 1
+                    records.append(await _one(client, url, p, max_tokens))
+
+            tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+        else:
+            rng = random.Random(seed + 1)
+            tasks = []
+            at = 0.0
+            for p in order:
+                at += rng.expovariate(rate)
+                if t0 + at > deadline:
+                    break
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                tasks.append(asyncio.ensure_future(_one(client, url, p, max_tokens)))
+        done, pending = await asyncio.wait(tasks, timeout=max(1.0, 2 * limit_s - (time.perf_counter() - t0)))
+        for t in pending:
+            t.cancel()
+        if concurrency is None:
+            records += [t.result() for t in done]
+            lost = len(pending)
+        else:
+            lost = started[0] - len(records)
+        wall = time.perf_counter() - t0
+    records += [{"status": None, "error": "abandoned at the level's hard limit"} for _ in range(lost)]
+    return records, wall
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def summarize(method: str, level: str, concurrency: int | None, records: list[dict], wall: float,
+              before: dict, after: dict) -> dict:
+    ok = [r for r in records if r.get("status") == 200 and r.get("finish") in ("stop", "length")]
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+    tpot = [r["tpot_s"] for r in ok if r.get("tpot_s") is not None]
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    rounds, accepted = delta("sparkjax_rounds_total"), delta("sparkjax_accepted_tokens_total")
+    sizes = {k.split('size="')[1][:-2]: delta(k) for k in after if k.startswith("sparkjax_verify_rounds_total{")}
+    total = sum(sizes.values())
+    five = sum(delta(k) for k in after if k.startswith("sparkjax_http_responses_total") and 'code="5' in k)
+    return {"method": method, "level": level, "concurrency": concurrency, "requests": len(records),
+            "completed": len(ok), "lost": len(records) - len(ok), "http_5xx": int(five),
+            "completion_tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall if wall > 0 else None,
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "tpot_p50_s": _pct(tpot, 0.5),
+            "tpot_p99_s": _pct(tpot, 0.99), "tau": accepted / rounds if rounds else None,
+            "verify_share": {k: v / total for k, v in sizes.items() if v} if total else {},
+            "responses": [{k: r.get(k) for k in ("prompt", "kind", "text", "tokens", "finish", "status", "error")}
+                          for r in records]}
+
+
+# --- exactness and batch-1 generate ---------------------------------------------------------------------------------
+
+
+def solo(rows: list[dict], methods: list[str], max_tokens: int) -> tuple[dict, dict]:
+    """(``[(expected text, completion tokens)]`` per row, from greedy ``ar``; ``{method: batch-1 tok/s}``)."""
+    import sparkjax
+    from sparkjax import demo
+
+    pair = demo.load()
+    ids = [pair.encode_chat(r["text"]) if r["kind"] == "chat" else pair.encode_text(r["text"]) for r in rows]
+    width = 1 << max(len(i) for i in ids).bit_length()
+    eos = pair.eos_token_ids
+    expect, rates = [], {}
+    for m in ["ar", *[m for m in methods if m != "ar"]]:
+        drafter = None if m == "ar" else pair.dspark
+        run = dict(method=m, max_new_tokens=max_tokens, prompt_width=width, eos_token_ids=eos)
+        sparkjax.generate(pair.target, drafter, [ids[0]], **run)  # compile
+        t0, n = time.perf_counter(), 0
+        for i in ids:
+            out = sparkjax.generate(pair.target, drafter, [i], **run).tokens[0]
+            n += len(out)
+            if m == "ar":
+                expect.append((pair.tokenizer.decode(out, skip_special_tokens=True), len(out)))
+        rates[m] = n / (time.perf_counter() - t0)
+        log(f"  solo generate {m}: {rates[m]:.1f} tok/s (batch 1, {len(rows)} prompts)")
+    return expect, rates
+
+
+# --- output ---------------------------------------------------------------------------------------------------------
+
+
+def _f(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.0f}ms"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'level':<10} {'method':<8} {'done':>5} {'lost':>4} {'5xx':>3} {'tok/s':>8} {'ttft p50':>9} "
+             f"{'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'tau':>5} {'exact':>7}  verify sizes"]
+    for r in rows:
+        share = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["verify_share"].items(), key=lambda kv: -kv[1])[:3])
+        lines.append(f"{r['level']:<10} {r['method']:<8} {r['completed']:>5} {r['lost']:>4} {r['http_5xx']:>3} "
+                     f"{_f(r['throughput_tok_s']):>8} {_ms(r['ttft_p50_s']):>9} {_ms(r['ttft_p99_s']):>9} "
+                     f"{_ms(r['tpot_p50_s']):>9} {_ms(r['tpot_p99_s']):>9} {_f(r['tau'], '.2f'):>5} "
+                     f"{r.get('exact', '-'):>7}  {share}")
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ("level", "method", "concurrency", "requests", "completed", "lost", "http_5xx", "completion_tokens",
+              "wall_s", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tau", "exact")
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{r[k]:.6g}" if isinstance(r.get(k), float) else r.get(k)) for k in CSV_FIELDS})
+    write_text(path, buf.getvalue())
+
+
+COLORS = ("#4d4d4d", "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd")
+
+
+def write_png(path: str, rows: list[dict], title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from sparkjax.io.atomic import atomic_file
+
+    fig = Figure(figsize=(11, 3.8), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for j, m in enumerate(methods):
+        mine = sorted((r for r in rows if r["method"] == m and r["concurrency"]), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in mine]
+        style = dict(color=COLORS[j % len(COLORS)], marker="o", label=m)
+        axes[0].plot(xs, [r["throughput_tok_s"] or 0 for r in mine], **style)
+        for key, ax in (("ttft", axes[1]), ("tpot", axes[2])):
+            ax.plot(xs, [1e3 * (r[f"{key}_p50_s"] or 0) for r in mine], **style)
+            ax.plot(xs, [1e3 * (r[f"{key}_p99_s"] or 0) for r in mine], color=style["color"], linestyle=":",
+                    marker="^", label=f"{m} p99")
+        for r in rows:
+            if r["method"] == m and r["concurrency"] is None and r["throughput_tok_s"]:
+                axes[0].axhline(r["throughput_tok_s"], color=style["color"], linestyle="--", linewidth=0.8,
+                                label=f"{m} {r['level']}")
+    for ax, label in zip(axes, ("throughput (tok/s)", "time to first token (ms)", "time per output token (ms)"),
+                         strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    fig.suptitle(title, fontsize=9)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png")
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+def run(args, report) -> None:
+    methods = names(args.methods)
+    levels = ints(args.concurrency, "--concurrency")
+    for arg in ("requests", "max_tokens", "slots", "rounds_per_visit"):
+        at_least(getattr(args, arg), f"--{arg.replace('_', '-')}")
+    at_least(args.time_limit_s, "--time-limit-s", 1)
+    at_least(args.poisson_rate, "--poisson-rate", 0)
+    if not methods:
+        raise ArgumentError("--methods: empty")
+    from sparkjax.engine.methods import parse_method
+
+    for m in methods:
+        parse_method(m)
+    rows_p = prompts()
+    report.table = table
+    report.header.append(f"# {len(methods)} servers ({', '.join(methods)}) on 127.0.0.1, demo pair, {args.slots} "
+                         f"slots, greedy, max_tokens {args.max_tokens}; {len(rows_p)} held-out prompts; levels: "
+                         f"concurrency {levels}" + (f" and Poisson {args.poisson_rate:g}/s" if args.poisson_rate
+                                                    else "") + f"; <= {args.requests} requests and "
+                         f"{args.time_limit_s:g} s per level; device {device_name()}")
+    servers: dict[str, Server] = {}
+    extra: dict[str, Any] = {"ready_s": {}, "exit_codes": {}}
+    report.payload = lambda rows: {"command": report.command, "rows": rows, **extra}
+    try:
+        for m in methods:  # one at a time: their compilations would compete
+            log(f"starting the {m} server ...")
+            servers[m] = Server(m, args)
+            servers[m].wait(args.ready_timeout_s)
+            extra["ready_s"][m] = servers[m].ready_s
+            log(f"  {m} ready in {servers[m].ready_s:.1f} s at {servers[m].url}")
+        plan = [(f"c={c}", c, None) for c in levels]
+        if args.poisson_rate:
+            plan.append((f"poisson@{args.poisson_rate:g}", None, args.poisson_rate))
+        for k, (level, c, rate) in enumerate(plan):
+            for m in (methods if k % 2 == 0 else methods[::-1]):
+                url = servers[m].url
+                before = scrape(url)
+                records, wall = asyncio.run(_level(url, rows_p, concurrency=c, rate=rate,
+                                                   requests=max(args.requests, c or 1), limit_s=args.time_limit_s,
+                                                   max_tokens=args.max_tokens, seed=args.seed + k))
+                row = summarize(m, level, c, records, wall, before, scrape(url))
+                report.rows.append(row)
+                log(f"  {level} {m}: {row['completed']}/{row['requests']} done, "
+                    f"{_f(row['throughput_tok_s'])} tok/s, tau {_f(row['tau'], '.2f')}")
+    finally:
+        for m, s in servers.items():
+            extra["exit_codes"][m] = s.stop()
+    if not args.no_solo and report.rows:
+        log("exactness and batch-1 generate ...")
+        expect, rates = solo(rows_p, methods, args.max_tokens)  # indexed like rows_p
+        extra["solo_generate_tok_s"] = rates
+        same = total = 0
+        for row in report.rows:
+            hits = [(r["text"], r["tokens"]) == expect[r["prompt"]] for r in row["responses"]
+                    if r["status"] == 200 and r["finish"] in ("stop", "length")]
+            row["exact"] = f"{sum(hits)}/{len(hits)}"
+            same, total = same + sum(hits), total + len(hits)
+        extra["exact"] = {"identical": same, "responses": total}
+        report.footer.append(f"# exactness: {same}/{total} greedy responses identical to solo generate "
+                             f"(text and token count)")
+        report.footer.append("# batch-1 generate on the same prompts: " + ", ".join(
+            f"{m} {v:.1f} tok/s" for m, v in rates.items()))
+    report.footer.append("# ready (spawn to 'ready'): " + ", ".join(
+        f"{m} {v:.1f} s" for m, v in extra["ready_s"].items()) + "; exit codes after SIGTERM: " + ", ".join(
+        f"{m} {v}" for m, v in extra["exit_codes"].items()))
+    for c in levels:
+        by = {r["method"]: r["throughput_tok_s"] for r in report.rows if r["concurrency"] == c}
+        if "ar" in by and by["ar"] and any(m != "ar" for m in by):
+            report.footer.append(f"# c={c}: " + ", ".join(f"{m}/ar {v / by['ar']:.2f}x" for m, v in by.items()
+                                                           if m != "ar" and v))
+    warn = load_warning()
+    title = (f"sparkjax serve, demo pair, {args.slots} slots, max_tokens {args.max_tokens}, {device_name()}"
+             + (f" ({warn})" if warn else ""))
+    if args.csv:
+        write_csv(args.csv, report.rows)
+    if args.png and report.rows:
+        write_png(args.png, report.rows, title)
