@@ -1,0 +1,426 @@
+"""The OpenAI-compatible server over HTTP: one live server on 127.0.0.1 (a free port, a background thread) with the
+demo pair and method auto, driven by the real ``openai`` client and by httpx.
+
+Greedy responses equal ``sparkjax.generate`` (the target's own greedy tokens) for that prompt alone, whatever shares
+the pool; a cancelled stream frees its slot; every refused request gets its 4xx and an OpenAI-style error body;
+after all of that the server still answers. The tests run in file order and share the server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+
+import sparkjax
+from sparkjax import demo
+from sparkjax.serve import Engine
+from sparkjax.serve.server import ServerThread, create_app, render_messages
+from sparkjax.text import encode_text
+
+KEY = "test-key"
+MODEL = "sparkjax-demo"
+SLOTS = 4
+MAX_PROMPT = 64
+MAX_NEW = 96  # room for the long requests that keep slots busy (cache 256 with the prompt and a round)
+QUEUE = 32
+CONCURRENT = 24
+BODY_LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return demo.load(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    eng = Engine(pair.target, pair.dspark, method="auto", slots=SLOTS, max_prompt_tokens=MAX_PROMPT,
+                 max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
+                 eos_token_ids=pair.eos_token_ids)
+    eng.start()
+    yield eng
+    eng.close(grace_s=0)
+
+
+@pytest.fixture(scope="module")
+def live(pair, engine):
+    app = create_app(engine, tokenizer=pair.tokenizer, model=MODEL, eos_token_ids=pair.eos_token_ids, api_key=KEY,
+                     max_body_bytes=BODY_LIMIT)
+    server = ServerThread(app).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def solo(pair):
+    """The target's own greedy continuation of one prompt alone: ``solo(ids, max_new) -> token ids`` (one
+    compiled program for every prompt and length)."""
+
+    def run(ids: list[int], max_new: int) -> list[int]:
+        return sparkjax.generate(pair.target, None, [ids], method="ar", max_new_tokens=max_new, capacity=MAX_NEW,
+                                 prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids).tokens[0]
+
+    return run
+
+
+def expected(pair, tokens: list[int]) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of a generation's token ids."""
+    finish = "stop" if tokens and tokens[-1] in pair.eos_token_ids else "length"
+    return pair.tokenizer.decode(tokens, skip_special_tokens=True), finish, len(tokens)
+
+
+def questions() -> list[str]:
+    return [row["turns"][0] for name in demo.PROMPT_SETS for row in demo.prompts(name) if "turns" in row]
+
+
+def test_completions_and_chat_with_the_openai_client(pair, client, solo):
+    prompt = "def read_lines(path):\n"
+    want = expected(pair, solo(encode_text(pair.tokenizer, prompt), 12))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == want
+    assert r.usage.prompt_tokens == len(encode_text(pair.tokenizer, prompt)) and r.object == "text_completion"
+    pieces = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in pieces) == want[0] and pieces[-1].choices[0].finish_reason == want[1]
+
+    q = questions()[0]
+    want = expected(pair, solo(pair.encode_chat(q), 16))
+    msgs = [{"role": "user", "content": q}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == want
+    assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens == len(pair.encode_chat(q))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[0]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want[1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want[2]
+
+    # a conversation goes through the chat template as a whole
+    convo = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": q},
+             {"role": "assistant", "content": "Sure."}, {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+    ids = encode_text(pair.tokenizer, render_messages(pair.tokenizer, [{**m, "content": m["content"] if isinstance(
+        m["content"], str) else "Why?"} for m in convo]))
+    r = client.chat.completions.create(model=MODEL, messages=convo, max_tokens=8, temperature=0)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == \
+        expected(pair, solo(ids, 8)) and r.usage.prompt_tokens == len(ids)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, client, solo):
+    qs = questions()
+    jobs = []  # (kind, prompt, ids, max_tokens, stream, delay)
+    for i in range(CONCURRENT):
+        q = qs[i % len(qs)]
+        chat = i % 3 != 2
+        ids = pair.encode_chat(q) if chat else encode_text(pair.tokenizer, q)
+        jobs.append(("chat" if chat else "text", q, ids, 3 + (7 * i) % 30, i % 2 == 0, 0.04 * (i % 8)))
+    assert len({len(j[2]) for j in jobs}) > 4 and len({j[3] for j in jobs}) > 4  # mixed lengths
+
+    def send(job):
+        kind, q, _, n, stream, delay = job
+        time.sleep(delay)
+        kw = dict(model=MODEL, max_tokens=n, temperature=0, stream=stream)
+        if kind == "chat":
+            r = client.chat.completions.create(messages=[{"role": "user", "content": q}], **kw)
+            if not stream:
+                return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+            parts = [c.choices[0] for c in r if c.choices]
+            return "".join(p.delta.content or "" for p in parts), parts[-1].finish_reason, None
+        r = client.completions.create(prompt=q, **kw)
+        if not stream:
+            return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+        parts = [c.choices[0] for c in r]
+        return "".join(p.text for p in parts), parts[-1].finish_reason, None
+
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+        got = list(pool.map(send, jobs))
+    for job, (text, finish, n) in zip(jobs, got, strict=True):
+        want = expected(pair, solo(job[2], job[3]))
+        assert (text, finish) == want[:2], job
+        assert n is None or n == want[2], job
+
+
+def _wait(cond, timeout=60.0, what="condition"):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+class Gate:
+    """Wraps the engine's device visit: while closed, a visit runs 0 rounds (it only frees slots), so no request
+    advances until :meth:`step` lets one visit of one round through or :attr:`open` is set."""
+
+    def __init__(self, engine):
+        self.engine, self.real = engine, engine._visit_call
+        self.steps = 0
+        self.open = False
+        self.visits = 0
+
+    def __call__(self, stop, rounds, *rest, **kw):
+        if not self.open:
+            if self.steps > 0:
+                self.steps -= 1
+                rounds = min(rounds, 1)
+            else:
+                time.sleep(0.005)
+                rounds = 0
+        self.visits += 1
+        return self.real(stop, rounds, *rest, **kw)
+
+    def __enter__(self):
+        self.engine._visit_call = self
+        return self
+
+    def __exit__(self, *exc):
+        self.engine._visit_call = self.real
+
+
+def test_a_cancelled_stream_frees_its_slot_for_a_later_request(pair, engine, client, solo):
+    # a prompt whose greedy continuation runs past one round without EOS
+    prompt = next(q for q in questions() if len(solo(encode_text(pair.tokenizer, q), MAX_NEW)) == MAX_NEW)
+    ids = pair.encode_chat(questions()[1])
+    first = threading.Event()
+    holder = {}
+    cancelled = engine.metrics()["requests"]["cancelled"]
+
+    def stream_a():
+        s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0, stream=True)
+        holder["stream"], holder["first"] = s, next(iter(s))
+        first.set()
+
+    with Gate(engine) as gate:
+        # every slot but A's holds a long request that cannot end early (no EOS ids); none advances while gated
+        busy = [engine.submit(ids, max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[]) for _ in range(SLOTS - 1)]
+        try:
+            a = threading.Thread(target=stream_a)
+            a.start()
+            _wait(lambda: engine.metrics()["active_slots"] == SLOTS, what="every slot taken")
+            gate.steps = 1  # one round: A's first tokens reach the client
+            assert first.wait(60) and holder["first"].choices[0].finish_reason is None
+            a.join()
+            holder["stream"].close()  # the client leaves mid-stream
+            _wait(lambda: engine.metrics()["active_slots"] == SLOTS - 1, what="the cancelled stream's slot freed")
+            q = questions()[2]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                b = pool.submit(client.chat.completions.create, model=MODEL, messages=[{"role": "user", "content": q}],
+                                max_tokens=4, temperature=0)
+                _wait(lambda: engine.metrics()["active_slots"] == SLOTS, what="the later request admitted")
+                assert not any(r.done for r in busy)  # so it took the freed slot
+                gate.open = True
+                r = b.result(timeout=120)
+            assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == \
+                expected(pair, solo(pair.encode_chat(q), 4))
+        finally:
+            gate.open = True
+            for req in busy:
+                req.cancel()
+    ends = [req.result(timeout=60).finish_reason for req in busy]  # they ran on once the gate opened
+    assert set(ends) <= {"cancelled", "length"}
+    assert engine.metrics()["requests"]["cancelled"] == cancelled + 1 + ends.count("cancelled")  # A counts
+
+
+def _post(live, body, *, path="/v1/completions", key=KEY, raw=None, headers=None):
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    h.update(headers or {})
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(live.url + path, content=content, headers={"Content-Type": "application/json", **h},
+                      timeout=60)
+
+
+BAD = [  # (body or raw bytes, path, status, param, words in the message)
+    (b"{not json", "/v1/completions", 400, None, "not valid JSON"),
+    (b"[1, 2]", "/v1/completions", 400, None, "JSON object"),
+    (b'{"prompt": "x", "max_tokens": NaN}', "/v1/completions", 400, None, "NaN"),
+    ({"prompt": "x", "max_tokens": "4"}, "/v1/completions", 400, "max_tokens", "integer"),
+    ({"prompt": "x", "temperature": "hot"}, "/v1/completions", 400, "temperature", "number"),
+    ({"prompt": "x", "stop": 5}, "/v1/completions", 400, "stop", "string"),
+    ({"prompt": 5}, "/v1/completions", 400, "prompt", "string"),
+    ({"prompt": "x", "seed": -1}, "/v1/completions", 400, "seed", "at least 0"),
+    ({"prompt": "x", "stream": "yes"}, "/v1/completions", 400, "stream", "boolean"),
+    ({"messages": "hi"}, "/v1/chat/completions", 400, "messages", "array"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "/v1/chat/completions", 400, "messages[0].role", "robot"),
+    ({"prompt": "word " * 200}, "/v1/completions", 400, "prompt", f"limit of {MAX_PROMPT}"),
+    ({"messages": [{"role": "user", "content": "word " * 200}]}, "/v1/chat/completions", 400, "messages",
+     f"limit of {MAX_PROMPT}"),
+    ({"prompt": "x", "max_tokens": 0}, "/v1/completions", 400, "max_tokens", "at least 1"),
+    ({"prompt": "x", "max_tokens": -3}, "/v1/completions", 400, "max_tokens", "at least 1"),
+    ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "/v1/completions", 400, "max_tokens", f"at most {MAX_NEW}"),
+    ({"prompt": "x", "model": "gpt-4"}, "/v1/completions", 404, "model", "gpt-4"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, "/v1/chat/completions", 404, "model",
+     "gpt-4"),
+    ({"prompt": "x", "temperature": 2.5}, "/v1/completions", 400, "temperature", "[0, 2]"),
+    ({"prompt": "x", "temperature": -0.1}, "/v1/completions", 400, "temperature", "[0, 2]"),
+    ({"prompt": "x", "n": 2}, "/v1/completions", 400, "n", "only 1"),
+    ({"prompt": "x", "top_p": 0.5}, "/v1/completions", 400, "top_p", "unsupported"),
+    ({"prompt": "x", "frobnicate": True}, "/v1/completions", 400, "frobnicate", "unsupported field"),
+    ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "one prompt"),
+    (b'{"prompt": "' + b"x" * BODY_LIMIT + b'"}', "/v1/completions", 413, None, f"{BODY_LIMIT} bytes"),
+]
+
+
+@pytest.mark.parametrize("body,path,status,param,words", BAD, ids=[f"{b[2]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_a_bad_request_gets_its_4xx_and_an_error_body(live, body, path, status, param, words):
+    r = _post(live, None, path=path, raw=body) if isinstance(body, bytes) else _post(live, body, path=path)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_keys_routes_and_a_full_queue(pair, live, engine, client):
+    for key in (None, "wrong"):
+        r = _post(live, {"prompt": "x"}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{live.url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}
+                         ).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    assert httpx.get(f"{live.url}/health").status_code == 200  # open without a key
+    r = httpx.get(f"{live.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(f"{live.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}).status_code == 405
+
+    # fill the queue behind busy slots, straight through the engine; the next HTTP request gets 429
+    ids = pair.encode_chat(questions()[0])
+    held = []
+    with Gate(engine) as gate:  # no slot frees up meanwhile
+        try:
+            def fill():
+                with pytest.raises(sparkjax.errors.QueueFullError):
+                    for _ in range(SLOTS + QUEUE + 1):
+                        held.append(engine.submit(ids, max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[]))
+
+            fill()
+            _wait(lambda: engine.metrics()["active_slots"] == SLOTS, what="every slot taken")
+            fill()  # the queue again, now that nothing leaves it
+            r = _post(live, {"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            for h in held:
+                h.cancel()
+            gate.open = True
+    for h in held:
+        h.result(timeout=60)
+
+
+def test_an_engine_fault_fails_the_requests_in_flight_with_500_and_the_engine_recovers(pair, engine, client,
+                                                                                       solo):
+    real = engine._visit_call
+    faults = []
+
+    def failing(*args, **kwargs):  # the next device visit raises, as a device error would
+        faults.append(1)
+        engine._visit_call = real
+        raise RuntimeError("injected device fault")
+
+    for stream in (False, True):
+        engine._visit_call = failing
+        with pytest.raises(openai.InternalServerError, match="injected device fault"):
+            r = client.completions.create(model=MODEL, prompt="x = 1\n", max_tokens=8, temperature=0, stream=stream)
+            list(r) if stream else None
+    engine._visit_call = real
+    assert len(faults) == 2 and engine.metrics()["faults"] == 2
+    prompt = "for i in range(3):\n"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == \
+        expected(pair, solo(encode_text(pair.tokenizer, prompt), 8))
+
+
+def test_after_everything_the_server_still_answers(pair, live, engine, client, solo):
+    h = httpx.get(f"{live.url}/health").json()
+    assert h["status"] == "ok" and h["slots"] == SLOTS
+    _wait(lambda: engine.metrics()["active_slots"] == 0, what="every slot to be free")
+    q = questions()[3]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=10,
+                                       temperature=0)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == \
+        expected(pair, solo(pair.encode_chat(q), 10))
+    text = httpx.get(f"{live.url}/metrics").text
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert all(len(ln.rsplit(" ", 1)) == 2 and float(ln.rsplit(" ", 1)[1]) == float(ln.rsplit(" ", 1)[1])
+               for ln in lines)
+    codes = Counter()
+    for ln in lines:
+        if ln.startswith("sparkjax_http_responses_total"):
+            codes[ln.split('code="')[1].split('"')[0]] += int(ln.split()[-1])
+    # the only 5xx responses are the two injected engine faults
+    assert codes["200"] > CONCURRENT and sum(n for c, n in codes.items() if c.startswith("5")) == codes["500"] == 2
+    count = [ln for ln in lines if ln.startswith("sparkjax_http_time_to_first_token_seconds_count")]
+    assert count and int(count[0].split()[-1]) > CONCURRENT
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_refuses_bad_flags_before_loading_anything(capsys):
+    from sparkjax.serve.__main__ import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, words in ((["--slots", "0"], "--slots"), (["--drafter", "d"], "--drafter"),
+                            (["--port", str(port)], "cannot bind"), (["--grace-s", "-1"], "--grace-s"),
+                            (["--port", "70000"], "--port")):
+            assert main(argv) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sparkjax.serve", "--port", str(port), "--slots", "2",
+                             "--max-new-tokens", "64", "--grace-s", "20"], stderr=subprocess.PIPE, text=True, env=env)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            log.append(line)
+            if " ready on " in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(600), "".join(log)
+        assert any("device:" in ln for ln in log) and any("compiled" in ln for ln in log)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        stream = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=64, temperature=0, stream=True)
+        it = iter(stream)
+        first = next(it)
+        proc.send_signal(signal.SIGTERM)
+        rest = list(it)
+        assert (rest or [first])[-1].choices[0].finish_reason in ("stop", "length")
+        assert proc.wait(60) == 0, "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
