@@ -514,6 +514,12 @@ def test_profile_costs_save_and_load(random_pair, ar_tokens, tmp_path):
     with pytest.raises(CostTableError, match="key 'candidates'"):
         load_cost_table(path, target=target, drafter=drafter, method=Auto(sizes=(0, 4)), batch_size=2,
                         cache_size=64)
+    # a pool with an idle slot: the same program, one sequence running; the key says so
+    one = profile_costs(target, drafter, method=Auto(sizes=(0, "chain")), batch_size=2, cache_size=64, repeats=1,
+                        active=1)
+    assert one.key_dict["active"] == 1 and "active" not in key and all(s > 0 for s in one.seconds)
+    with pytest.raises(ArgumentError, match="active: 3 running sequences of a batch of 2"):
+        profile_costs(target, drafter, method=Auto(sizes=(0, "chain")), batch_size=2, active=3)
 
 
 def test_unreadable_cost_tables_name_the_file(tmp_path):

@@ -270,3 +270,62 @@ def test_a_seeded_request_gets_the_same_tokens_alone_and_in_a_busy_pool(engines,
     assert again.result(timeout=120).token_ids == alone
     assert greedy.result(timeout=120).token_ids == solo(name, PROMPTS[1], NEW)
     assert all(r.result(timeout=120).finish_reason == "length" for r in others)
+
+
+def test_a_pool_profiles_auto_per_active_count_and_interpolates(random_pair, monkeypatch):
+    """A pool's auto table: profiled with 1, half and all slots active (the key names the count), interpolated
+    linearly in between; the seconds the rounds get have a row per active count."""
+    from sparkjax.engine import costs
+
+    target, drafter = random_pair
+    seen = []
+
+    def fake(t, d, plan, *, batch_size, cache_size, active=None):
+        seen.append((batch_size, active))
+        a = batch_size if active is None else active
+        return costs.CostTable(plan.method.labels(), (1.0, 1.0 + a, 1.0 + 2 * a),
+                               key=costs.cost_key(t, d, plan, batch_size, cache_size, active))
+
+    monkeypatch.setattr(costs, "profile", fake)
+    eng = Engine(target, drafter, method=Auto(sizes=AUTO_SIZES), slots=5, max_prompt_tokens=16, max_new_tokens=NEW,
+                 sampling=False)
+    table = eng.plan.method.table
+    assert isinstance(table, costs.PoolCostTable) and table.counts == (1, 3, 5)
+    assert seen == [(5, 1), (5, 3), (5, None)]
+    assert [dict(t.key).get("active") for t in table.tables] == [1, 3, None]
+    s = table.seconds
+    assert s.shape == (6, 3)
+    assert s[:, 1].tolist() == [2.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # row 0 is row 1's; 2 and 4 interpolated
+    assert eng._inputs.seconds.shape == (6, 3)
+    with pytest.raises(ArgumentError, match="counts"):
+        costs.PoolCostTable(5, (2, 5), table.tables[:2])
+
+
+def test_auto_in_a_pool_decides_from_the_active_slots(random_pair, solo):
+    """Drafting pays with one active slot and not with all of them (the pool table says so): a request alone
+    drafts, four that run together take plain steps only; both get generate's tokens."""
+    from sparkjax.engine import costs
+
+    target, drafter = random_pair
+    sizes = (0, "chain")
+    labels = Auto(sizes=sizes).resolve(drafter).labels()
+    cheap, dear = CostTable(labels, (1.0, 1.0)), CostTable(labels, (1.0, 50.0))
+    method = Auto(sizes=sizes, decide="draft", table=costs.PoolCostTable(4, (1, 2, 4), (cheap, dear, dear)))
+    eng = Engine(target, drafter, method=method, slots=4, max_prompt_tokens=16, max_new_tokens=NEW,
+                 rounds_per_visit=4, sampling=False)
+    eng.start()
+    try:
+        alone = eng.submit(PROMPTS[0], max_new_tokens=NEW, eos_token_ids=[]).result(timeout=120)
+        first = eng.metrics()["verify_sizes"]
+        assert first[labels[1]] > 0  # drafted rounds
+        with eng._cond:  # all four are admitted in the same visit
+            reqs = [eng.submit(p, max_new_tokens=8, eos_token_ids=[]) for p in PROMPTS[1:5]]
+        outs = [r.result(timeout=120) for r in reqs]
+        after = eng.metrics()["verify_sizes"]
+    finally:
+        eng.close(grace_s=0)
+    assert after[labels[1]] == first[labels[1]]  # four active: plain steps only
+    assert after[labels[0]] - first[labels[0]] == 4 * 7  # a plain step per slot per token after the first
+    assert alone.token_ids == solo("ar", PROMPTS[0], NEW)
+    for p, o in zip(PROMPTS[1:5], outs, strict=True):
+        assert o.token_ids == solo("ar", p, 8)

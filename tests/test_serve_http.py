@@ -25,6 +25,7 @@ import pytest
 
 import sparkjax
 from sparkjax import demo
+from sparkjax.engine import Auto, CostTable, PoolCostTable
 from sparkjax.serve import Engine
 from sparkjax.serve.server import ServerThread, create_app, render_messages
 from sparkjax.text import encode_text
@@ -44,9 +45,21 @@ def pair():
     return demo.load(dtype="float32")
 
 
+def pool_table(pair):
+    """A fixed pool cost table (profiling is tested elsewhere): drafting pays with few active slots, the largest
+    trees only with one, so the server's auto mixes plain steps, chains and trees as requests come and go."""
+    labels = Auto().resolve(pair.dspark).labels()
+    k = len(labels)
+
+    def table(drafted):
+        return CostTable(labels, (1.0, *(drafted + 0.4 * i for i in range(k - 1))))
+
+    return PoolCostTable(SLOTS, (1, 2, SLOTS), (table(1.2), table(2.0), table(3.5)))
+
+
 @pytest.fixture(scope="module")
 def engine(pair):
-    eng = Engine(pair.target, pair.dspark, method="auto", slots=SLOTS, max_prompt_tokens=MAX_PROMPT,
+    eng = Engine(pair.target, pair.dspark, method=Auto(table=pool_table(pair)), slots=SLOTS, max_prompt_tokens=MAX_PROMPT,
                  max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
                  eos_token_ids=pair.eos_token_ids)
     eng.start()
@@ -123,7 +136,7 @@ def test_completions_and_chat_with_the_openai_client(pair, client, solo):
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
-def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, client, solo):
+def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, engine, client, solo):
     qs = questions()
     jobs = []  # (kind, prompt, ids, max_tokens, stream, delay)
     for i in range(CONCURRENT):
@@ -155,6 +168,8 @@ def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, cli
         want = expected(pair, solo(job[2], job[3]))
         assert (text, finish) == want[:2], job
         assert n is None or n == want[2], job
+    used = {k for k, v in engine.metrics()["verify_sizes"].items() if v > 0}
+    assert "ar" in used and len(used) >= 3, used  # plain steps and drafted sizes of both kinds were verified
 
 
 def _wait(cond, timeout=60.0, what="condition"):

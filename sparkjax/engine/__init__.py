@@ -16,7 +16,7 @@ from .api import (
     stream,
 )
 from .checks import bucket
-from .costs import CostTable
+from .costs import CostTable, PoolCostTable
 from .methods import (
     AR,
     AR_LABEL,
@@ -43,6 +43,7 @@ __all__ = [
     "Auto",
     "AutoMemory",
     "CostTable",
+    "PoolCostTable",
     "load_cost_table",
     "policy",
     "profile_costs",

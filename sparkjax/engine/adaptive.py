@@ -78,7 +78,8 @@ class AutoState:
     ``[K]``: running averages of realised and predicted accepted drafts (the calibration); ``last`` ``[B, K]``:
     the last draft's raw predictions; ``idle``: plain steps in a row since the last draft; ``force``: a
     candidate index every round takes (-1: the policy); ``gap``: plain steps before the next probe (see the
-    module docstring); ``seconds`` ``[K]``: the cost table's round times (traced). ``shadow`` ``[B, D]``,
+    module docstring); ``seconds`` ``[K]``: the cost table's round times (traced; ``[A + 1, K]`` for a serving
+    pool's, row ``a`` with ``a`` sequences active). ``shadow`` ``[B, D]``,
     ``shadow_at``, ``shadow_pred``, ``shadow_live`` ``[B]`` (:func:`shadowing` methods): the chain a probe did
     not verify, its first token's output index, its raw prediction and whether it is still to be scored.
     """
@@ -173,7 +174,7 @@ def memory_of(st: AutoState, plan: Plan) -> AutoMemory:
 @dataclasses.dataclass(frozen=True)
 class AutoInputs:
     """The traced inputs of an ``auto`` program: the cost table's ``seconds`` ``[K]`` float32 (in ``sizes``
-    order) and the :class:`AutoMemory` the generation starts from."""
+    order; ``[A + 1, K]``, a row per active count, for a pool) and the :class:`AutoMemory` it starts from."""
 
     seconds: Any
     memory: AutoMemory
@@ -279,6 +280,14 @@ def policy(expected: Any, costs: Any, active: Any = None, allowed: Any = None) -
     if allowed is not None:
         rate = jnp.where(jnp.asarray(allowed, bool), rate, -jnp.inf)
     return jnp.argmax(rate).astype(jnp.int32)
+
+
+def costs_now(seconds: Array, active: Array) -> Array:
+    """The round times ``[K]`` for this round: ``seconds`` itself, or a pool table's row for the number of
+    ``active`` sequences (``[B]`` bool; at least row 1)."""
+    if seconds.ndim == 1:
+        return seconds
+    return seconds[jnp.clip(jnp.sum(active.astype(jnp.int32)), 1, seconds.shape[0] - 1)]
 
 
 def viable(m: Auto, depth: int, seconds: Sequence[float]) -> tuple[bool, ...]:
@@ -533,7 +542,7 @@ def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc:
 
 def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any = None) -> Array:
     ok = jnp.asarray(viable_of(plan.method))
-    k = policy(calibrated(st, raw), st.seconds, active, ok if allowed is None else ok & allowed)
+    k = policy(calibrated(st, raw), costs_now(st.seconds, active), active, ok if allowed is None else ok & allowed)
     return jnp.where(st.force >= 0, st.force, k)
 
 

@@ -647,16 +647,17 @@ def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **kwargs) -> str:
 
 def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1, cache_size: int | None = None,
                   prompt_length: int = 16, temperature: float = 0.0, repeats: int = 5, seed: int = 0,
-                  options: Options | None = None) -> CostTable:
+                  options: Options | None = None, active: int | None = None) -> CostTable:
     """Times one round of each candidate size of method ``auto`` (``"auto"`` or an
     :class:`~sparkjax.engine.Auto`, its table ignored) on the current device and returns its
-    :class:`~sparkjax.engine.costs.CostTable` (:func:`sparkjax.engine.costs.profile`)."""
+    :class:`~sparkjax.engine.costs.CostTable` (:func:`sparkjax.engine.costs.profile`; ``active``: with only
+    that many of the ``batch_size`` sequences running, as in a serving pool with idle slots)."""
     check_models(target, drafter)
     spec = Auto.of(method, "profile_costs times the candidates of method 'auto'")
     temperature = check_temperature(temperature)
     plan = spec.plan(target, drafter, temperature > 0, check_options(options))
     return profile(target, drafter, plan, batch_size=batch_size, cache_size=cache_size, prompt_length=prompt_length,
-                   temperature=temperature, repeats=repeats, seed=seed)
+                   temperature=temperature, repeats=repeats, seed=seed, active=active)
 
 
 def load_cost_table(path: str | os.PathLike, *, target=None, drafter=None, method: Any = "auto",

@@ -73,13 +73,52 @@ class CostTable:
         return "\n".join(rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolCostTable:
+    """An ``auto`` method's round times in a pool of ``slots`` sequences by how many of them are active: a
+    :class:`CostTable` profiled at each of ``counts`` (1 and ``slots`` among them, ascending), linearly
+    interpolated in between (:attr:`seconds` ``[slots + 1, K]``, row ``a`` for ``a`` active slots; row 0 is
+    row 1's). ``sparkjax.serve.Engine`` binds one (:func:`pool_table_for`)."""
+
+    slots: int
+    counts: tuple[int, ...]
+    tables: tuple[CostTable, ...]
+
+    def __post_init__(self):
+        c = tuple(self.counts)
+        if not c or c[0] != 1 or c[-1] != self.slots or list(c) != sorted(set(c)) or len(c) != len(self.tables):
+            raise ArgumentError(f"counts: {list(c)} for {len(self.tables)} tables; expected ascending counts from 1 "
+                                f"to slots={self.slots}, one per table")
+        if len({t.labels for t in self.tables}) != 1:
+            raise ArgumentError("tables: their candidates differ")
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.tables[0].labels
+
+    @property
+    def seconds(self) -> np.ndarray:
+        known = np.asarray([t.seconds for t in self.tables], np.float64)  # [len(counts), K]
+        a = np.arange(self.slots + 1).clip(1)
+        return np.stack([np.interp(a, self.counts, known[:, k]) for k in range(known.shape[1])], axis=1)
+
+    def rows(self) -> list[tuple[float, ...]]:
+        """The round times at each active count 1..slots."""
+        return [tuple(map(float, r)) for r in self.seconds[1:]]
+
+    def __str__(self) -> str:
+        return "\n".join(f"{a} active of {self.slots}:\n{t}" for a, t in zip(self.counts, self.tables, strict=True))
+
+
 def _tuple(v):
     return tuple(_tuple(x) for x in v) if isinstance(v, list | tuple) else v
 
 
-def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int) -> tuple[tuple[str, Any], ...]:
+def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int, active: int | None = None
+             ) -> tuple[tuple[str, Any], ...]:
     """What a cost table's times depend on: the JSON key, and the key of the process's and the machine's
-    caches (another device kind, platform, jax version, shape or trace-time option profiles again)."""
+    caches (another device kind, platform, jax version, shape or trace-time option profiles again;
+    ``active``: only that many of the ``batch`` sequences running, the rest done)."""
     tc, dc = target.config, drafter.config
     dev = jax.devices()[0]
     m: Auto = plan.method
@@ -91,6 +130,7 @@ def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int) -> tuple[
         ("device", f"{dev.platform}:{dev.device_kind}"),
         ("jax", jax.__version__),
         ("batch", int(batch)),
+        *((("active", int(active)),) if active is not None else ()),
         ("cache_size", int(cache_size)),
         ("target", (tc.vocab_size, tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers,
                     tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim)),
@@ -152,21 +192,25 @@ def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, *,
 
 
 def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int | None = None,
-            prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0
-            ) -> CostTable:
+            prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0,
+            active: int | None = None) -> CostTable:
     """Times one round of each candidate of ``plan``'s ``auto`` method on the current device and returns the
     :class:`CostTable` (the method's own table is not used; public entry point:
     :func:`sparkjax.engine.api.profile_costs`).
 
     After a prefill of ``batch_size`` random ``prompt_length``-token prompts in a ``cache_size``-slot cache
     (default: what a :data:`PROFILE_NEW_TOKENS`-token generation needs), sampled at ``temperature`` (default:
-    1 for a sampling plan, else greedy), one compiled program runs :data:`PROFILE_ROUNDS` forced rounds of a
-    candidate (the plain step: one burst of :data:`PROFILE_BURST` steps); after a warm-up, ``repeats``
+    1 for a sampling plan, else greedy) and with only the first ``active`` sequences running (default: all; the
+    rest are done, as idle slots of a serving pool are), one compiled program runs :data:`PROFILE_ROUNDS` forced
+    rounds of a candidate (the plain step: one burst of :data:`PROFILE_BURST` steps); after a warm-up, ``repeats``
     interleaved repetitions, each less a call of no round: the median (and the fastest) per candidate.
     """
     batch_size = check_int("batch_size", batch_size)
     prompt_length = check_int("prompt_length", prompt_length)
     repeats = check_int("repeats", repeats)
+    if active is not None and not 1 <= check_int("active", active) <= batch_size:
+        raise ArgumentError(f"active: {active} running sequences of a batch of {batch_size}; expected 1 to "
+                            f"{batch_size}")
     cachedir.enable_compilation_cache()
     spec = dataclasses.replace(plan.method, table=None, viable=None, floor=None)
     plan = dataclasses.replace(plan, method=spec)  # unbound: every size viable, equal costs (each size is forced)
@@ -187,6 +231,8 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
     buf_len = bucket(plan.depth + 2, 1)
     start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed),
                        auto_inputs(plan), plan=plan, cache_size=cache_size, buf_len=buf_len)
+    if active is not None:
+        start = dataclasses.replace(start, done=start.done | (jnp.arange(batch_size) >= active))
     # the steady state: a drafted round that is not a probe, and a plain step inside a burst
     zero = jnp.zeros((), jnp.int32)
     start = dataclasses.replace(start, extra=dataclasses.replace(start.extra, idle=zero, gap=jnp.ones((), jnp.int32)))
@@ -215,7 +261,8 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
         for i in range(k):
             times[i].append(once(i))
     return CostTable(tuple(plan.method.labels()), tuple(float(statistics.median(t)) for t in times),
-                     tuple(float(min(t)) for t in times), cost_key(target, drafter, plan, batch_size, cache_size))
+                     tuple(float(min(t)) for t in times),
+                     cost_key(target, drafter, plan, batch_size, cache_size, active))
 
 
 _TABLES: dict[tuple, CostTable] = {}  # the process's tables, by cost_key
@@ -230,10 +277,11 @@ def cache_file(key: tuple[tuple[str, Any], ...]):
     return folder / f"{digest}.json"
 
 
-def table_for(target, drafter, plan: Plan, batch: int, cache_size: int) -> CostTable:
-    """The table of an ``auto`` run of ``plan`` at this batch and cache size: the process's, else the one in the
-    machine's cache folder, else profiled now (and kept in both)."""
-    key = cost_key(target, drafter, plan, batch, cache_size)
+def table_for(target, drafter, plan: Plan, batch: int, cache_size: int, active: int | None = None) -> CostTable:
+    """The table of an ``auto`` run of ``plan`` at this batch and cache size (``active``: with only that many
+    sequences running): the process's, else the one in the machine's cache folder, else profiled now (and kept in
+    both)."""
+    key = cost_key(target, drafter, plan, batch, cache_size, active)
     if key in _TABLES:
         return _TABLES[key]
     path = cache_file(key)
@@ -245,7 +293,7 @@ def table_for(target, drafter, plan: Plan, batch: int, cache_size: int) -> CostT
             warnings.warn(f"ignoring a damaged cost table cache file, profiling again: {e}", stacklevel=3)
             table = None
     if table is None:
-        table = profile(target, drafter, plan, batch_size=batch, cache_size=cache_size)
+        table = profile(target, drafter, plan, batch_size=batch, cache_size=cache_size, active=active)
         if path is not None:
             try:
                 table.save(path)
@@ -255,4 +303,18 @@ def table_for(target, drafter, plan: Plan, batch: int, cache_size: int) -> CostT
     return table
 
 
-__all__ = ["CostTable", "cost_key", "profile", "read_table", "table_for"]
+def pool_counts(slots: int) -> tuple[int, ...]:
+    """The active counts a pool of ``slots`` profiles at: 1, ``slots`` and, from 4 slots, the midpoint."""
+    return tuple(sorted({1, slots} | ({(slots + 1) // 2} if slots >= 4 else set())))
+
+
+def pool_table_for(target, drafter, plan: Plan, slots: int, cache_size: int,
+                   counts: tuple[int, ...] | None = None) -> PoolCostTable:
+    """The :class:`PoolCostTable` of a pool of ``slots`` sequences: :func:`table_for` at each active count of
+    ``counts`` (default :func:`pool_counts`), all slots active with the plain batch's key."""
+    counts = pool_counts(slots) if counts is None else tuple(counts)
+    tables = tuple(table_for(target, drafter, plan, slots, cache_size, None if a == slots else a) for a in counts)
+    return PoolCostTable(slots, counts, tables)
+
+
+__all__ = ["CostTable", "PoolCostTable", "cost_key", "pool_table_for", "profile", "read_table", "table_for"]

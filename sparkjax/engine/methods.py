@@ -80,8 +80,9 @@ class Method:
         ``options``: the trace-time :class:`~sparkjax.engine.options.Options` it carries (None: defaults)."""
         raise NotImplementedError
 
-    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int) -> Plan:
-        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (default: ``plan`` itself)."""
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: bool = False) -> Plan:
+        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (``pool``: a serving pool's, whose
+        idle slots are done sequences; default: ``plan`` itself)."""
         return plan
 
     def inputs(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, memory: Any = None) -> Any:
@@ -432,8 +433,9 @@ class Auto(Method):
     round's draft (a size-0 round then skips the draft pass; a probe drafts again after ``probe`` plain
     steps). ``viable_share`` (in ``(0, 1]``, default 0.5): a drafted size is viable only if its round costs
     fewer plain steps than ``viable_share * (depth + 1)``.
-    ``table``: a :class:`~sparkjax.engine.costs.CostTable` for these sizes (default: the one for this device
-    and shape: the process's, the user's cache folder's, or profiled). Its seconds are a traced input, so it
+    ``table``: a :class:`~sparkjax.engine.costs.CostTable` for these sizes, or a
+    :class:`~sparkjax.engine.costs.PoolCostTable` (a serving pool's, by active slots; default: the one for this
+    device and shape: the process's, the user's cache folder's, or profiled). Its seconds are a traced input, so it
     is not compared; its static part (``viable``, ``floor``: :func:`~sparkjax.engine.adaptive.viable`,
     :func:`~sparkjax.engine.adaptive.gap_floor`) is set when it is bound (:meth:`bind`): leave those unset.
     ``top_c`` (default 32, at most the vocabulary) and ``normalization``: the tree's, as for :class:`Tree`.
@@ -573,16 +575,21 @@ class Auto(Method):
         if tuple(table.labels) != self.labels():
             raise ArgumentError(f"table: its candidates {list(table.labels)} are not this method's "
                                 f"{list(self.labels())}")
-        seconds = tuple(table.seconds)
-        bound = dataclasses.replace(self, table=table, viable=adaptive.viable(self, plan.depth, seconds),
-                                    floor=adaptive.gap_floor(self, plan.depth, seconds))
+        # a PoolCostTable has a row per active count: a size is viable if it is at some count
+        rows = table.rows() if hasattr(table, "rows") else [tuple(table.seconds)]
+        ok = [adaptive.viable(self, plan.depth, r) for r in rows]
+        bound = dataclasses.replace(self, table=table, viable=tuple(map(any, zip(*ok, strict=True))),
+                                    floor=min(adaptive.gap_floor(self, plan.depth, r) for r in rows))
         return dataclasses.replace(plan, method=bound)
 
-    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int) -> Plan:
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: bool = False) -> Plan:
         """``plan`` with its cost table: the method's own, else the one for this device, batch and cache size
-        (:func:`~sparkjax.engine.costs.table_for`: the process's, the cache folder's, or profiled now)."""
+        (:func:`~sparkjax.engine.costs.table_for`: the process's, the cache folder's, or profiled now); for a
+        ``pool``, one per number of active slots (:func:`~sparkjax.engine.costs.pool_table_for`)."""
         if plan.method.table is not None:
             return plan
+        if pool and batch > 1:
+            return plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size))
         return plan.method.with_table(plan, costs.table_for(target, drafter, plan, batch, cache_size))
 
     def inputs(self, plan: Plan, *, target=None, drafter=None, batch=None, cache_size=None, memory: Any = None

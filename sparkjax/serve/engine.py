@@ -269,7 +269,7 @@ class Engine:
         self._target_only = self.plan is None
         kw = dict(target=target, drafter=drafter, batch=self.slots, cache_size=self.cache_size)
         if self.plan is not None:
-            self.plan = self.method.bind(self.plan, **kw)
+            self.plan = self.method.bind(self.plan, pool=True, **kw)
         self._inputs = self.method.inputs(self.plan, **kw)
         self.labels = tuple(self.plan.method.labels()) if self.plan is not None else ()
         # the sampling programs: the same bound plan (cost table included), sampling

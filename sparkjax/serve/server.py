@@ -52,6 +52,7 @@ MAX_SEED = 2**63
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the engine's bound
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROLES = ("system", "user", "assistant")
+HEARTBEAT_S = 2.0  # an idle stream sends an SSE comment this often: proxies keep it open, a gone client is seen
 
 # fields accepted only at the value that changes nothing (what OpenAI does by default)
 NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False,
@@ -461,7 +462,15 @@ class Server:
                     if p.include_usage:
                         yield _sse({**head, "choices": [], "usage": _usage(len(p.prompt_ids), n_out)})
                     break
-                c = await anext(chunks)
+                nxt = asyncio.ensure_future(anext(chunks))
+                while not nxt.done():
+                    await asyncio.wait({nxt, watcher}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
+                    if watcher.done() and not nxt.done():  # the client left: its request is cancelled
+                        nxt.cancel()
+                        return
+                    if not nxt.done():
+                        yield ": keep-alive\n\n"  # a comment: clients skip it; a write to a closed socket fails
+                c = nxt.result()
         except EngineFailure as e:
             yield _sse(_failure(e).body())
         finally:
