@@ -136,31 +136,32 @@ def causal_block(t: int) -> Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ContextCache:
-    """A drafter's context keys/values ``[L, B, K, S, H]`` (heads-major) and context lengths ``[B]`` (int32).
+    """A drafter's per-layer context keys/values (tuples of ``[B, K, S, H]``, heads-major, as :class:`KVCache`
+    holds them: each layer's buffer is updated and attended in place) and context lengths ``[B]`` (int32).
 
     Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed positions whose
     target features the drafter has seen; anything after is scratch. Block K/V never enter this cache.
     """
 
-    k: Array
-    v: Array
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
     lengths: Array
 
     @classmethod
     def zeros(cls, layers: int, batch: int, size: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> ContextCache:
-        shape = (layers, batch, kv_heads, size, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        shape = (batch, kv_heads, size, head_dim)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+                   tuple(jnp.zeros(shape, dtype) for _ in range(layers)), jnp.zeros((batch,), jnp.int32))
 
     @property
     def size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     def append(self, k: Array, v: Array, count: Array) -> ContextCache:
         """Writes token-major rows ``[L, B, A, K, H]`` at slots ``lengths[b] ..`` and advances ``lengths`` by
         ``count[b]`` (``<= A``); rows past the end of the cache are dropped (size it for ``max length + A``)."""
-        per_layer = jax.vmap(_scatter_block, in_axes=(0, 0, None))
-        new_k = per_layer(self.k, k, self.lengths)
-        new_v = per_layer(self.v, v, self.lengths)
+        new_k = tuple(_scatter_block(buf, k[i], self.lengths) for i, buf in enumerate(self.k))
+        new_v = tuple(_scatter_block(buf, v[i], self.lengths) for i, buf in enumerate(self.v))
         lengths = self.lengths + jnp.broadcast_to(jnp.asarray(count, jnp.int32), self.lengths.shape)
         return ContextCache(new_k, new_v, lengths)
 

@@ -286,7 +286,7 @@ def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
     assert int(burst.ctx.lengths.min()) == int(state.ctx.lengths.min()) + steps
     for b, n in enumerate(np.asarray(burst.ctx.lengths)):
         for got, want in ((burst.ctx.k, single.ctx.k), (burst.ctx.v, single.ctx.v)):
-            np.testing.assert_allclose(got[:, b, :, :n], want[:, b, :, :n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.stack(got)[:, b, :, :n], np.stack(want)[:, b, :, :n], rtol=1e-5, atol=1e-5)
 
 
 # both batch sizes and both decide modes in the default run; the other two pairings are slow

@@ -113,8 +113,8 @@ def test_round0_matches_reference(ref, drafter, fns, b0):
 
     close(drafter.project_context(feats), ref["b.context_projected"], what="hidden_norm(fc(features))")
     # cache [L, B, K, S, H] vs DynamicCache [L, B, K, S, H] after crop(start): context only
-    close(ctx.k[:, :, :, :p], ref["b.drafter_cache_keys"], what="context keys")
-    close(ctx.v[:, :, :, :p], ref["b.drafter_cache_values"], what="context values")
+    close(jnp.stack(ctx.k)[:, :, :, :p], ref["b.drafter_cache_keys"], what="context keys")
+    close(jnp.stack(ctx.v)[:, :, :, :p], ref["b.drafter_cache_values"], what="context values")
 
     np.testing.assert_array_equal(draft.block_tokens(drafter, x0), ref["b.draft_input_ids"])
     positions = ref["b.draft_position_ids"][0]
@@ -214,9 +214,9 @@ def test_context_cache_batching_and_scratch(ref, drafter, fns):
     small = fns["append"](drafter.init_context(1, 30), feats, jnp.array([p]))
     grown = draft.append_context(drafter, small, feats[:, :17], jnp.array([3]))
     assert int(grown.lengths[0]) == p + 3
-    np.testing.assert_array_equal(grown.k[:, :, :, :p], small.k[:, :, :, :p])
+    np.testing.assert_array_equal(jnp.stack(grown.k)[:, :, :, :p], jnp.stack(small.k)[:, :, :, :p])
     k_ref, _ = drafter.context_kv(feats[:, :3], jnp.arange(p, p + 3)[None])  # token-major rows
-    close(grown.k[:, :, :, p:p + 3], jnp.swapaxes(k_ref, 2, 3), dict(rtol=1e-6, atol=1e-6))
+    close(jnp.stack(grown.k)[:, :, :, p:p + 3], jnp.swapaxes(k_ref, 2, 3), dict(rtol=1e-6, atol=1e-6))
 
 
 # ----------------------------------------------------------------------------- sampling

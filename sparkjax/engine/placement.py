@@ -28,7 +28,6 @@ from .checks import describe
 from .drafting import DraftBlock
 
 MESH_AXES = ("data", "model")  # the axis names a generation mesh may have (a subset, in any order)
-CTX_AXES: tuple[str | None, ...] = (None, *KV_AXES)  # drafter context [L, B, K, S, H]
 
 
 def rules_for(mesh: Mesh) -> dict[str, str | None]:
@@ -109,7 +108,7 @@ def batch_spec(x: Any, rules: Mapping[str, str | None]) -> PartitionSpec:
 def state_shardings(tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a pytree of a generation's arrays (a :class:`~sparkjax.engine.state.SpecState`,
     a stage's output, a KV cache, the run's arguments): KV caches by :data:`~sparkjax.cache.KV_AXES`,
-    the drafter context by :data:`CTX_AXES`, a drafter block's per-layer outputs ``[L, B, ...]`` over
+    the drafter context likewise, a drafter block's per-layer outputs ``[L, B, ...]`` over
     the batch, every other array batch-first over ``data`` and replicated over ``model``."""
     rules = rules_for(mesh)
 
@@ -121,8 +120,8 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
             kv = named(logical_to_spec(KV_AXES, rules))
             return KVCache((kv,) * len(x.k), (kv,) * len(x.v), named(batch_spec(x.lengths, rules)))
         if isinstance(x, ContextCache):
-            ctx = named(logical_to_spec(CTX_AXES, rules))
-            return ContextCache(ctx, ctx, named(batch_spec(x.lengths, rules)))
+            kv = named(logical_to_spec(KV_AXES, rules))
+            return ContextCache((kv,) * len(x.k), (kv,) * len(x.v), named(batch_spec(x.lengths, rules)))
         if isinstance(x, DraftBlock):
             layers = None if x.layers is None else named(PartitionSpec(None, rules.get("batch")))
             return type(x)(named(batch_spec(x.logits, rules)), named(batch_spec(x.hidden, rules)), layers)

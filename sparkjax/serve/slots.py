@@ -50,17 +50,13 @@ def _put(pool: Array, row: Array, slot: Array, axis: int = 0) -> Array:
     return jax.lax.dynamic_update_slice_in_dim(pool, row.astype(pool.dtype), slot, axis=axis)
 
 
-def _put_cache(pool: KVCache, row: KVCache, slot: Array) -> KVCache:
-    k = tuple(_put(p, r, slot) for p, r in zip(pool.k, row.k, strict=True))
-    v = tuple(_put(p, r, slot) for p, r in zip(pool.v, row.v, strict=True))
-    return KVCache(k, v, _put(pool.lengths, row.lengths, slot))
-
-
-def _put_context(pool: ContextCache | None, row: ContextCache | None, slot: Array) -> ContextCache | None:
+def _put_kv(pool: KVCache | ContextCache | None, row, slot: Array):
+    """A KV or context cache with sequence ``slot``'s rows (every layer's) and length replaced by ``row``'s."""
     if pool is None:
         return None
-    return ContextCache(_put(pool.k, row.k, slot, 1), _put(pool.v, row.v, slot, 1),
-                        _put(pool.lengths, row.lengths, slot))
+    k = tuple(_put(p, r, slot) for p, r in zip(pool.k, row.k, strict=True))
+    v = tuple(_put(p, r, slot) for p, r in zip(pool.v, row.v, strict=True))
+    return type(pool)(k, v, _put(pool.lengths, row.lengths, slot))
 
 
 def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) -> SpecState:
@@ -71,8 +67,8 @@ def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) 
                for f in ("x_start", "out", "n", "done", "accept_lens", "rounds", "depth_hits", "nonfinite")}
     key = pool.key if pool.key.ndim == 0 else _put(pool.key, row.key.reshape(1), slot)
     extra = pool.extra if plan is None else plan.method.admit_state(plan, pool.extra, row.extra, slot)
-    return dataclasses.replace(pool, cache=_put_cache(pool.cache, row.cache, slot),
-                               ctx=_put_context(pool.ctx, row.ctx, slot), key=key, extra=extra, **per_row)
+    return dataclasses.replace(pool, cache=_put_kv(pool.cache, row.cache, slot),
+                               ctx=_put_kv(pool.ctx, row.ctx, slot), key=key, extra=extra, **per_row)
 
 
 def ar_start(target, tokens, lengths, max_new, eos, temperature, key, *, cache_size: int, buf_len: int,
