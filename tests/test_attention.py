@@ -194,16 +194,16 @@ def test_target_verify_logits_match_reference(fixture_target, impl):
 
 
 def test_auto_resolves_by_backend(monkeypatch):
-    """The default "auto" runs the blocked path on the CPU backend and the einsum reference elsewhere."""
+    """The default "auto" runs the blocked path on the CPU backend and the split one elsewhere."""
     seen = []
     monkeypatch.setattr(layers, "_attend_blocked", lambda q, parts, block: seen.append("blocked") or q)
-    monkeypatch.setattr(layers, "_attend_einsum", lambda q, parts: seen.append("einsum") or q)
+    monkeypatch.setattr(layers, "attend_split", lambda q, parts, block_slots: seen.append("split") or q)
     q = jnp.zeros((1, 1, 2, 4))
     k = jnp.zeros((1, 1, 2 * layers.BLOCK_SLOTS, 4))
     layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))])  # the default is "auto"
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))], impl="auto")
-    assert seen == ["blocked", "einsum"]
+    assert seen == ["blocked", "split"]
 
 
 def test_models_take_the_attention_as_an_argument(fixture_target):

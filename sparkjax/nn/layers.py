@@ -175,12 +175,12 @@ def attend(q: Array, parts: list[tuple[Array, Array, Array | CacheMask]], *, imp
     for bf16 / f16), ``"blocked"`` (the first part in ``block_slots``-slot chunks with an online softmax, up
     to the last visible chunk), ``"prefix"`` (the reference over the shortest power-of-two prefix of the
     first part that holds every visible slot), ``"split"`` (see :func:`attend_split`) or ``"auto"``
-    (``blocked`` on CPU, ``einsum`` elsewhere). Every path but ``split`` makes a :class:`CacheMask` dense.
+    (``blocked`` on CPU, ``split`` elsewhere). Every path but ``split`` makes a :class:`CacheMask` dense.
     """
     if not isinstance(impl, str) or impl not in ATTENTION_IMPLS:
         raise ArgumentError(f"attend: impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
     if impl == "auto":
-        impl = "blocked" if jax.default_backend() == "cpu" else "einsum"
+        impl = "blocked" if jax.default_backend() == "cpu" else "split"
     if impl == "split":
         return attend_split(q, parts, block_slots=block_slots)
     b, t = q.shape[:2]
