@@ -264,6 +264,12 @@ def ancestor_mask(parents: np.ndarray) -> np.ndarray:
     return mask
 
 
+def random_tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
+    """The ancestor mask ``[t, t]`` of a random tree of ``t`` nodes: node 0 the root, node ``i``'s parent drawn
+    from ``0 .. i - 1`` (parents before children, as the drafted trees order them)."""
+    return ancestor_mask(np.asarray([int(rng.integers(0, i)) for i in range(1, t)], np.int64))
+
+
 def accept_walk(parents: np.ndarray, tokens: np.ndarray, posterior: np.ndarray) -> tuple[list[int], int]:
     """Step by step ``follow_verified_tree``: returns (accepted indices with the root first, bonus token)."""
     child_map: dict[int, dict[int, int]] = {}

@@ -17,6 +17,7 @@ from sparkjax.cache import attention_mask
 from sparkjax.engine import Options, generate
 from sparkjax.errors import ArgumentError
 from sparkjax.nn import layers
+from sparkjax.reference import random_tree_mask
 from tests.conftest import NEW_LONG, PROMPTS3, jit_call
 
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -25,18 +26,6 @@ SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[Health
 @functools.partial(jax.jit, static_argnames=("impl", "block"))
 def _attend(q, parts, impl, block=layers.BLOCK_SLOTS):
     return layers.attend(q, parts, impl=impl, block_slots=block)
-
-
-def _tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
-    """Ancestor mask of a random tree over t nodes (node 0 the root, parents before children)."""
-    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
-    vis = np.zeros((t, t), bool)
-    for i in range(t):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-    return vis
 
 
 def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32, lengths=None,
@@ -48,7 +37,7 @@ def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=
     k = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
     v = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
     lengths = jnp.asarray(rng.integers(0, s - t + 1, b) if lengths is None else lengths, jnp.int32)
-    block = jnp.asarray(np.stack([_tree_mask(rng, t) for _ in range(b)]))
+    block = jnp.asarray(np.stack([random_tree_mask(rng, t) for _ in range(b)]))
     mask = layers.CacheMask(lengths, block) if lazy else attention_mask(lengths, block, s)
     return q, k, v, mask, lengths
 
@@ -175,7 +164,7 @@ def test_target_verify_logits_match_reference(fixture_target, impl):
     """A Qwen3 tree-verification step over a cache: the reference's logits with each path."""
     rng = np.random.default_rng(6)
     prefix = jnp.asarray(rng.integers(0, 300, (2, 40)), jnp.int32)
-    tree = jnp.asarray(_tree_mask(rng, 6))
+    tree = jnp.asarray(random_tree_mask(rng, 6))
     nodes = jnp.asarray(rng.integers(0, 300, (2, 6)), jnp.int32)
     pos = 40 + jnp.asarray(tree.sum(-1) - 1)[None].repeat(2, 0)
 

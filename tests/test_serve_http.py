@@ -59,8 +59,8 @@ def pool_table(pair):
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    eng = Engine(pair.target, pair.dspark, method=Auto(table=pool_table(pair)), slots=SLOTS, max_prompt_tokens=MAX_PROMPT,
-                 max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
+    eng = Engine(pair.target, pair.dspark, method=Auto(table=pool_table(pair)), slots=SLOTS,
+                 max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
                  eos_token_ids=pair.eos_token_ids)
     eng.start()
     yield eng

@@ -37,15 +37,16 @@ from sparkjax.engine.api import generate
 from sparkjax.engine.costs import CostTable
 from sparkjax.engine.methods import METHODS, Auto, parse_method
 from sparkjax.engine.options import Options
-from sparkjax.engine.programs import ar_program, spec_program, split_pair
+from sparkjax.engine.programs import spec_program, split_pair
 from sparkjax.errors import ArgumentError
 from sparkjax.nn import layers
 from sparkjax.nn.drafter import Drafter
 from sparkjax.nn.qwen3 import Qwen3
+from sparkjax.reference import random_tree_mask
 
 from . import timing
 from .common import at_least, configs, device_name, ints, log, names, write_text
-from .scale import Case, forced_plan
+from .scale import Case, _prompts, ar_case, forced_plan
 
 ATTENTIONS = "einsum,split"
 TIMED = "ar,dspark,sparklingtree@16,sparklingtree@64,auto"
@@ -83,17 +84,6 @@ def _error(e: Exception) -> str:
 # ----------------------------------------------------------------------------- attention
 
 
-def _tree_block(rng: np.random.Generator, t: int) -> np.ndarray:
-    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
-    vis = np.zeros((t, t), bool)
-    for i in range(t):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-    return vis
-
-
 def attention_cases(n: int, kh: int, h: int, s: int, t: int, b: int, seed: int):
     """``(name, q, parts)`` in float32: a tree block over a cache (lengths 0, short and up to ``s - t``) with one
     row seeing the prefix only and one row of a sequence with no prefix seeing nothing, and the drafter's
@@ -105,7 +95,7 @@ def attention_cases(n: int, kh: int, h: int, s: int, t: int, b: int, seed: int):
 
     q, k, v = arr(b, t, n, h), arr(b, kh, s, h), arr(b, kh, s, h)
     lengths = jnp.asarray(np.linspace(0, s - t, b).astype(np.int32))
-    block = np.stack([_tree_block(rng, t) for _ in range(b)])
+    block = np.stack([random_tree_mask(rng, t) for _ in range(b)])
     block[0, t // 2] = False  # sequence 0 has no prefix: this row sees nothing
     if b > 1:
         block[1, t - 1] = False  # the prefix only
@@ -204,26 +194,6 @@ def check_exactness(target, drafter, methods, attentions, prompts, new: int, aut
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def _prompts(batch: int, prompt: int, vocab: int, seed: int):
-    tokens = np.random.default_rng(seed + batch).integers(0, vocab, (batch, prompt)).astype(np.int32)
-    return jnp.asarray(tokens), jnp.full((batch,), prompt, jnp.int32)
-
-
-def ar_case(target, batch, prompt, steps, context, seed, opts) -> Case:
-    g, s = nnx.split(target)
-    tokens, lengths = _prompts(batch, prompt, target.config.vocab_size, seed)
-    none, key = jnp.array([-1], jnp.int32), jax.random.key(seed)
-    buf = 1 << max(steps + 2, 2).bit_length()
-
-    def run(n):
-        return lambda: ar_program(g, s, tokens, lengths, jnp.int32(n), none, jnp.float32(0.0), key, buf_len=buf,
-                                  cache_size=context, sampling=False, options=opts)[1]
-
-    short, long = run(2), run(steps + 1)
-    short(), long()  # compile and warm up
-    return Case("ar", batch, short, long, steps - 1)
 
 
 def round_case(target, drafter, label, batch, prompt, rounds, accept, context, seed, opts, auto_sizes) -> Case:

@@ -32,6 +32,7 @@ from flax import nnx
 
 from sparkjax.engine.api import estimate_memory
 from sparkjax.engine.methods import parse_method
+from sparkjax.engine.options import DEFAULT_OPTIONS
 from sparkjax.engine.programs import ar_program, spec_program, spec_start, split_pair, stage_call
 from sparkjax.engine.round import STAGES
 from sparkjax.engine.state import Acceptance
@@ -164,7 +165,7 @@ def _prompts(batch: int, prompt: int, vocab: int, seed: int):
     return jnp.asarray(tokens), jnp.full((batch,), prompt, jnp.int32)
 
 
-def ar_case(target, batch: int, prompt: int, steps: int, context: int, seed: int) -> Case:
+def ar_case(target, batch: int, prompt: int, steps: int, context: int, seed: int, opts=DEFAULT_OPTIONS) -> Case:
     g, s = nnx.split(target)
     tokens, lengths = _prompts(batch, prompt, target.config.vocab_size, seed)
     none, key = jnp.array([-1], jnp.int32), jax.random.key(seed)
@@ -172,7 +173,7 @@ def ar_case(target, batch: int, prompt: int, steps: int, context: int, seed: int
 
     def run(n):
         return lambda: ar_program(g, s, tokens, lengths, jnp.int32(n), none, jnp.float32(0.0), key, buf_len=buf,
-                                  cache_size=context, sampling=False)[1]
+                                  cache_size=context, sampling=False, options=opts)[1]
 
     short, long = run(2), run(steps + 1)
     n_short, n_long = int(short()[0]), int(long()[0])  # compile + warm-up, and the check

@@ -197,9 +197,10 @@ class Drafter(nnx.Module):
         attention: str | Callable = "auto",
     ) -> BlockOutput:
         """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``: context rows
-        ``ctx_k``/``ctx_v``: per layer ``[B, K, S, H]`` (heads-major; a tuple, or stacked ``[L, B, K, S, H]``), ``ctx_mask`` ``[B, Q, S]`` (or a
-        :class:`~sparkjax.nn.layers.CacheMask` of the context lengths) and ``block_mask``
-        ``[B, Q, Q]`` (or broadcastable). ``attention``: as in :meth:`sparkjax.nn.qwen3.Qwen3.__call__`."""
+        ``ctx_k``/``ctx_v`` per layer ``[B, K, S, H]`` (heads-major; a tuple, or stacked ``[L, B, K, S, H]``),
+        ``ctx_mask`` ``[B, Q, S]`` (or a :class:`~sparkjax.nn.layers.CacheMask` of the context lengths) and
+        ``block_mask`` ``[B, Q, Q]`` (or broadcastable). ``attention``: as in
+        :meth:`sparkjax.nn.qwen3.Qwen3.__call__`."""
         fn = attention_fn(attention)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         outs = []
