@@ -31,6 +31,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -58,6 +59,9 @@ def add_arguments(p) -> None:
     p.add_argument("--slots", type=int, default=8, help="the servers' --slots (default 8)")
     p.add_argument("--rounds-per-visit", type=int, default=8, help="the servers' --rounds-per-visit")
     p.add_argument("--ready-timeout-s", type=float, default=1200.0, help="seconds a server may take to be ready")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="times the whole set of levels runs, the methods' order alternating (default 1); the "
+                        "ratios are of the medians, with the spread")
     p.add_argument("--restart", action="store_true",
                    help="stop each server once it is ready and start it again: the second start's ready time, "
                         "from the compiled programs and cost tables the first one cached")
@@ -271,6 +275,15 @@ def summarize(method: str, level: str, concurrency: int | None, records: list[di
                           for r in records]}
 
 
+def _rates(rows: list[dict], concurrency: int) -> dict[str, tuple[float, float, float, int]]:
+    """Per method at this concurrency: (median, min, max, runs) of the throughputs of its repetitions."""
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        if r["concurrency"] == concurrency and r["throughput_tok_s"]:
+            out.setdefault(r["method"], []).append(r["throughput_tok_s"])
+    return {m: (statistics.median(v), min(v), max(v), len(v)) for m, v in out.items()}
+
+
 # --- exactness and batch-1 generate ---------------------------------------------------------------------------------
 
 
@@ -312,19 +325,21 @@ def _ms(x: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'level':<10} {'method':<8} {'done':>5} {'lost':>4} {'5xx':>3} {'tok/s':>8} {'ttft p50':>9} "
+    lines = [f"{'level':<10} {'rep':>3} {'method':<8} {'done':>5} {'lost':>4} {'5xx':>3} {'tok/s':>8} {'ttft p50':>9} "
              f"{'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'tau':>5} {'exact':>7}  verify sizes"]
     for r in rows:
         share = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["verify_share"].items(), key=lambda kv: -kv[1])[:3])
-        lines.append(f"{r['level']:<10} {r['method']:<8} {r['completed']:>5} {r['lost']:>4} {r['http_5xx']:>3} "
+        lines.append(f"{r['level']:<10} {r.get('repeat', 0) + 1:>3} {r['method']:<8} {r['completed']:>5} "
+                     f"{r['lost']:>4} {r['http_5xx']:>3} "
                      f"{_f(r['throughput_tok_s']):>8} {_ms(r['ttft_p50_s']):>9} {_ms(r['ttft_p99_s']):>9} "
                      f"{_ms(r['tpot_p50_s']):>9} {_ms(r['tpot_p99_s']):>9} {_f(r['tau'], '.2f'):>5} "
                      f"{r.get('exact', '-'):>7}  {share}")
     return "\n".join(lines)
 
 
-CSV_FIELDS = ("level", "method", "concurrency", "requests", "completed", "lost", "http_5xx", "completion_tokens",
-              "wall_s", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tau", "exact")
+CSV_FIELDS = ("level", "repeat", "method", "concurrency", "requests", "completed", "lost", "http_5xx",
+              "completion_tokens", "wall_s", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+              "tpot_p99_s", "tau", "exact")
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -381,7 +396,7 @@ def write_png(path: str, rows: list[dict], title: str) -> None:
 def run(args, report) -> None:
     methods = names(args.methods)
     levels = ints(args.concurrency, "--concurrency")
-    for arg in ("requests", "max_tokens", "slots", "rounds_per_visit"):
+    for arg in ("requests", "max_tokens", "slots", "rounds_per_visit", "repeats"):
         at_least(getattr(args, arg), f"--{arg.replace('_', '-')}")
     at_least(args.time_limit_s, "--time-limit-s", 1)
     at_least(args.poisson_rate, "--poisson-rate", 0)
@@ -417,14 +432,14 @@ def run(args, report) -> None:
         plan = [(f"c={c}", c, None) for c in levels]
         if args.poisson_rate:
             plan.append((f"poisson@{args.poisson_rate:g}", None, args.poisson_rate))
-        for k, (level, c, rate) in enumerate(plan):
+        for k, (rep, (level, c, rate)) in enumerate((r, lv) for r in range(args.repeats) for lv in plan):
             for m in (methods if k % 2 == 0 else methods[::-1]):
                 url = servers[m].url
                 before = scrape(url)
                 records, wall = asyncio.run(_level(url, rows_p, concurrency=c, rate=rate,
                                                    requests=max(args.requests, c or 1), limit_s=args.time_limit_s,
                                                    max_tokens=args.max_tokens, seed=args.seed + k))
-                row = summarize(m, level, c, records, wall, before, scrape(url))
+                row = {**summarize(m, level, c, records, wall, before, scrape(url)), "repeat": rep}
                 report.rows.append(row)
                 log(f"  {level} {m}: {row['completed']}/{row['requests']} done, "
                     f"{_f(row['throughput_tok_s'])} tok/s, tau {_f(row['tau'], '.2f')}")
@@ -446,7 +461,7 @@ def run(args, report) -> None:
                              f"(text and token count)")
         report.footer.append("# batch-1 generate on the same prompts: " + ", ".join(
             f"{m} {v:.1f} tok/s" for m, v in rates.items()))
-        one = {r["method"]: r["throughput_tok_s"] for r in report.rows if r["concurrency"] == 1}
+        one = {m: v[0] for m, v in _rates(report.rows, 1).items()}
         if one:
             extra["c1_over_generate"] = {m: one[m] / rates[m] for m in one if one[m] and rates.get(m)}
             report.footer.append("# c=1 served / batch-1 generate: " + ", ".join(
@@ -457,10 +472,12 @@ def run(args, report) -> None:
     report.footer.append(f"# ready (spawn to 'ready'): {ready}" + (f"; second start: {second}" if second else "")
                          + f"; exit codes after SIGTERM: {codes}")
     for c in levels:
-        by = {r["method"]: r["throughput_tok_s"] for r in report.rows if r["concurrency"] == c}
-        if "ar" in by and by["ar"] and any(m != "ar" for m in by):
-            report.footer.append(f"# c={c}: " + ", ".join(f"{m}/ar {v / by['ar']:.2f}x" for m, v in by.items()
-                                                           if m != "ar" and v))
+        by = _rates(report.rows, c)
+        if "ar" in by and by["ar"][0] and any(m != "ar" for m in by):
+            report.footer.append(f"# c={c}: " + ", ".join(
+                f"{m}/ar {v[0] / by['ar'][0]:.2f}x (median {v[0]:.1f} vs {by['ar'][0]:.1f} tok/s; "
+                f"min-max {v[1]:.1f}-{v[2]:.1f} vs {by['ar'][1]:.1f}-{by['ar'][2]:.1f}, {v[3]} runs)"
+                for m, v in by.items() if m != "ar" and v[0]))
     warn = load_warning()
     title = (f"sparkjax serve, demo pair, {args.slots} slots, max_tokens {args.max_tokens}, {device_name()}"
              + (f" ({warn})" if warn else ""))
