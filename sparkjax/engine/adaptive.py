@@ -217,14 +217,15 @@ def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> Auto
 
 def admit_state(pool: AutoState, row: AutoState, slot: Array) -> AutoState:
     """``pool`` with sequence ``slot`` started over from ``row`` (a batch-1 :func:`init_state`): its choices,
-    predictions and shadow chain are the row's; the calibration and the gap stay the batch's, and the next round
-    is a probe (the new sequence has no predictions yet)."""
+    predictions (the prior) and shadow chain are the row's; the calibration and the probe schedule stay the
+    batch's. An admission forces no probe: where drafting pays the gap is short and the next probe comes soon,
+    and where it does not, a probe per admission would be a draft pass over every slot for nothing."""
     per_row = {}
     for f in ("choices", "last", "shadow", "shadow_at", "shadow_pred", "shadow_live"):
         p, r = getattr(pool, f), getattr(row, f)
         if p is not None:
             per_row[f] = jax.lax.dynamic_update_slice_in_dim(p, r.astype(p.dtype), slot, axis=0)
-    return dataclasses.replace(pool, **per_row, idle=jnp.maximum(pool.idle, pool.gap))
+    return dataclasses.replace(pool, **per_row)
 
 
 def score_shadow(m: Auto, st: AutoState, state: SpecState, now: Any) -> AutoState:
