@@ -299,6 +299,9 @@ def test_a_pool_profiles_auto_per_active_count_and_interpolates(random_pair, mon
     assert eng._inputs.seconds.shape == (6, 3)
     with pytest.raises(ArgumentError, match="counts"):
         costs.PoolCostTable(5, (2, 5), table.tables[:2])
+    with pytest.raises(ArgumentError, match="table: a PoolCostTable for 5 slots, but this run has 3 sequences"):
+        Engine(target, drafter, method=Auto(sizes=AUTO_SIZES, table=table), slots=3, max_prompt_tokens=16,
+               max_new_tokens=NEW, sampling=False)
 
 
 def test_auto_in_a_pool_decides_from_the_active_slots(random_pair, solo):

@@ -576,7 +576,7 @@ class Auto(Method):
             raise ArgumentError(f"table: its candidates {list(table.labels)} are not this method's "
                                 f"{list(self.labels())}")
         # a PoolCostTable has a row per active count: a size is viable if it is at some count
-        rows = table.rows() if hasattr(table, "rows") else [tuple(table.seconds)]
+        rows = table.rows() if isinstance(table, costs.PoolCostTable) else [tuple(table.seconds)]
         ok = [adaptive.viable(self, plan.depth, r) for r in rows]
         bound = dataclasses.replace(self, table=table, viable=tuple(map(any, zip(*ok, strict=True))),
                                     floor=min(adaptive.gap_floor(self, plan.depth, r) for r in rows))
@@ -586,7 +586,11 @@ class Auto(Method):
         """``plan`` with its cost table: the method's own, else the one for this device, batch and cache size
         (:func:`~sparkjax.engine.costs.table_for`: the process's, the cache folder's, or profiled now); for a
         ``pool``, one per number of active slots (:func:`~sparkjax.engine.costs.pool_table_for`)."""
-        if plan.method.table is not None:
+        table = plan.method.table
+        if isinstance(table, costs.PoolCostTable) and table.slots != batch:
+            raise ArgumentError(f"table: a PoolCostTable for {table.slots} slots, but this run has {batch} "
+                                f"sequences")
+        if table is not None:
             return plan
         if pool and batch > 1:
             return plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size))

@@ -116,12 +116,9 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
         return NamedSharding(mesh, spec)
 
     def leaf(x):
-        if isinstance(x, KVCache):
+        if isinstance(x, KVCache | ContextCache):  # both: a heads-major buffer per layer
             kv = named(logical_to_spec(KV_AXES, rules))
-            return KVCache((kv,) * len(x.k), (kv,) * len(x.v), named(batch_spec(x.lengths, rules)))
-        if isinstance(x, ContextCache):
-            kv = named(logical_to_spec(KV_AXES, rules))
-            return ContextCache((kv,) * len(x.k), (kv,) * len(x.v), named(batch_spec(x.lengths, rules)))
+            return type(x)((kv,) * len(x.k), (kv,) * len(x.v), named(batch_spec(x.lengths, rules)))
         if isinstance(x, DraftBlock):
             layers = None if x.layers is None else named(PartitionSpec(None, rules.get("batch")))
             return type(x)(named(batch_spec(x.logits, rules)), named(batch_spec(x.hidden, rules)), layers)
