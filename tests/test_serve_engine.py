@@ -49,7 +49,7 @@ def engines(random_pair):
             target, drafter = random_pair
             eng = Engine(target, None if name == "ar" else drafter, method=_method(random_pair, name), slots=SLOTS,
                          max_prompt_tokens=16, max_new_tokens=NEW, rounds_per_visit=1, queue_limit=8,
-                         sampling=name in SAMPLED)
+                         sampling=name in SAMPLED, visit_sizes=(2, SLOTS))  # one slot runs padded with a free one
             eng.start()
             built[name] = eng
         return built[name]
@@ -209,6 +209,9 @@ def test_bad_requests_and_a_full_queue(random_pair, engines):
     target, drafter = random_pair
     with pytest.raises(ArgumentError, match="slots"):
         Engine(target, drafter, method="dspark", slots=0)
+    for bad in ([1, 2], [2, 1, 4], "4", [0, 4]):
+        with pytest.raises(ArgumentError, match="visit_sizes"):
+            Engine(target, drafter, method="dspark", slots=4, visit_sizes=bad)
     with pytest.raises(ArgumentError, match="cache_size: 32 slots cannot hold"):
         Engine(target, drafter, method="dspark", cache_size=32, max_prompt_tokens=30)
     none_waiting = Engine(target, drafter, method="dspark", queue_limit=0, max_prompt_tokens=16, max_new_tokens=8)
@@ -273,8 +276,9 @@ def test_a_seeded_request_gets_the_same_tokens_alone_and_in_a_busy_pool(engines,
 
 
 def test_a_pool_profiles_auto_per_active_count_and_interpolates(random_pair, monkeypatch):
-    """A pool's auto table: profiled with 1, half and all slots active (the key names the count), interpolated
-    linearly in between; the seconds the rounds get have a row per active count."""
+    """A pool's auto table: profiled with 1, half and all slots active, each at the smallest visit size that
+    holds them (the key names the count when some of that batch are idle), interpolated linearly in between; the
+    seconds the rounds get have a row per active count."""
     from sparkjax.engine import costs
 
     target, drafter = random_pair
@@ -288,11 +292,11 @@ def test_a_pool_profiles_auto_per_active_count_and_interpolates(random_pair, mon
 
     monkeypatch.setattr(costs, "profile", fake)
     eng = Engine(target, drafter, method=Auto(sizes=AUTO_SIZES), slots=5, max_prompt_tokens=16, max_new_tokens=NEW,
-                 sampling=False)
+                 sampling=False, visit_sizes=(1, 2, 4, 5))
     table = eng.plan.method.table
     assert isinstance(table, costs.PoolCostTable) and table.counts == (1, 3, 5)
-    assert seen == [(5, 1), (5, 3), (5, None)]
-    assert [dict(t.key).get("active") for t in table.tables] == [1, 3, None]
+    assert seen == [(1, None), (4, 3), (5, None)]
+    assert [(dict(t.key)["batch"], dict(t.key).get("active")) for t in table.tables] == seen
     s = table.seconds
     assert s.shape == (6, 3)
     assert s[:, 1].tolist() == [2.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # row 0 is row 1's; 2 and 4 interpolated
@@ -317,9 +321,18 @@ def test_auto_in_a_pool_decides_from_the_active_slots(random_pair, solo):
     eng = Engine(target, drafter, method=method, slots=4, max_prompt_tokens=16, max_new_tokens=NEW,
                  rounds_per_visit=4, sampling=False)
     eng.start()
+    real, widths = eng._visit_call, []
+
+    def visit(stop, rounds, hot, rows):  # the batch each visit's rounds ran at
+        widths.append(len(rows) if rounds else 0)
+        return real(stop, rounds, hot, rows)
+
+    eng._visit_call = visit
     try:
         alone = eng.submit(PROMPTS[0], max_new_tokens=NEW, eos_token_ids=[]).result(timeout=120)
         first = eng.metrics()["verify_sizes"]
+        assert set(widths) - {0} == {1}  # one active slot: its rounds ran at batch 1, not the pool's 4
+        widths.clear()
         assert first[labels[1]] > 0  # drafted rounds
         with eng._cond:  # all four are admitted in the same visit
             reqs = [eng.submit(p, max_new_tokens=8, eos_token_ids=[]) for p in PROMPTS[1:5]]
@@ -327,6 +340,7 @@ def test_auto_in_a_pool_decides_from_the_active_slots(random_pair, solo):
         after = eng.metrics()["verify_sizes"]
     finally:
         eng.close(grace_s=0)
+    assert 4 in widths and set(widths) <= {0, 1, 2, 4}
     assert after[labels[1]] == first[labels[1]]  # four active: plain steps only
     assert after[labels[0]] - first[labels[0]] == 4 * 7  # a plain step per slot per token after the first
     assert alone.token_ids == solo("ar", PROMPTS[0], NEW)

@@ -61,7 +61,7 @@ def pool_table(pair):
 def engine(pair):
     eng = Engine(pair.target, pair.dspark, method=Auto(table=pool_table(pair)), slots=SLOTS,
                  max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
-                 eos_token_ids=pair.eos_token_ids)
+                 eos_token_ids=pair.eos_token_ids, visit_sizes=(SLOTS,))  # packed visits: tests/test_serve_engine
     eng.start()
     yield eng
     eng.close(grace_s=0)

@@ -215,13 +215,29 @@ def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> Auto
                      seconds=jnp.asarray(inputs.seconds, jnp.float32), **shadow)
 
 
+PER_ROW = ("choices", "last", "shadow", "shadow_at", "shadow_pred", "shadow_live")  # AutoState's [B, ...] fields
+
+
+def take_rows(st: AutoState, rows: Array) -> AutoState:
+    """The state of the sub-batch of sequences ``rows`` ``[A]``: their per-sequence fields, the batch's
+    calibration, probe schedule and table."""
+    return dataclasses.replace(st, **{f: getattr(st, f)[rows] for f in PER_ROW if getattr(st, f) is not None})
+
+
+def put_rows(pool: AutoState, sub: AutoState, rows: Array) -> AutoState:
+    """``pool`` after its sequences ``rows`` ran as ``sub``: their per-sequence fields written back, and what the
+    sub-batch learned (calibration, probe schedule) kept for the whole pool."""
+    per_row = {f: getattr(pool, f).at[rows].set(getattr(sub, f)) for f in PER_ROW if getattr(pool, f) is not None}
+    return dataclasses.replace(sub, **per_row)
+
+
 def admit_state(pool: AutoState, row: AutoState, slot: Array) -> AutoState:
     """``pool`` with sequence ``slot`` started over from ``row`` (a batch-1 :func:`init_state`): its choices,
     predictions (the prior) and shadow chain are the row's; the calibration and the probe schedule stay the
     batch's. An admission forces no probe: where drafting pays the gap is short and the next probe comes soon,
     and where it does not, a probe per admission would be a draft pass over every slot for nothing."""
     per_row = {}
-    for f in ("choices", "last", "shadow", "shadow_at", "shadow_pred", "shadow_live"):
+    for f in PER_ROW:
         p, r = getattr(pool, f), getattr(row, f)
         if p is not None:
             per_row[f] = jax.lax.dynamic_update_slice_in_dim(p, r.astype(p.dtype), slot, axis=0)

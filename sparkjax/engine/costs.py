@@ -308,13 +308,18 @@ def pool_counts(slots: int) -> tuple[int, ...]:
     return tuple(sorted({1, slots} | ({(slots + 1) // 2} if slots >= 4 else set())))
 
 
-def pool_table_for(target, drafter, plan: Plan, slots: int, cache_size: int,
-                   counts: tuple[int, ...] | None = None) -> PoolCostTable:
-    """The :class:`PoolCostTable` of a pool of ``slots`` sequences: :func:`table_for` at each active count of
-    ``counts`` (default :func:`pool_counts`), all slots active with the plain batch's key."""
+def pool_table_for(target, drafter, plan: Plan, slots: int, cache_size: int, counts: tuple[int, ...] | None = None,
+                   sizes: tuple[int, ...] | None = None) -> PoolCostTable:
+    """The :class:`PoolCostTable` of a pool of ``slots`` sequences whose rounds run at the batch ``sizes``
+    (default: ``slots`` only): :func:`table_for` at each active count ``a`` of ``counts`` (default
+    :func:`pool_counts`), at the smallest size that holds ``a`` (a full batch has the plain batch's key)."""
     counts = pool_counts(slots) if counts is None else tuple(counts)
-    tables = tuple(table_for(target, drafter, plan, slots, cache_size, None if a == slots else a) for a in counts)
-    return PoolCostTable(slots, counts, tables)
+    sizes = tuple(sizes or (slots,))
+    tables = []
+    for a in counts:
+        batch = min(s for s in sizes if s >= a)
+        tables.append(table_for(target, drafter, plan, batch, cache_size, None if a == batch else a))
+    return PoolCostTable(slots, counts, tuple(tables))
 
 
 __all__ = ["CostTable", "PoolCostTable", "cost_key", "pool_table_for", "profile", "read_table", "table_for"]

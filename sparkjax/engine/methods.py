@@ -80,9 +80,9 @@ class Method:
         ``options``: the trace-time :class:`~sparkjax.engine.options.Options` it carries (None: defaults)."""
         raise NotImplementedError
 
-    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: bool = False) -> Plan:
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = ()) -> Plan:
         """The plan for a run of ``batch`` sequences over ``cache_size`` slots (``pool``: a serving pool's, whose
-        idle slots are done sequences; default: ``plan`` itself)."""
+        rounds run at these batch sizes, its active slots padded with idle ones; default: ``plan`` itself)."""
         return plan
 
     def inputs(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, memory: Any = None) -> Any:
@@ -100,6 +100,16 @@ class Method:
         """The carried state (``SpecState.extra``) of a batch whose sequence ``slot`` (traced) starts over with
         ``row``, a batch-1 :meth:`init_state` (continuous batching, :mod:`sparkjax.serve`; default: ``pool``)."""
         return pool
+
+    def take_rows(self, plan: Plan, extra: Any, rows: Array) -> Any:
+        """The carried state of the sub-batch of sequences ``rows`` ``[A]`` (a serving pool's active slots;
+        default: ``extra`` itself, for a method that carries nothing per sequence)."""
+        return extra
+
+    def put_rows(self, plan: Plan, pool: Any, sub: Any, rows: Array) -> Any:
+        """The carried state of a batch whose sequences ``rows`` ran as the sub-batch ``sub``
+        (:meth:`take_rows`' inverse; default: ``sub``)."""
+        return sub
 
     def keeps_context(self, plan: Plan) -> bool:
         """Whether the generation fills the drafter's context (default True)."""
@@ -582,10 +592,10 @@ class Auto(Method):
                                     floor=min(adaptive.gap_floor(self, plan.depth, r) for r in rows))
         return dataclasses.replace(plan, method=bound)
 
-    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: bool = False) -> Plan:
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = ()) -> Plan:
         """``plan`` with its cost table: the method's own, else the one for this device, batch and cache size
         (:func:`~sparkjax.engine.costs.table_for`: the process's, the cache folder's, or profiled now); for a
-        ``pool``, one per number of active slots (:func:`~sparkjax.engine.costs.pool_table_for`)."""
+        ``pool`` (its visit sizes), one per number of active slots (:func:`~sparkjax.engine.costs.pool_table_for`)."""
         table = plan.method.table
         if isinstance(table, costs.PoolCostTable) and table.slots != batch:
             raise ArgumentError(f"table: a PoolCostTable for {table.slots} slots, but this run has {batch} "
@@ -593,7 +603,8 @@ class Auto(Method):
         if table is not None:
             return plan
         if pool and batch > 1:
-            return plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size))
+            return plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size,
+                                                                     sizes=pool))
         return plan.method.with_table(plan, costs.table_for(target, drafter, plan, batch, cache_size))
 
     def inputs(self, plan: Plan, *, target=None, drafter=None, batch=None, cache_size=None, memory: Any = None
@@ -606,6 +617,12 @@ class Auto(Method):
 
     def admit_state(self, plan: Plan, pool: adaptive.AutoState, row: adaptive.AutoState, slot) -> adaptive.AutoState:
         return adaptive.admit_state(pool, row, slot)
+
+    def take_rows(self, plan: Plan, extra: adaptive.AutoState, rows) -> adaptive.AutoState:
+        return adaptive.take_rows(extra, rows)
+
+    def put_rows(self, plan: Plan, pool: adaptive.AutoState, sub: adaptive.AutoState, rows) -> adaptive.AutoState:
+        return adaptive.put_rows(pool, sub, rows)
 
     def keeps_context(self, plan: Plan) -> bool:
         return adaptive.keeps_context(plan)

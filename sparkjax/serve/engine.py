@@ -229,7 +229,10 @@ class Engine:
     ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`;
     ``tokenizer``: for the chunks' text and stop strings (None: empty text); ``eos_token_ids``: the pair's EOS
     ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`;
-    ``sampling``: whether requests may sample (temperature > 0; False compiles only the greedy programs).
+    ``sampling``: whether requests may sample (temperature > 0; False compiles only the greedy programs);
+    ``visit_sizes``: the batch sizes a visit runs its rounds at (default: 1, the powers of 4 up to ``slots / 2``,
+    and ``slots``): the active slots, padded with free ones to the smallest size that holds them, so idle slots
+    cost no rows of a round (one visit program per size and sampling mode).
     Greedy requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone, whatever shares
     the pool; a sampled request draws from its own key (its seed), so with a fixed method it gets the same
     tokens alone and in a busy pool (``auto``'s verification sizes, and so its sampled tokens, depend on the
@@ -240,7 +243,7 @@ class Engine:
                  cache_size: int | None = None, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, rounds_per_visit: int = 8, queue_limit: int = 64,
                  tokenizer: Any = None, eos_token_ids: int | Sequence[int] | None = None, options: Any = None,
-                 sampling: bool = True):
+                 sampling: bool = True, visit_sizes: Sequence[int] | None = None):
         check_models(target, drafter)
         if not isinstance(sampling, bool):
             raise ArgumentError(f"sampling: expected True or False, got {describe(sampling)}")
@@ -251,6 +254,7 @@ class Engine:
         self.slots = check_int("slots", slots, maximum=4096, unit="number of sequences")
         self.rounds_per_visit = check_int("rounds_per_visit", rounds_per_visit, maximum=MAX_SLOTS)
         self.queue_limit = check_int("queue_limit", queue_limit, minimum=0, unit="number of waiting requests")
+        self.visit_sizes = _visit_sizes(visit_sizes, self.slots)
         self.tokenizer = tokenizer
         cfg = target.config
         self.vocab_size = cfg.vocab_size
@@ -269,7 +273,7 @@ class Engine:
         self._target_only = self.plan is None
         kw = dict(target=target, drafter=drafter, batch=self.slots, cache_size=self.cache_size)
         if self.plan is not None:
-            self.plan = self.method.bind(self.plan, pool=True, **kw)
+            self.plan = self.method.bind(self.plan, pool=self.visit_sizes, **kw)
         self._inputs = self.method.inputs(self.plan, **kw)
         self.labels = tuple(self.plan.method.labels()) if self.plan is not None else ()
         # the sampling programs: the same bound plan (cost table included), sampling
@@ -313,8 +317,9 @@ class Engine:
             tokens = np.zeros((1, width), np.int32)
             self._pool = self._admit_call(0, tokens, 1, 1, self.eos_row(None), 0.0, 0)
         for hot in (False, True) if self.sampling else (False,):
-            self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, hot)
-            jax.block_until_ready(visit)
+            for size in self.visit_sizes:
+                self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, hot, np.arange(size))
+                jax.block_until_ready(visit)
         programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32), width=self.buf_len)
         self._pool = self._fresh_pool()
         jax.block_until_ready(self._pool)
@@ -464,10 +469,11 @@ class Engine:
                                    jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
                                    jnp.float32(temperature), _key(seed), self._device_inputs, **self._static())
 
-    def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool):
+    def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
         st = self._static(sampling)
         return programs.pool_visit(
             self._graphdefs, self._states, self._pool, jnp.asarray(stop), jnp.int32(rounds),
+            jnp.asarray(rows, jnp.int32),
             jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos), jnp.asarray(self._slot_temp),
             jnp.asarray(self._seen), plan=st["plan"], target_only=st["target_only"], window=self.window,
             sampling=st["sampling"], options=st["options"])
@@ -549,7 +555,10 @@ class Engine:
         if not occupied and not stop.any():
             return
         hot = bool(any(self._slot_temp[i] > 0 for i in occupied))
-        self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0, hot)
+        size = next(s for s in self.visit_sizes if s >= len(occupied))
+        free = [i for i in range(self.slots) if i not in set(occupied)]
+        rows = np.asarray(sorted(occupied + free[: size - len(occupied)]), np.int32)
+        self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0, hot, rows)
         v = jax.device_get(visit)
         n = v.n
         over = n - self._seen > self.window
@@ -688,6 +697,19 @@ def _limits(cache_size, max_prompt, max_new, scratch: int, max_positions: int) -
         raise ArgumentError(f"max_new_tokens: max_prompt_tokens {max_prompt} + max_new_tokens {max_new} exceed the "
                             f"target's max_position_embeddings ({max_positions})")
     return cache_size, max_prompt, max_new
+
+
+def _visit_sizes(sizes: Any, slots: int) -> tuple[int, ...]:
+    """The visit sizes (see :class:`Engine`), checked: ascending, distinct, from 1 to ``slots``, ending at it."""
+    if sizes is None:  # 1, 4, 16, ... below slots / 2, and slots: each visit size is a program to trace
+        return tuple(sorted({4**i for i in range(slots.bit_length()) if 2 * 4**i <= slots} | {1, slots}))
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not sizes:
+        raise ArgumentError(f"visit_sizes: expected a list of batch sizes, got {describe(sizes)}")
+    out = [check_int(f"visit_sizes[{j}]", v, maximum=slots, unit=f"number of slots (at most slots={slots})")
+           for j, v in enumerate(sizes)]
+    if out != sorted(set(out)) or out[-1] != slots:
+        raise ArgumentError(f"visit_sizes: {out} must be ascending and distinct, and end at slots={slots}")
+    return tuple(out)
 
 
 def _buckets(max_prompt: int, cache_size: int) -> tuple[int, ...]:

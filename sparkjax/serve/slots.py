@@ -9,6 +9,9 @@ once per shape and the pool donated:
 - :func:`pool_admit`: the prefill of one prompt (batch 1, a prompt bucket) written into slot ``i``;
 - :func:`pool_visit`: up to ``rounds`` rounds in one ``while_loop`` that also ends as soon as a sequence that
   was running finishes; it returns the pool and a :class:`Visit`, a fixed window of each slot's new tokens.
+  The rounds run on the slots ``rows`` only (:func:`take_rows`, then :func:`put_rows`): the host passes the
+  active slots, padded with free ones to one of a few sizes, so an idle slot costs no rows of a round, and
+  each size is a program of its own.
 
 Per-slot values (``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]``) are traced inputs.
 """
@@ -69,6 +72,24 @@ def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) 
     extra = pool.extra if plan is None else plan.method.admit_state(plan, pool.extra, row.extra, slot)
     return dataclasses.replace(pool, cache=_put_kv(pool.cache, row.cache, slot),
                                ctx=_put_kv(pool.ctx, row.ctx, slot), key=key, extra=extra, **per_row)
+
+
+_ROWS = ("cache", "ctx", "x_start", "out", "n", "done", "key", "accept_lens", "rounds", "depth_hits", "nonfinite")
+
+
+def take_rows(pool: SpecState, rows: Array, plan: Plan | None) -> SpecState:
+    """The sequences ``rows`` ``[A]`` (distinct slots) of ``pool`` as a batch of A; the method's carried state
+    by its :meth:`~sparkjax.engine.methods.Method.take_rows`."""
+    sub = {f: jax.tree.map(lambda x: x[rows], getattr(pool, f)) for f in _ROWS}
+    extra = pool.extra if plan is None else plan.method.take_rows(plan, pool.extra, rows)
+    return dataclasses.replace(pool, extra=extra, **sub)
+
+
+def put_rows(pool: SpecState, sub: SpecState, rows: Array, plan: Plan | None) -> SpecState:
+    """``pool`` with its sequences ``rows`` replaced by the batch ``sub`` (:func:`take_rows`' inverse)."""
+    new = {f: jax.tree.map(lambda p, r: p.at[rows].set(r), getattr(pool, f), getattr(sub, f)) for f in _ROWS}
+    extra = pool.extra if plan is None else plan.method.put_rows(plan, pool.extra, sub.extra, rows)
+    return dataclasses.replace(pool, extra=extra, **new)
 
 
 def ar_start(target, tokens, lengths, max_new, eos, temperature, key, *, cache_size: int, buf_len: int,
@@ -177,14 +198,22 @@ def _choice_counts(plan: Plan | None, state: SpecState, r0: Array) -> Array:
 
 @functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "target_only", "window", "sampling", "options"),
                    donate_argnames=("pool",))
-def pool_visit(graphdefs, states, pool, stop, rounds, max_new, eos, temperature, seen, *, plan, target_only, window,
-               sampling, options):
-    """Frees the slots in ``stop`` ``[N]``, then runs up to ``rounds`` rounds (traced) of every running slot in
-    one ``while_loop`` that ends early once a slot that was running finishes. Returns ``(pool, Visit)``, the
-    window of each slot's tokens starting at ``seen`` ``[N]`` (the tokens the host has already read)."""
+def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temperature, seen, *, plan, target_only,
+               window, sampling, options):
+    """Frees the slots in ``stop`` ``[N]``, then runs up to ``rounds`` rounds (traced) of the slots ``rows``
+    ``[A]`` (distinct; every running slot among them, the others free) in one ``while_loop`` that ends early
+    once a slot that was running finishes. Returns ``(pool, Visit)``, the window of each slot's tokens starting
+    at ``seen`` ``[N]`` (the tokens the host has already read). Compiled once per A (``A = N``: no gather)."""
     target, drafter = _models(graphdefs, states, target_only)
     pool = dataclasses.replace(pool, done=pool.done | stop)
-    n0, r0, running = pool.n, pool.rounds, ~pool.done
+    n0, r0 = pool.n, pool.rounds
+    packed = rows.shape[0] != pool.n.shape[0]
+    per_slot = (max_new, eos, temperature)
+    if packed:
+        full = pool
+        pool = take_rows(pool, rows, plan)
+        max_new, eos, temperature = (x if x.ndim == 0 else x[rows] for x in per_slot)
+    running = ~pool.done
 
     def cond(carry):
         i, s = carry
@@ -199,6 +228,8 @@ def pool_visit(graphdefs, states, pool, stop, rounds, max_new, eos, temperature,
         return i + 1, s
 
     _, pool = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), pool))
+    if packed:
+        pool = put_rows(full, pool, rows, plan)
     cols = jnp.minimum(seen[:, None] + jnp.arange(window, dtype=jnp.int32)[None], pool.out.shape[1] - 1)
     tokens = jnp.take_along_axis(pool.out, cols, axis=1)
     visit = Visit(tokens, n0, pool.n, pool.done, pool.rounds - r0, _choice_counts(plan, pool, r0), pool.nonfinite)
@@ -212,4 +243,5 @@ def read_tokens(out: Array, start: Array, *, width: int) -> Array:
     return jnp.take_along_axis(out, cols, axis=1)
 
 
-__all__ = ["Visit", "ar_round", "ar_start", "pool_admit", "pool_init", "pool_visit", "read_tokens", "write_slot"]
+__all__ = ["Visit", "ar_round", "ar_start", "pool_admit", "pool_init", "pool_visit", "put_rows", "read_tokens",
+           "take_rows", "write_slot"]
