@@ -27,6 +27,16 @@ DEMO_MODEL = "sparkjax-demo"
 log = logging.getLogger("sparkjax.serve")
 
 
+def visit_sizes(text: str | None) -> list[int] | None:
+    """``--visit-sizes`` as integers (None: the engine's default); ArgumentError naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ArgumentError(f"--visit-sizes: expected comma-separated integers, got {text!r}") from None
+
+
 def parser() -> OneLineParser:
     p = OneLineParser(prog="python -m sparkjax.serve", description=__doc__.splitlines()[0])
     m = p.add_argument_group("model (none: the bundled demo pair)")
@@ -45,6 +55,9 @@ def parser() -> OneLineParser:
     e.add_argument("--cache-size", type=int, metavar="S", help="KV cache slots per sequence (engine default)")
     e.add_argument("--rounds-per-visit", type=int, default=8, metavar="K",
                    help="rounds run on device per host visit (default 8)")
+    e.add_argument("--visit-sizes", metavar="N,N,...",
+                   help="batch sizes the active slots run at, ascending, ending at --slots (default 1, powers of 4 "
+                        "up to slots/2, slots; each is a program compiled at start)")
     e.add_argument("--no-sampling", action="store_true",
                    help="compile only the greedy programs (a faster start); requests with temperature > 0 get 400")
     e.add_argument("--queue-limit", type=int, default=64, metavar="N",
@@ -164,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(target, drafter, method=args.method, slots=args.slots, cache_size=args.cache_size,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         rounds_per_visit=args.rounds_per_visit, queue_limit=args.queue_limit, tokenizer=tok,
-                        eos_token_ids=eos, sampling=not args.no_sampling)
+                        eos_token_ids=eos, sampling=not args.no_sampling, visit_sizes=visit_sizes(args.visit_sizes))
         compile_s = engine.start()
         log.info("compiled and warmed up in %.1f s (max prompt %d tokens, max new tokens %d, queue limit %d)",
                  compile_s, engine.max_prompt_tokens, engine.max_new_tokens, args.queue_limit)
