@@ -403,7 +403,8 @@ def test_cli_refuses_bad_flags_before_loading_anything(capsys):
         port = taken.getsockname()[1]
         for argv, words in ((["--slots", "0"], "--slots"), (["--drafter", "d"], "--drafter"),
                             (["--port", str(port)], "cannot bind"), (["--grace-s", "-1"], "--grace-s"),
-                            (["--port", "70000"], "--port")):
+                            (["--port", "70000"], "--port"), (["--visit-sizes", "1,4"], "--visit-sizes"),
+                            (["--visit-sizes", "x"], "--visit-sizes")):
             assert main(argv) == 2
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err

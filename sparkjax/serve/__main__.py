@@ -27,14 +27,17 @@ DEMO_MODEL = "sparkjax-demo"
 log = logging.getLogger("sparkjax.serve")
 
 
-def visit_sizes(text: str | None) -> list[int] | None:
+def visit_sizes(text: str | None, slots: int) -> list[int] | None:
     """``--visit-sizes`` as integers (None: the engine's default); ArgumentError naming the flag otherwise."""
     if text is None:
         return None
     try:
-        return [int(x) for x in text.split(",")]
+        sizes = [int(x) for x in text.split(",")]
     except ValueError:
         raise ArgumentError(f"--visit-sizes: expected comma-separated integers, got {text!r}") from None
+    if sizes != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] != slots:
+        raise ArgumentError(f"--visit-sizes: {text} must be ascending and distinct, from 1 up to --slots {slots}")
+    return sizes
 
 
 def parser() -> OneLineParser:
@@ -57,7 +60,7 @@ def parser() -> OneLineParser:
                    help="rounds run on device per host visit (default 8)")
     e.add_argument("--visit-sizes", metavar="N,N,...",
                    help="batch sizes the active slots run at, ascending, ending at --slots (default 1, powers of 4 "
-                        "up to slots/2, slots; each is a program compiled at start)")
+                        "up to slots/4, slots; each is a program compiled at start)")
     e.add_argument("--no-sampling", action="store_true",
                    help="compile only the greedy programs (a faster start); requests with temperature > 0 get 400")
     e.add_argument("--queue-limit", type=int, default=64, metavar="N",
@@ -85,6 +88,7 @@ def check_args(args) -> str | None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ArgumentError(f"--{flag.replace('_', '-')}: expected at least 1, got {v}")
+    args.visit_sizes = visit_sizes(args.visit_sizes, args.slots)
     if not 0 <= args.port <= 65535:
         raise ArgumentError(f"--port: expected 0..65535, got {args.port}")
     if not args.grace_s >= 0:
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(target, drafter, method=args.method, slots=args.slots, cache_size=args.cache_size,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         rounds_per_visit=args.rounds_per_visit, queue_limit=args.queue_limit, tokenizer=tok,
-                        eos_token_ids=eos, sampling=not args.no_sampling, visit_sizes=visit_sizes(args.visit_sizes))
+                        eos_token_ids=eos, sampling=not args.no_sampling, visit_sizes=args.visit_sizes)
         compile_s = engine.start()
         log.info("compiled and warmed up in %.1f s (max prompt %d tokens, max new tokens %d, queue limit %d)",
                  compile_s, engine.max_prompt_tokens, engine.max_new_tokens, args.queue_limit)

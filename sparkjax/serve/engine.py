@@ -230,7 +230,7 @@ class Engine:
     ``tokenizer``: for the chunks' text and stop strings (None: empty text); ``eos_token_ids``: the pair's EOS
     ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`;
     ``sampling``: whether requests may sample (temperature > 0; False compiles only the greedy programs);
-    ``visit_sizes``: the batch sizes a visit runs its rounds at (default: 1, the powers of 4 up to ``slots / 2``,
+    ``visit_sizes``: the batch sizes a visit runs its rounds at (default: 1, the powers of 4 up to ``slots / 4``,
     and ``slots``): the active slots, padded with free ones to the smallest size that holds them, so idle slots
     cost no rows of a round (one visit program per size and sampling mode).
     Greedy requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone, whatever shares
@@ -701,8 +701,8 @@ def _limits(cache_size, max_prompt, max_new, scratch: int, max_positions: int) -
 
 def _visit_sizes(sizes: Any, slots: int) -> tuple[int, ...]:
     """The visit sizes (see :class:`Engine`), checked: ascending, distinct, from 1 to ``slots``, ending at it."""
-    if sizes is None:  # 1, 4, 16, ... below slots / 2, and slots: each visit size is a program to trace
-        return tuple(sorted({4**i for i in range(slots.bit_length()) if 2 * 4**i <= slots} | {1, slots}))
+    if sizes is None:  # 1, 4, 16, ... up to slots / 4, and slots: each visit size is a program to trace
+        return tuple(sorted({4**i for i in range(slots.bit_length()) if 4 * 4**i <= slots} | {1, slots}))
     if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not sizes:
         raise ArgumentError(f"visit_sizes: expected a list of batch sizes, got {describe(sizes)}")
     out = [check_int(f"visit_sizes[{j}]", v, maximum=slots, unit=f"number of slots (at most slots={slots})")
