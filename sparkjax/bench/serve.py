@@ -58,6 +58,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     p.add_argument("--slots", type=int, default=8, help="the servers' --slots (default 8)")
     p.add_argument("--rounds-per-visit", type=int, default=8, help="the servers' --rounds-per-visit")
+    p.add_argument("--visit-sizes", metavar="N,N,...", help="the servers' --visit-sizes (default: theirs)")
     p.add_argument("--ready-timeout-s", type=float, default=1200.0, help="seconds a server may take to be ready")
     p.add_argument("--repeats", type=int, default=1,
                    help="times the whole set of levels runs, the methods' order alternating (default 1); the "
@@ -110,6 +111,8 @@ class Server:
         cmd = [sys.executable, "-m", "sparkjax.serve", "--method", method, "--port", str(self.port), "--slots",
                str(args.slots), "--max-new-tokens", str(args.max_tokens), "--queue-limit", str(queue),
                "--rounds-per-visit", str(args.rounds_per_visit), "--grace-s", "10"]
+        if args.visit_sizes:
+            cmd += ["--visit-sizes", args.visit_sizes]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=child_env(PYTHONUNBUFFERED="1"))
