@@ -232,7 +232,7 @@ class Engine:
     ``sampling``: whether requests may sample (temperature > 0; False compiles only the greedy programs);
     ``visit_sizes``: the batch sizes a visit runs its rounds at (default: 1, the powers of 4 up to ``slots / 4``,
     and ``slots``): the active slots, padded with free ones to the smallest size that holds them, so idle slots
-    cost no rows of a round (one visit program per size and sampling mode).
+    cost rows only as padding (one visit program per size and sampling mode).
     Greedy requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone, whatever shares
     the pool; a sampled request draws from its own key (its seed), so with a fixed method it gets the same
     tokens alone and in a busy pool (``auto``'s verification sizes, and so its sampled tokens, depend on the

@@ -10,7 +10,7 @@ once per shape and the pool donated:
 - :func:`pool_visit`: up to ``rounds`` rounds in one ``while_loop`` that also ends as soon as a sequence that
   was running finishes; it returns the pool and a :class:`Visit`, a fixed window of each slot's new tokens.
   The rounds run on the slots ``rows`` only (:func:`take_rows`, then :func:`put_rows`): the host passes the
-  active slots, padded with free ones to one of a few sizes, so an idle slot costs no rows of a round, and
+  active slots, padded with free ones to one of a few sizes, so idle slots cost rows only as padding, and
   each size is a program of its own.
 
 Per-slot values (``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]``) are traced inputs.
