@@ -82,6 +82,13 @@ def test_good_values_of_other_types_are_fine(pair):
     # jax.random.key alone maps 2**32 onto 0 without 64-bit mode; ours keeps them apart
     assert not np.array_equal(jax.random.key_data(api._key(2**32)), jax.random.key_data(api._key(0)))
     assert np.array_equal(jax.random.key_data(api._key(12345)), jax.random.key_data(jax.random.key(12345)))
+    hi = jax.random.fold_in(jax.random.key(5), 3)  # 3 * 2**32 + 5: its high half folded into key(5)
+    assert np.array_equal(jax.random.key_data(api._key(3 * 2**32 + 5)), jax.random.key_data(hi))
+    api._key(0)
+    before = api._seed_key._cache_size()
+    for seed in (2**31 + 1, 2**32 - 1, 2**40 + 3, 2**63 - 1):  # one program for every seed: a server compiles none
+        api._key(seed)
+    assert api._seed_key._cache_size() == before
     depth = drafter.config.block_size - drafter.config.first_draft_slot
     w = np.array([4, 4] + [0] * (depth - 2), np.int64)
     plan = parse_method("sparklingtree-beam", budget=8, widths=w).plan(target, drafter, False)

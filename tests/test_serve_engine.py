@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 
 import jax
@@ -149,7 +150,9 @@ def test_no_compilation_after_start(engines, solo, caplog):
     x = jnp.ones(3)
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles():
-        reqs = [eng.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+        seeds = [None, 7, 2**31 + 1, 2**40 + 3]  # a key of every kind: the high half zero or not
+        reqs = [eng.submit(p, max_new_tokens=n, seed=s)
+                for p, n, s in zip(PROMPTS, LENGTHS, itertools.cycle(seeds), strict=False)]
         outs = [r.result(timeout=120).token_ids for r in reqs]
         jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
     assert outs == refs

@@ -365,12 +365,19 @@ def _buf_len(max_new_tokens: int, capacity: int | None, plan: Plan | None) -> in
     return size
 
 
+@jax.jit
+def _seed_key(lo: Array, hi: Array) -> Array:
+    key = jax.random.key(lo)
+    folded = jax.random.key_data(jax.random.fold_in(key, hi))
+    return jax.random.wrap_key_data(jnp.where(hi == 0, jax.random.key_data(key), folded))
+
+
 def _key(seed: int) -> Array:
     """The PRNG key of a checked seed. Seeds below 2**32 give ``jax.random.key(seed)``; larger ones fold
-    in their high 32 bits (``jax.random.key`` alone would wrap them onto small seeds without 64-bit mode)."""
-    lo, hi = seed & 0xFFFFFFFF, seed >> 32
-    key = jax.random.key(lo)
-    return key if hi == 0 else jax.random.fold_in(key, hi)
+    in their high 32 bits (``jax.random.key`` alone would wrap them onto small seeds without 64-bit mode).
+    One compiled program for every seed (its halves are uint32 inputs), so a server warmed with one seed
+    compiles nothing when a request brings another."""
+    return _seed_key(np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32))
 
 
 @dataclasses.dataclass(frozen=True)
