@@ -12,10 +12,11 @@ Poisson arrivals at ``--poisson-rate`` per second; each is bounded by ``--reques
 ``--time-limit-s`` (requests not started by then are not sent; ones still running at twice the limit are
 abandoned and counted as lost). Per level and method: throughput (completion tokens / wall seconds),
 time to first token and time per output token (p50 / p99), tau (tokens per round, from the server's /metrics)
-and the share of rounds per verification size. Afterwards every greedy response is checked against
-``sparkjax.generate`` (the target's own greedy tokens) for its prompt alone, and batch-1 ``generate``
-throughput of each method is measured on the same prompts (the serving overhead at concurrency 1). The
-servers are then stopped with SIGTERM and their exit codes recorded.
+and the share of rounds per verification size. Right after each concurrency-1 level, batch-1 ``generate`` of
+each method runs in this process on the prompts that level sent, in the same order (the serving overhead at
+concurrency 1, measured interleaved with the served runs). Every greedy response is checked against
+``sparkjax.generate`` (the target's own greedy tokens) for its prompt alone. The servers are then stopped
+with SIGTERM and their exit codes recorded.
 
 ``--json`` writes everything; ``--csv`` one row per level and method; ``--png`` throughput and latency against
 concurrency. All are written atomically.
@@ -66,7 +67,7 @@ def add_arguments(p) -> None:
     p.add_argument("--restart", action="store_true",
                    help="stop each server once it is ready and start it again: the second start's ready time, "
                         "from the compiled programs and cost tables the first one cached")
-    p.add_argument("--no-solo", action="store_true", help="skip the exactness check and the batch-1 generate runs")
+    p.add_argument("--no-solo", action="store_true", help="skip the exactness check and the batch-1 generate baseline")
     p.add_argument("--seed", type=int, default=0, help="the prompt order and the Poisson arrivals")
     add_output(p)
     p.add_argument("--csv", metavar="PATH", help="write one row per level and method here")
@@ -278,42 +279,55 @@ def summarize(method: str, level: str, concurrency: int | None, records: list[di
                           for r in records]}
 
 
+def _spread(xs: list[float]) -> tuple[float, float, float, int]:
+    return statistics.median(xs), min(xs), max(xs), len(xs)
+
+
 def _rates(rows: list[dict], concurrency: int) -> dict[str, tuple[float, float, float, int]]:
     """Per method at this concurrency: (median, min, max, runs) of the throughputs of its repetitions."""
     out: dict[str, list[float]] = {}
     for r in rows:
         if r["concurrency"] == concurrency and r["throughput_tok_s"]:
             out.setdefault(r["method"], []).append(r["throughput_tok_s"])
-    return {m: (statistics.median(v), min(v), max(v), len(v)) for m, v in out.items()}
+    return {m: _spread(v) for m, v in out.items()}
 
 
 # --- exactness and batch-1 generate ---------------------------------------------------------------------------------
 
 
-def solo(rows: list[dict], methods: list[str], max_tokens: int) -> tuple[dict, dict]:
-    """(``[(expected text, completion tokens)]`` per row, from greedy ``ar``; ``{method: batch-1 tok/s}``)."""
-    import sparkjax
-    from sparkjax import demo
+class Solo:
+    """Batch-1 ``sparkjax.generate`` in this process, on the demo pair: :attr:`expect` holds, per prompt row,
+    greedy ``ar``'s (text, completion tokens), the exactness reference; :meth:`rate` times one method over a
+    list of rows (the same prompts a concurrency-1 level sent, in its order), the baseline of serving overhead.
+    Every method is compiled (and auto profiled) on every row first, untimed."""
 
-    pair = demo.load()
-    ids = [pair.encode_chat(r["text"]) if r["kind"] == "chat" else pair.encode_text(r["text"]) for r in rows]
-    width = 1 << max(len(i) for i in ids).bit_length()
-    eos = pair.eos_token_ids
-    expect, rates = [], {}
-    for m in ["ar", *[m for m in methods if m != "ar"]]:
-        drafter = None if m == "ar" else pair.dspark
-        run = dict(method=m, max_new_tokens=max_tokens, prompt_width=width, eos_token_ids=eos)
-        for i in ids:  # compile (and for auto profile) every cache bucket the prompts reach, untimed
-            sparkjax.generate(pair.target, drafter, [i], **run)
+    def __init__(self, rows: list[dict], methods: list[str], max_tokens: int):
+        import sparkjax
+        from sparkjax import demo
+
+        self._generate, pair = sparkjax.generate, demo.load()
+        self.ids = [pair.encode_chat(r["text"]) if r["kind"] == "chat" else pair.encode_text(r["text"])
+                    for r in rows]
+        width = 1 << max(len(i) for i in self.ids).bit_length()
+        self.pair, self.expect = pair, []
+        self.runs = {m: dict(method=m, max_new_tokens=max_tokens, prompt_width=width,
+                             eos_token_ids=pair.eos_token_ids) for m in ["ar", *[m for m in methods if m != "ar"]]}
+        for m in self.runs:
+            for i in self.ids:
+                out = self._call(m, i)
+                if m == "ar":
+                    self.expect.append((pair.tokenizer.decode(out, skip_special_tokens=True), len(out)))
+
+    def _call(self, method: str, ids: list[int]) -> list[int]:
+        drafter = None if method == "ar" else self.pair.dspark
+        return self._generate(self.pair.target, drafter, [ids], **self.runs[method]).tokens[0]
+
+    def rate(self, method: str, prompts: list[int]) -> float:
+        """Completion tokens per second of batch-1 ``generate`` over ``prompts`` (row indices), one at a time."""
         t0, n = time.perf_counter(), 0
-        for i in ids:
-            out = sparkjax.generate(pair.target, drafter, [i], **run).tokens[0]
-            n += len(out)
-            if m == "ar":
-                expect.append((pair.tokenizer.decode(out, skip_special_tokens=True), len(out)))
-        rates[m] = n / (time.perf_counter() - t0)
-        log(f"  solo generate {m}: {rates[m]:.1f} tok/s (batch 1, {len(rows)} prompts)")
-    return expect, rates
+        for i in prompts:
+            n += len(self._call(method, self.ids[i]))
+        return n / (time.perf_counter() - t0)
 
 
 # --- output ---------------------------------------------------------------------------------------------------------
@@ -432,11 +446,16 @@ def run(args, report) -> None:
                 servers[m].wait(args.ready_timeout_s)
                 extra.setdefault("second_ready_s", {})[m] = servers[m].ready_s
                 log(f"  {m} ready again in {servers[m].ready_s:.1f} s (second start)")
+        solo = None
+        if not args.no_solo:
+            log("batch-1 generate in this process: compiling every method on every prompt ...")
+            solo = Solo(rows_p, methods, args.max_tokens)
         plan = [(f"c={c}", c, None) for c in levels]
         if args.poisson_rate:
             plan.append((f"poisson@{args.poisson_rate:g}", None, args.poisson_rate))
         for k, (rep, (level, c, rate)) in enumerate((r, lv) for r in range(args.repeats) for lv in plan):
-            for m in (methods if k % 2 == 0 else methods[::-1]):
+            order = methods if k % 2 == 0 else methods[::-1]
+            for m in order:
                 url = servers[m].url
                 before = scrape(url)
                 records, wall = asyncio.run(_level(url, rows_p, concurrency=c, rate=rate,
@@ -446,29 +465,39 @@ def run(args, report) -> None:
                 report.rows.append(row)
                 log(f"  {level} {m}: {row['completed']}/{row['requests']} done, "
                     f"{_f(row['throughput_tok_s'])} tok/s, tau {_f(row['tau'], '.2f')}")
+            if c == 1 and solo is not None:  # the baseline, right after and on the same prompts in the same order
+                for row in report.rows[-len(order):][::-1]:
+                    row["generate_tok_s"] = solo.rate(row["method"], [r["prompt"] for r in row["responses"]
+                                                                      if r.get("prompt") is not None])
+                    log(f"  {level} {row['method']}: batch-1 generate on its prompts {row['generate_tok_s']:.1f} tok/s")
     finally:
         for m, s in servers.items():
             extra["exit_codes"][m] = s.stop()
-    if not args.no_solo and report.rows:
-        log("exactness and batch-1 generate ...")
-        expect, rates = solo(rows_p, methods, args.max_tokens)  # indexed like rows_p
-        extra["solo_generate_tok_s"] = rates
+    if solo is not None and report.rows:
         same = total = 0
         for row in report.rows:
-            hits = [(r["text"], r["tokens"]) == expect[r["prompt"]] for r in row["responses"]
+            hits = [(r["text"], r["tokens"]) == solo.expect[r["prompt"]] for r in row["responses"]
                     if r["status"] == 200 and r["finish"] in ("stop", "length")]
             row["exact"] = f"{sum(hits)}/{len(hits)}"
             same, total = same + sum(hits), total + len(hits)
         extra["exact"] = {"identical": same, "responses": total}
         report.footer.append(f"# exactness: {same}/{total} greedy responses identical to solo generate "
                              f"(text and token count)")
-        report.footer.append("# batch-1 generate on the same prompts: " + ", ".join(
-            f"{m} {v:.1f} tok/s" for m, v in rates.items()))
-        one = {m: v[0] for m, v in _rates(report.rows, 1).items()}
-        if one:
-            extra["c1_over_generate"] = {m: one[m] / rates[m] for m in one if one[m] and rates.get(m)}
-            report.footer.append("# c=1 served / batch-1 generate: " + ", ".join(
-                f"{m} {v:.2f}x" for m, v in extra["c1_over_generate"].items()))
+        ones = [r for r in report.rows if r["concurrency"] == 1 and r.get("generate_tok_s")
+                and r["throughput_tok_s"]]
+        for m in methods:
+            served = [r["throughput_tok_s"] for r in ones if r["method"] == m]
+            base = [r["generate_tok_s"] for r in ones if r["method"] == m]
+            if not served:
+                continue
+            (sm, s0, s1, n), (gm, g0, g1, _) = _spread(served), _spread(base)
+            ratios = [r["throughput_tok_s"] / r["generate_tok_s"] for r in ones if r["method"] == m]
+            extra.setdefault("c1_over_generate", {})[m] = sm / gm
+            extra.setdefault("solo_generate_tok_s", {})[m] = gm
+            report.footer.append(
+                f"# c=1 served / batch-1 generate on the same prompts, {m}: {sm / gm:.2f}x (median {sm:.1f} vs "
+                f"{gm:.1f} tok/s; min-max {s0:.1f}-{s1:.1f} vs {g0:.1f}-{g1:.1f}; per-run ratios "
+                f"{min(ratios):.2f}-{max(ratios):.2f}, {n} runs)")
     ready = ", ".join(f"{m} {v:.1f} s" for m, v in extra["ready_s"].items())
     second = ", ".join(f"{m} {v:.1f} s" for m, v in extra.get("second_ready_s", {}).items())
     codes = ", ".join(f"{m} {v}" for m, v in extra["exit_codes"].items())
