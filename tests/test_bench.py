@@ -421,3 +421,34 @@ def test_scale_memory_reports_the_compiled_program(tmp_path):
         assert r["peak_bytes"] == r["argument"] + r["output"] + r["temp"] - r["alias"]
     # the KV cache (6 layers x K/V x 2 KV heads x 16 dims x float32) grows the temporaries with the context
     assert rows[1]["temp"] - rows[0]["temp"] >= 6 * 2 * 2 * 16 * 4 * 128
+
+
+# ============================================================================= serve: the report from records
+
+
+def test_serve_summaries_rates_and_outputs(tmp_path):
+    from sparkjax.bench import serve
+
+    def level(method, c, rep, tok_s):
+        recs = [{"status": 200, "finish": "length", "tokens": 8, "ttft_s": 0.01 * (i + 1), "tpot_s": None}
+                for i in range(3)] + [{"status": 503, "finish": None, "tokens": 0}]
+        before = {"sparkjax_rounds_total": 2.0, 'sparkjax_verify_rounds_total{size="ar"}': 2.0}
+        after = {"sparkjax_rounds_total": 8.0, "sparkjax_accepted_tokens_total": 12.0,
+                 'sparkjax_verify_rounds_total{size="ar"}': 5.0, 'sparkjax_verify_rounds_total{size="dspark"}': 3.0,
+                 'sparkjax_http_responses_total{code="503"}': 1.0}
+        row = serve.summarize(method, f"c={c}" if c else "poisson@4", c, recs, 24 / tok_s, before, after)
+        return {**row, "repeat": rep}
+
+    rows = [level(m, c, rep, tok_s) for rep, k in ((0, 1.0), (1, 3.0), (2, 2.0)) for m, c, tok_s in
+            (("ar", 1, 100 * k), ("auto", 1, 50 * k), ("ar", None, 10 * k))]
+    r = rows[0]
+    assert (r["completed"], r["lost"], r["http_5xx"], r["completion_tokens"], r["tau"]) == (3, 1, 1, 24, 2.0)
+    assert (r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_p50_s"]) == (0.02, 0.03, None)
+    assert r["verify_share"] == {"ar": 0.5, "dspark": 0.5}
+    assert serve._rates(rows, 1) == {"ar": (200.0, 100.0, 300.0, 3), "auto": (100.0, 50.0, 150.0, 3)}
+    serve.write_csv(str(tmp_path / "s.csv"), rows)
+    lines = (tmp_path / "s.csv").read_text().splitlines()
+    assert len(lines) == 1 + len(rows) and lines[0].startswith("level,repeat,method") and ",poisson@4," not in lines[1]
+    serve.write_png(str(tmp_path / "s.png"), rows, "t")  # None latencies plot as gaps, not zeros on a log axis
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "poisson@4" in serve.table(rows) and sorted(p.name for p in tmp_path.iterdir()) == ["s.csv", "s.png"]

@@ -39,6 +39,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from sparkjax.errors import ArgumentError
 
 from .common import add_output, at_least, child_env, device_name, ints, log, names, write_text
@@ -381,27 +383,41 @@ def write_png(path: str, rows: list[dict], title: str) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    for j, m in enumerate(methods):
-        mine = sorted((r for r in rows if r["method"] == m and r["concurrency"]), key=lambda r: r["concurrency"])
-        xs = [r["concurrency"] for r in mine]
-        style = dict(color=COLORS[j % len(COLORS)], marker="o", label=m)
-        axes[0].plot(xs, [r["throughput_tok_s"] or 0 for r in mine], **style)
-        for key, ax in (("ttft", axes[1]), ("tpot", axes[2])):
-            ax.plot(xs, [1e3 * (r[f"{key}_p50_s"] or 0) for r in mine], **style)
-            ax.plot(xs, [1e3 * (r[f"{key}_p99_s"] or 0) for r in mine], color=style["color"], linestyle=":",
-                    marker="^", label=f"{m} p99")
-        for r in rows:
-            if r["method"] == m and r["concurrency"] is None and r["throughput_tok_s"]:
-                axes[0].axhline(r["throughput_tok_s"], color=style["color"], linestyle="--", linewidth=0.8,
-                                label=f"{m} {r['level']}")
+
+    def value(r: dict, field: str, scale: float = 1.0) -> float:
+        return float("nan") if r[field] is None else scale * r[field]
+
+    for j, m in enumerate(methods):  # a line through each level's median, a dot per repetition
+        color = COLORS[j % len(COLORS)]
+        mine = [r for r in rows if r["method"] == m]
+        xs = sorted({r["concurrency"] for r in mine if r["concurrency"]})
+        for ax, field, scale, label, line in (
+                (axes[0], "throughput_tok_s", 1.0, m, "-"),
+                (axes[1], "ttft_p50_s", 1e3, f"{m} p50", "-"), (axes[1], "ttft_p99_s", 1e3, f"{m} p99", ":"),
+                (axes[2], "tpot_p50_s", 1e3, f"{m} p50", "-"), (axes[2], "tpot_p99_s", 1e3, f"{m} p99", ":")):
+            marker = "o" if line == "-" else "^"
+            at = [[value(r, field, scale) for r in mine if r["concurrency"] == x] for x in xs]
+            ax.plot(xs, [float(np.nanmedian(v)) if np.isfinite(v).any() else float("nan") for v in at],
+                    color=color, linestyle=line, marker=marker, label=label)
+            ax.scatter([x for x, v in zip(xs, at, strict=True) for _ in v], [y for v in at for y in v],
+                       color=color, marker=marker, s=10, alpha=0.4)
+        for level in dict.fromkeys(r["level"] for r in mine if r["concurrency"] is None):
+            tok_s = [r["throughput_tok_s"] for r in mine if r["level"] == level and r["throughput_tok_s"]]
+            if tok_s:
+                axes[0].axhline(float(np.median(tok_s)), color=color, linestyle="--", linewidth=0.8,
+                                label=f"{m} {level} (median)")
+    levels = sorted({r["concurrency"] for r in rows if r["concurrency"]})
     for ax, label in zip(axes, ("throughput (tok/s)", "time to first token (ms)", "time per output token (ms)"),
                          strict=True):
-        ax.set_xscale("log", base=2)
+        if levels:  # fixed limits: an axis with no finite point (no TPOT when every reply is 1 token) still draws
+            ax.set_xscale("log", base=2)
+            ax.set_xlim(levels[0] / 1.5, levels[-1] * 1.5)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[1].set_yscale("log")
+    if any(r["ttft_p50_s"] for r in rows):
+        axes[1].set_yscale("log")
     fig.suptitle(title, fontsize=9)
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format="png")
