@@ -441,6 +441,7 @@ def test_serve_summaries_rates_and_outputs(tmp_path):
 
     rows = [level(m, c, rep, tok_s) for rep, k in ((0, 1.0), (1, 3.0), (2, 2.0)) for m, c, tok_s in
             (("ar", 1, 100 * k), ("auto", 1, 50 * k), ("ar", None, 10 * k))]
+    rows[0]["generate_tok_s"] = 123.5  # the interleaved batch-1 baseline of a concurrency-1 level
     r = rows[0]
     assert (r["completed"], r["lost"], r["http_5xx"], r["completion_tokens"], r["tau"]) == (3, 1, 1, 24, 2.0)
     assert (r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_p50_s"]) == (0.02, 0.03, None)
@@ -449,6 +450,7 @@ def test_serve_summaries_rates_and_outputs(tmp_path):
     serve.write_csv(str(tmp_path / "s.csv"), rows)
     lines = (tmp_path / "s.csv").read_text().splitlines()
     assert len(lines) == 1 + len(rows) and lines[0].startswith("level,repeat,method") and ",poisson@4," not in lines[1]
+    assert lines[0].endswith(",generate_tok_s") and lines[1].endswith(",123.5") and lines[2].endswith(",")
     serve.write_png(str(tmp_path / "s.png"), rows, "t")  # None latencies plot as gaps, not zeros on a log axis
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "poisson@4" in serve.table(rows) and sorted(p.name for p in tmp_path.iterdir()) == ["s.csv", "s.png"]

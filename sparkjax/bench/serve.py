@@ -358,7 +358,7 @@ def table(rows: list[dict]) -> str:
 
 CSV_FIELDS = ("level", "repeat", "method", "concurrency", "requests", "completed", "lost", "http_5xx",
               "completion_tokens", "wall_s", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-              "tpot_p99_s", "tau", "exact")
+              "tpot_p99_s", "tau", "exact", "generate_tok_s")
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from .. import cachedir
-from ..engine.api import check_seed, eos_array
+from ..engine.api import _key, check_seed, eos_array
 from ..engine.checks import MAX_SLOTS, bucket, check_int, check_models, check_temperature, describe, is_int
 from ..engine.methods import Method, parse_method
 from ..engine.options import check_options
@@ -463,8 +463,6 @@ class Engine:
 
     def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
                     temperature: float, seed: int):
-        from ..engine.api import _key
-
         return programs.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
                                    jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
                                    jnp.float32(temperature), _key(seed), self._device_inputs, **self._static())
