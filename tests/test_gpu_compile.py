@@ -79,13 +79,14 @@ def test_h200_compile(tmp_path):
         pytest.skip(f"no CUDA PJRT plugin in this environment: {gpu.GPU_AOT_HINT} (a separate venv)")
     out, hlo_dir = tmp_path / "rows.json", tmp_path / "hlo"
     res = subprocess.run([sys.executable, "-m", "sparkjax.bench", "gpu-compile", "--preset", "tiny", "--cases",
-                          "2:256", "--methods", "ar,sparklingtree@16", "--attention", "einsum,dpa", "--json", str(out),
-                          "--dump-hlo", str(hlo_dir)], capture_output=True, text=True, timeout=1500,
+                          "2:256", "--methods", "ar,sparklingtree@16", "--attention", "einsum,dpa,split", "--json",
+                          str(out), "--dump-hlo", str(hlo_dir)], capture_output=True, text=True, timeout=1500,
                          env=child_env(JAX_PLATFORMS="cpu"))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["attention"], r["label"]) for r in rows] == [
-        ("einsum", "ar"), ("einsum", "sparklingtree@16"), ("dpa", "ar"), ("dpa", "sparklingtree@16")]
+        ("einsum", "ar"), ("einsum", "sparklingtree@16"), ("dpa", "ar"), ("dpa", "sparklingtree@16"),
+        ("split", "ar"), ("split", "sparklingtree@16")]
     for r in rows:
         assert "error" not in r and r["target"] == "h200" and r["batch"] == 2 and r["context"] == 256
         assert r["kernels_per_round"] > 0 and r["bytes_per_round"] > 0 and r["fits"]
@@ -98,3 +99,7 @@ def test_h200_compile(tmp_path):
     dpa = (hlo_dir / "h200_dpa_b2_s256_ar.hlo.txt").read_text()
     assert "__triton" in einsum and "__cudnn$fmha" not in einsum  # XLA:GPU's program, no cuDNN attention
     assert "__cudnn$fmha" in dpa  # traced as on a GPU: dpa is cuDNN's fused attention
+    # split: the target's prefix and block rows in one cuDNN call under the tree mask, read in place
+    split = (hlo_dir / "h200_split_b2_s256_sparklingtree@16.hlo.txt").read_text()
+    assert "__cudnn$fmhaScaleBiasSoftmax" in split
+    assert by["split", "ar"]["kv_copies"] == by["split", "sparklingtree@16"]["kv_copies"] == 0

@@ -341,14 +341,18 @@ def _piece(carry):
 
 
 def _merge(pieces):
-    """The attention over the union of the pieces' keys, from their outputs and log-sum-exps (exact)."""
+    """The piece over the union of the pieces' keys, from their outputs and log-sum-exps (exact)."""
+    if len(pieces) == 1:
+        return pieces[0]
     lses = jnp.stack([lse for _, lse in pieces])
     top = jnp.max(lses, axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lses - top)  # 0 for a piece a row does not see
     total = jnp.sum(w, axis=0)
+    seen = total > 0
     out = sum(w[i][..., None] * o for i, (o, _) in enumerate(pieces))
-    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    out = jnp.where(seen[..., None], out / jnp.where(seen, total, 1.0)[..., None], 0.0)
+    return out, jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), _NEG)
 
 
 def _prefix_xla(qg: Array, k: Array, v: Array, lengths: Array, block_slots: int):
@@ -380,19 +384,23 @@ def _cudnn_usable(dtype, head_dim: int) -> bool:
     return True
 
 
-def _prefix_cudnn(qg: Array, k: Array, v: Array, lengths: Array, block_slots: int):
-    """The piece of slots ``[0, lengths[b])`` from cuDNN's flash attention with key lengths and no mask,
-    reading the heads-major cache in place (layout ``BNTH``) and returning its log-sum-exp."""
+def _cudnn_piece(qg: Array, k: Array, v: Array, lengths: Array, mask: Array | None):
+    """The piece of cuDNN's flash attention over slots ``[0, lengths[b])`` of the heads-major cache read in
+    place (layout ``BNTH``), with key lengths and, when given, the ``[B, T, S]`` visibility ``mask`` within
+    them; it returns the log-sum-exp too, and its output in the cache's dtype."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     b, t, kh, g, h = qg.shape
     qn = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kh * g, t, h).astype(k.dtype)  # [B, N, T, H], small
     out, lse = cudnn.dot_product_attention(
-        qn, k, v, q_seqlen=jnp.full((b,), t, jnp.int32), kv_seqlen=lengths.astype(jnp.int32),
-        scale=h**-0.5, mask_type=cudnn.MaskType.PADDING, qkv_layout="BNTH", return_residual=True,
+        qn, k, v, mask=None if mask is None else mask[:, None], q_seqlen=jnp.full((b,), t, jnp.int32),
+        kv_seqlen=lengths.astype(jnp.int32), scale=h**-0.5, mask_type=cudnn.MaskType.PADDING, qkv_layout="BNTH",
+        return_residual=True,
     )
-    seen = (lengths > 0)[:, None, None, None]
-    out = jnp.where(seen[..., None], out.reshape(b, kh, g, t, h).astype(jnp.float32), 0.0)
+    seen = (lengths > 0)[:, None] if mask is None else jnp.any(mask, axis=-1)  # [B, T] (or [B, 1])
+    seen = seen[:, None, None, :]
+    # the output stays in the cache's dtype: a lone piece goes straight to the output projection
+    out = jnp.where(seen[..., None], out.reshape(b, kh, g, t, h), jnp.zeros((), out.dtype))
     lse = jnp.where(seen, lse.reshape(b, kh, g, t).astype(jnp.float32), _NEG)
     return out, lse
 
@@ -401,8 +409,34 @@ def _prefix_piece(qg: Array, k: Array, v: Array, lengths: Array, block_slots: in
     if not _cudnn_usable(k.dtype, qg.shape[-1]):
         return _prefix_xla(qg, k, v, lengths, block_slots)
     fn = functools.partial(_prefix_xla, block_slots=block_slots)
-    cuda = functools.partial(_prefix_cudnn, block_slots=block_slots)
+
+    def cuda(qg, k, v, lengths):
+        out, lse = _cudnn_piece(qg, k, v, lengths, None)
+        return out.astype(jnp.float32), lse
+
     return jax.lax.platform_dependent(qg, k, v, lengths, cuda=cuda, default=fn)
+
+
+def _cache_pieces(qg: Array, k: Array, v: Array, lengths: Array, block: Array, block_slots: int):
+    """The committed prefix and the block's rows (written at slots ``lengths[b] ..``) as one piece, its output
+    in the cache's dtype."""
+    b, t = qg.shape[:2]
+    size, u = k.shape[2], block.shape[-1]
+
+    def split(qg, k, v, lengths, block):
+        slots = lengths[:, None] + jnp.arange(u, dtype=jnp.int32)[None, :]  # [B, U]
+        # block row u is visible where the mask says and its slot lies inside the cache
+        mask = jnp.broadcast_to(block, (b, t, u)) & (slots < size)[:, None, :]
+        rows = _masked_piece(qg, _block_rows(k, slots), _block_rows(v, slots), mask)
+        out, lse = _merge([_prefix_xla(qg, k, v, lengths, block_slots), rows])
+        return out.astype(k.dtype), lse  # as the fused call's
+
+    def whole(qg, k, v, lengths, block):  # one fused call: the prefix and the block's rows under a dense mask
+        return _cudnn_piece(qg, k, v, jnp.minimum(lengths + u, size), attention_mask(lengths, block, size))
+
+    if not _cudnn_usable(k.dtype, qg.shape[-1]):
+        return split(qg, k, v, lengths, block)
+    return jax.lax.platform_dependent(qg, k, v, lengths, block, cuda=whole, default=split)
 
 
 def _masked_piece(qg: Array, k: Array, v: Array, mask: Array):
@@ -418,11 +452,12 @@ def attend_split(q: Array, parts: list[tuple[Array, Array, Array | CacheMask]], 
                  block_slots: int = BLOCK_SLOTS) -> Array:
     """:func:`attend` as separate pieces merged exactly through their log-sum-exps.
 
-    A part whose mask is a :class:`CacheMask` gives a prefix piece over slots ``[0, lengths[b])`` with no mask
-    (cuDNN flash attention with key lengths on a GPU for bf16 / f16, reading the heads-major cache in place;
-    elsewhere an online softmax in ``block_slots`` chunks up to the longest prefix) and, with a ``block``, a
-    masked piece over the block's ``T`` rows read from slots ``lengths[b] ..``; any other part is one
-    masked piece.
+    A part whose mask is a :class:`CacheMask` reads the heads-major cache in place. Without a ``block`` it is
+    one prefix piece over slots ``[0, lengths[b])`` with no mask: cuDNN flash attention with key lengths on a
+    GPU for bf16 / f16, elsewhere an online softmax in ``block_slots`` chunks up to the longest prefix. With a
+    ``block``, on such a GPU it is one cuDNN call over slots ``[0, lengths[b] + T)`` under the dense mask (the
+    block's own rows are already in the cache), and elsewhere that prefix piece merged with a masked piece over
+    the block's ``T`` rows read from slots ``lengths[b] ..``. Any other part is one masked piece.
     """
     b, t, n, h = q.shape
     kh = parts[0][0].shape[1]
@@ -434,14 +469,11 @@ def attend_split(q: Array, parts: list[tuple[Array, Array, Array | CacheMask]], 
             pieces.append(_masked_piece(qg, k, v, jnp.broadcast_to(m, (b, t, size))))
             continue
         lengths = jnp.broadcast_to(jnp.asarray(m.lengths, jnp.int32), (b,))
-        pieces.append(_prefix_piece(qg, k, v, lengths, block_slots))
-        if m.block is not None:
-            u = m.block.shape[-1]
-            slots = lengths[:, None] + jnp.arange(u, dtype=jnp.int32)[None, :]  # [B, U]
-            # block row u is visible where the mask says and its slot lies inside the cache
-            mask = jnp.broadcast_to(m.block, (b, t, u)) & (slots < size)[:, None, :]
-            pieces.append(_masked_piece(qg, _block_rows(k, slots), _block_rows(v, slots), mask))
-    return _ungrouped(_merge(pieces).astype(parts[0][1].dtype))
+        if m.block is None:
+            pieces.append(_prefix_piece(qg, k, v, lengths, block_slots))
+        else:
+            pieces.append(_cache_pieces(qg, k, v, lengths, m.block, block_slots))
+    return _ungrouped(_merge(pieces)[0].astype(parts[0][1].dtype))
 
 
 class AttentionProjections(nnx.Module):
