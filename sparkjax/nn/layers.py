@@ -387,7 +387,7 @@ def _cudnn_usable(dtype, head_dim: int) -> bool:
 def _cudnn_piece(qg: Array, k: Array, v: Array, lengths: Array, mask: Array | None):
     """The piece of cuDNN's flash attention over slots ``[0, lengths[b])`` of the heads-major cache read in
     place (layout ``BNTH``), with key lengths and, when given, the ``[B, T, S]`` visibility ``mask`` within
-    them; it returns the log-sum-exp too, and its output in the cache's dtype."""
+    them; it returns the log-sum-exp too."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     b, t, kh, g, h = qg.shape
@@ -399,8 +399,7 @@ def _cudnn_piece(qg: Array, k: Array, v: Array, lengths: Array, mask: Array | No
     )
     seen = (lengths > 0)[:, None] if mask is None else jnp.any(mask, axis=-1)  # [B, T] (or [B, 1])
     seen = seen[:, None, None, :]
-    # the output stays in the cache's dtype: a lone piece goes straight to the output projection
-    out = jnp.where(seen[..., None], out.reshape(b, kh, g, t, h), jnp.zeros((), out.dtype))
+    out = jnp.where(seen[..., None], out.reshape(b, kh, g, t, h).astype(jnp.float32), 0.0)
     lse = jnp.where(seen, lse.reshape(b, kh, g, t).astype(jnp.float32), _NEG)
     return out, lse
 
@@ -409,17 +408,12 @@ def _prefix_piece(qg: Array, k: Array, v: Array, lengths: Array, block_slots: in
     if not _cudnn_usable(k.dtype, qg.shape[-1]):
         return _prefix_xla(qg, k, v, lengths, block_slots)
     fn = functools.partial(_prefix_xla, block_slots=block_slots)
-
-    def cuda(qg, k, v, lengths):
-        out, lse = _cudnn_piece(qg, k, v, lengths, None)
-        return out.astype(jnp.float32), lse
-
+    cuda = functools.partial(_cudnn_piece, mask=None)
     return jax.lax.platform_dependent(qg, k, v, lengths, cuda=cuda, default=fn)
 
 
 def _cache_pieces(qg: Array, k: Array, v: Array, lengths: Array, block: Array, block_slots: int):
-    """The committed prefix and the block's rows (written at slots ``lengths[b] ..``) as one piece, its output
-    in the cache's dtype."""
+    """The committed prefix and the block's rows (written at slots ``lengths[b] ..``) as one piece."""
     b, t = qg.shape[:2]
     size, u = k.shape[2], block.shape[-1]
 
@@ -428,8 +422,7 @@ def _cache_pieces(qg: Array, k: Array, v: Array, lengths: Array, block: Array, b
         # block row u is visible where the mask says and its slot lies inside the cache
         mask = jnp.broadcast_to(block, (b, t, u)) & (slots < size)[:, None, :]
         rows = _masked_piece(qg, _block_rows(k, slots), _block_rows(v, slots), mask)
-        out, lse = _merge([_prefix_xla(qg, k, v, lengths, block_slots), rows])
-        return out.astype(k.dtype), lse  # as the fused call's
+        return _merge([_prefix_xla(qg, k, v, lengths, block_slots), rows])
 
     def whole(qg, k, v, lengths, block):  # one fused call: the prefix and the block's rows under a dense mask
         return _cudnn_piece(qg, k, v, jnp.minimum(lengths + u, size), attention_mask(lengths, block, size))
