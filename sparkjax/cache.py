@@ -27,7 +27,7 @@ KV_AXES: tuple[str | None, ...] = ("batch", "kv_heads", None, None)
 LENGTHS_AXES: tuple[str | None, ...] = ("batch",)
 
 
-def _scatter_block(buf: Array, rows: Array, offsets: Array) -> Array:
+def scatter_rows(buf: Array, rows: Array, offsets: Array) -> Array:
     """``buf[b, :, offsets[b] + j] = rows[b, j]``; buf ``[B, K, S, H]`` (heads-major), rows
     ``[B, T, K, H]`` (token-major); rows past the end are dropped. Vmapped over the batch, so a
     batch-sharded cache's scatter stays local to each shard."""
@@ -42,7 +42,7 @@ def _scatter_block(buf: Array, rows: Array, offsets: Array) -> Array:
 
 def _gather_rows(buf: Array, src: Array) -> Array:
     """``buf[b, :, src[b, j]]`` as token-major rows ``[B, A, K, H]`` (indices clipped), per sequence and
-    vmapped over the batch like :func:`_scatter_block`."""
+    vmapped over the batch like :func:`scatter_rows`."""
     return jax.vmap(lambda buf_b, src_b: jnp.swapaxes(buf_b.at[:, src_b].get(mode="clip"), 0, 1))(buf, src)
 
 
@@ -75,8 +75,8 @@ class KVCache:
     def write_layer(self, layer: int, k: Array, v: Array) -> KVCache:
         """Writes one layer's new rows ``[B, T, K, H]`` (token-major, as the projections make them) at
         ``lengths`` (lengths unchanged)."""
-        new_k = _replace_at(self.k, layer, _scatter_block(self.k[layer], k, self.lengths))
-        new_v = _replace_at(self.v, layer, _scatter_block(self.v[layer], v, self.lengths))
+        new_k = _replace_at(self.k, layer, scatter_rows(self.k[layer], k, self.lengths))
+        new_v = _replace_at(self.v, layer, scatter_rows(self.v[layer], v, self.lengths))
         return dataclasses.replace(self, k=new_k, v=new_v)
 
     def with_lengths(self, lengths: Array) -> KVCache:
@@ -91,7 +91,7 @@ class KVCache:
         src = start[:, None] + jnp.asarray(indices, jnp.int32)  # [B, A]
 
         def move(buf: Array) -> Array:
-            return _scatter_block(buf, _gather_rows(buf, src), start)
+            return scatter_rows(buf, _gather_rows(buf, src), start)
 
         return KVCache(tuple(map(move, self.k)), tuple(map(move, self.v)), start + jnp.asarray(count, jnp.int32))
 
@@ -140,7 +140,9 @@ class ContextCache:
     holds them: each layer's buffer is updated and attended in place) and context lengths ``[B]`` (int32).
 
     Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed positions whose
-    target features the drafter has seen; anything after is scratch. Block K/V never enter this cache.
+    target features the drafter has seen; anything after is scratch. An engine's draft writes the block's own
+    K/V into the scratch slots ``lengths[b] ..`` and attends them there (:func:`~sparkjax.engine.drafting.draft_block`);
+    the next append overwrites them.
     """
 
     k: tuple[Array, ...]
@@ -160,8 +162,8 @@ class ContextCache:
     def append(self, k: Array, v: Array, count: Array) -> ContextCache:
         """Writes token-major rows ``[L, B, A, K, H]`` at slots ``lengths[b] ..`` and advances ``lengths`` by
         ``count[b]`` (``<= A``); rows past the end of the cache are dropped (size it for ``max length + A``)."""
-        new_k = tuple(_scatter_block(buf, k[i], self.lengths) for i, buf in enumerate(self.k))
-        new_v = tuple(_scatter_block(buf, v[i], self.lengths) for i, buf in enumerate(self.v))
+        new_k = tuple(scatter_rows(buf, k[i], self.lengths) for i, buf in enumerate(self.k))
+        new_v = tuple(scatter_rows(buf, v[i], self.lengths) for i, buf in enumerate(self.v))
         lengths = self.lengths + jnp.broadcast_to(jnp.asarray(count, jnp.int32), self.lengths.shape)
         return ContextCache(new_k, new_v, lengths)
 

@@ -53,7 +53,7 @@ from .. import sampling, tree
 from ..errors import ArgumentError
 from . import drafting
 from .checks import describe
-from .round import COMMIT, TREE, VERIFY, commit, draft, flag_nonfinite, hits_eos, stage, verify
+from .round import COMMIT, TREE, VERIFY, commit, draft, flag_nonfinite, hits_eos, stage, verify, with_draft_context
 from .state import Acceptance, Plan, Proposal, SpecState
 
 if TYPE_CHECKING:
@@ -675,7 +675,7 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
     state = dataclasses.replace(state, key=key)
 
     def drafted(state, k_prev):
-        blk = call(draft, state, plan=plan)
+        state, blk = with_draft_context(state, call(draft, state, plan=plan))
         aprop = call(auto_expand, state, blk, temperature, k_expand, k_prev, plan=plan)
         return call(auto_commit, state, aprop, k_prev, max_new, eos, temperature, k_accept, plan=plan)
 

@@ -29,11 +29,13 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class DraftBlock:
     """``logits`` base logits ``[B, G, V]`` (float32), ``hidden`` block hidden states ``[B, G, D]``,
-    ``layers`` each layer's (pre-norm) output ``[L, B, G, D]`` when asked for, else None."""
+    ``layers`` each layer's (pre-norm) output ``[L, B, G, D]`` when asked for, else None; ``ctx`` the
+    context cache with the block's rows in its scratch (``draft_block(in_cache=True)``), else None."""
 
     logits: Array
     hidden: Array
     layers: Array | None = None
+    ctx: ContextCache | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -85,10 +87,14 @@ def draft_block(
     *,
     return_layers: bool = False,
     attention="auto",
+    in_cache: bool = False,
 ) -> DraftBlock:
     """Runs one block ``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``; each query sees
-    context slots ``< ctx.lengths`` (== ``start``) and the whole block; the context is not written.
-    ``target``: required for DFlash drafters (embedding and LM head), ignored by DSpark ones."""
+    context slots ``< ctx.lengths`` (== ``start``) and the whole block.
+    ``target``: required for DFlash drafters (embedding and LM head), ignored by DSpark ones.
+    ``in_cache``: write the block's keys/values into the context's scratch slots ``ctx.lengths ..`` and attend
+    them there (one part: on a GPU, one cuDNN call per layer); the cache needs ``G`` scratch slots past every
+    length and comes back as ``ctx``, its committed slots unchanged. Otherwise the context is not written."""
     c = drafter.config
     g = c.block_size
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (x_start.shape[0],))
@@ -96,10 +102,12 @@ def draft_block(
     positions = start[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
     x = drafter.embed(tokens, target)
     block_mask = jnp.ones((1, g, g), bool)
+    ctx_mask = CacheMask(ctx.lengths, block_mask) if in_cache else CacheMask(ctx.lengths)
     out = drafter.run_block(
-        x, positions, ctx.k, ctx.v, CacheMask(ctx.lengths), block_mask, return_layers=return_layers, attention=attention
+        x, positions, ctx.k, ctx.v, ctx_mask, block_mask, return_layers=return_layers, attention=attention
     )
-    return DraftBlock(drafter.logits(out.hidden, target), out.hidden, out.layers)
+    new_ctx = ContextCache(out.ctx_k, out.ctx_v, ctx.lengths) if in_cache else None
+    return DraftBlock(drafter.logits(out.hidden, target), out.hidden, out.layers, new_ctx)
 
 
 def aligned_logits(drafter: Drafter, base_logits: Array) -> Array:

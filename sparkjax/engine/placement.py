@@ -121,7 +121,8 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
             return type(x)((kv,) * len(x.k), (kv,) * len(x.v), named(batch_spec(x.lengths, rules)))
         if isinstance(x, DraftBlock):
             layers = None if x.layers is None else named(PartitionSpec(None, rules.get("batch")))
-            return type(x)(named(batch_spec(x.logits, rules)), named(batch_spec(x.hidden, rules)), layers)
+            ctx = None if x.ctx is None else leaf(x.ctx)
+            return type(x)(named(batch_spec(x.logits, rules)), named(batch_spec(x.hidden, rules)), layers, ctx)
         return named(batch_spec(x, rules))
 
     return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, KVCache | ContextCache | DraftBlock))

@@ -58,9 +58,16 @@ def flag_nonfinite(flags: Array, logits: Array, active: Array, round_index: Arra
 
 @stage(DRAFT)
 def draft(target, drafter, state: SpecState, *, plan: Plan) -> drafting.DraftBlock:
-    """The drafter's block from ``x_start`` at the committed length (every stage takes ``plan``)."""
+    """The drafter's block from ``x_start`` at the committed length (every stage takes ``plan``), its rows
+    attended in the context's scratch (the block comes with that context, see :func:`with_draft_context`)."""
     return drafting.draft_block(drafter, state.ctx, state.x_start, state.cache.lengths, target,
-                                attention=plan.options.attend)
+                                attention=plan.options.attend, in_cache=True)
+
+
+def with_draft_context(state: SpecState, blk: drafting.DraftBlock) -> tuple[SpecState, drafting.DraftBlock]:
+    """The state carrying the draft's context (the block's rows sit in its scratch slots, which the commit
+    overwrites: the buffers are updated in place, never copied) and the block without it."""
+    return dataclasses.replace(state, ctx=blk.ctx), dataclasses.replace(blk, ctx=None)
 
 
 @stage(TREE)
@@ -150,7 +157,7 @@ def run_stages(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
 
     key, k_expand, k_accept = sampling.split_keys(state.key, 3)
     state = dataclasses.replace(state, key=key)
-    blk = call(draft, state, plan=plan)
+    state, blk = with_draft_context(state, call(draft, state, plan=plan))
     prop = call(expand, state, blk, temperature, k_expand, plan=plan)
     ver = call(verify, state, prop, plan=plan)
     return call(accept_and_commit, state, prop, ver, max_new, eos, temperature, k_accept, plan=plan)

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..cache import ContextCache
+from ..cache import ContextCache, scatter_rows
 from ..config import DrafterConfig
 from ..errors import ArgumentError
-from .layers import Embed, Linear, RMSNorm, attend, attention_fn, init_normal, rope_cos_sin
+from .layers import CacheMask, Embed, Linear, RMSNorm, attend, attention_fn, init_normal, rope_cos_sin
 from .qwen3 import DecoderLayer, LMHead
 
 Array = jax.Array
@@ -93,10 +93,14 @@ class ConfidenceHead(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockOutput:
-    """``hidden`` ``[B, Q, D]`` after the final norm; ``layers`` per-layer outputs ``[L, B, Q, D]`` or None."""
+    """``hidden`` ``[B, Q, D]`` after the final norm; ``layers`` per-layer outputs ``[L, B, Q, D]`` or None;
+    ``ctx_k`` / ``ctx_v`` the context buffers with the block's rows written (:meth:`Drafter.run_block` with a
+    :class:`~sparkjax.nn.layers.CacheMask` that has a ``block``), else None."""
 
     hidden: Array
     layers: Array | None = None
+    ctx_k: tuple[Array, ...] | None = None
+    ctx_v: tuple[Array, ...] | None = None
 
 
 class DrafterLayer(DecoderLayer):
@@ -109,13 +113,20 @@ class DrafterLayer(DecoderLayer):
     def block(
         self, x: Array, cos: Array, sin: Array, ctx_k: Array, ctx_v: Array, ctx_mask: Array, block_mask: Array,
         attention=attend,
-    ) -> Array:
+    ) -> tuple[Array, Array, Array]:
+        """The layer over the block; returns ``(x, ctx_k, ctx_v)``. A :class:`CacheMask` ``ctx_mask`` with a
+        ``block`` first writes the block's keys/values into the context buffers at ``lengths`` and attends
+        them there as one part (``block_mask`` unused); otherwise the block is a second part."""
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
-        attn = attention(q, [(ctx_k, ctx_v, ctx_mask), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), block_mask)])
-        x = x + self.self_attn.o_proj(attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if isinstance(ctx_mask, CacheMask) and ctx_mask.block is not None:
+            ctx_k, ctx_v = (scatter_rows(buf, rows, ctx_mask.lengths) for buf, rows in ((ctx_k, k), (ctx_v, v)))
+            parts = [(ctx_k, ctx_v, ctx_mask)]
+        else:
+            parts = [(ctx_k, ctx_v, ctx_mask), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), block_mask)]
+        x = x + self.self_attn.o_proj(attention(q, parts))
+        return x + self.mlp(self.post_attention_layernorm(x)), ctx_k, ctx_v
 
 
 class Drafter(nnx.Module):
@@ -200,14 +211,20 @@ class Drafter(nnx.Module):
         ``ctx_k``/``ctx_v`` per layer ``[B, K, S, H]`` (heads-major; a tuple, or stacked ``[L, B, K, S, H]``),
         ``ctx_mask`` ``[B, Q, S]`` (or a :class:`~sparkjax.nn.layers.CacheMask` of the context lengths) and
         ``block_mask`` ``[B, Q, Q]`` (or broadcastable). ``attention``: as in
-        :meth:`sparkjax.nn.qwen3.Qwen3.__call__`."""
+        :meth:`sparkjax.nn.qwen3.Qwen3.__call__`. A ``CacheMask`` with a ``block`` (the block's visibility)
+        writes the block's keys/values into the context buffers at ``lengths`` and attends them there: the
+        buffers need ``Q`` scratch slots past every length, and come back in the output."""
         fn = attention_fn(attention)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        outs = []
+        outs, new_k, new_v = [], [], []
         for i, layer in enumerate(self.layers):
-            x = layer.block(x, cos, sin, ctx_k[i], ctx_v[i], ctx_mask, block_mask, fn)
+            x, k, v = layer.block(x, cos, sin, ctx_k[i], ctx_v[i], ctx_mask, block_mask, fn)
             outs.append(x)
-        return BlockOutput(self.norm(x), jnp.stack(outs) if return_layers else None)
+            new_k.append(k)
+            new_v.append(v)
+        written = isinstance(ctx_mask, CacheMask) and ctx_mask.block is not None
+        return BlockOutput(self.norm(x), jnp.stack(outs) if return_layers else None,
+                           *((tuple(new_k), tuple(new_v)) if written else (None, None)))
 
     def __call__(
         self,
