@@ -122,19 +122,28 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK) -> tuple[jax.Ar
     if n == 1:
         return tuple(jax.lax.top_k(x, k))
     lead = x.shape[:-1]
-    pad = jnp.full((*lead, n * chunk - v), -jnp.inf, x.dtype)
-    val, idx = jax.lax.top_k(jnp.concatenate([x, pad], axis=-1).reshape(*lead, n, chunk), k)
+    if n * chunk > v:
+        x = jnp.concatenate([x, jnp.full((*lead, n * chunk - v), -jnp.inf, x.dtype)], axis=-1)
+    val, idx = jax.lax.top_k(x.reshape(*lead, n, chunk), k)
     idx = idx.astype(jnp.int32) + (jnp.arange(n, dtype=jnp.int32) * chunk)[:, None]
     top, pos = jax.lax.top_k(val.reshape(*lead, n * k), k)
     return top, jnp.take_along_axis(idx.reshape(*lead, n * k), pos, axis=-1)
 
 
+def _even_chunk(v: int, chunk: int = TOPK_CHUNK) -> int:
+    """The smallest divisor of ``v`` in ``[chunk, 2 chunk)`` (chunks that are a free reshape of the input, no
+    padded copy), else ``chunk``."""
+    return next((c for c in range(chunk, min(2 * chunk, v + 1)) if v % c == 0), chunk)
+
+
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k`` over the last axis; :func:`chunked_top_k` for a large vocabulary off CPU."""
+    """``jax.lax.top_k`` over the last axis; :func:`chunked_top_k` (in chunks of :func:`_even_chunk`) for a large
+    vocabulary off CPU."""
     if x.shape[-1] <= 2 * TOPK_CHUNK or k > TOPK_CHUNK:
         return jax.lax.top_k(x, k)
+    chunk = _even_chunk(x.shape[-1])
     return jax.lax.platform_dependent(
-        x, cpu=lambda y: tuple(jax.lax.top_k(y, k)), default=lambda y: tuple(chunked_top_k(y, k))
+        x, cpu=lambda y: tuple(jax.lax.top_k(y, k)), default=lambda y: tuple(chunked_top_k(y, k, chunk))
     )
 
 
@@ -174,7 +183,9 @@ def merge_candidates(pool: jax.Array, valid: jax.Array, c: int) -> jax.Array:
     keep = valid & ~dup
     rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
     slot = jnp.where(keep & (rank < c), rank, c)  # c: dropped
-    return jnp.zeros((c,), jnp.int32).at[slot].set(pool, mode="drop")
+    # slot s takes the one pool entry sent there (0 if none): a reduction, not a scatter into a fresh buffer
+    sent = slot[None, :] == jnp.arange(c, dtype=jnp.int32)[:, None]  # [c, Q]
+    return jnp.sum(jnp.where(sent, pool[None, :], 0), axis=1, dtype=jnp.int32)
 
 
 def markov_candidates(
@@ -299,8 +310,7 @@ def markov_tables(
     else:
         uc = jnp.take_along_axis(u_rest, cand_rest, axis=1)  # [D-1, C]
         z = uc[:, None, :] + jnp.einsum("dir,djr->dij", f_rest, w2[cand_rest])
-        rows = jnp.arange(d - 1)[:, None]
-        log_tail = jax.nn.logsumexp(u_rest.at[rows, cand_rest].set(-jnp.inf), axis=-1)  # [D-1]
+        log_tail = jax.lax.platform_dependent(u_rest, cand_rest, cpu=_tail_lse_scatter, default=_tail_lse_compare)
         lse = jnp.logaddexp(jax.nn.logsumexp(z, axis=-1), log_tail[:, None])
         rest = z - lse[..., None]
     return jnp.concatenate([t0, rest], axis=0)
@@ -352,11 +362,15 @@ def _expand(
         if not full:  # slots past this depth's width become empty (sorted last: keys past every child)
             keep = slots < limit
             idx, top = jnp.where(keep, idx, k * c + slots), jnp.where(keep, top, -jnp.inf)
-        # back to lexicographic order; the scores ride along with the keys. An empty (-inf) entry may sit
+        # back to lexicographic order, the scores riding along with the keys: the keys are distinct, so entry
+        # a goes to slot #{b: key_b < key_a}, and slot p takes the one entry sent there (two small reductions
+        # that read the top-k in place, where a sort needs it sliced out first). An empty (-inf) entry may sit
         # between kept ones: it is never extended (its children are -inf too), and its outputs are masked.
-        key, new_scores = jax.lax.sort((idx, top))
-        # one output array per step: the scores' bits and the keys
-        return (new_scores, key), jnp.stack([jax.lax.bitcast_convert_type(new_scores, jnp.int32), key])
+        slot = jnp.sum(idx[None, :] < idx[:, None], axis=1)
+        packed = jnp.stack([jax.lax.bitcast_convert_type(top, jnp.int32), idx])  # one output array per step
+        sent = (slot[None, :] == slots[:, None])[None]  # [1, p, a]
+        packed = jnp.max(jnp.where(sent, packed[:, None, :], jnp.iinfo(jnp.int32).min), axis=2)
+        return (jax.lax.bitcast_convert_type(packed[0], jnp.float32), packed[1]), packed
 
     _, out = jax.lax.scan(step, init, (t, jnp.asarray(widths, jnp.int32)), unroll=True)
     scores, key = jax.lax.bitcast_convert_type(out[:, 0], jnp.float32), out[:, 1]
@@ -400,6 +414,18 @@ def _preorder(parent_slot: jax.Array) -> jax.Array:
     return above[:n] + slot + below[level, slot]
 
 
+def _tail_lse_scatter(u: jax.Array, cands: jax.Array) -> jax.Array:
+    """``logsumexp`` of each row of ``u [D, V]`` without its (distinct) candidate tokens ``cands [D, C]``."""
+    return jax.nn.logsumexp(u.at[jnp.arange(u.shape[0])[:, None], cands].set(-jnp.inf), axis=-1)
+
+
+def _tail_lse_compare(u: jax.Array, cands: jax.Array) -> jax.Array:
+    """:func:`_tail_lse_scatter` with the candidates found by comparison: on an accelerator this reads ``u`` once,
+    where the scatter first copies it."""
+    is_cand = jnp.any(jnp.arange(u.shape[1], dtype=jnp.int32)[None, :, None] == cands[:, None, :], axis=-1)
+    return jax.nn.logsumexp(jnp.where(is_cand, -jnp.inf, u), axis=-1)
+
+
 def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array, m: int,
            by_depth: bool = False) -> Tree:
     """Global top-``m`` of all beam entries as a :class:`Tree`: by score, ties in the tree order (the
@@ -414,9 +440,11 @@ def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array
     sel = order[:m]
     valid = s[sel] > -jnp.inf
     level = sel // k
-    node_of = jnp.zeros((n,), jnp.int32).at[sel].set(jnp.arange(1, m + 1, dtype=jnp.int32))
     parent_flat = jnp.maximum(level - 1, 0) * k + parent_slot.reshape(n)[sel]
-    parents = jnp.where(level == 0, 0, node_of[parent_flat])
+    # the node index of each parent: 1 + its place in ``sel`` (entries are distinct), 0 if it is not selected
+    node_of_parent = jnp.sum(jnp.where(sel[None, :] == parent_flat[:, None], jnp.arange(1, m + 1, dtype=jnp.int32),
+                                       0), axis=1, dtype=jnp.int32)
+    parents = jnp.where(level == 0, 0, node_of_parent)
     cands = cand.reshape(n)[sel]
     tokens = cand_tokens[level, cands]
     return Tree(

@@ -36,6 +36,7 @@ from sparkjax.errors import (
 from sparkjax.io.keymaps import DRAFTER_KEYS, _checkpoint_shape, param_keys
 from sparkjax.io.safetensors import SafetensorsFile
 from sparkjax.nn.drafter import Drafter, MarkovHead
+from sparkjax.nn.layers import rope_cos_sin
 from tests.conftest import jit_call
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")
@@ -217,6 +218,43 @@ def test_context_cache_batching_and_scratch(ref, drafter, fns):
     np.testing.assert_array_equal(jnp.stack(grown.k)[:, :, :, :p], jnp.stack(small.k)[:, :, :, :p])
     k_ref, _ = drafter.context_kv(feats[:, :3], jnp.arange(p, p + 3)[None])  # token-major rows
     close(jnp.stack(grown.k)[:, :, :, p:p + 3], jnp.swapaxes(k_ref, 2, 3), dict(rtol=1e-6, atol=1e-6))
+
+
+def test_block_in_the_context_scratch_equals_the_block_apart(ref, drafter, b0):
+    """draft_block(in_cache=True) (the block's rows written into the context's scratch and attended there, as an
+    engine's round drafts) gives the same block; the returned context keeps every committed slot and its
+    lengths, and holds the block's keys in the scratch."""
+    _, p, ctx, x0 = b0
+    apart, cached = jit_with(lambda d, c, x: (draft.draft_block(d, c, x, c.lengths),
+                                             draft.draft_block(d, c, x, c.lengths, in_cache=True)), drafter)(ctx, x0)
+    assert apart.ctx is None and cached.ctx is not None
+    close(cached.logits, apart.logits, dict(rtol=1e-5, atol=1e-5))
+    close(cached.hidden, apart.hidden, dict(rtol=1e-5, atol=1e-5))
+    assert cached.ctx.lengths.tolist() == ctx.lengths.tolist()
+    g = drafter.config.block_size
+    for new, old in zip(cached.ctx.k + cached.ctx.v, ctx.k + ctx.v, strict=True):
+        np.testing.assert_array_equal(new[:, :, :p], old[:, :, :p])
+        np.testing.assert_array_equal(new[:, :, p + g:], old[:, :, p + g:])
+    assert not np.allclose(cached.ctx.k[0][:, :, p:p + g], ctx.k[0][:, :, p:p + g])
+
+
+def test_joined_context_projections_equal_the_per_layer_ones(ref, drafter, random_pair):
+    """join_context_projections' one GEMM (what context_kv runs on a GPU) equals the per-layer projections, with
+    and without projection biases."""
+    plain = random_pair[1]
+    biased = Drafter(dataclasses.replace(plain.config, attention_bias=True), rngs=nnx.Rngs(3))
+    for d in (drafter, plain, biased):
+        d = nnx.merge(*nnx.split(d))  # a copy: the shared fixtures stay as they are
+        f = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, d.config.feature_size)), jnp.float32)
+        ctx = d.project_context(f)
+        cos, sin = rope_cos_sin(jnp.arange(5)[None] + jnp.array([[0], [7]]), d.config.head_dim, d.config.rope_theta)
+        k0, v0 = d.context_kv_per_layer(ctx, cos, sin)
+        d.join_context_projections()
+        k1, v1 = d.context_kv_joined(ctx, cos, sin)
+        close(k1, k0, dict(rtol=1e-5, atol=1e-5))
+        close(v1, v0, dict(rtol=1e-5, atol=1e-5))
+        assert k1.shape == (d.config.num_hidden_layers, *ctx.shape[:2], d.config.num_key_value_heads,
+                            d.config.head_dim)
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -184,11 +184,13 @@ def test_chunked_top_k_real_vocabulary():
     x[5, 1000:] = -np.inf
     x[7, -5:] = 100.0  # the maximum in the last, padded chunk
     want_v, want_i = jax.jit(lambda y: jax.lax.top_k(y, 128))(x)
-    got_v, got_i = jax.jit(lambda y: tree.chunked_top_k(y, 128))(x)
-    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
-    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-    np.testing.assert_array_equal(np.asarray(got_i)[3], np.arange(128))
-    assert set(np.asarray(got_i)[7, :5].tolist()) == set(range(151936 - 5, 151936))
+    assert tree._even_chunk(151936) == 4748  # 32 chunks, no padding (what top_k uses off CPU)
+    for chunk in (tree.TOPK_CHUNK, tree._even_chunk(151936)):  # the last chunk padded, then none
+        got_v, got_i = jax.jit(lambda y, c=chunk: tree.chunked_top_k(y, 128, c))(x)
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+        np.testing.assert_array_equal(np.asarray(got_i)[3], np.arange(128))
+        assert set(np.asarray(got_i)[7, :5].tolist()) == set(range(151936 - 5, 151936))
 
 
 def test_candidates_stage_out_the_chunked_top_k_for_accelerators():
@@ -197,8 +199,8 @@ def test_candidates_stage_out_the_chunked_top_k_for_accelerators():
     fn = jax.jit(lambda y: tree.candidates(y, 64))
     gpu = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     cpu = fn.trace(x).lower(lowering_platforms=("cpu",)).as_text()
-    assert "tensor<16x38x4096xf32>" in gpu and gpu.count("chlo.top_k") == 2
-    assert cpu.count("chlo.top_k") == 1 and "38x4096" not in cpu
+    assert "tensor<16x32x4748xf32>" in gpu and gpu.count("chlo.top_k") == 2
+    assert cpu.count("chlo.top_k") == 1 and "32x4748" not in cpu
 
 
 @settings(max_examples=20, deadline=None)

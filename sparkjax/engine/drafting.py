@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..cache import ContextCache
 from ..errors import ArgumentError
@@ -101,7 +102,7 @@ def draft_block(
     tokens = block_tokens(drafter, x_start)
     positions = start[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
     x = drafter.embed(tokens, target)
-    block_mask = jnp.ones((1, g, g), bool)
+    block_mask = np.ones((1, g, g), bool)  # on the host: the attention knows the whole block is visible
     ctx_mask = CacheMask(ctx.lengths, block_mask) if in_cache else CacheMask(ctx.lengths)
     out = drafter.run_block(
         x, positions, ctx.k, ctx.v, ctx_mask, block_mask, return_layers=return_layers, attention=attention

@@ -28,8 +28,12 @@ def split_pair(target, drafter):
 
 
 def merge_pair(graphdefs, states):
-    """The target and drafter modules back from :func:`split_pair`'s halves (inside a jitted function)."""
-    return nnx.merge(graphdefs[0], states[0]), nnx.merge(graphdefs[1], states[1])
+    """The target and drafter modules back from :func:`split_pair`'s halves (inside a jitted function, before
+    any loop: the drafter's context projections are joined here, see
+    :meth:`~sparkjax.nn.drafter.Drafter.join_context_projections`)."""
+    drafter = nnx.merge(graphdefs[1], states[1])
+    drafter.join_context_projections()
+    return nnx.merge(graphdefs[0], states[0]), drafter
 
 
 def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, ...] = (), attention="auto"):

@@ -24,7 +24,7 @@ from flax import nnx
 from ..cache import ContextCache, scatter_rows
 from ..config import DrafterConfig
 from ..errors import ArgumentError
-from .layers import CacheMask, Embed, Linear, RMSNorm, attend, attention_fn, init_normal, rope_cos_sin
+from .layers import CacheMask, Embed, Linear, RMSNorm, apply_rope, attend, attention_fn, init_normal, rope_cos_sin
 from .qwen3 import DecoderLayer, LMHead
 
 Array = jax.Array
@@ -184,11 +184,37 @@ class Drafter(nnx.Module):
 
     def context_kv(self, features: Array, positions: Array) -> tuple[Array, Array]:
         """Per-layer context keys/values ``[L, B, S, K, H]`` (token-major rows) of features ``[B, S, F]``
-        at ``positions [B, S]``."""
+        at ``positions [B, S]``. After :meth:`join_context_projections`, on a GPU, one GEMM over the joined
+        kernel."""
         ctx = self.project_context(features)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        if getattr(self, "joined_context_kernel", None) is None:
+            return self.context_kv_per_layer(ctx, cos, sin)
+        return jax.lax.platform_dependent(ctx, cos, sin, cuda=self.context_kv_joined, default=self.context_kv_per_layer)
+
+    def context_kv_per_layer(self, ctx: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+        """:meth:`context_kv` of projected rows ``ctx [B, S, D]``, one GEMM per layer and projection."""
         kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
         return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+    def context_kv_joined(self, ctx: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+        """:meth:`context_kv_per_layer` as one GEMM over the kernel of :meth:`join_context_projections`."""
+        y = jnp.tensordot(ctx, self.joined_context_kernel[...], axes=((2,), (0,)))  # [B, S, L, 2, K, H]
+        if self.joined_context_bias is not None:
+            y = y + self.joined_context_bias[...]
+        ks = [apply_rope(layer.self_attn.k_norm(y[:, :, i, 0]), cos, sin) for i, layer in enumerate(self.layers)]
+        return jnp.stack(ks), jnp.moveaxis(y[:, :, :, 1], 2, 0)
+
+    def join_context_projections(self) -> None:
+        """Joins every layer's context key/value projection into one kernel ``[D, L, 2, K, H]`` (and bias) that
+        :meth:`context_kv` reads on a GPU: the join is made here, once, where a program calls it before its
+        loop (inside the loop XLA merges the GEMMs by joining their kernels again on every iteration)."""
+        attn = [layer.self_attn for layer in self.layers]
+        kernel = jnp.stack([jnp.stack([a.k_proj.kernel[...], a.v_proj.kernel[...]], 1) for a in attn], 1)
+        bias = None
+        if attn[0].k_proj.bias is not None:
+            bias = nnx.Variable(jnp.stack([jnp.stack([a.k_proj.bias[...], a.v_proj.bias[...]]) for a in attn]))
+        self.joined_context_kernel, self.joined_context_bias = nnx.Variable(kernel), bias
 
     def init_context(self, batch: int, size: int) -> ContextCache:
         """An empty context cache of ``size`` slots (slot s holds absolute position s)."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..cache import attention_mask
@@ -424,8 +425,12 @@ def _cache_pieces(qg: Array, k: Array, v: Array, lengths: Array, block: Array, b
         rows = _masked_piece(qg, _block_rows(k, slots), _block_rows(v, slots), mask)
         return _merge([_prefix_xla(qg, k, v, lengths, block_slots), rows])
 
+    # a block that is all True on the host (a drafter's block) needs no mask: the key lengths bound it
+    full = isinstance(block, np.ndarray) and bool(block.all())
+
     def whole(qg, k, v, lengths, block):  # one fused call: the prefix and the block's rows under a dense mask
-        return _cudnn_piece(qg, k, v, jnp.minimum(lengths + u, size), attention_mask(lengths, block, size))
+        mask = None if full else attention_mask(lengths, block, size)
+        return _cudnn_piece(qg, k, v, jnp.minimum(lengths + u, size), mask)
 
     if not _cudnn_usable(k.dtype, qg.shape[-1]):
         return split(qg, k, v, lengths, block)
