@@ -23,6 +23,8 @@ def test_gpu_check_dry_run_writes_its_records(tmp_path, xla_cache):
     att = data["attention"]
     assert {(r["impl"], r["dtype"]) for r in att} == {(i, d) for i in ("einsum", "dpa", "blocked", "prefix", "split")
                                                       for d in ("float32", "bfloat16")}
+    assert {r["case"] for r in att} == {"tree block over a cache", "block in the cache, all visible",
+                                        "context + dense block"}
     assert all(r["ok"] and r["masked_rows"] > 0 for r in att if r["case"] == "tree block over a cache"), att
     assert all(r["ok"] for r in att), [r for r in att if not r["ok"]]
     ex = data["exactness"]

@@ -86,8 +86,8 @@ def _error(e: Exception) -> str:
 
 def attention_cases(n: int, kh: int, h: int, s: int, t: int, b: int, seed: int):
     """``(name, q, parts)`` in float32: a tree block over a cache (lengths 0, short and up to ``s - t``) with one
-    row seeing the prefix only and one row of a sequence with no prefix seeing nothing, and the drafter's
-    context-plus-block pattern."""
+    row seeing the prefix only and one row of a sequence with no prefix seeing nothing, a block in the cache that
+    sees all of itself (the drafter's, its mask on the host) and a context plus a separate block."""
     rng = np.random.default_rng(seed)
 
     def arr(*shape):
@@ -102,7 +102,9 @@ def attention_cases(n: int, kh: int, h: int, s: int, t: int, b: int, seed: int):
     cm = layers.CacheMask(lengths, jnp.asarray(block))
     ctx = layers.CacheMask(lengths)
     bk, bv = arr(b, kh, t, h), arr(b, kh, t, h)
+    whole = layers.CacheMask(lengths, np.ones((1, t, t), bool))  # on the host: key lengths alone (a drafter's block)
     return [("tree block over a cache", q, [(k, v, cm)]),
+            ("block in the cache, all visible", q, [(k, v, whole)]),
             ("context + dense block", q, [(k, v, ctx), (bk, bv, jnp.ones((1, t, t), bool))])]
 
 
@@ -123,8 +125,14 @@ def check_attention(cfg, impls, seed: int, s: int, t: int, b: int) -> list[dict]
             ref = np.asarray(ref_fn(qd.astype(jnp.float32), [(k.astype(jnp.float32), v.astype(jnp.float32), m)
                                                             for (k, v, _), (_, _, m) in zip(cast, dense, strict=True)]))
             t0 = time.perf_counter()
+            masks = [m for _, _, m in cast]  # closed over: a mask on the host stays static
+
+            def run(q, kv, masks=masks):
+                parts = [(k, v, m) for (k, v), m in zip(kv, masks, strict=True)]
+                return [layers.attend(q, parts, impl=i) for i in impls]
+
             try:  # every path in one program: one compile per case and dtype
-                outs = jax.jit(lambda q, parts: [layers.attend(q, parts, impl=i) for i in impls])(qd, cast)
+                outs = jax.jit(run)(qd, [(k, v) for k, v, _ in cast])
                 outs = [np.asarray(o, np.float32) for o in outs]
             except Exception as e:  # recorded, and the check goes on
                 rows += [{"case": name, "impl": i, "dtype": dtype, "ok": False, "error": _error(e)} for i in impls]
