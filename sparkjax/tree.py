@@ -167,6 +167,15 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     return cand_tokens, cand_logp
 
 
+def _lookup(keys: jax.Array, values: jax.Array, queries: jax.Array) -> jax.Array:
+    """``values[..., j]`` for the one ``j`` with ``keys[j] == queries[i]`` (0 where none matches), per query:
+    int32 ``[..., Q]`` from distinct int ``keys [N]``, int32 ``values [..., N]`` and ``queries [Q]``. A reduction
+    over ``[Q, N]`` comparisons: a small permutation or inverse that needs no scatter into a fresh buffer (on an
+    accelerator a broadcast, a copy and a scatter per loop iteration) and no re-sort."""
+    hit = keys[None, :] == queries[:, None]  # [Q, N]
+    return jnp.sum(jnp.where(hit, values[..., None, :], 0), axis=-1, dtype=jnp.int32)
+
+
 def merge_candidates(pool: jax.Array, valid: jax.Array, c: int) -> jax.Array:
     """The first ``c`` distinct valid tokens of ``pool`` int[Q] (``valid`` bool[Q]), in pool order: int32[c].
     ``c``: static, ``1 <= c <= Q``; with fewer than ``c`` distinct valid tokens the last slots hold token 0."""
@@ -182,10 +191,8 @@ def merge_candidates(pool: jax.Array, valid: jax.Array, c: int) -> jax.Array:
     dup = jnp.any((pool[None, :] == pool[:, None]) & (i[None, :] < i[:, None]) & valid[None, :], axis=1)
     keep = valid & ~dup
     rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
-    slot = jnp.where(keep & (rank < c), rank, c)  # c: dropped
-    # slot s takes the one pool entry sent there (0 if none): a reduction, not a scatter into a fresh buffer
-    sent = slot[None, :] == jnp.arange(c, dtype=jnp.int32)[:, None]  # [c, Q]
-    return jnp.sum(jnp.where(sent, pool[None, :], 0), axis=1, dtype=jnp.int32)
+    slot = jnp.where(keep & (rank < c), rank, c)  # c: dropped (never looked up)
+    return _lookup(slot, pool, jnp.arange(c, dtype=jnp.int32))
 
 
 def markov_candidates(
@@ -363,13 +370,12 @@ def _expand(
             keep = slots < limit
             idx, top = jnp.where(keep, idx, k * c + slots), jnp.where(keep, top, -jnp.inf)
         # back to lexicographic order, the scores riding along with the keys: the keys are distinct, so entry
-        # a goes to slot #{b: key_b < key_a}, and slot p takes the one entry sent there (two small reductions
-        # that read the top-k in place, where a sort needs it sliced out first). An empty (-inf) entry may sit
-        # between kept ones: it is never extended (its children are -inf too), and its outputs are masked.
-        slot = jnp.sum(idx[None, :] < idx[:, None], axis=1)
+        # a goes to slot #{b: key_b < key_a} (two small reductions that read the top-k in place, where a sort
+        # needs it sliced out first). An empty (-inf) entry may sit between kept ones: it is never extended
+        # (its children are -inf too), and its outputs are masked.
+        slot = jnp.sum(idx[None, :] < idx[:, None], axis=1, dtype=jnp.int32)
         packed = jnp.stack([jax.lax.bitcast_convert_type(top, jnp.int32), idx])  # one output array per step
-        sent = (slot[None, :] == slots[:, None])[None]  # [1, p, a]
-        packed = jnp.max(jnp.where(sent, packed[:, None, :], jnp.iinfo(jnp.int32).min), axis=2)
+        packed = _lookup(slot, packed, slots)
         return (jax.lax.bitcast_convert_type(packed[0], jnp.float32), packed[1]), packed
 
     _, out = jax.lax.scan(step, init, (t, jnp.asarray(widths, jnp.int32)), unroll=True)
@@ -442,9 +448,7 @@ def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array
     level = sel // k
     parent_flat = jnp.maximum(level - 1, 0) * k + parent_slot.reshape(n)[sel]
     # the node index of each parent: 1 + its place in ``sel`` (entries are distinct), 0 if it is not selected
-    node_of_parent = jnp.sum(jnp.where(sel[None, :] == parent_flat[:, None], jnp.arange(1, m + 1, dtype=jnp.int32),
-                                       0), axis=1, dtype=jnp.int32)
-    parents = jnp.where(level == 0, 0, node_of_parent)
+    parents = jnp.where(level == 0, 0, _lookup(sel, jnp.arange(1, m + 1, dtype=jnp.int32), parent_flat))
     cands = cand.reshape(n)[sel]
     tokens = cand_tokens[level, cands]
     return Tree(

@@ -103,6 +103,11 @@ class BlockOutput:
     ctx_v: tuple[Array, ...] | None = None
 
 
+def _block_in_cache(ctx_mask) -> bool:
+    """Whether a drafter block goes into the context buffers: a :class:`CacheMask` with a ``block``."""
+    return isinstance(ctx_mask, CacheMask) and ctx_mask.block is not None
+
+
 class DrafterLayer(DecoderLayer):
     """A Qwen3 decoder layer (same weights and names) whose keys/values are ``[context ; block]``."""
 
@@ -120,7 +125,7 @@ class DrafterLayer(DecoderLayer):
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
-        if isinstance(ctx_mask, CacheMask) and ctx_mask.block is not None:
+        if _block_in_cache(ctx_mask):
             ctx_k, ctx_v = (scatter_rows(buf, rows, ctx_mask.lengths) for buf, rows in ((ctx_k, k), (ctx_v, v)))
             parts = [(ctx_k, ctx_v, ctx_mask)]
         else:
@@ -248,9 +253,8 @@ class Drafter(nnx.Module):
             outs.append(x)
             new_k.append(k)
             new_v.append(v)
-        written = isinstance(ctx_mask, CacheMask) and ctx_mask.block is not None
         return BlockOutput(self.norm(x), jnp.stack(outs) if return_layers else None,
-                           *((tuple(new_k), tuple(new_v)) if written else (None, None)))
+                           *((tuple(new_k), tuple(new_v)) if _block_in_cache(ctx_mask) else (None, None)))
 
     def __call__(
         self,
