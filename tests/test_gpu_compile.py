@@ -73,6 +73,38 @@ def _plugin() -> bool:
         return False
 
 
+# The tiny drafter's block compiled for the H200, its rows attended apart from the context and in its scratch.
+DRAFT_BLOCK_BOTH_WAYS = """
+import json
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparkjax.bench import gpu, hlo
+from sparkjax.bench.common import abstract_models
+from sparkjax.engine import drafting
+
+device = gpu.compile_device()
+drafter = abstract_models("tiny")[1]
+graphdef, state = nnx.split(drafter)
+ctx = jax.eval_shape(lambda: drafter.init_context(2, 256))
+x0 = jax.ShapeDtypeStruct((2,), jnp.int32)
+out = {}
+for in_cache in (False, True):
+    def block(state, ctx, x0, in_cache=in_cache):
+        blk = drafting.draft_block(nnx.merge(graphdef, state), ctx, x0, ctx.lengths, attention="split",
+                                   in_cache=in_cache)
+        return blk.logits, blk.ctx
+    with gpu.traced_as_gpu():
+        lowered = jax.jit(block).lower(*gpu.placed((state, ctx, x0), device))
+    tally = hlo.count_hlo(lowered.compile().as_text(), elide_converts=False)
+    out[str(in_cache)] = {"kernels": tally.total_kernels,
+                          "cudnn": sum(k.count for k in tally.kernels if "dot_product_attention" in k.name)}
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.slow
 def test_h200_compile(tmp_path):
     if not _plugin():
@@ -107,3 +139,10 @@ def test_h200_compile(tmp_path):
     body = hlo.count_hlo(split, loop_body=True, elide_converts=False)
     draft = [k for k in body.kernels if k.stage == "draft"]
     assert sum(k.count for k in draft if "dot_product_attention" in k.name) == 2  # the tiny drafter's 2 layers
+    # and the block in the context's scratch takes fewer kernels than the block apart, with as many cuDNN calls
+    res = subprocess.run([sys.executable, "-c", DRAFT_BLOCK_BOTH_WAYS], capture_output=True, text=True,
+                         timeout=600, env=child_env(JAX_PLATFORMS="cpu"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    both = json.loads(res.stdout.strip().splitlines()[-1])
+    assert both["True"]["cudnn"] == both["False"]["cudnn"] == 2
+    assert both["True"]["kernels"] < both["False"]["kernels"], both
