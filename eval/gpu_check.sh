@@ -7,11 +7,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
 for arg in "$@"; do
-  if [ "$arg" = "--dry-run" ]; then
-    export JAX_PLATFORMS=cpu
-  fi
+  [ "$arg" = "--dry-run" ] && export JAX_PLATFORMS=cpu
 done
 cd "$ROOT"
-exec "$PY" -m sparkjax.bench device "$@"
+exec "${PYTHON:-python3}" -m sparkjax.bench device "$@"

@@ -4,6 +4,7 @@ records (every attention path within tolerance, every checked method equal to ar
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -20,20 +21,17 @@ def test_gpu_check_dry_run_writes_its_records(tmp_path, xla_cache):
     data = json.loads((tmp_path / "device_check.json").read_text())
     assert data["dry_run"] and data["backend"].startswith("cpu") and not data["timed_out"]
     assert data["done"] == ["attention", "exactness", "timing"]
-    att = data["attention"]
-    assert {(r["impl"], r["dtype"]) for r in att} == {(i, d) for i in ("einsum", "dpa", "blocked", "prefix", "split")
-                                                      for d in ("float32", "bfloat16")}
-    assert {r["case"] for r in att} == {"tree block over a cache", "block in the cache, all visible",
-                                        "context + dense block"}
-    assert all(r["ok"] and r["masked_rows"] > 0 for r in att if r["case"] == "tree block over a cache"), att
-    assert all(r["ok"] for r in att), [r for r in att if not r["ok"]]
-    ex = data["exactness"]
-    assert {(r["attention"], r["method"]) for r in ex} == {(a, m) for a in ("einsum", "split")
-                                                           for m in ("ar", "dspark", "sparklingtree")}
+    att, ex, rows = data["attention"], data["exactness"], data["timing"]
+    assert {(r["impl"], r["dtype"], r["case"]) for r in att} == {
+        (i, d, c) for i in ("einsum", "dpa", "blocked", "prefix", "split") for d in ("float32", "bfloat16")
+        for c in ("tree block over a cache", "block in the cache, all visible", "context + dense block")}
+    assert all(r["ok"] for r in att) and all(r["masked_rows"] > 0 for r in att if r["case"].startswith("tree")), att
+    paths = ("einsum", "split")
+    methods = ("ar", "dspark", "sparklingtree")
+    assert {(r["attention"], r["method"]) for r in ex} == {(a, m) for a in paths for m in methods}
     assert all(r["ok"] for r in ex), [r for r in ex if not r["ok"]]
-    rows = data["timing"]
-    want = {(a, m) for a in ("einsum", "split") for m in ("ar", "dspark")}
-    assert {(r["attention"], r["label"]) for r in rows} == want
-    assert all(r["ms"] > 0 and r["round_ar_steps"] is not None for r in rows), rows
+    assert {(r["attention"], r["label"]) for r in rows} == {(a, m) for a in paths for m in ("ar", "dspark")}
+    # a time per AR step or round (the long run less the short one: noise may make a dry run's tiny one negative)
+    assert all(math.isfinite(r["ms"]) and r["ms_min"] <= r["ms"] and r["n"] >= 1 for r in rows), rows
     text = (tmp_path / "device_check.txt").read_text()
     assert "greedy exactness" in text and "split" in text

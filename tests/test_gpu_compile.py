@@ -14,8 +14,8 @@ from sparkjax.bench.common import child_env
 from sparkjax.errors import GpuCompileError
 
 
-def _k(shape, moves=False, count=1.0):
-    return hlo.Kernel("k", "fusion", count, hlo.shape_bytes(shape), 0.0, False, shape=shape, moves=moves)
+def _k(shape):
+    return hlo.Kernel("k", "fusion", 1.0, hlo.shape_bytes(shape), 0.0, False, shape=shape)
 
 
 def test_score_tensor_and_cache_copy_checks():
@@ -41,10 +41,6 @@ def test_score_tensor_and_cache_copy_checks():
                      '{"intermediate_tensor_shape":{"element_type":"BF16","dimensions":["1","32","65","1024"]}}}')
     assert hlo.library_call_flops(fmha, ["bf16[1,65,32,128]", "bf16[1,1024,8,128]"]) == 4.0 * 32 * 65 * 1024 * 128
     assert hlo.library_call_flops(hlo.Instr("c", "f32[1]", "custom-call", [], ', custom_call_target="x"'), []) == 0
-    t = hlo.Tally([_k("bf16[1024]", count=3.0)])
-    assert t.seconds(1e12, 1e15, 1e-6, every_kernel=True) == pytest.approx(3 * (2048 / 1e12 + 1e-6))
-    assert t.seconds(1e12, 1e15, 1e-6) == pytest.approx(3 * 2048 / 1e12)  # none of them in a loop
-
     text = gpu.target_config(gpu.H200)
     for field in ("core_count: 132", "memory_bandwidth: 4800000000000", "device_memory_size: 151397597184",
                   "cuda_compute_capability { major: 9 minor: 0 }", 'platform_name: "CUDA"',
@@ -52,12 +48,7 @@ def test_score_tensor_and_cache_copy_checks():
         assert field in text
 
 
-def test_gpu_compile_arguments(capsys):
-    for argv, needle in ((["--cases", "1"], "--cases"), (["--cases", "1:32"], "--cases"),
-                         (["--attention", "flash"], "--attention"), (["--methods", "nope"], "nope")):
-        assert main(["gpu-compile", "--preset", "tiny", *argv]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and needle in err, err
+def test_gpu_compile_without_the_plugin_says_how_to_install_it(capsys):
     try:
         gpu.compile_device()
     except GpuCompileError as e:  # this environment has no CUDA plugin: one line that names the extra
@@ -73,23 +64,25 @@ def _plugin() -> bool:
         return False
 
 
-# The tiny drafter's block compiled for the H200, its rows attended apart from the context and in its scratch.
-DRAFT_BLOCK_BOTH_WAYS = """
-import json
+# In one process: the gpu-compile command, then the tiny drafter's block compiled for the H200, its rows attended
+# apart from the context and in its scratch.
+SCRIPT = """
+import json, sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from sparkjax.bench import gpu, hlo
+from sparkjax.bench.__main__ import main
 from sparkjax.bench.common import abstract_models
 from sparkjax.engine import drafting
 
-device = gpu.compile_device()
+assert main(["gpu-compile", "--preset", "tiny", "--cases", "2:256", "--methods", "ar,sparklingtree@16", "--attention",
+             "einsum,dpa,split", "--json", sys.argv[1], "--dump-hlo", sys.argv[2]]) == 0
 drafter = abstract_models("tiny")[1]
 graphdef, state = nnx.split(drafter)
 ctx = jax.eval_shape(lambda: drafter.init_context(2, 256))
-x0 = jax.ShapeDtypeStruct((2,), jnp.int32)
 out = {}
 for in_cache in (False, True):
     def block(state, ctx, x0, in_cache=in_cache):
@@ -97,8 +90,8 @@ for in_cache in (False, True):
                                    in_cache=in_cache)
         return blk.logits, blk.ctx
     with gpu.traced_as_gpu():
-        lowered = jax.jit(block).lower(*gpu.placed((state, ctx, x0), device))
-    tally = hlo.count_hlo(lowered.compile().as_text(), elide_converts=False)
+        args = gpu.placed((state, ctx, jax.ShapeDtypeStruct((2,), jnp.int32)), gpu.compile_device())
+        tally = hlo.count_hlo(jax.jit(block).lower(*args).compile().as_text(), elide_converts=False)
     out[str(in_cache)] = {"kernels": tally.total_kernels,
                           "cudnn": sum(k.count for k in tally.kernels if "dot_product_attention" in k.name)}
 print(json.dumps(out))
@@ -110,39 +103,30 @@ def test_h200_compile(tmp_path):
     if not _plugin():
         pytest.skip(f"no CUDA PJRT plugin in this environment: {gpu.GPU_AOT_HINT} (a separate venv)")
     out, hlo_dir = tmp_path / "rows.json", tmp_path / "hlo"
-    res = subprocess.run([sys.executable, "-m", "sparkjax.bench", "gpu-compile", "--preset", "tiny", "--cases",
-                          "2:256", "--methods", "ar,sparklingtree@16", "--attention", "einsum,dpa,split", "--json",
-                          str(out), "--dump-hlo", str(hlo_dir)], capture_output=True, text=True, timeout=1500,
-                         env=child_env(JAX_PLATFORMS="cpu"))
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(hlo_dir)], capture_output=True, text=True,
+                         timeout=2100, env=child_env(JAX_PLATFORMS="cpu"))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [(r["attention"], r["label"]) for r in rows] == [
-        ("einsum", "ar"), ("einsum", "sparklingtree@16"), ("dpa", "ar"), ("dpa", "sparklingtree@16"),
-        ("split", "ar"), ("split", "sparklingtree@16")]
+    by = {(r["attention"], r["label"]): r for r in rows}
+    assert list(by) == [(a, m) for a in ("einsum", "dpa", "split") for m in ("ar", "sparklingtree@16")]
     for r in rows:
         assert "error" not in r and r["target"] == "h200" and r["batch"] == 2 and r["context"] == 256
         assert r["kernels_per_round"] > 0 and r["bytes_per_round"] > 0 and r["fits"]
         assert r["peak_bytes"] >= r["argument"] > 0
-    by = {(r["attention"], r["label"]): r for r in rows}
     assert by["einsum", "ar"]["round_ar_steps"] == 1.0
     assert by["einsum", "sparklingtree@16"]["round_ar_steps"] > 1.0  # 17 verified rows plus the drafter
     assert by["einsum", "sparklingtree@16"]["f32_scores"]  # the reference path materialises f32 scores
-    einsum = (hlo_dir / "h200_einsum_b2_s256_ar.hlo.txt").read_text()
-    dpa = (hlo_dir / "h200_dpa_b2_s256_ar.hlo.txt").read_text()
+    einsum, dpa, split = ((hlo_dir / f"h200_{name}.hlo.txt").read_text() for name in (
+        "einsum_b2_s256_ar", "dpa_b2_s256_ar", "split_b2_s256_sparklingtree@16"))
     assert "__triton" in einsum and "__cudnn$fmha" not in einsum  # XLA:GPU's program, no cuDNN attention
     assert "__cudnn$fmha" in dpa  # traced as on a GPU: dpa is cuDNN's fused attention
     # split: the target's prefix and block rows in one cuDNN call under the tree mask, read in place
-    split = (hlo_dir / "h200_split_b2_s256_sparklingtree@16.hlo.txt").read_text()
     assert "__cudnn$fmhaScaleBiasSoftmax" in split
     assert by["split", "ar"]["kv_copies"] == by["split", "sparklingtree@16"]["kv_copies"] == 0
     # the drafter: one cuDNN call per layer over its context and block (the block in the context's scratch)
     body = hlo.count_hlo(split, loop_body=True, elide_converts=False)
-    draft = [k for k in body.kernels if k.stage == "draft"]
-    assert sum(k.count for k in draft if "dot_product_attention" in k.name) == 2  # the tiny drafter's 2 layers
+    assert sum(k.count for k in body.kernels if k.stage == "draft" and "dot_product_attention" in k.name) == 2
     # and the block in the context's scratch takes fewer kernels than the block apart, with as many cuDNN calls
-    res = subprocess.run([sys.executable, "-c", DRAFT_BLOCK_BOTH_WAYS], capture_output=True, text=True,
-                         timeout=600, env=child_env(JAX_PLATFORMS="cpu"))
-    assert res.returncode == 0, res.stderr[-3000:]
     both = json.loads(res.stdout.strip().splitlines()[-1])
     assert both["True"]["cudnn"] == both["False"]["cudnn"] == 2
     assert both["True"]["kernels"] < both["False"]["kernels"], both

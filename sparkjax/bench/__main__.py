@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -10,11 +11,10 @@ from sparkjax import _startup
 from sparkjax.cli import OneLineParser, run_cli
 
 from . import ar, attention, device, drafter, gpu, round, scale, serve, train, tree
-from .common import Report, command_line
+from .common import Report
 
 COMMANDS = {"ar": ar, "round": round, "tree": tree, "drafter": drafter, "scale": scale, "train": train,
-            "attention": attention, "gpu-compile": gpu, "device": device,
-            "serve": serve}
+            "attention": attention, "gpu-compile": gpu, "device": device, "serve": serve}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,7 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage mistake (2, one line)
         return int(e.code or 0)
-    report = Report(command_line(argv), getattr(args, "out", None), getattr(args, "json", None))
+    report = Report("python -m sparkjax.bench " + shlex.join(argv), getattr(args, "out", None),
+                    getattr(args, "json", None))
 
     def work() -> int:
         try:

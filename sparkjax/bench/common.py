@@ -1,10 +1,5 @@
-"""What the benchmark subcommands share: argument parsing, the model presets, method labels and the output.
-
-Every subcommand prints a text report (a ``#`` header naming the command, its table, a footer with warnings)
-and writes it with ``--out PATH``; the ones with records write them with ``--json PATH``. Both are written
-atomically (:func:`sparkjax.io.atomic.atomic_file`). Ctrl-C writes what was measured so far, marked as
-interrupted, and the command exits with code 130.
-"""
+"""What the benchmark subcommands share: argument parsing, the model presets, method labels and the output
+(:class:`Report`: printed, and written atomically with ``--out`` / ``--json``)."""
 
 from __future__ import annotations
 
@@ -12,7 +7,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +34,7 @@ RECIPES = pathlib.Path("train", "recipes")
 TAU = 7.34  # the SparklingTree write-up's mean accepted length, for projected speedups
 WRITEUP_SPEEDUP = 4.29  # the speedup the SparklingTree write-up reports at that tau
 PRESETS = ("tiny", "demo", "reduced", "real")
+SIZE_KEYS = ("argument", "output", "temp", "alias")
 
 
 def log(text: str) -> None:
@@ -59,6 +54,7 @@ def ints(text: str, arg: str, minimum: int = 1) -> list[int]:
 
 
 def at_least(value: int | float, arg: str, minimum: int | float = 1):
+    """``value``; ArgumentError naming ``arg`` when it is below ``minimum``."""
     if value < minimum:
         raise ArgumentError(f"{arg}: expected at least {minimum}, got {value}")
     return value
@@ -170,17 +166,12 @@ def random_pair(preset: str, seed: int = 0) -> tuple[Qwen3, Drafter]:
                                                                        dtype=jnp.bfloat16))
 
 
-def abstract_args(batch: int, prompt: int):
-    """Abstract (tokens, lengths, max_new, eos, temperature, key) of a generation program."""
-    s = jax.ShapeDtypeStruct
-    return (s((batch, prompt), jnp.int32), s((batch,), jnp.int32), s((), jnp.int32), s((1,), jnp.int32),
-            s((), jnp.float32), jax.eval_shape(lambda: jax.random.key(0)))
-
-
 def lower(method: Method, target, drafter, batch: int, prompt: int, context: int, buf_len: int,
           options: Options = DEFAULT_OPTIONS):
     """``(lowered generation program, plan)`` of a parsed method (plan None for ar) from abstract arguments."""
-    args = abstract_args(batch, prompt)
+    sds = jax.ShapeDtypeStruct
+    args = (sds((batch, prompt), jnp.int32), sds((batch,), jnp.int32), sds((), jnp.int32), sds((1,), jnp.int32),
+            sds((), jnp.float32), jax.eval_shape(lambda: jax.random.key(0)))
     if not method.speculative:
         g, s = nnx.split(target)
         return ar_program.lower(g, s, *args, buf_len=buf_len, cache_size=context, sampling=False, options=options), None
@@ -195,6 +186,18 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}
 
 
+def sizes(ma, keys: Sequence[str] = SIZE_KEYS) -> dict[str, int]:
+    """``{key: bytes}`` of a ``memory_analysis()`` and ``peak_bytes = argument + output + temp - alias``."""
+    out = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in keys}
+    return {**out, "peak_bytes": out["argument"] + out["output"] + out["temp"] - out["alias"]}
+
+
+def error_line(e: Exception) -> str:
+    """``Type: first line of the message`` (at most 300 characters): an error recorded in a row."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
@@ -203,6 +206,13 @@ def device_name() -> str:
 def write_text(path: str, text: str) -> None:
     with atomic_file(path) as tmp, open(tmp, "w") as f:
         f.write(text)
+
+
+def dump_hlo(folder: str | None, name: str, text: str) -> None:
+    """``--dump-hlo``: ``text`` written to ``folder/name.hlo.txt`` (nothing without a folder)."""
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        write_text(os.path.join(folder, f"{name}.hlo.txt"), text)
 
 
 @dataclasses.dataclass
@@ -238,7 +248,3 @@ class Report:
             if isinstance(data, dict):
                 data = {**data, "interrupted": interrupted, "load_warning": warn}
             write_text(self.json, json.dumps(data, indent=1) + "\n")
-
-
-def command_line(argv: Sequence[str]) -> str:
-    return "python -m sparkjax.bench " + shlex.join(argv)

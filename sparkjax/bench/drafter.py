@@ -42,10 +42,11 @@ class TorchDSpark:
     def __init__(self, folder):
         from safetensors.torch import load_file
 
-        self.cfg = c = json.load(open(os.path.join(folder, "config.json")))
+        with open(os.path.join(folder, "config.json")) as f:
+            self.cfg = c = json.load(f)
         self.w = load_file(os.path.join(folder, "model.safetensors"))
-        self.eps, self.hd, self.nq, self.nk = c["rms_norm_eps"], c["head_dim"], c["num_attention_heads"], \
-            c["num_key_value_heads"]
+        self.eps, self.hd, self.nq, self.nk = (c[k] for k in ("rms_norm_eps", "head_dim", "num_attention_heads",
+                                                              "num_key_value_heads"))
         self.theta, self.layers = c["rope_parameters"]["rope_theta"], c["num_hidden_layers"]
 
     def rms(self, x, w):

@@ -6,14 +6,12 @@
     python -m sparkjax.bench gpu-compile --cases 1:1024,8:1024,32:8192 --methods ar,sparklingtree@64
 
 Every program is compiled by XLA:GPU for an H200 target description (``jax.experimental.topologies`` with
-:data:`H200`), from abstract bf16 weights placed on that compile-only device; nothing runs and no weight is
-allocated. Programs are traced as a GPU process traces them (``jax.default_backend()`` reads ``"gpu"`` while
-lowering: the attention and chain defaults, and cuDNN for ``dpa``). Per program: ``memory_analysis()`` (peak =
-arguments + outputs + temporaries - aliased), and for one iteration of the generation loop (the round; for ``ar``
-one decode step) the kernels executed, their bytes and FLOPs (:mod:`sparkjax.bench.hlo`), a projection
-``sum over kernels of max(bytes / 4.8 TB/s, FLOPs / 989.5 TFLOP/s) + --launch-us per kernel``, in AR steps (the
-same projection of the ``ar`` step at the same batch and context), float32 tensors shaped like attention scores
-``[B, N, T, S]`` left in the round, and kernels that copy, transpose or concatenate a layer's KV cache.
+:data:`H200`) from abstract bf16 weights placed on that compile-only device, traced as a GPU process traces it
+(``jax.default_backend()`` reads ``"gpu"``); nothing runs. Per program: ``memory_analysis()`` (peak = arguments
++ outputs + temporaries - aliased) and, for one iteration of the generation loop (``ar``: one decode step), the
+kernels, bytes and FLOPs (:mod:`sparkjax.bench.hlo`), the projection ``sum over kernels of max(bytes / 4.8 TB/s,
+FLOPs / 989.5 TFLOP/s) + --launch-us per kernel`` in AR steps, float32 tensors shaped like attention scores
+``[B, N, T, S]``, and kernels that copy, transpose or concatenate a layer's KV cache.
 """
 
 from __future__ import annotations
@@ -41,13 +39,15 @@ from .common import (
     at_least,
     configs,
     describe,
+    dump_hlo,
+    error_line,
     ints,
     label_fields,
     log,
     lower,
     names,
     parse_label,
-    write_text,
+    sizes,
 )
 
 # An H200 SXM as XLA:GPU's target description (GpuTargetConfigProto text): the numbers of XLA's own spec
@@ -122,30 +122,22 @@ def traced_as_gpu():
         yield
 
 
-def compile_program(preset: str, label: str, batch: int, context: int, attention: str, target: str = "h200",
-                    prompt: int = PROMPT):
-    """``(compiled, lower seconds, compile seconds)`` of the greedy generation program of ``label`` for
-    ``target``'s compile-only device (``ar``: the target alone)."""
-    device = compile_device(target)
-    t_model, dspark, dflash = abstract_models(preset)
-    drafter = dspark if parse_label(label).needs_markov else dflash
-    for model in (t_model, drafter):  # abstract weights placed on the compile-only device
-        graphdef, state = nnx.split(model)
-        nnx.update(model, placed(state, device))
-    opts = Options(attention=attention, chain_mode="auto")
+def compile_program(preset: str, label: str, batch: int, context: int, options: Options, device=None):
+    """``(compiled, lower seconds, compile seconds)`` of the greedy generation program of ``label`` (``ar``: the
+    target alone; prompt :data:`PROMPT`, :data:`BUF_LEN` output slots) from abstract weights; with ``device`` (a
+    compile-only device) the weights are placed on it and the program is traced as a GPU process traces it."""
+    target, dspark, dflash = abstract_models(preset)
+    method = parse_label(label)
+    drafter = dspark if method.needs_markov else dflash
+    if device is not None:
+        for model in (target, drafter):
+            nnx.update(model, placed(nnx.split(model)[1], device))
     t0 = time.perf_counter()
-    with traced_as_gpu():
-        lowered, _ = lower(parse_label(label), t_model, drafter, batch, prompt, context, BUF_LEN, opts)
+    with traced_as_gpu() if device is not None else contextlib.nullcontext():
+        lowered, _ = lower(method, target, drafter, batch, PROMPT, context, BUF_LEN, options)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     return compiled, t1 - t0, time.perf_counter() - t1
-
-
-def memory(compiled) -> dict:
-    ma = compiled.memory_analysis()
-    out = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
-    out["peak_bytes"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
 
 
 def kernel_seconds(k: hlo.Kernel, spec: dict) -> float:
@@ -210,12 +202,8 @@ def cases(a) -> list[tuple[int, int]]:
 
 
 def labels(methods: str) -> list[str]:
-    out = ["ar"]
-    for m in names(methods):
-        parse_label(m)  # unknown names fail before any compile
-        if m != "ar":
-            out.append(m)
-    return out
+    """``ar`` and the other labels of ``--methods``, each checked before any compile."""
+    return ["ar", *[m for m in names(methods) if parse_label(m) is not None and m != "ar"]]
 
 
 def fmt_table(rows: list[dict]) -> str:
@@ -272,19 +260,18 @@ def run(a, report) -> None:
                 row = {**label_fields(label), "label": label, "batch": b, "context": s, "target": a.target,
                        "attention": at, "preset": a.preset, "launch_us": a.launch_us, "projection": True}
                 try:
-                    compiled, lower_s, compile_s = compile_program(a.preset, label, b, s, at, a.target)
+                    compiled, lower_s, compile_s = compile_program(a.preset, label, b, s, Options(
+                        attention=at, chain_mode="auto"), device)
+                except (ArgumentError, GpuCompileError):
+                    raise
                 except Exception as e:  # a compile that fails is a result of this command: recorded, not hidden
-                    if isinstance(e, ArgumentError | GpuCompileError):
-                        raise
-                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
+                    row["error"] = error_line(e)
                     report.rows.append(row)
                     log(f"  [{at} B={b} S={s}] {label} failed: {row['error']}")
                     continue
                 text = compiled.as_text()
-                if a.dump_hlo:
-                    os.makedirs(a.dump_hlo, exist_ok=True)
-                    write_text(os.path.join(a.dump_hlo, f"{a.target}_{at}_b{b}_s{s}_{label}.hlo.txt"), text)
-                row.update(memory(compiled))
+                dump_hlo(a.dump_hlo, f"{a.target}_{at}_b{b}_s{s}_{label}", text)
+                row.update(sizes(compiled.memory_analysis()))
                 row["fits"] = row["peak_bytes"] <= spec["device_memory_size"]
                 row.update(analyse(text, a.preset, b, s, spec, a.launch_us))
                 row.update({"lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1)})
@@ -304,4 +291,3 @@ def run(a, report) -> None:
                     f"kv copies {row['kv_copies']}")
     if not complete:
         report.footer.append(f"# stopped early by --timeout {a.timeout:g}s: the rows above are what was compiled")
-

@@ -67,23 +67,23 @@ def fused_attention_flops(shapes: Sequence[tuple[int, ...]]) -> float:
 def library_call_flops(ins: Instr, operand_shapes: Sequence[str]) -> float:
     """Matrix FLOPs of a cuDNN fused attention call (``4 B N T S H``, from its score shape ``[B, N, T, S]`` in the
     backend config and the queries' head size) or a cuBLAS gemm (``2 * out * contracted``); 0 for other calls."""
+    def numbers(pattern: str) -> list[int] | None:  # a JSON list of quoted integers in the backend config
+        m = re.search(pattern + r'\s*:\s*\[([^\]]*)\]', ins.attrs)
+        return [int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip()] if m else None
+
+    if not operand_shapes:
+        return 0.0
     if _CUDNN_ATTENTION.search(ins.attrs):
-        m = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
-        if not m or not operand_shapes:
+        scores = numbers(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"')
+        if scores is None:
             return 0.0
-        scores = math.prod(int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip())
         head = shape_arrays(operand_shapes[0])[0][1][-1]
-        factor = 4.0 if "Backward" not in ins.attrs else 8.0
-        return factor * scores * head
-    if _GEMM.search(ins.attrs) and operand_shapes:
-        m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
-        lhs = shape_arrays(operand_shapes[0])[0][1]
-        out = shape_arrays(ins.shape)[0][1]
-        if not m:
-            return 0.0
-        k = math.prod(lhs[int(d.strip().strip('"'))] for d in m.group(1).split(",") if d.strip())
-        return 2.0 * math.prod(out) * k
-    return 0.0
+        return (4.0 if "Backward" not in ins.attrs else 8.0) * math.prod(scores) * head
+    dims = numbers(r'"lhs_contracting_dimensions"') if _GEMM.search(ins.attrs) else None
+    if dims is None:
+        return 0.0
+    lhs = shape_arrays(operand_shapes[0])[0][1]
+    return 2.0 * math.prod(shape_arrays(ins.shape)[0][1]) * math.prod(lhs[d] for d in dims)
 
 
 def shape_arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -131,34 +131,23 @@ class Computation:
 
 def _balanced(s: str, start: int) -> int:
     """Index just past the bracket group opening at ``s[start]``."""
-    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
-    closers = set(pairs.values())
+    depth = 0
     for k in range(start, len(s)):
-        c = s[k]
-        if c in pairs:
-            depth += 1
-        elif c in closers:
-            depth -= 1
-            if depth == 0:
-                return k + 1
+        depth += (s[k] in "([{") - (s[k] in ")]}")
+        if depth == 0:
+            return k + 1
     raise ValueError(f"unbalanced brackets in HLO line: {s[:120]!r}")
 
 
 def _split_top(s: str) -> list[str]:
-    parts, depth, cur = [], 0, []
-    for c in s:
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
+    """``s`` split at its top-level commas."""
+    parts, depth, start = [], 0, 0
+    for k, c in enumerate(s):
+        depth += (c in "([{") - (c in ")]}")
         if c == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-    if "".join(cur).strip():
-        parts.append("".join(cur))
-    return parts
+            parts.append(s[start:k])
+            start = k + 1
+    return parts + [s[start:]] if s[start:].strip() else parts
 
 
 _INSTR_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -221,10 +210,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 def stage_of(attrs: str) -> str:
     """The round stage named in an instruction's metadata (``.../while/body/verify/...``), else "other"."""
     m = _OP_NAME.search(attrs)
-    if not m:
-        return "other"
-    parts = m.group(1).split("/")
-    return next((p for p in parts if p in STAGES), "other")
+    return next((p for p in m.group(1).split("/") if p in STAGES), "other") if m else "other"
 
 
 @dataclasses.dataclass
@@ -590,19 +576,6 @@ def f32_score_tensors(tally: Tally, batch: int, heads: int, kv_heads: int, slots
     return list(found)
 
 
-def cache_copies(tally: Tally, layer_bytes: float) -> float:
-    """Executions of kernels that only move values (:attr:`Kernel.moves`) and write at least ``layer_bytes``
-    (one layer's key or value cache): per-layer copies, transposes or concatenations of the cache."""
-    return sum(k.count for k in tally.kernels if k.moves and shape_bytes(k.shape) >= layer_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-    name: str
-    bandwidth: float  # bytes/s
-    peak: float  # FLOP/s bf16 dense
-
-
-DEVICES = (Device("H100", 3.35e12, 989.5e12), Device("H200", 4.8e12, 989.5e12))
+DEVICES = {"H100": (3.35e12, 989.5e12), "H200": (4.8e12, 989.5e12)}  # name: (bytes/s, bf16 dense FLOP/s)
 LAUNCH_US = (0.0, 1.0, 2.0, 4.0)
 TABLE_LAUNCH_US = (0.0, 1.0, 4.0)

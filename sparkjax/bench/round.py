@@ -11,9 +11,6 @@ Abstract bf16 weights, programs compiled for XLA:CPU (nothing runs); one round a
 
 from __future__ import annotations
 
-import os
-import time
-
 from sparkjax.engine.options import Options
 from sparkjax.errors import ArgumentError
 
@@ -21,19 +18,17 @@ from . import hlo
 from .common import (
     TAU,
     WRITEUP_SPEEDUP,
-    abstract_models,
     add_output,
     configs,
     describe,
+    dump_hlo,
     ints,
     label_fields,
     log,
-    lower,
     method_labels,
     names,
-    parse_label,
-    write_text,
 )
+from .gpu import compile_program
 
 ATTENTION = ("einsum", "dpa", "blocked", "prefix", "fused")
 
@@ -56,20 +51,6 @@ def add_arguments(p) -> None:
     add_output(p)
 
 
-def options(chain: str, attention: str) -> Options:
-    return Options(attention=hlo.fused_attention_model if attention == "fused" else attention, chain_mode=chain)
-
-
-def compile_hlo(preset: str, label: str, batch: int, context: int, opts: Options) -> tuple[str, float]:
-    """The optimised HLO text of the generation program of ``label`` (greedy; ``ar``: the target alone) and its
-    compile seconds."""
-    target, dspark, dflash = abstract_models(preset)
-    m = parse_label(label)
-    t0 = time.perf_counter()
-    lowered, _ = lower(m, target, dspark if m.needs_markov else dflash, batch, 16, context, 64, opts)
-    return lowered.compile().as_text(), time.perf_counter() - t0
-
-
 def make_row(label: str, batch: int, preset: str, context: int, tally: hlo.Tally, ar: hlo.Tally, compile_s: float,
              tau: float | None) -> dict:
     """One record; ``tau`` None: the AR step's own row."""
@@ -79,13 +60,12 @@ def make_row(label: str, batch: int, preset: str, context: int, tally: hlo.Tally
            "ar_kernels": ar.total_kernels, "ar_bytes": ar.bytes, "ar_flops": ar.flops,
            "bytes_over_ar": tally.bytes / ar.bytes if ar.bytes else None, "compile_s": round(compile_s, 1),
            "projection": True, "stages": tally.by_stage()}
-    for dev in hlo.DEVICES:
-        name = dev.name.lower()
+    for name, (bw, peak) in hlo.DEVICES.items():
         for us in hlo.LAUNCH_US:
-            ar_s = ar.seconds(dev.bandwidth, dev.peak, us * 1e-6)
-            row[f"{name}_ar_steps_at_{us:g}us"] = tally.seconds(dev.bandwidth, dev.peak, us * 1e-6) / ar_s
+            row[f"{name.lower()}_ar_steps_at_{us:g}us"] = (tally.seconds(bw, peak, us * 1e-6)
+                                                           / ar.seconds(bw, peak, us * 1e-6))
         if tau is None:
-            row[f"{name}_ar_step_us"] = ar.seconds(dev.bandwidth, dev.peak) * 1e6
+            row[f"{name.lower()}_ar_step_us"] = ar.seconds(bw, peak) * 1e6
     row["round_ar_steps_at_2us"] = row["h100_ar_steps_at_2us"]
     row["round_ar_steps_at_2us_h200"] = row["h200_ar_steps_at_2us"]
     if tau is not None:
@@ -100,7 +80,7 @@ def _label(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    devs = [(d.name, us) for d in hlo.DEVICES for us in hlo.TABLE_LAUNCH_US]
+    devs = [(d, us) for d in hlo.DEVICES for us in hlo.TABLE_LAUNCH_US]
     head = (f"{'preset':7} {'B':>2} {'method':24} {'kernels':>7} {'seq':>5} {'MB':>9} {'GFLOP':>8} {'xAR MB':>6} | "
             + " ".join(f"{n}@{us:g}us" for n, us in devs) + f" | {'H100@2us':>8} {'spd@2us':>7} {'compile':>7}")
     lines = [head, "-" * len(head)]
@@ -131,7 +111,8 @@ def run(args, report) -> None:
         configs(p)  # unknown presets fail before any compile
     if args.context < 64:
         raise ArgumentError(f"--context: {args.context} cache slots are too few (at least 64)")
-    opts = options(args.chain, args.attention)
+    opts = Options(attention=hlo.fused_attention_model if args.attention == "fused" else args.attention,
+                   chain_mode=args.chain)
     report.table = table
     report.header += [
         "# PROJECTIONS from the optimised XLA:CPU HLO (abstract bf16 weights; nothing measured on a GPU).",
@@ -145,22 +126,16 @@ def run(args, report) -> None:
         f"# spd@2us: tau {args.tau} / H100 AR steps at 2 us (the SparklingTree write-up reports {WRITEUP_SPEEDUP}x).",
         *("# " + line for p in presets for line in describe(p).splitlines())]
 
-    def dump(name: str, text: str) -> None:
-        if args.dump_hlo:
-            os.makedirs(args.dump_hlo, exist_ok=True)
-            write_text(os.path.join(args.dump_hlo, f"{name}.hlo.txt"), text)
-
     for preset in presets:
         for b in batches:
-            text, secs = compile_hlo(preset, "ar", b, args.context, opts)
-            dump(f"{preset}_b{b}_ar", text)
-            ar = hlo.count_hlo(text, loop_body=True)
-            log(f"  [{preset} B={b}] ar step compiled in {secs:.0f}s: {ar.total_kernels} kernels")
-            report.rows.append(make_row("ar", b, preset, args.context, ar, ar, secs, None))
-            for m in labels:
-                text, secs = compile_hlo(preset, m, b, args.context, opts)
-                dump(f"{preset}_b{b}_{m}", text)
+            ar = None
+            for m in ["ar", *labels]:
+                compiled, lower_s, compile_s = compile_program(preset, m, b, args.context, opts)
+                text = compiled.as_text()
+                dump_hlo(args.dump_hlo, f"{preset}_b{b}_{m}", text)
                 t = hlo.count_hlo(text, loop_body=True)
-                report.rows.append(make_row(m, b, preset, args.context, t, ar, secs, args.tau))
-                log(f"  [{preset} B={b}] {m} round compiled in {secs:.0f}s: {t.total_kernels} kernels "
+                ar = ar or t  # the first program is the AR step
+                report.rows.append(make_row(m, b, preset, args.context, t, ar, lower_s + compile_s,
+                                            None if m == "ar" else args.tau))
+                log(f"  [{preset} B={b}] {m} compiled in {lower_s + compile_s:.0f}s: {t.total_kernels} kernels "
                     f"({t.sequential_kernels} sequential), {t.bytes / 1e6:.1f} MB")

@@ -5,10 +5,9 @@
     python -m sparkjax.bench scale --preset reduced --from-disk /tmp/scale_pair
     python -m sparkjax.bench scale --memory --preset real --batches 1,8,32 --contexts 2048,8192
 
-Random bf16 weights for the preset's pair; interleaved timing of the AR step and of each method's round with
-forced acceptance (every round commits ``--accept`` drafts + the bonus; bench only), plus the per-stage split.
-``--from-disk`` measures loading the pair in a fresh process; ``--memory`` compiles from abstract shapes and
-reports the memory analysis.
+Random bf16 weights; interleaved timing of the AR step and of each method's round with forced acceptance (every
+round commits ``--accept`` drafts + the bonus), plus the per-stage split. ``--from-disk``: loading the pair in a
+fresh process; ``--memory``: the memory analysis of programs compiled from abstract shapes.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from sparkjax.io.safetensors import WeightFiles
 
 from . import timing
 from .common import (
+    SIZE_KEYS,
     TAU,
     WRITEUP_SPEEDUP,
     abstract_models,
@@ -59,6 +59,7 @@ from .common import (
     names,
     pct,
     random_pair,
+    sizes,
     write_text,
 )
 
@@ -182,8 +183,8 @@ def ar_case(target, batch: int, prompt: int, steps: int, context: int, seed: int
     return Case("ar", batch, short, long, steps - 1)
 
 
-def forced_plan(target, drafter, label: str, accept: int):
-    plan = forced(parse_method(label), accept).plan(target, drafter, False)
+def forced_plan(target, drafter, label: str, accept: int, options=DEFAULT_OPTIONS):
+    plan = forced(parse_method(label), accept).plan(target, drafter, False, options)
     if not 0 <= accept <= min(plan.depth, plan.nodes):
         raise ArgumentError(f"--accept: {accept} drafts per round; {label} drafts {plan.depth} depths and "
                             f"verifies {plan.nodes} nodes")
@@ -191,8 +192,10 @@ def forced_plan(target, drafter, label: str, accept: int):
 
 
 def round_case(target, drafter, label: str, batch: int, prompt: int, rounds: int, accept: int, context: int,
-               seed: int) -> Case:
-    plan = forced_plan(target, drafter, label, accept)
+               seed: int, plan=None) -> Case:
+    """The rounds of ``label`` forced to accept ``accept`` drafts, or of ``plan`` (its own acceptance)."""
+    per_round = accept + 1 if plan is None else plan.depth + 1
+    plan = forced_plan(target, drafter, label, accept) if plan is None else plan
     graphdefs, states = split_pair(target, drafter)
     tokens, lengths = _prompts(batch, prompt, target.config.vocab_size, seed)
     none, key = jnp.array([-1], jnp.int32), jax.random.key(seed)
@@ -200,7 +203,7 @@ def round_case(target, drafter, label: str, batch: int, prompt: int, rounds: int
     buf = 1 << (rounds * (plan.depth + 1) + 2).bit_length()
 
     def run(n_rounds):
-        return lambda: spec_program(graphdefs, states, tokens, lengths, jnp.int32(1 + n_rounds * (accept + 1)), none,
+        return lambda: spec_program(graphdefs, states, tokens, lengths, jnp.int32(1 + n_rounds * per_round), none,
                                     jnp.float32(0.0), key, inputs, plan=plan, cache_size=context, buf_len=buf)
 
     short, long = run(1), run(rounds)
@@ -322,12 +325,10 @@ def format_rows(rows) -> str:
 
 def _hwm_rss() -> tuple[int, int]:
     """(VmHWM, VmRSS) of this process in bytes (0, 0 where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            vals = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.startswith(("VmHWM:", "VmRSS:"))}
-        return vals.get("VmHWM", 0), vals.get("VmRSS", 0)
-    except OSError:
-        return 0, 0
+    vals = {}
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        vals = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.startswith(("VmHWM:", "VmRSS:"))}
+    return vals.get("VmHWM", 0), vals.get("VmRSS", 0)
 
 
 def write_pair(folder: pathlib.Path, preset: str, seed: int) -> bool:
@@ -365,10 +366,10 @@ def measure_load(folder: str) -> dict:
     out.update(drafter_s=time.perf_counter() - t1, load_s=time.perf_counter() - t0)
     hwm, _ = _hwm_rss()
     files = [WeightFiles(os.path.join(folder, sub)) for sub in ("target", "dspark_b16")]
-    sizes = [int(f.file_of(k).dtype(k).itemsize * math.prod(f.file_of(k).shape(k))) for f in files for k in f.keys()]
+    nbytes = [int(f.file_of(k).dtype(k).itemsize * math.prod(f.file_of(k).shape(k))) for f in files for k in f.keys()]
     device = sum(x.nbytes for m in (target, drafter) for x in jax.tree.leaves(nnx.state(m)))
-    out.update({"peak_rss_growth": hwm - base, "model_bytes": device, "file_bytes": sum(sizes),
-                "largest_tensor": max(sizes), "over_model_in_tensors": (hwm - base - device) / max(sizes)})
+    out.update({"peak_rss_growth": hwm - base, "model_bytes": device, "file_bytes": sum(nbytes),
+                "largest_tensor": max(nbytes), "over_model_in_tensors": (hwm - base - device) / max(nbytes)})
     return out
 
 
@@ -402,9 +403,7 @@ def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: 
                        "lower_s": t1 - t0, "compile_s": t2 - t1, "backend": device_name(), "weights_bytes": weights,
                        "engine_estimate_bytes": weights + sum(est.values()), "kv_cache_bytes": est["cache"]}
                 if ma is not None:
-                    row.update({k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
-                                for k in ("argument", "output", "temp", "alias", "generated_code")})
-                    row["peak_bytes"] = row["argument"] + row["output"] + row["temp"] - row["alias"]
+                    row.update(sizes(ma, (*SIZE_KEYS, "generated_code")))
                 report.rows.append(row)
                 log(f"  [{m} B={b} S={ctx}] lowered in {t1 - t0:.0f}s, compiled in {t2 - t1:.0f}s")
     return True

@@ -4,22 +4,15 @@
                                    [--requests 64] [--time-limit-s 120] [--max-tokens 64] [--slots 8]
                                    [--json PATH] [--csv PATH] [--png PATH]
 
-Starts one server per method (the bundled demo pair, greedy) and records how long each took to be ready; then,
-for every load level, drives each server in turn (interleaved: the order alternates between levels) with the
-demo's held-out prompts (chat turns through /v1/chat/completions, raw rows through /v1/completions), streamed.
-A level is a fixed concurrency (each of C clients sends its next request when the last one ends) or open-loop
-Poisson arrivals at ``--poisson-rate`` per second; each is bounded by ``--requests`` (at least C) and
-``--time-limit-s`` (requests not started by then are not sent; ones still running at twice the limit are
-abandoned and counted as lost). Per level and method: throughput (completion tokens / wall seconds),
-time to first token and time per output token (p50 / p99), tau (tokens per round, from the server's /metrics)
-and the share of rounds per verification size. Right after each concurrency-1 level, batch-1 ``generate`` of
-each method runs in this process on the prompts that level sent, in the same order (the serving overhead at
-concurrency 1, measured interleaved with the served runs). Every greedy response is checked against
-``sparkjax.generate`` (the target's own greedy tokens) for its prompt alone. The servers are then stopped
-with SIGTERM and their exit codes recorded.
-
-``--json`` writes everything; ``--csv`` one row per level and method; ``--png`` throughput and latency against
-concurrency. All are written atomically.
+One server per method (the bundled demo pair, greedy), its ready time recorded; then, per load level, each server
+in turn (the order alternating between levels) gets the demo's held-out prompts, streamed (chat turns through
+/v1/chat/completions, raw rows through /v1/completions). A level is a fixed concurrency C (closed loop) or
+open-loop Poisson arrivals at ``--poisson-rate``/s, bounded by ``--requests`` (at least C) and ``--time-limit-s``
+(requests still running at twice the limit are lost). Per level and method: throughput, time to first token and
+per output token (p50 / p99), tau (from /metrics), the share of rounds per verification size. After each
+concurrency-1 level, batch-1 ``generate`` of each method runs here on the same prompts (the serving overhead);
+every greedy response is checked against ``sparkjax.generate`` for its prompt alone. ``--json`` writes
+everything, ``--csv`` one row per level and method, ``--png`` throughput and latency against concurrency.
 """
 
 from __future__ import annotations
@@ -32,7 +25,6 @@ import random
 import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -41,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from sparkjax.engine.methods import parse_method
 from sparkjax.errors import ArgumentError
 
 from .common import add_output, at_least, child_env, device_name, ints, log, names, write_text
-from .timing import load_warning
+from .timing import Stats, load_warning
 
 MODEL = "sparkjax-demo"
 READY = re.compile(r" ready on (http://\S+)")
@@ -76,9 +69,6 @@ def add_arguments(p) -> None:
     p.add_argument("--png", metavar="PATH", help="write the throughput and latency plot here")
 
 
-# --- prompts ------------------------------------------------------------------------------------------------------
-
-
 def prompts() -> list[dict]:
     """The demo's held-out prompt rows as requests: ``{"kind": "chat"|"text", "text", "set", "id"}``."""
     from sparkjax import demo
@@ -97,9 +87,6 @@ def body(p: dict, max_tokens: int) -> tuple[str, dict]:
     if p["kind"] == "chat":
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": p["text"]}]}
     return "/v1/completions", {**common, "prompt": p["text"]}
-
-
-# --- servers ------------------------------------------------------------------------------------------------------
 
 
 class Server:
@@ -161,9 +148,6 @@ def scrape(url: str) -> dict[str, float]:
             k, _, v = line.rpartition(" ")
             out[k] = float(v)
     return out
-
-
-# --- one load level -----------------------------------------------------------------------------------------------
 
 
 async def _one(client, url: str, p: dict, max_tokens: int) -> dict:
@@ -282,7 +266,8 @@ def summarize(method: str, level: str, concurrency: int | None, records: list[di
 
 
 def _spread(xs: list[float]) -> tuple[float, float, float, int]:
-    return statistics.median(xs), min(xs), max(xs), len(xs)
+    s = Stats.of(xs)
+    return s.median, s.min, s.max, s.n
 
 
 def _rates(rows: list[dict], concurrency: int) -> dict[str, tuple[float, float, float, int]]:
@@ -292,9 +277,6 @@ def _rates(rows: list[dict], concurrency: int) -> dict[str, tuple[float, float, 
         if r["concurrency"] == concurrency and r["throughput_tok_s"]:
             out.setdefault(r["method"], []).append(r["throughput_tok_s"])
     return {m: _spread(v) for m, v in out.items()}
-
-
-# --- exactness and batch-1 generate ---------------------------------------------------------------------------------
 
 
 class Solo:
@@ -330,9 +312,6 @@ class Solo:
         for i in prompts:
             n += len(self._call(method, self.ids[i]))
         return n / (time.perf_counter() - t0)
-
-
-# --- output ---------------------------------------------------------------------------------------------------------
 
 
 def _f(x, spec=".1f") -> str:
@@ -423,9 +402,6 @@ def write_png(path: str, rows: list[dict], title: str) -> None:
         fig.savefig(tmp, format="png")
 
 
-# --- the command ----------------------------------------------------------------------------------------------------
-
-
 def run(args, report) -> None:
     methods = names(args.methods)
     levels = ints(args.concurrency, "--concurrency")
@@ -435,8 +411,6 @@ def run(args, report) -> None:
     at_least(args.poisson_rate, "--poisson-rate", 0)
     if not methods:
         raise ArgumentError("--methods: empty")
-    from sparkjax.engine.methods import parse_method
-
     for m in methods:
         parse_method(m)
     rows_p = prompts()
@@ -451,17 +425,14 @@ def run(args, report) -> None:
     report.payload = lambda rows: {"command": report.command, "rows": rows, **extra}
     try:
         for m in methods:  # one at a time: their compilations would compete
-            log(f"starting the {m} server ...")
-            servers[m] = Server(m, args)
-            servers[m].wait(args.ready_timeout_s)
-            extra["ready_s"][m] = servers[m].ready_s
-            log(f"  {m} ready in {servers[m].ready_s:.1f} s at {servers[m].url}")
-            if args.restart:
-                extra["exit_codes"][m] = servers[m].stop()
+            for key in ("ready_s", "second_ready_s")[: 1 + args.restart]:  # --restart: stopped and started again
+                if m in servers:
+                    extra["exit_codes"][m] = servers[m].stop()
+                log(f"starting the {m} server ...")
                 servers[m] = Server(m, args)
                 servers[m].wait(args.ready_timeout_s)
-                extra.setdefault("second_ready_s", {})[m] = servers[m].ready_s
-                log(f"  {m} ready again in {servers[m].ready_s:.1f} s (second start)")
+                extra.setdefault(key, {})[m] = servers[m].ready_s
+                log(f"  {m} ready in {servers[m].ready_s:.1f} s at {servers[m].url}")
         solo = None
         if not args.no_solo:
             log("batch-1 generate in this process: compiling every method on every prompt ...")
@@ -499,15 +470,14 @@ def run(args, report) -> None:
         extra["exact"] = {"identical": same, "responses": total}
         report.footer.append(f"# exactness: {same}/{total} greedy responses identical to solo generate "
                              f"(text and token count)")
-        ones = [r for r in report.rows if r["concurrency"] == 1 and r.get("generate_tok_s")
-                and r["throughput_tok_s"]]
         for m in methods:
-            served = [r["throughput_tok_s"] for r in ones if r["method"] == m]
-            base = [r["generate_tok_s"] for r in ones if r["method"] == m]
-            if not served:
+            ones = [r for r in report.rows if r["method"] == m and r["concurrency"] == 1 and r.get("generate_tok_s")
+                    and r["throughput_tok_s"]]
+            if not ones:
                 continue
-            (sm, s0, s1, n), (gm, g0, g1, _) = _spread(served), _spread(base)
-            ratios = [r["throughput_tok_s"] / r["generate_tok_s"] for r in ones if r["method"] == m]
+            (sm, s0, s1, n), (gm, g0, g1, _) = (_spread([r[k] for r in ones]) for k in ("throughput_tok_s",
+                                                                                        "generate_tok_s"))
+            ratios = [r["throughput_tok_s"] / r["generate_tok_s"] for r in ones]
             extra.setdefault("c1_over_generate", {})[m] = sm / gm
             extra.setdefault("solo_generate_tok_s", {})[m] = gm
             report.footer.append(
@@ -526,10 +496,9 @@ def run(args, report) -> None:
                 f"{m}/ar {v[0] / by['ar'][0]:.2f}x (median {v[0]:.1f} vs {by['ar'][0]:.1f} tok/s; "
                 f"min-max {v[1]:.1f}-{v[2]:.1f} vs {by['ar'][1]:.1f}-{by['ar'][2]:.1f}, {v[3]} runs)"
                 for m, v in by.items() if m != "ar" and v[0]))
-    warn = load_warning()
-    title = (f"sparkjax serve, demo pair, {args.slots} slots, max_tokens {args.max_tokens}, {device_name()}"
-             + (f" ({warn})" if warn else ""))
     if args.csv:
         write_csv(args.csv, report.rows)
     if args.png and report.rows:
-        write_png(args.png, report.rows, title)
+        warn = load_warning()
+        write_png(args.png, report.rows, f"sparkjax serve, demo pair, {args.slots} slots, max_tokens "
+                  f"{args.max_tokens}, {device_name()}" + (f" ({warn})" if warn else ""))

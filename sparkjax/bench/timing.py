@@ -3,11 +3,8 @@
     stats = interleave({"a": run_a, "b": run_b}, reps=5)   # a b a b ... (warm the variants up first)
     stats["a"].median, stats["a"].min, stats["a"].spread
 
-* :func:`interleave` runs every variant once per repetition, in order; a sample is ``measure(fn)`` (default
-  :func:`wall`: one synced call's seconds), never clamped. ``deadline`` stops starting repetitions once every
-  variant has ``min_reps`` samples. Ctrl-C raises :class:`Interrupted` whose ``partial`` holds the
-  :class:`Stats` measured so far.
-* :func:`load_warning` / :func:`warnings`: one line each when the machine is loaded or a spread is large.
+A sample is ``measure(fn)`` (default :func:`wall`), never clamped; ``deadline`` stops starting repetitions once
+every variant has ``min_reps`` samples; Ctrl-C raises :class:`Interrupted` holding the :class:`Stats` so far.
 """
 
 from __future__ import annotations
@@ -21,13 +18,13 @@ from typing import Any
 
 import jax
 
-SPREAD_WARNING = 0.25  # (max - min) / median above this is reported by :func:`warnings`
+SPREAD_WARNING = 0.25  # (max - min) / median above this is worth a warning
 
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
-    """Summary of one variant's samples: ``median``, ``min``, ``max`` and ``spread = (max - min) / median``
-    (None when the median is not positive). ``samples`` are kept in the order they were measured."""
+    """``median``, ``min``, ``max`` and ``spread = (max - min) / median`` (None when the median is not positive)
+    of one variant's ``samples`` (in measured order)."""
 
     median: float
     min: float
@@ -86,13 +83,3 @@ def load_warning() -> str | None:
     if load > cores:
         return f"load average {load:.1f} on {cores} cores: other processes compete, timings are noisy"
     return None
-
-
-def warnings(stats: dict[str, Stats] | None = None, max_spread: float = SPREAD_WARNING) -> list[str]:
-    """The load warning (if any) and one line per variant whose spread exceeds ``max_spread``."""
-    out = [w for w in (load_warning(),) if w]
-    for name, s in (stats or {}).items():
-        if s.spread is None or s.spread > max_spread:
-            spread = "undefined (median <= 0)" if s.spread is None else f"{s.spread:.0%}"
-            out.append(f"{name}: spread {spread} over {s.n} repetitions")
-    return out

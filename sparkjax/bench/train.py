@@ -36,7 +36,7 @@ from sparkjax.training.optim import OptimConfig, make_optimizer
 from sparkjax.training.trainer import DEFAULT_FREEZE, StepSpec, train_step_fn, trainable_filter
 
 from . import timing
-from .common import FIXTURE, RECIPES, add_output, at_least, child_env, pct
+from .common import FIXTURE, RECIPES, SIZE_KEYS, add_output, at_least, child_env, pct, sizes
 
 GIB = 1024**3
 MEMORY_ROWS = ((1, 1, False), (1, 1, True), (1, 4, False), (8, 1, False), (8, 1, True))  # devices, per device, pre
@@ -115,16 +115,13 @@ def memory(devices: int, batch_per_device: int, precomputed: bool = False) -> di
     t0 = time.perf_counter()
     compiled = jax.jit(train_step_fn, static_argnames=("spec",), donate_argnames=("state",)).lower(
         state, frozen, tstate, batch, spec=spec).compile()
-    m = compiled.memory_analysis()
-    out = {"part": "memory", "devices": devices, "global_batch": b, "batch_per_device": batch_per_device,
-           "compile_s": time.perf_counter() - t0, "precomputed": precomputed,
-           "trainable_params": count(params, False), "frozen_params": count(frozen, False),
-           "target_params": count(target, False), "state_bytes": count(state), "frozen_bytes": count(frozen),
-           "target_bytes": count(tstate), "argument_bytes": m.argument_size_in_bytes,
-           "output_bytes": m.output_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
-           "temp_bytes": m.temp_size_in_bytes, "code_bytes": m.generated_code_size_in_bytes}
-    out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
-    return out
+    m = sizes(compiled.memory_analysis(), (*SIZE_KEYS, "generated_code"))
+    return {"part": "memory", "devices": devices, "global_batch": b, "batch_per_device": batch_per_device,
+            "compile_s": time.perf_counter() - t0, "precomputed": precomputed,
+            "trainable_params": count(params, False), "frozen_params": count(frozen, False),
+            "target_params": count(target, False), "state_bytes": count(state), "frozen_bytes": count(frozen),
+            "target_bytes": count(tstate), **{f"{k}_bytes": m[k] for k in SIZE_KEYS},
+            "code_bytes": m["generated_code"], "peak_bytes": m["peak_bytes"]}
 
 
 def memory_in_child(devices: int, per: int, pre: bool) -> dict:

@@ -57,19 +57,15 @@ def random_inputs(rng: np.random.Generator, depth: int, vocab: int, rank: int, b
     return base, int(rng.integers(vocab)), w1, w2
 
 
-def device_builders(depth: int, top_c: int, budget: int) -> dict:
-    def with_mask(t):
-        return t, tree.visibility(t.parents, max_depth=depth)
-
-    def sparkling(normalization: str, beam: bool):
+def builders(depth: int, top_c: int, budget: int) -> dict:
+    """The device builds of one tree from ``(base, x_start, w1, w2)``: ddtree, exact, fast and beam-fast."""
+    def sparkling(normalization: str, beam: bool = False):
         widths = tree.even_widths(budget, depth) if beam else None
-        return jax.jit(lambda base, x, w1, w2: with_mask(tree.build_sparkling_tree(
-            base, x, w1, w2, budget=budget, top_c=top_c, normalization=normalization, widths=widths)))
+        return lambda base, x, w1, w2: tree.build_sparkling_tree(base, x, w1, w2, budget=budget, top_c=top_c,
+                                                                 normalization=normalization, widths=widths)
 
-    return {"ddtree": jax.jit(lambda base, x, w1, w2: with_mask(tree.build_ddtree(base, budget))),
-            "bf-exact": sparkling("exact", False), "bf-fast": sparkling("fast", False),
-            "beam-fast": sparkling("fast", True),
-            "best_first": jax.jit(lambda tables, cands: with_mask(tree.best_first(tables, cands, budget)))}
+    return {"ddtree": lambda base, x, w1, w2: tree.build_ddtree(base, budget), "exact": sparkling("exact"),
+            "fast": sparkling("fast"), "beam-fast": sparkling("fast", True)}
 
 
 @functools.partial(jax.jit, static_argnames=("top_c",))
@@ -86,16 +82,20 @@ def timing_rows(args, vocab: int, budget: int, rng) -> list[dict]:
     dev = jax.device_put((base, np.int32(x_start), w1, w2))
     tables_dev = jax.block_until_ready(fast_tables(*dev, top_c=c))
     tables_np, cands_np = (np.asarray(x) for x in jax.device_get(tables_dev))
-    b = device_builders(d, c, budget)
+    def with_mask(fn):
+        return jax.jit(lambda *a: (t := fn(*a), tree.visibility(t.parents, max_depth=d)))
+
+    b = {k: with_mask(f) for k, f in builders(d, c, budget).items()}
+    b["best_first"] = with_mask(lambda tables, cands: tree.best_first(tables, cands, budget))
     fns = {
         "device ddtree build": lambda: b["ddtree"](*dev),
         "host DDTree heap": lambda: ref.ancestor_mask(ref.ddtree_heap(base, budget).parents),
-        "device bf-exact build  (a)": lambda: b["bf-exact"](*dev),
+        "device bf-exact build  (a)": lambda: b["exact"](*dev),
         "host naive exact heap  (a)": lambda: ref.ancestor_mask(ref.naive_sparkling_tree(
             base, x_start, lambda _d, p: w1[p], w2, budget, top_c=c).parents),
         "device best_first, tables (b)": lambda: b["best_first"](*tables_dev),
         "host heap, same tables (b)": lambda: ref.ancestor_mask(ref.table_heap(tables_np, cands_np, budget).parents),
-        "device bf-fast build": lambda: b["bf-fast"](*dev),
+        "device bf-fast build": lambda: b["fast"](*dev),
         "device beam-fast build": lambda: b["beam-fast"](*dev),
     }
     t0 = time.perf_counter()
@@ -143,16 +143,9 @@ def same_up_to_ties(a: dict, b: dict, rel: float = 1e-5) -> bool:
 
 def agreement(title: str, base, x_start, w1, w2, budget: int, top_c: int) -> list[dict]:
     """One row per (method, reference): same trees, same up to near-ties, rounds, mean node overlap."""
-    def batched(fn):
-        return jax.jit(jax.vmap(fn, in_axes=(0, 0, None, None)))
-
-    def sparkling(norm):
-        return batched(lambda b, x, w1, w2: tree.build_sparkling_tree(b, x, w1, w2, budget=budget, top_c=top_c,
-                                                                      normalization=norm))
-
-    builders = {"exact": sparkling("exact"), "fast": sparkling("fast"),
-                "ddtree": batched(lambda b, x, w1, w2: tree.build_ddtree(b, budget))}
-    trees = {k: jax.device_get(f(base, x_start, w1, w2)) for k, f in builders.items()}
+    fns = builders(base.shape[1], top_c, budget)
+    trees = {k: jax.device_get(jax.jit(jax.vmap(fns[k], in_axes=(0, 0, None, None)))(base, x_start, w1, w2))
+             for k in ("exact", "fast", "ddtree")}
     counts: dict[str, list[float]] = {}
     for i in range(base.shape[0]):
         refs = {"naive-C": ref.naive_sparkling_tree(base[i], int(x_start[i]), lambda _d, p: w1[p], w2, budget,
@@ -245,4 +238,3 @@ def run(args, report) -> None:
     if not args.skip_agreement:
         for row in agreement_rows(args):
             report.rows.append(row)
-
