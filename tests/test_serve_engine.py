@@ -98,14 +98,6 @@ def test_greedy_tokens_equal_solo_generate_whenever_a_request_joins(engines, sol
     assert sum(m["verify_sizes"].values()) == m["rounds"] > 0
 
 
-def test_eos_stops_a_request_with_its_own_ids(engines, solo):
-    eng = engines("sparklingtree@16")
-    ref = solo("sparklingtree@16", PROMPTS[2], NEW)
-    eos = ref[5]
-    out = eng.submit(PROMPTS[2], max_new_tokens=NEW, eos_token_ids=[eos]).result(timeout=120)
-    assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(eos) + 1]
-
-
 def test_cancel_frees_the_slot_for_a_waiting_request(engines, solo):
     name = "sparklingtree@16"
     eng = engines(name)
@@ -129,34 +121,29 @@ def test_cancel_frees_the_slot_for_a_waiting_request(engines, solo):
     assert m["requests"]["cancelled"] >= 2 and m["active_slots"] == 0
 
 
-def test_async_iteration(engines, solo):
-    eng = engines("sparklingtree@16")
-
-    async def collect():
-        reqs = [eng.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[3:6], LENGTHS[3:6], strict=True)]
-
-        async def one(r):
-            return [c async for c in r]
-
-        return await asyncio.gather(*(one(r) for r in reqs))
-
-    for p, n, chunks in zip(PROMPTS[3:6], LENGTHS[3:6], asyncio.run(collect()), strict=True):
-        assert [t for c in chunks for t in c.token_ids] == solo("sparklingtree@16", p, n)
-        assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
-
-
-def test_no_compilation_after_start(engines, solo, caplog):
+def test_no_compilation_after_start_and_async_streams(engines, solo, caplog):
+    """Requests with keys of every kind (the high half zero or not), read together by ``async for``, compile
+    nothing and stream generate's tokens."""
     eng = engines("sparklingtree@16")
     refs = [solo("sparklingtree@16", p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]  # compiled before
+    seeds = itertools.cycle([None, 7, 2**31 + 1, 2**40 + 3])
+
+    async def collect():
+        reqs = [eng.submit(p, max_new_tokens=n, seed=next(seeds)) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+
+        async def read(r):
+            return [c async for c in r]
+
+        return await asyncio.gather(*map(read, reqs))
+
     x = jnp.ones(3)
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles():
-        seeds = [None, 7, 2**31 + 1, 2**40 + 3]  # a key of every kind: the high half zero or not
-        reqs = [eng.submit(p, max_new_tokens=n, seed=s)
-                for p, n, s in zip(PROMPTS, LENGTHS, itertools.cycle(seeds), strict=False)]
-        outs = [r.result(timeout=120).token_ids for r in reqs]
+        streams = asyncio.run(collect())
         jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
-    assert outs == refs
+    for chunks, ref in zip(streams, refs, strict=True):
+        assert [t for c in chunks for t in c.token_ids] == ref
+        assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert any("jit(<lambda>)" in m for m in logged)
     assert [m for m in logged if "<lambda>" not in m] == []
@@ -181,8 +168,9 @@ def test_a_fault_in_the_device_loop_fails_in_flight_requests_and_the_engine_reco
         with pytest.raises(EngineFailure):
             list(r)
     assert isinstance(EngineFailure("x"), SparkjaxError)
-    after = eng.submit(PROMPTS[2], max_new_tokens=17)
-    assert after.result(timeout=120).token_ids == solo("sparklingtree@16", PROMPTS[2], 17)
+    ref = solo("sparklingtree@16", PROMPTS[2], NEW)  # then a request is served exactly, up to its own EOS id
+    out = eng.submit(PROMPTS[2], max_new_tokens=NEW, eos_token_ids=[ref[5]]).result(timeout=120)
+    assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(ref[5]) + 1]
     m = eng.metrics()
     assert m["faults"] == 1 and m["requests"]["failed"] >= 2
 
@@ -211,13 +199,11 @@ def test_bad_requests_and_a_full_queue(random_pair, engines):
         with pytest.raises(ArgumentError, match=match):
             eng.submit(args.pop("prompt_ids"), **args)
     target, drafter = random_pair
-    with pytest.raises(ArgumentError, match="slots"):
-        Engine(target, drafter, method="dspark", slots=0)
-    for bad in ([1, 2], [2, 1, 4], "4", [0, 4]):
-        with pytest.raises(ArgumentError, match="visit_sizes"):
-            Engine(target, drafter, method="dspark", slots=4, visit_sizes=bad)
-    with pytest.raises(ArgumentError, match="cache_size: 32 slots cannot hold"):
-        Engine(target, drafter, method="dspark", cache_size=32, max_prompt_tokens=30)
+    sizes = [(dict(slots=4, visit_sizes=v), "visit_sizes") for v in ([1, 2], [2, 1, 4], "4", [0, 4])]
+    cache = (dict(cache_size=32, max_prompt_tokens=30), "cache_size: 32 slots cannot hold")
+    for kw, match in [(dict(slots=0), "slots"), *sizes, cache]:
+        with pytest.raises(ArgumentError, match=match):
+            Engine(target, drafter, method="dspark", **kw)
     none_waiting = Engine(target, drafter, method="dspark", queue_limit=0, max_prompt_tokens=16, max_new_tokens=8)
     with pytest.raises(QueueFullError, match="queue_limit=0"):
         none_waiting.submit([1, 2], max_new_tokens=4)

@@ -99,6 +99,18 @@ def expected(pair, tokens: list[int]) -> tuple[str, str, int]:
     return pair.tokenizer.decode(tokens, skip_special_tokens=True), finish, len(tokens)
 
 
+def got(r) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of a whole completions or chat response."""
+    c = r.choices[0]
+    return c.text if r.object == "text_completion" else c.message.content, c.finish_reason, r.usage.completion_tokens
+
+
+def ask(client, q: str, n: int, **kw):
+    """A greedy chat completion of one user turn."""
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=n,
+                                          temperature=0, **kw)
+
+
 def questions() -> list[str]:
     return [row["turns"][0] for name in demo.PROMPT_SETS for row in demo.prompts(name) if "turns" in row]
 
@@ -107,19 +119,17 @@ def test_completions_and_chat_with_the_openai_client(pair, client, solo):
     prompt = "def read_lines(path):\n"
     want = expected(pair, solo(encode_text(pair.tokenizer, prompt), 12))
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == want
+    assert got(r) == want
     assert r.usage.prompt_tokens == len(encode_text(pair.tokenizer, prompt)) and r.object == "text_completion"
     pieces = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in pieces) == want[0] and pieces[-1].choices[0].finish_reason == want[1]
 
     q = questions()[0]
     want = expected(pair, solo(pair.encode_chat(q), 16))
-    msgs = [{"role": "user", "content": q}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
-    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == want
+    r = ask(client, q, 16)
+    assert got(r) == want
     assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens == len(pair.encode_chat(q))
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(ask(client, q, 16, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[0]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want[1]
@@ -131,8 +141,7 @@ def test_completions_and_chat_with_the_openai_client(pair, client, solo):
     ids = encode_text(pair.tokenizer, render_messages(pair.tokenizer, [{**m, "content": m["content"] if isinstance(
         m["content"], str) else "Why?"} for m in convo]))
     r = client.chat.completions.create(model=MODEL, messages=convo, max_tokens=8, temperature=0)
-    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == \
-        expected(pair, solo(ids, 8)) and r.usage.prompt_tokens == len(ids)
+    assert got(r) == expected(pair, solo(ids, 8)) and r.usage.prompt_tokens == len(ids)
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
@@ -149,22 +158,19 @@ def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, eng
     def send(job):
         kind, q, _, n, stream, delay = job
         time.sleep(delay)
-        kw = dict(model=MODEL, max_tokens=n, temperature=0, stream=stream)
         if kind == "chat":
-            r = client.chat.completions.create(messages=[{"role": "user", "content": q}], **kw)
-            if not stream:
-                return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
-            parts = [c.choices[0] for c in r if c.choices]
-            return "".join(p.delta.content or "" for p in parts), parts[-1].finish_reason, None
-        r = client.completions.create(prompt=q, **kw)
+            r = ask(client, q, n, stream=stream)
+        else:
+            r = client.completions.create(model=MODEL, prompt=q, max_tokens=n, temperature=0, stream=stream)
         if not stream:
-            return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
-        parts = [c.choices[0] for c in r]
-        return "".join(p.text for p in parts), parts[-1].finish_reason, None
+            return got(r)
+        parts = [c.choices[0] for c in r if c.choices]
+        text = "".join(p.delta.content or "" if kind == "chat" else p.text for p in parts)
+        return text, parts[-1].finish_reason, None
 
     with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
-        got = list(pool.map(send, jobs))
-    for job, (text, finish, n) in zip(jobs, got, strict=True):
+        answers = list(pool.map(send, jobs))
+    for job, (text, finish, n) in zip(jobs, answers, strict=True):
         want = expected(pair, solo(job[2], job[3]))
         assert (text, finish) == want[:2], job
         assert n is None or n == want[2], job
@@ -181,24 +187,21 @@ def _wait(cond, timeout=240.0, what="condition"):  # generous: an admission may 
 
 class Gate:
     """Wraps the engine's device visit: while closed, a visit runs 0 rounds (it only frees slots), so no request
-    advances until :meth:`step` lets one visit of one round through or :attr:`open` is set."""
+    advances, but for ``steps`` visits of one round each; :attr:`open` lets every visit through."""
 
     def __init__(self, engine):
         self.engine, self.real = engine, engine._visit_call
         self.steps = 0
         self.open = False
-        self.visits = 0
 
-    def __call__(self, stop, rounds, *rest, **kw):
-        if not self.open:
-            if self.steps > 0:
-                self.steps -= 1
-                rounds = min(rounds, 1)
-            else:
-                time.sleep(0.005)
-                rounds = 0
-        self.visits += 1
-        return self.real(stop, rounds, *rest, **kw)
+    def __call__(self, stop, rounds, *rest):
+        if not self.open and self.steps > 0:
+            self.steps -= 1  # only this thread writes a positive count
+            rounds = min(rounds, 1)
+        elif not self.open:
+            time.sleep(0.005)
+            rounds = 0
+        return self.real(stop, rounds, *rest)
 
     def __enter__(self):
         self.engine._visit_call = self
@@ -235,14 +238,11 @@ def test_a_cancelled_stream_frees_its_slot_for_a_later_request(pair, engine, cli
             _wait(lambda: engine.metrics()["active_slots"] == SLOTS - 1, what="the cancelled stream's slot freed")
             q = questions()[2]
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                b = pool.submit(client.chat.completions.create, model=MODEL, messages=[{"role": "user", "content": q}],
-                                max_tokens=4, temperature=0)
+                b = pool.submit(ask, client, q, 4)
                 _wait(lambda: engine.metrics()["active_slots"] == SLOTS, what="the later request admitted")
                 assert not any(r.done for r in busy)  # so it took the freed slot
                 gate.open = True
-                r = b.result(timeout=120)
-            assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == \
-                expected(pair, solo(pair.encode_chat(q), 4))
+                assert got(b.result(timeout=120)) == expected(pair, solo(pair.encode_chat(q), 4))
         finally:
             gate.open = True
             for req in busy:
@@ -252,11 +252,11 @@ def test_a_cancelled_stream_frees_its_slot_for_a_later_request(pair, engine, cli
     assert engine.metrics()["requests"]["cancelled"] == cancelled + 1 + ends.count("cancelled")  # A counts
 
 
-def _post(live, body, *, path="/v1/completions", key=KEY, raw=None, headers=None):
-    h = {"Authorization": f"Bearer {key}"} if key else {}
-    h.update(headers or {})
-    content = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(live.url + path, content=content, headers={"Content-Type": "application/json", **h},
+def _post(live, body, *, path="/v1/completions", key=KEY):
+    """POSTs ``body`` (bytes as they are, anything else as JSON)."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(live.url + path, content=content, headers={"Content-Type": "application/json", **auth},
                       timeout=60)
 
 
@@ -276,13 +276,9 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"messages": [{"role": "user", "content": "word " * 200}]}, "/v1/chat/completions", 400, "messages",
      f"limit of {MAX_PROMPT}"),
     ({"prompt": "x", "max_tokens": 0}, "/v1/completions", 400, "max_tokens", "at least 1"),
-    ({"prompt": "x", "max_tokens": -3}, "/v1/completions", 400, "max_tokens", "at least 1"),
     ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "/v1/completions", 400, "max_tokens", f"at most {MAX_NEW}"),
     ({"prompt": "x", "model": "gpt-4"}, "/v1/completions", 404, "model", "gpt-4"),
-    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, "/v1/chat/completions", 404, "model",
-     "gpt-4"),
     ({"prompt": "x", "temperature": 2.5}, "/v1/completions", 400, "temperature", "[0, 2]"),
-    ({"prompt": "x", "temperature": -0.1}, "/v1/completions", 400, "temperature", "[0, 2]"),
     ({"prompt": "x", "n": 2}, "/v1/completions", 400, "n", "only 1"),
     ({"prompt": "x", "top_p": 0.5}, "/v1/completions", 400, "top_p", "unsupported"),
     ({"prompt": "x", "frobnicate": True}, "/v1/completions", 400, "frobnicate", "unsupported field"),
@@ -293,7 +289,7 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
 
 @pytest.mark.parametrize("body,path,status,param,words", BAD, ids=[f"{b[2]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
 def test_a_bad_request_gets_its_4xx_and_an_error_body(live, body, path, status, param, words):
-    r = _post(live, None, path=path, raw=body) if isinstance(body, bytes) else _post(live, body, path=path)
+    r = _post(live, body, path=path)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error", err
@@ -358,8 +354,7 @@ def test_an_engine_fault_fails_the_requests_in_flight_with_500_and_the_engine_re
     assert len(faults) == 2 and engine.metrics()["faults"] == 2
     prompt = "for i in range(3):\n"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
-    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == \
-        expected(pair, solo(encode_text(pair.tokenizer, prompt), 8))
+    assert got(r) == expected(pair, solo(encode_text(pair.tokenizer, prompt), 8))
 
 
 def test_after_everything_the_server_still_answers(pair, live, engine, client, solo):
@@ -367,22 +362,17 @@ def test_after_everything_the_server_still_answers(pair, live, engine, client, s
     assert h["status"] == "ok" and h["slots"] == SLOTS
     _wait(lambda: engine.metrics()["active_slots"] == 0, what="every slot to be free")
     q = questions()[3]
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=10,
-                                       temperature=0)
-    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == \
-        expected(pair, solo(pair.encode_chat(q), 10))
+    assert got(ask(client, q, 10)) == expected(pair, solo(pair.encode_chat(q), 10))
     text = httpx.get(f"{live.url}/metrics").text
-    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
-    assert all(len(ln.rsplit(" ", 1)) == 2 and float(ln.rsplit(" ", 1)[1]) == float(ln.rsplit(" ", 1)[1])
-               for ln in lines)
+    series = dict(ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))
+    assert all(float(v) == float(v) for v in series.values())  # every value a number, none NaN
     codes = Counter()
-    for ln in lines:
-        if ln.startswith("sparkjax_http_responses_total"):
-            codes[ln.split('code="')[1].split('"')[0]] += int(ln.split()[-1])
+    for name, v in series.items():
+        if name.startswith("sparkjax_http_responses_total"):
+            codes[name.split('code="')[1][:3]] += int(v)
     # the only 5xx responses are the two injected engine faults
     assert codes["200"] > CONCURRENT and sum(n for c, n in codes.items() if c.startswith("5")) == codes["500"] == 2
-    count = [ln for ln in lines if ln.startswith("sparkjax_http_time_to_first_token_seconds_count")]
-    assert count and int(count[0].split()[-1]) > CONCURRENT
+    assert int(series["sparkjax_http_time_to_first_token_seconds_count"]) > CONCURRENT
 
 
 # --- the command line ---------------------------------------------------------------------------------------------
@@ -427,7 +417,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        assert ready.wait(600), "".join(log)
+        assert ready.wait(1500), "".join(log)  # generous: the warm-up compiles and profiles auto
         assert any("device:" in ln for ln in log) and any("compiled" in ln for ln in log)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         stream = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=64, temperature=0, stream=True)
@@ -436,7 +426,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
         proc.send_signal(signal.SIGTERM)
         rest = list(it)
         assert (rest or [first])[-1].choices[0].finish_reason in ("stop", "length")
-        assert proc.wait(60) == 0, "".join(log)
+        assert proc.wait(120) == 0, "".join(log)
     finally:
         if proc.poll() is None:
             proc.kill()

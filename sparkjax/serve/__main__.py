@@ -29,15 +29,13 @@ log = logging.getLogger("sparkjax.serve")
 
 def visit_sizes(text: str | None, slots: int) -> list[int] | None:
     """``--visit-sizes`` as integers (None: the engine's default); ArgumentError naming the flag otherwise."""
-    if text is None:
-        return None
+    from .engine import _visit_sizes
+
     try:
-        sizes = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ArgumentError(f"--visit-sizes: expected comma-separated integers, got {text!r}") from None
-    if sizes != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] != slots:
-        raise ArgumentError(f"--visit-sizes: {text} must be ascending and distinct, from 1 up to --slots {slots}")
-    return sizes
+        return None if text is None else list(_visit_sizes([int(x) for x in text.split(",")], slots))
+    except (ValueError, ArgumentError):
+        raise ArgumentError(f"--visit-sizes: {text!r} must be comma-separated integers, ascending and distinct, "
+                            f"from 1 up to --slots {slots}") from None
 
 
 def parser() -> OneLineParser:
@@ -188,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model_name or (DEMO_MODEL if args.target is None else os.path.basename(
             os.path.normpath(args.target)))
         app = create_app(engine, tokenizer=tok, model=model, eos_token_ids=eos, api_key=key,
-                         max_body_bytes=args.max_body_bytes,
-                         default_temperature=temperature)
+                         max_body_bytes=args.max_body_bytes, default_temperature=temperature)
         if not is_loopback(args.host) and key is None:
             log.warning("binding %s without an API key: anyone who can reach this address can use the server "
                         "(pass --api-key or set $%s)", args.host, API_KEY_ENV)

@@ -41,6 +41,7 @@ MIN_EOS_SLOTS = 4  # EOS ids a request may give (at least; more when the pair ha
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds (histogram bounds)
 TTFT_SAMPLES = 1024  # the latest times to first token kept for metrics()
 MIN_PROMPT_BUCKET = 16  # the smallest prompt buffer (prompt lengths are bucketed to powers of two from here)
+_PENDING = object()  # a chunk that may still come
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,6 @@ class Request:
         self.temperature = temperature
         self.seed = seed
         self.eos = eos
-        self.stop = stop
         self._engine = engine
         self._cond = threading.Condition()
         self._chunks: list[Chunk] = []
@@ -100,11 +100,17 @@ class Request:
 
     # ------------------------------------------------------------------ the scheduler's side
     def _push(self, chunk: Chunk | None = None, error: EngineFailure | None = None) -> None:
+        """Appends ``chunk`` (one with a finish reason ends the request) or fails the request with ``error``,
+        and wakes the readers; nothing once the request is done."""
         with self._cond:
+            if self.done:
+                return
             if chunk is not None:
                 self._chunks.append(chunk)
-            if error is not None:
-                self._error = error
+                self._finish = chunk.finish_reason
+            self._error = error
+            if self.done:
+                self.finished = time.perf_counter()
             self._cond.notify_all()
             waiters = list(self._waiters)
         for loop, event in waiters:
@@ -114,7 +120,7 @@ class Request:
                 pass
 
     def _add_tokens(self, ids: list[int]) -> bool:
-        """Streams new ids; returns whether a stop string ended the request (the caller finishes it)."""
+        """Streams new ids; returns whether a stop string ended the request."""
         if not ids or self.done:
             return False
         if self.first_token is None:
@@ -123,23 +129,13 @@ class Request:
         text = self._text.push(ids)
         if self._text.stopped:
             self._end("stop", ids, text)
-            return True
-        self._push(Chunk(list(ids), text))
-        return False
+        else:
+            self._push(Chunk(list(ids), text))
+        return self._text.stopped
 
     def _end(self, reason: str, ids: Sequence[int] = (), text: str = "") -> None:
-        if self.done:
-            return
-        text += self._text.finish()
-        self._finish = reason
-        self.finished = time.perf_counter()
-        self._push(Chunk(list(ids), text, reason))
-
-    def _fail(self, error: EngineFailure) -> None:
-        if self.done:
-            return
-        self.finished = time.perf_counter()
-        self._push(error=error)
+        if not self.done:
+            self._push(Chunk(list(ids), text + self._text.finish(), reason))
 
     # ------------------------------------------------------------------ the caller's side
     @property
@@ -147,61 +143,44 @@ class Request:
         """Whether the request has finished (its last chunk is out) or failed."""
         return self._finish is not None or self._error is not None
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self._finish
-
     def cancel(self) -> None:
         """Cancels the request: its slot is freed at the scheduler's next visit and its stream ends with
         ``finish_reason`` ``cancelled`` (a request that already finished is unchanged)."""
-        if self.done:
-            return
-        self._cancel = True
-        self._engine._wake()
+        if not self.done:
+            self._cancel = True
+            self._engine._wake()
 
-    def _chunk(self, i: int) -> Chunk | None:
-        """Chunk ``i``, or None when the stream ended before it; the error when it failed (caller holds no lock)."""
-        if i < len(self._chunks):
-            return self._chunks[i]
-        if self._error is not None:
-            raise self._error
-        return None
+    def _chunk(self, i: int) -> Chunk | None | object:
+        """Chunk ``i``; None when the stream ended before it, :data:`_PENDING` while it may still come; raises
+        the failure."""
+        with self._cond:
+            if i < len(self._chunks):
+                return self._chunks[i]
+            if self._error is not None:
+                raise self._error
+            return None if self.done else _PENDING
 
     def __iter__(self):
-        i = 0
-        while True:
+        for i in itertools.count():
             with self._cond:
-                while i >= len(self._chunks) and not self.done:
-                    self._cond.wait()
-                chunk = self._chunk(i)
-            if chunk is None:
+                self._cond.wait_for(lambda: i < len(self._chunks) or self.done)  # noqa: B023 - called at once
+            if (chunk := self._chunk(i)) is None:
                 return
-            i += 1
             yield chunk
-            if chunk.finish_reason is not None:
-                return
 
     async def __aiter__(self):
-        loop = asyncio.get_running_loop()
-        event = asyncio.Event()
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
         with self._cond:
             self._waiters.append((loop, event))
         try:
-            i = 0
-            while True:
+            for i in itertools.count():
                 event.clear()
-                with self._cond:
-                    ready = i < len(self._chunks) or self.done
-                    chunk = self._chunk(i) if ready else None
-                if not ready:
+                while (chunk := self._chunk(i)) is _PENDING:
                     await event.wait()
-                    continue
+                    event.clear()
                 if chunk is None:
                     return
-                i += 1
                 yield chunk
-                if chunk.finish_reason is not None:
-                    return
         finally:
             with self._cond:
                 self._waiters.remove((loop, event))
@@ -229,14 +208,11 @@ class Engine:
     ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`;
     ``tokenizer``: for the chunks' text and stop strings (None: empty text); ``eos_token_ids``: the pair's EOS
     ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`;
-    ``sampling``: whether requests may sample (temperature > 0; False compiles only the greedy programs);
-    ``visit_sizes``: the batch sizes a visit runs its rounds at (default: 1, the powers of 4 up to ``slots / 4``,
-    and ``slots``): the active slots, padded with free ones to the smallest size that holds them, so idle slots
-    cost rows only as padding (one visit program per size and sampling mode).
-    Greedy requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone, whatever shares
-    the pool; a sampled request draws from its own key (its seed), so with a fixed method it gets the same
-    tokens alone and in a busy pool (``auto``'s verification sizes, and so its sampled tokens, depend on the
-    pool).
+    ``sampling``: whether requests may sample (False compiles only the greedy programs); ``visit_sizes``: the
+    batch sizes a visit runs the active slots at, padded with free ones (default: 1, the powers of 4 up to
+    ``slots / 4``, and ``slots``; a program each). Greedy requests get exactly :func:`sparkjax.generate`'s
+    tokens for their prompt alone, whatever shares the pool; a sampled request draws from its own key (its
+    seed), so with a fixed method it gets the same tokens alone and in a busy pool.
     """
 
     def __init__(self, target, drafter=None, *, method: str | Method = "auto", slots: int = 8,
@@ -261,10 +237,7 @@ class Engine:
         self.eos = eos_array(eos_token_ids, cfg.vocab_size)
         self.eos_slots = max(MIN_EOS_SLOTS, len(self.eos))
         self.plan = self.method.plan(target, drafter, False, self.options)
-        if self.method.speculative and self.plan is None:  # pragma: no cover - every drafting method has a plan
-            raise ArgumentError(f"method: {self.method.label!r} has no plan")
-        scratch = self.plan.scratch if self.plan is not None else 1
-        depth = self.plan.depth if self.plan is not None else 0
+        scratch, depth = (1, 0) if self.plan is None else (self.plan.scratch, self.plan.depth)
         self.cache_size, self.max_prompt_tokens, self.max_new_tokens = _limits(
             cache_size, max_prompt_tokens, max_new_tokens, scratch, cfg.max_position_embeddings)
         self.buf_len = bucket(self.max_new_tokens + depth + 1, 1)
@@ -328,11 +301,6 @@ class Engine:
         self._thread.start()
         return self._compile_s
 
-    @property
-    def compile_seconds(self) -> float | None:
-        """What :meth:`start` took (None before it ran)."""
-        return self._compile_s
-
     def close(self, grace_s: float = 30.0) -> None:
         """Stops admitting new requests; the submitted ones (running or waiting) may finish within ``grace_s``
         seconds, then the rest are cancelled and the scheduler thread is joined. Idempotent."""
@@ -341,11 +309,7 @@ class Engine:
             self._cond.notify_all()
             thread = self._thread
         if thread is None:
-            with self._cond:
-                pending = list(self._waiting)
-                self._waiting.clear()
-            for r in pending:
-                self._finish(r, "cancelled")
+            self._cancel_all()
             return
         thread.join(max(0.0, float(grace_s)))
         if thread.is_alive():
@@ -409,15 +373,13 @@ class Engine:
             if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
                 raise ArgumentError(f"prompt_ids: expected a flat sequence of token ids, got shape "
                                     f"{list(arr.shape)} of {arr.dtype}")
-            ids = [int(x) for x in arr]
+            prompt_ids = arr.tolist()
         elif isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Sequence):
             raise ArgumentError(f"prompt_ids: expected a list of token ids, got {describe(prompt_ids)}")
-        else:
-            ids = []
-            for j, x in enumerate(prompt_ids):
-                if not is_int(x):
-                    raise ArgumentError(f"prompt_ids[{j}]: expected an integer token id, got {describe(x)}")
-                ids.append(int(x))
+        for j, x in enumerate(prompt_ids):
+            if not is_int(x):
+                raise ArgumentError(f"prompt_ids[{j}]: expected an integer token id, got {describe(x)}")
+        ids = [int(x) for x in prompt_ids]
         if not ids:
             raise ArgumentError("prompt_ids: empty prompt")
         if len(ids) > self.max_prompt_tokens:
@@ -438,13 +400,9 @@ class Engine:
         ``active_slots``, ``slots``, ``ttft`` (``count``, ``sum``, ``buckets``: cumulative counts per upper
         bound in seconds) and ``ttft_samples`` (the latest times to first token)."""
         with self._cond:
-            out = self._m.snapshot()
-            out["queue_length"] = len(self._waiting)
-            out["active_slots"] = sum(r is not None for r in self._in_slot)
-            out["slots"] = self.slots
-            out["method"] = self.method.label
-            out["compile_s"] = self._compile_s
-        return out
+            return {**self._m.snapshot(), "queue_length": len(self._waiting),
+                    "active_slots": sum(r is not None for r in self._in_slot), "slots": self.slots,
+                    "method": self.method.label, "compile_s": self._compile_s}
 
     # ------------------------------------------------------------------------------------------ the scheduler
     def _wake(self) -> None:
@@ -455,11 +413,13 @@ class Engine:
         return programs.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
                                   **self._static(), slots=self.slots)
 
-    def _static(self, sampling: bool | None = None) -> dict[str, Any]:
-        """The programs' static arguments; ``sampling`` None: the engine's (the prefill, the pool)."""
+    def _static(self, sampling: bool | None = None, *, sizes: bool = True) -> dict[str, Any]:
+        """The programs' static arguments (``sizes``: with the cache and buffer sizes); ``sampling`` None: the
+        engine's (the prefill, the pool)."""
         hot = self.sampling if sampling is None else sampling
-        return dict(plan=self.sampling_plan if hot else self.plan, target_only=self._target_only,
-                    cache_size=self.cache_size, buf_len=self.buf_len, sampling=hot, options=self.options)
+        out = dict(plan=self.sampling_plan if hot else self.plan, target_only=self._target_only, sampling=hot,
+                   options=self.options)
+        return {**out, "cache_size": self.cache_size, "buf_len": self.buf_len} if sizes else out
 
     def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
                     temperature: float, seed: int):
@@ -468,13 +428,11 @@ class Engine:
                                    jnp.float32(temperature), _key(seed), self._device_inputs, **self._static())
 
     def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
-        st = self._static(sampling)
         return programs.pool_visit(
             self._graphdefs, self._states, self._pool, jnp.asarray(stop), jnp.int32(rounds),
-            jnp.asarray(rows, jnp.int32),
-            jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos), jnp.asarray(self._slot_temp),
-            jnp.asarray(self._seen), plan=st["plan"], target_only=st["target_only"], window=self.window,
-            sampling=st["sampling"], options=st["options"])
+            jnp.asarray(rows, jnp.int32), jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos),
+            jnp.asarray(self._slot_temp), jnp.asarray(self._seen), window=self.window,
+            **self._static(sampling, sizes=False))
 
     def _finish(self, req: Request, reason: str) -> None:
         req._end(reason)
@@ -482,33 +440,32 @@ class Engine:
             self._m.finished(req, reason)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    self._drop_cancelled_waiting()
-                    occupied = any(r is not None for r in self._in_slot)
-                    if self._abort or (self._closing and not occupied and not self._waiting):
-                        break
-                    if occupied or (self._waiting and None in self._in_slot):
-                        break
-                    self._cond.wait()
-                if self._abort or (self._closing and not any(r is not None for r in self._in_slot)
-                                   and not self._waiting):
-                    abort = self._abort
-                    break
+        while self._wait_for_work():
             try:
                 self._admit_waiting()
                 self._visit()
             except Exception as e:  # noqa: BLE001 - any failure of the device loop fails the requests in flight
                 self._recover(e)
-        if abort:
+        if self._abort:
             self._cancel_all()
+
+    def _wait_for_work(self) -> bool:
+        """Waits for a running slot or a request to admit; False once the scheduler ends (aborted, or closing
+        with nothing left)."""
+        with self._cond:
+            while True:
+                self._drop_cancelled_waiting()
+                occupied = any(r is not None for r in self._in_slot)
+                if self._abort or (self._closing and not occupied and not self._waiting):
+                    return False
+                if occupied or (self._waiting and None in self._in_slot):
+                    return True
+                self._cond.wait()
 
     def _drop_cancelled_waiting(self) -> None:
         for r in [r for r in self._waiting if r._cancel]:
             self._waiting.remove(r)
-            r._end("cancelled")
-            self._m.finished(r, "cancelled")
+            self._finish(r, "cancelled")
 
     def _cancel_all(self) -> None:
         with self._cond:
@@ -543,10 +500,8 @@ class Engine:
         with self._cond:
             for i, r in enumerate(self._in_slot):  # cancelled requests leave their slots now
                 if r is not None and r._cancel:
-                    self._in_slot[i] = None
-                    self._stop[i] = True
-                    r._end("cancelled")
-                    self._m.finished(r, "cancelled")
+                    self._release(i, running=True)
+                    self._finish(r, "cancelled")
             occupied = [i for i, r in enumerate(self._in_slot) if r is not None]
             stop = self._stop.copy()
             self._stop[:] = False
@@ -558,46 +513,34 @@ class Engine:
         rows = np.asarray(sorted(occupied + free[: size - len(occupied)]), np.int32)
         self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0, hot, rows)
         v = jax.device_get(visit)
-        n = v.n
-        over = n - self._seen > self.window
         rest = None
-        if over.any():  # more new tokens than the window holds (a long plain burst): read the rest
+        if (v.n - self._seen > self.window).any():  # more new tokens than the window holds: read the rest
             rest = np.asarray(programs.read_tokens(self._pool.out, jnp.asarray(self._seen + self.window),
                                                    width=self.buf_len))
         with self._cond:
             self._m.visits += 1
             self._m.rounds += int(v.rounds.sum())
-            self._m.accepted += int((n - v.n0).clip(0).sum())
-            if self.labels:
-                for label, count in zip(self.labels, v.choices.sum(axis=0), strict=True):
-                    self._m.sizes[label] += int(count)
-            else:
-                self._m.sizes[self.method.label] += int(v.rounds.sum())
+            self._m.accepted += int((v.n - v.n0).clip(0).sum())
+            counts = v.choices.sum(axis=0) if self.labels else [v.rounds.sum()]
+            for label, count in zip(self._m.sizes, counts, strict=True):
+                self._m.sizes[label] += int(count)
         for i in occupied:
             req = self._in_slot[i]
-            if req is None:
-                continue
-            new = int(n[i] - self._seen[i])
+            new = int(v.n[i] - self._seen[i])
             ids = v.tokens[i, : min(new, self.window)].tolist()
             if new > self.window:
                 ids += rest[i, : new - self.window].tolist()
-            self._seen[i] = n[i]
+            self._seen[i] = v.n[i]
             req.rounds += int(v.rounds[i])
             if v.nonfinite[i] >= 0:
                 self._release(i, running=not v.done[i])
                 self._fail(req, EngineFailure(
                     f"engine: the target's logits are not finite (NaN or Inf) in round {int(v.nonfinite[i])} of "
                     f"request {req.id}; its tokens would be garbage"))
-                continue
-            if req._add_tokens(ids):  # a stop string
+            elif req._add_tokens(ids) or v.done[i]:  # a stop string, an EOS id or the length
                 self._release(i, running=not v.done[i])
-                with self._cond:
-                    self._m.finished(req, "stop")
-                continue
-            if v.done[i]:
-                self._release(i, running=False)
-                last = req._tokens[-1] if req._tokens else -1
-                self._finish(req, "stop" if last in set(req.eos.tolist()) - {-1} else "length")
+                eos = req._tokens and req._tokens[-1] in req.eos[req.eos >= 0]
+                self._finish(req, "stop" if req._text.stopped or eos else "length")
 
     def _release(self, slot: int, *, running: bool) -> None:
         with self._cond:
@@ -606,7 +549,7 @@ class Engine:
                 self._stop[slot] = True
 
     def _fail(self, req: Request, error: EngineFailure) -> None:
-        req._fail(error)
+        req._push(error=error)
         with self._cond:
             self._m.failed += 1
 
@@ -625,35 +568,43 @@ class Engine:
         self._pool = self._fresh_pool()
 
 
+class Histogram:
+    """Cumulative counts of observations per upper bound in ``bounds``, with their count and sum."""
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * len(self.bounds)
+        self.count = 0
+        self.sum = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for j, bound in enumerate(self.bounds):
+            self.counts[j] += value <= bound
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"count": self.count, "sum": self.sum, "buckets": list(zip(self.bounds, self.counts, strict=True))}
+
+
 class _Metrics:
+    """The counters of :meth:`Engine.metrics`."""
+
     def __init__(self, labels: tuple[str, ...]):
         self.by_reason = dict.fromkeys(FINISH_REASONS, 0)
-        self.failed = 0
-        self.submitted = 0
-        self.prompt_tokens = 0
-        self.generated = 0
-        self.rounds = 0
-        self.visits = 0
-        self.accepted = 0
-        self.faults = 0
+        self.failed = self.submitted = self.prompt_tokens = self.generated = 0
+        self.rounds = self.visits = self.accepted = self.faults = 0
         self.sizes = dict.fromkeys(labels, 0)
-        self.ttft: collections.deque[float] = collections.deque(maxlen=TTFT_SAMPLES)
-        self.ttft_count = 0
-        self.ttft_sum = 0.0
-        self.ttft_buckets = [0] * len(TTFT_BUCKETS)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.ttft_samples: collections.deque[float] = collections.deque(maxlen=TTFT_SAMPLES)
 
     def finished(self, req: Request, reason: str) -> None:
         self.by_reason[reason] += 1
         self.prompt_tokens += len(req.prompt_ids)
         self.generated += len(req._tokens)
         if req.first_token is not None:
-            t = req.first_token - req.submitted
-            self.ttft.append(t)
-            self.ttft_count += 1
-            self.ttft_sum += t
-            for j, bound in enumerate(TTFT_BUCKETS):
-                if t <= bound:
-                    self.ttft_buckets[j] += 1
+            self.ttft.add(req.first_token - req.submitted)
+            self.ttft_samples.append(req.first_token - req.submitted)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -661,10 +612,7 @@ class _Metrics:
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated, "rounds": self.rounds,
             "visits": self.visits, "accepted_tokens": self.accepted,
             "tau": self.accepted / self.rounds if self.rounds else math.nan, "verify_sizes": dict(self.sizes),
-            "faults": self.faults,
-            "ttft": {"count": self.ttft_count, "sum": self.ttft_sum,
-                     "buckets": list(zip(TTFT_BUCKETS, self.ttft_buckets, strict=True))},
-            "ttft_samples": list(self.ttft),
+            "faults": self.faults, "ttft": self.ttft.snapshot(), "ttft_samples": list(self.ttft_samples),
         }
 
 
@@ -713,13 +661,10 @@ def _visit_sizes(sizes: Any, slots: int) -> tuple[int, ...]:
 def _buckets(max_prompt: int, cache_size: int) -> tuple[int, ...]:
     """The prompt buffers admission compiles: powers of two from :data:`MIN_PROMPT_BUCKET` up to the one that
     holds ``max_prompt`` tokens (the last capped at ``cache_size``)."""
-    out = []
-    w = bucket(1, MIN_PROMPT_BUCKET)
-    while True:
-        out.append(min(w, cache_size))
-        if w >= max_prompt:
-            return tuple(dict.fromkeys(out))
-        w *= 2
+    widths = [MIN_PROMPT_BUCKET]
+    while widths[-1] < max_prompt:
+        widths.append(2 * widths[-1])
+    return tuple(dict.fromkeys(min(w, cache_size) for w in widths))
 
 
 def _check_stop(stop: Any, tokenizer: Any) -> tuple[str, ...]:
@@ -728,14 +673,12 @@ def _check_stop(stop: Any, tokenizer: Any) -> tuple[str, ...]:
     items = [stop] if isinstance(stop, str) else stop
     if isinstance(items, bytes) or not isinstance(items, Sequence):
         raise ArgumentError(f"stop: expected a string or a list of strings, got {describe(stop)}")
-    out = []
     for j, s in enumerate(items):
         if not isinstance(s, str) or not s:
             raise ArgumentError(f"stop[{j}]: expected a non-empty string, got {describe(s)}")
-        out.append(s)
-    if out and tokenizer is None:
+    if items and tokenizer is None:
         raise ArgumentError("stop: stop strings need the engine's tokenizer (Engine(tokenizer=...))")
-    return tuple(out)
+    return tuple(items)
 
 
 __all__ = ["Chunk", "Completion", "Engine", "Request"]

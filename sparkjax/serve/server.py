@@ -3,12 +3,7 @@
     app = create_app(engine, tokenizer=tok, model="sparkjax-demo", eos_token_ids=[2], api_key=None)
     serve(app, host="127.0.0.1", port=8000, grace_s=30.0)      # blocks; SIGTERM / Ctrl-C end it with 0
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
-events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and
-``GET /metrics`` (Prometheus text). A completions prompt is encoded as :func:`sparkjax.text.encode_text` does;
-chat messages go through the tokenizer's chat template (one user turn exactly as
-:func:`sparkjax.text.encode_chat`). Every refused request gets an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}``; the fields, limits and status codes are in docs/serving.md.
+The endpoints, fields, limits, streaming format and error bodies are in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -33,15 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import (
-    ArgumentError,
-    EngineClosedError,
-    EngineFailure,
-    QueueFullError,
-    SparkjaxError,
-    TokenizerError,
-)
+from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
 from ..text import encode_chat, encode_text
+from .engine import Histogram
 
 log = logging.getLogger("sparkjax.serve")
 
@@ -243,19 +233,10 @@ class Parsed:
 
 @dataclasses.dataclass
 class Stats:
-    """What the server itself counts for /metrics: responses per (path, status) and time-to-first-token buckets."""
+    """What the server itself counts for /metrics: responses per (path, status) and times to first token."""
 
     responses: Counter = dataclasses.field(default_factory=Counter)
-    ttft_buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
-    ttft_count: int = 0
-    ttft_sum: float = 0.0
-
-    def first_token(self, seconds: float) -> None:
-        self.ttft_count += 1
-        self.ttft_sum += seconds
-        for i, b in enumerate(TTFT_BUCKETS):
-            if seconds <= b:
-                self.ttft_buckets[i] += 1
+    ttft: Histogram = dataclasses.field(default_factory=lambda: Histogram(TTFT_BUCKETS))
 
 
 class Server:
@@ -332,13 +313,11 @@ class Server:
         stop = _stop(body)
         ids = _prompt_ids(body, self.tokenizer, self.vocab) if kind == "completions" else \
             _chat_ids(body, self.tokenizer)
-        where = "prompt" if kind == "completions" else "messages"
         if len(ids) > self.engine.max_prompt_tokens:
-            raise bad(where, f"{len(ids)} tokens, more than the server's limit of {self.engine.max_prompt_tokens} "
-                             f"prompt tokens", code="context_length_exceeded")
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return Parsed(kind, ids, max_tokens, temperature, seed, stop, stream, include_usage)
+            raise bad("prompt" if kind == "completions" else "messages", f"{len(ids)} tokens, more than the server's "
+                      f"limit of {self.engine.max_prompt_tokens} prompt tokens", code="context_length_exceeded")
+        return Parsed(kind, ids, max_tokens, temperature, seed, stop, bool(body.get("stream")),
+                      bool((body.get("stream_options") or {}).get("include_usage")))
 
     def submit(self, p: Parsed):
         if self.draining:
@@ -369,20 +348,12 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         self.check_key(request)
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
-
-    def model_card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sparkjax"}
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model",
+                                                         "created": self.created, "owned_by": "sparkjax"}]})
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(prometheus(self.engine.metrics(), self.stats),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def completions(self, request: Request) -> Response:
-        return await self.generate(request, "completions")
-
-    async def chat(self, request: Request) -> Response:
-        return await self.generate(request, "chat")
 
     async def generate(self, request: Request, kind: str) -> Response:
         self.check_key(request)
@@ -395,42 +366,35 @@ class Server:
         chunks = aiter(req)
         try:
             first = await anext(chunks)
-        except EngineFailure as e:
+        except BaseException as e:
             watcher.cancel()
-            raise _failure(e) from None
-        except BaseException:
-            watcher.cancel()
+            if isinstance(e, EngineFailure):
+                raise _failure(e) from None
             req.cancel()
             raise
-        self.stats.first_token(time.perf_counter() - t0)
+        self.stats.ttft.add(time.perf_counter() - t0)
         if p.stream:
             return _SSE(self.events(p, rid, created, first, chunks, req, watcher), media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces = [first]
         try:
-            pieces, finish = [first], first.finish_reason
-            while finish is None:
-                c = await anext(chunks)
-                pieces.append(c)
-                finish = c.finish_reason
+            while pieces[-1].finish_reason is None:
+                pieces.append(await anext(chunks))
         except EngineFailure as e:
             raise _failure(e) from None
         finally:
             watcher.cancel()
             if pieces[-1].finish_reason is None:
                 req.cancel()
+        finish = pieces[-1].finish_reason
         if finish == "cancelled":
             raise _cancelled(self.draining)
-        n_out = sum(len(c.token_ids) for c in pieces)
         text = "".join(c.text for c in pieces)
-        choice = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if kind == "completions":
-            out = {"id": rid, "object": "text_completion", "created": created, "model": self.model,
-                   "choices": [{**choice, "text": text}]}
-        else:
-            out = {"id": rid, "object": "chat.completion", "created": created, "model": self.model,
-                   "choices": [{**choice, "message": {"role": "assistant", "content": text}}]}
-        out["usage"] = _usage(len(p.prompt_ids), n_out)
-        return JSONResponse(out)
+        obj, out = ("text_completion", {"text": text}) if kind == "completions" else \
+            ("chat.completion", {"message": {"role": "assistant", "content": text}})
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model,
+                             "choices": [{"index": 0, **out, "logprobs": None, "finish_reason": finish}],
+                             "usage": _usage(len(p.prompt_ids), sum(len(c.token_ids) for c in pieces))})
 
     async def events(self, p: Parsed, rid: str, created: int, first, chunks: AsyncIterator, req,
                      watcher) -> AsyncIterator[str]:
@@ -438,12 +402,9 @@ class Server:
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
 
         def event(delta: str | None, finish: str | None, role: bool = False) -> str:
-            if p.kind == "completions":
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-            else:
-                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-            return _sse({**head, "choices": [choice]})
+            part = {"text": delta or ""} if p.kind == "completions" else \
+                {"delta": {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})}
+            return _sse({**head, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": finish}]})
 
         n_out, finish, c = 0, None, first
         try:
@@ -534,10 +495,9 @@ def create_app(engine, *, tokenizer, model: str = "sparkjax", eos_token_ids: Seq
     ``/v1/*`` request (``/health`` and ``/metrics`` stay open); bodies over ``max_body_bytes`` get a 413;
     ``default_temperature`` applies when a request gives none (OpenAI's default is 1). ``app.state.server`` is
     the :class:`Server` (its ``draining`` flag refuses new requests with a 503)."""
-    vocab = getattr(getattr(engine, "target", None), "config", None)
     server = Server(engine, tokenizer=tokenizer, model=model, eos_token_ids=eos_token_ids, api_key=api_key,
                     max_body_bytes=max_body_bytes, default_temperature=default_temperature,
-                    vocab_size=getattr(vocab, "vocab_size", None))
+                    vocab_size=getattr(engine, "vocab_size", None))
 
     def route(path: str, fn: Callable, method: str) -> Route:
         async def endpoint(request: Request) -> Response:
@@ -559,8 +519,8 @@ def create_app(engine, *, tokenizer, model: str = "sparkjax", eos_token_ids: Seq
         server.stats.responses[(request.url.path, 500)] += 1
         return APIError(500, f"internal server error ({type(exc).__name__}: {exc})", type="server_error").response()
 
-    app = Starlette(routes=[route("/v1/completions", server.completions, "POST"),
-                            route("/v1/chat/completions", server.chat, "POST"),
+    app = Starlette(routes=[route("/v1/completions", functools.partial(server.generate, kind="completions"), "POST"),
+                            route("/v1/chat/completions", functools.partial(server.generate, kind="chat"), "POST"),
                             route("/v1/models", server.models, "GET"),
                             route("/health", server.health, "GET"),
                             route("/metrics", server.metrics, "GET")],
@@ -589,62 +549,40 @@ ENGINE_METRICS = {
     "slots": ("sparkjax_slots", "gauge", None),
     "compile_s": ("sparkjax_compile_seconds", "gauge", None),
 }
-SKIPPED = {"ttft_samples", "method", "ttft"}  # samples, a label (sparkjax_info) and a histogram (below)
-
-
-def _metric_name(key: str) -> str:
-    clean = "".join(ch if ch.isalnum() else "_" for ch in str(key)).strip("_").lower()
-    return f"sparkjax_{clean}"
-
-
-def _number(v: Any) -> float | None:
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, int | float) and math.isfinite(v):
-        return float(v)
-    return None
 
 
 def _fmt(v: float) -> str:
     return str(int(v)) if float(v).is_integer() and abs(v) < 2**53 else repr(float(v))
 
 
-def _histogram(name: str, buckets: Sequence[tuple[float, int]], count: int, total: float) -> list[str]:
+def _histogram(name: str, h: dict) -> list[str]:
+    """A histogram's lines from a :meth:`~sparkjax.serve.engine.Histogram.snapshot`."""
     lines = [f"# TYPE {name} histogram"]
-    lines += [f'{name}_bucket{{le="{b:g}"}} {n}' for b, n in buckets]
-    return lines + [f'{name}_bucket{{le="+Inf"}} {count}', f"{name}_sum {total!r}", f"{name}_count {count}"]
+    lines += [f'{name}_bucket{{le="{b:g}"}} {n}' for b, n in h["buckets"]]
+    return lines + [f'{name}_bucket{{le="+Inf"}} {h["count"]}', f"{name}_sum {h['sum']!r}",
+                    f"{name}_count {h['count']}"]
 
 
 def prometheus(engine_metrics: dict, stats: Stats) -> str:
     """Prometheus text exposition of the engine's :meth:`metrics` (the keys of :data:`ENGINE_METRICS` under their
-    names; any other number as a gauge, a dict of numbers as one series per key; ``ttft`` as the histogram
+    names, a dict as one series per key, skipping values that are not finite numbers; ``ttft`` as the histogram
     ``sparkjax_time_to_first_token_seconds``, ``method`` as a label of ``sparkjax_info``), followed by the
     server's own response counts and its time-to-first-token histogram (request received to first token)."""
-    lines: list[str] = []
-    m = dict(engine_metrics)
-    if "method" in m:
-        lines += ["# TYPE sparkjax_info gauge", f'sparkjax_info{{method="{_label(m["method"])}"}} 1']
-    for key, value in sorted(m.items()):
-        if key in SKIPPED:
-            continue
-        name, kind, label = ENGINE_METRICS.get(key, (_metric_name(key), "gauge", "key"))
-        if isinstance(value, dict):
-            series = [(k, _number(v)) for k, v in value.items()]
-            series = [(k, v) for k, v in series if v is not None]
-            if series:
-                lines.append(f"# TYPE {name} {kind}")
-                lines += [f'{name}{{{label or "key"}="{_label(k)}"}} {_fmt(v)}' for k, v in series]
-        elif (v := _number(value)) is not None:
-            lines += [f"# TYPE {name} {kind}", f"{name} {_fmt(v)}"]
-    ttft = m.get("ttft")
-    if isinstance(ttft, dict) and {"count", "sum", "buckets"} <= set(ttft):
-        lines += _histogram("sparkjax_time_to_first_token_seconds", ttft["buckets"], ttft["count"], ttft["sum"])
+    m = engine_metrics
+    lines = ["# TYPE sparkjax_info gauge", f'sparkjax_info{{method="{_label(m["method"])}"}} 1']
+    for key, (name, kind, label) in sorted(ENGINE_METRICS.items()):
+        value = m.get(key)
+        series = [(k, float(v)) for k, v in (value.items() if isinstance(value, dict) else [(None, value)])
+                  if isinstance(v, int | float) and math.isfinite(v)]
+        if series:
+            lines.append(f"# TYPE {name} {kind}")
+            lines += [f'{name}{{{label}="{_label(k)}"}} {_fmt(v)}' if label else f"{name} {_fmt(v)}"
+                      for k, v in series]
+    lines += _histogram("sparkjax_time_to_first_token_seconds", m["ttft"])
     lines.append("# TYPE sparkjax_http_responses_total counter")
-    for (path, code), n in sorted(stats.responses.items()):
-        lines.append(f'sparkjax_http_responses_total{{path="{_label(path)}",code="{code}"}} {n}')
-    lines += _histogram("sparkjax_http_time_to_first_token_seconds", list(zip(TTFT_BUCKETS, stats.ttft_buckets,
-                                                                              strict=True)),
-                        stats.ttft_count, stats.ttft_sum)
+    lines += [f'sparkjax_http_responses_total{{path="{_label(path)}",code="{code}"}} {n}'
+              for (path, code), n in sorted(stats.responses.items())]
+    lines += _histogram("sparkjax_http_time_to_first_token_seconds", stats.ttft.snapshot())
     return "\n".join(lines) + "\n"
 
 
@@ -658,21 +596,19 @@ def _label(v: Any) -> str:
 def is_loopback(host: str) -> bool:
     import ipaddress
 
-    if host in ("localhost", ""):
-        return host == "localhost"
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name, or "" (every address)
         return False
 
 
 def _uvicorn_server(app: Starlette, host: str, port: int, *, grace_s: float, on_exit: Callable[[], None] | None,
-                    access_log: bool):
+                    access_log: bool, ready: Callable[[str], None] | None):
     import uvicorn
 
     class _Server(uvicorn.Server):
         """uvicorn's server, but a signal only starts the graceful shutdown (``on_exit``) and is not raised again
-        afterwards, so the process exits 0."""
+        afterwards, so the process exits 0; ``ready(address)`` once the socket accepts connections."""
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit and on_exit is not None:
@@ -694,6 +630,14 @@ def _uvicorn_server(app: Starlette, host: str, port: int, *, grace_s: float, on_
                 for s, h in previous.items():
                     signal.signal(s, h)
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started and ready is not None:
+                bound = port
+                with contextlib.suppress(Exception):
+                    bound = self.servers[0].sockets[0].getsockname()[1]
+                ready(f"http://{host}:{bound}")
+
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
                             timeout_graceful_shutdown=max(1.0, grace_s + 5.0), lifespan="off")
     return _Server(config)
@@ -712,26 +656,11 @@ def serve(app: Starlette, *, host: str = "127.0.0.1", port: int = 8000, grace_s:
     (:func:`drain`) and returns 0. ``ready(address)`` is called once the socket accepts connections."""
     engine = app.state.server.engine
     server = _uvicorn_server(app, host, port, grace_s=grace_s, on_exit=lambda: drain(app, engine, grace_s),
-                             access_log=access_log)
-    _announce_when_started(server, host, port, ready)
+                             access_log=access_log, ready=ready)
     server.run()
     if not app.state.server.draining:  # the server ended without a signal (e.g. the port was taken)
         drain(app, engine, 0.0)
     return 0 if server.started else 1
-
-
-def _announce_when_started(server, host: str, port: int, ready: Callable[[str], None] | None) -> None:
-    original = server.startup
-
-    async def startup(sockets=None):
-        await original(sockets=sockets)
-        if server.started and ready is not None:
-            bound = port
-            with contextlib.suppress(Exception):
-                bound = server.servers[0].sockets[0].getsockname()[1]
-            ready(f"http://{host}:{bound}")
-
-    server.startup = startup
 
 
 class ServerThread:
@@ -739,17 +668,15 @@ class ServerThread:
     port, read back as :attr:`port` once :meth:`start` returns. :meth:`stop` drains like a signal would."""
 
     def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0):
-        self.app, self.host, self.grace_s = app, host, grace_s
-        self.server = _uvicorn_server(app, host, port, grace_s=grace_s, on_exit=None, access_log=False)
-        self.port = port
+        self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
         self._ready = threading.Event()
+        self.server = _uvicorn_server(app, host, port, grace_s=grace_s, on_exit=None, access_log=False,
+                                      ready=self._started)
         self._thread = threading.Thread(target=self.server.run, name="sparkjax-serve-http", daemon=True)
 
-        def ready(address: str) -> None:
-            self.port = int(address.rsplit(":", 1)[1])
-            self._ready.set()
-
-        _announce_when_started(self.server, host, port, ready)
+    def _started(self, address: str) -> None:
+        self.port = int(address.rsplit(":", 1)[1])
+        self._ready.set()
 
     @property
     def url(self) -> str:

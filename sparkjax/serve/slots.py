@@ -1,19 +1,12 @@
 """The slot pool's jitted programs: a fixed batch of N sequences on device that requests enter and leave.
 
-The pool is a :class:`~sparkjax.engine.state.SpecState` of batch N (for ``ar``, the same dataclass without a
-drafter context: :func:`ar_round`). A free slot is a finished sequence (``done``): every round masks it, so its
-cache and context lengths do not grow and it commits nothing. Three programs touch the pool, each compiled
-once per shape and the pool donated:
-
-- :func:`pool_init`: the empty pool (every slot free);
-- :func:`pool_admit`: the prefill of one prompt (batch 1, a prompt bucket) written into slot ``i``;
-- :func:`pool_visit`: up to ``rounds`` rounds in one ``while_loop`` that also ends as soon as a sequence that
-  was running finishes; it returns the pool and a :class:`Visit`, a fixed window of each slot's new tokens.
-  The rounds run on the slots ``rows`` only (:func:`take_rows`, then :func:`put_rows`): the host passes the
-  active slots, padded with free ones to one of a few sizes, so idle slots cost rows only as padding, and
-  each size is a program of its own.
-
-Per-slot values (``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]``) are traced inputs.
+The pool is a :class:`~sparkjax.engine.state.SpecState` of batch N (for ``ar`` without a drafter context:
+:func:`ar_round`). A free slot is a finished sequence (``done``): every round masks it, so it grows nothing
+and commits nothing. Each program compiles once per shape, the pool donated: :func:`pool_init` (every slot
+free), :func:`pool_admit` (one prompt's prefill written into slot ``i``) and :func:`pool_visit` (up to
+``rounds`` rounds of the slots ``rows``, gathered by :func:`take_rows` and put back by :func:`put_rows`, in a
+``while_loop`` that ends once a running sequence finishes; one program per number of rows). Per-slot values
+(``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]``) are traced inputs.
 """
 
 from __future__ import annotations
@@ -62,19 +55,19 @@ def _put_kv(pool: KVCache | ContextCache | None, row, slot: Array):
     return type(pool)(k, v, _put(pool.lengths, row.lengths, slot))
 
 
+_PER_ROW = ("x_start", "out", "n", "done", "accept_lens", "rounds", "depth_hits", "nonfinite")
+_ROWS = ("cache", "ctx", "key", *_PER_ROW)
+
+
 def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) -> SpecState:
     """``pool`` with sequence ``slot`` replaced by the batch-1 state ``row`` (its key too, with a key per slot; a
     single key stays the pool's); the method's carried state is merged by its
     :meth:`~sparkjax.engine.methods.Method.admit_state`."""
-    per_row = {f: _put(getattr(pool, f), getattr(row, f), slot)
-               for f in ("x_start", "out", "n", "done", "accept_lens", "rounds", "depth_hits", "nonfinite")}
+    per_row = {f: _put(getattr(pool, f), getattr(row, f), slot) for f in _PER_ROW}
     key = pool.key if pool.key.ndim == 0 else _put(pool.key, row.key.reshape(1), slot)
     extra = pool.extra if plan is None else plan.method.admit_state(plan, pool.extra, row.extra, slot)
     return dataclasses.replace(pool, cache=_put_kv(pool.cache, row.cache, slot),
                                ctx=_put_kv(pool.ctx, row.ctx, slot), key=key, extra=extra, **per_row)
-
-
-_ROWS = ("cache", "ctx", "x_start", "out", "n", "done", "key", "accept_lens", "rounds", "depth_hits", "nonfinite")
 
 
 def take_rows(pool: SpecState, rows: Array, plan: Plan | None) -> SpecState:
@@ -230,17 +223,18 @@ def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temper
     _, pool = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), pool))
     if packed:
         pool = put_rows(full, pool, rows, plan)
-    cols = jnp.minimum(seen[:, None] + jnp.arange(window, dtype=jnp.int32)[None], pool.out.shape[1] - 1)
-    tokens = jnp.take_along_axis(pool.out, cols, axis=1)
-    visit = Visit(tokens, n0, pool.n, pool.done, pool.rounds - r0, _choice_counts(plan, pool, r0), pool.nonfinite)
+    visit = Visit(_window(pool.out, seen, window), n0, pool.n, pool.done, pool.rounds - r0,
+                  _choice_counts(plan, pool, r0), pool.nonfinite)
     return pool, visit
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
-def read_tokens(out: Array, start: Array, *, width: int) -> Array:
-    """``out[b, start[b] .. start[b] + width]`` (clipped): the rest of a visit that outgrew its window."""
+def _window(out: Array, start: Array, width: int) -> Array:
+    """``out[b, start[b] .. start[b] + width]`` (clipped)."""
     cols = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], out.shape[1] - 1)
     return jnp.take_along_axis(out, cols, axis=1)
+
+
+read_tokens = jax.jit(_window, static_argnames=("width",))  # the rest of a visit that outgrew its window
 
 
 __all__ = ["Visit", "ar_round", "ar_start", "pool_admit", "pool_init", "pool_visit", "put_rows", "read_tokens",
