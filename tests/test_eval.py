@@ -18,10 +18,11 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from sparkjax.errors import DatasetError
-from sparkjax.eval import EvalResults, metrics
+from sparkjax.errors import DatasetError, EvalError
+from sparkjax.eval import EvalConfig, EvalResults, harness, metrics, report
 from sparkjax.eval import datasets as ds
 from sparkjax.eval.cli import main
+from sparkjax.eval.config import normalized
 from sparkjax.eval.records import Record, Row, Sample, summarize
 from sparkjax.text import encode_prompt, load_tokenizer
 
@@ -30,8 +31,6 @@ FIXTURE = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"
 TOKENIZER = ROOT / "eval" / "default_pair" / "tokenizer"  # the fixture pair's tokenizer (vocab 320)
 PAIR = ["--target", str(FIXTURE / "target"), "--drafter", str(FIXTURE / "drafter"), "--tokenizer", str(TOKENIZER)]
 PNG = b"\x89PNG\r\n\x1a\n"
-E2E = ["--methods", "ar,sparklingtree", "--budgets", "16", "--max-samples", "1", "--max-new-tokens", "8",
-       "--repeats", "1", "--no-progress"]
 
 
 def bad(argv, capsys, *needles) -> str:
@@ -45,9 +44,6 @@ def bad(argv, capsys, *needles) -> str:
     return lines[0]
 
 
-# ----------------------------------------------------------------------------- metrics on hand-made numbers
-
-
 def test_metrics_by_hand():
     lens = [[1, 3, 2], [4], []]
     assert metrics.tau_pooled(lens) == pytest.approx(2.5)  # (1 + 3 + 2 + 4) / 4 rounds
@@ -55,13 +51,13 @@ def test_metrics_by_hand():
     assert math.isnan(metrics.tau_pooled([[], []])) and math.isnan(metrics.tau_per_response([]))
     assert metrics.accept_rates([[2, 1, 0, 0], [1, 1, 1, 0]], [3, 1], 4) == pytest.approx([0.75, 0.5, 0.25, 0.0])
     assert metrics.decode_seconds([1.0, 1.2, 5.0], [0.2, 0.1, 0.3]) == pytest.approx(1.0)  # median - median
-    assert metrics.decode_seconds_min([1.0, 1.2, 5.0], [0.2, 0.1, 0.3]) == pytest.approx(0.9)
+    assert metrics.decode_seconds([1.0, 1.2, 5.0], [0.2, 0.1, 0.3], best=True) == pytest.approx(0.9)
     # not positive: "not measured", never a clamped 0 (and never a division by it)
     assert metrics.decode_seconds([0.1, 0.12], [0.3, 0.2]) is None and metrics.decode_seconds([0.2], [0.2]) is None
-    assert math.isnan(metrics.tpot(None, 10)) and math.isnan(metrics.mean_tpot([None, 0.0], [10, 10]))
+    assert math.isnan(metrics.ratio(None, 10)) and math.isnan(metrics.mean_tpot([None, 0.0], [10, 10]))
     assert metrics.mean_tpot([None, 0.2], [10, 10]) == pytest.approx(0.02)
     assert metrics.mean_tpot([1.0, 2.0], [10, 40]) == pytest.approx(0.075)  # the mean over timed units
-    assert metrics.speedup(0.02, 0.008) == pytest.approx(2.5) and math.isnan(metrics.speedup(None, 0.01))
+    assert metrics.ratio(0.02, 0.008) == pytest.approx(2.5) and math.isnan(metrics.ratio(0.02, math.nan))
     st = metrics.stage_ms_per_round([{"draft": 0.01, "verify": 0.02}, {"draft": 0.03, "verify": 0.04}], [2, 2])
     assert st == pytest.approx({"draft": 10.0, "verify": 15.0})
 
@@ -99,6 +95,7 @@ def test_summarize_hand_made_records():
     assert "WARNING: decode time not measured" in table and "load average" not in table  # 1.9 < 2 cores
     assert "inf" not in table.lower() and "nan" not in table.lower()
     assert next(ln for ln in table.splitlines() if ln.startswith("x ") and " ar " in ln).split()[5] == "-"
+    assert report.timing_warnings(EvalResults({}, {}, {}, [], [])) == []  # no timing block, no warning
 
 
 # ----------------------------------------------------------------------------- the shared end-to-end run
@@ -113,7 +110,8 @@ def e2e(tmp_path_factory):
     (out / "notes.txt").write_text("keep me")
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = main([*E2E, "--out", str(out)])
+        rc = main(["--methods", "ar,sparklingtree", "--budgets", "16", "--max-samples", "1", "--max-new-tokens", "8",
+                   "--repeats", "1", "--no-progress", "--out", str(out)])
     return types.SimpleNamespace(rc=rc, out=out, stdout=buf.getvalue(),
                                  js=json.loads((out / "results.json").read_text()))
 
@@ -218,7 +216,7 @@ def test_bundled_datasets_and_readme():
         assert len(s) >= 4 and s.kind == ("text" if name == "stdlib_code" else "chat"), (name, s.kind)
 
 
-def test_user_jsonl_rows(tmp_path, capsys):
+def test_user_jsonl_rows(tmp_path):
     f = tmp_path / "mine.jsonl"
     f.write_text('{"turns": ["one", "second turn"]}\n\n  \n{"turns": ["two"], "id": 7}\n{"text": "def f(", "id": 8}\n')
     s = ds.load(str(f))
@@ -234,7 +232,6 @@ def test_user_jsonl_rows(tmp_path, capsys):
         with pytest.raises(DatasetError) as e:
             ds.load(str(f))
         assert str(e.value).startswith(f"{f}:3: ") and needle in str(e.value), str(e.value)
-    bad([*PAIR, "--datasets", str(tmp_path / "bad2.jsonl")], capsys, f"{tmp_path / 'bad2.jsonl'}:3", "both")
 
 
 def test_quickstart_notebook_code_compiles():
@@ -279,48 +276,72 @@ def test_to_dataframe_without_pandas_is_a_clear_error(monkeypatch):
 
 
 def test_bad_datasets(tmp_path, capsys, no_model):
-    missing = tmp_path / "nope.jsonl"
-    bad([*PAIR, "--datasets", str(missing)], capsys, str(missing), "not found")
-    binary = tmp_path / "binary.jsonl"
+    missing, binary, both = tmp_path / "nope.jsonl", tmp_path / "binary.jsonl", tmp_path / "both.jsonl"
     binary.write_bytes(b'{"turns": ["caf\xe9"]}\n')
-    bad([*PAIR, "--datasets", str(binary)], capsys, str(binary), "UTF-8")
-    bad([*PAIR, "--datasets", str(tmp_path) + os.sep], capsys, str(tmp_path), "folder")
-    bad([*PAIR, "--datasets", "gsm9k"], capsys, "gsm9k")
+    both.write_text('{"text": "import os"}\n\n{"turns": ["q"], "text": "def f("}\n')
     (tmp_path / "a").mkdir()
     for d in (tmp_path, tmp_path / "a"):
         (d / "same.jsonl").write_text('{"text": "x"}\n')
-    bad([*PAIR, "--datasets", f"{tmp_path / 'same.jsonl'},{tmp_path / 'a' / 'same.jsonl'}"], capsys, "'same'")
+    for spec, *needles in ((missing, missing, "not found"), (binary, binary, "UTF-8"), (f"{tmp_path}{os.sep}",
+                           tmp_path, "folder"), ("gsm9k", "gsm9k"), (both, f"{both}:3", "both"),
+                           (f"{tmp_path / 'same.jsonl'},{tmp_path / 'a' / 'same.jsonl'}", "'same'")):
+        bad([*PAIR, "--datasets", str(spec)], capsys, *map(str, needles))
 
 
-def test_bad_flags(capsys, no_model):
-    bad(["--methods", "ar,medusa"], capsys, "--methods", "'medusa'", "sparklingtree")
-    bad(["--methods", "ar,dspark,ar"], capsys, "--methods", "twice")
-    bad(["--methods", "dspark", "--budgets", "8"], capsys, "--budgets", "dspark", "tree")
-    bad(["--methods", "dflash,dspark", "--top-c", "8"], capsys, "--top-c")
-    bad(["--methods", "ddtree", "--budgets", "0"], capsys, "--budgets")
-    bad(["--methods", "ddtree", "--budgets", "16,16"], capsys, "--budgets", "duplicate")
-    bad(["--budgets", "sixteen"], capsys, "--budgets")
-    for flag in ("--max-new-tokens", "--repeats", "--batch-size"):
-        bad([flag, "0"], capsys, flag)
-    bad(["--max-samples", "-1"], capsys, "--max-samples")
-    bad(["--temperature", "-1"], capsys, "--temperature")
-    bad(["--seed", str(2**64)], capsys, "--seed", "2**63")
-    bad(["--seed", "2**64"], capsys, "--seed")
-    bad(["--drafter", str(FIXTURE / "drafter")], capsys, "--drafter", "--target")
-    bad(["--mesh", "2by2"], capsys, "--mesh")
-    bad(["--compare", "missing_a.json", "missing_b.json"], capsys, "missing_a.json", "not found")
+BAD_FLAGS = [
+    (["--methods", "ar,medusa"], "--methods", "'medusa'", "sparklingtree"),
+    (["--methods", "ar,dspark,ar"], "--methods", "twice"),
+    (["--methods", "dspark", "--budgets", "8"], "--budgets", "dspark", "tree"),
+    (["--methods", "dflash,dspark", "--top-c", "8"], "--top-c"),
+    (["--methods", "ddtree", "--budgets", "0"], "--budgets", "positive"),
+    (["--methods", "ddtree", "--budgets", "16,16"], "--budgets", "duplicate"),
+    (["--budgets", "sixteen"], "--budgets"),
+    *[([flag, "0"], flag) for flag in ("--max-new-tokens", "--repeats", "--batch-size")],
+    (["--max-samples", "-1"], "--max-samples"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--seed", str(2**64)], "--seed", "2**63"),
+    (["--seed", "2**64"], "--seed"),
+    (["--drafter", str(FIXTURE / "drafter")], "--drafter", "--target"),
+    (["--mesh", "2by2"], "--mesh"),
+    (["--compare", "missing_a.json", "missing_b.json"], "missing_a.json", "not found"),
+    *[(["--batch-sizes" + v] if v.startswith("=") else ["--batch-sizes", v], "--batch-sizes", needle)
+      for v, needle in (("0", "positive"), ("=-4", "positive"), ("1,-4", "positive"), ("1,x", "integers"),
+                        ("4,1,4", "twice"), ("", "empty entry"), (" , ", "empty entry"), ("1,,4", "empty entry"))],
+    (["--batch-size", "2", "--batch-sizes", "1,2"], "--batch-sizes", "not allowed"),
+    (["--batch-sizes", "1,2", "--batch-size", "1"], "--batch-sizes", "not allowed"),
+]
+
+
+def test_bad_flags(capsys, no_model, tmp_path):
+    for argv, *needles in BAD_FLAGS:
+        line = bad([*argv, "--out", str(tmp_path / "out")], capsys, *needles)
+        assert "--batch-size " not in " ".join(argv) or re.search(r"--batch-size(?!s)", line), line  # both named
+    assert not (tmp_path / "out").exists()
+    assert normalized(EvalConfig(batch_sizes="64, 1,16,4")).batch_sizes == (1, 4, 16, 64)
+    assert normalized(EvalConfig(batch_sizes=[3, 1])).batch_sizes == (1, 3)
+    cfg = normalized(EvalConfig(batch_sizes=2, budgets="16, 8"))
+    assert (cfg.batch_sizes, cfg.budgets) == ((2,), (16, 8))  # budgets keep their order
+    for value, needle in (((), "empty list"), ((1, 2.0), "positive"), ((True,), "positive"), ("1.5", "integers"),
+                          ((4, 1, 4), "4 is listed twice")):
+        with pytest.raises(EvalError, match="--batch-sizes") as e:
+            normalized(EvalConfig(batch_sizes=value))
+        assert needle in str(e.value), (value, str(e.value))
+    with pytest.raises(EvalError, match=r"--batch-size 2 and --batch-sizes 1,2"):
+        harness.run(target="t", batch_size=2, batch_sizes=(1, 2))
 
 
 def test_compare_on_partial_or_corrupt_json_is_one_line(tmp_path, capsys):
     good = tmp_path / "good.json"
     good.write_text('{"config": {}, "summary": []}')
+    sweeps = [f'{{"config": {{}}, "summary": [], "sweep": {x}}}' for x in ('[1]', '{"rows": [{"label": "ar"}]}',
+                                                                            '{"rows": "x"}', '{"rows": [3]}')]
     for content in ('{"format": "sparkjax.eval/1", "config": {}, "summary": [{"dataset": "a", "lab', "[1, 2]",
                     '{"config": {}, "summary": [{"dataset": "all"}]}', '{"config": [], "summary": []}',
                     '{"config": {}, "summary": [], "setup": 3}', '{"config": {}, "summary": [], "records": [{}]}',
-                    "[" * 100_000 + "]" * 100_000, "\udcff"):  # cut short, wrong shapes, deep nesting, not UTF-8
+                    "[" * 100_000 + "]" * 100_000, "\udcff", *sweeps):  # cut short, wrong shapes, deep nesting, bytes
         bad_file = tmp_path / "bad.json"
         bad_file.write_text(content, errors="surrogateescape")
-        bad(["--compare", str(good), str(bad_file)], capsys, str(bad_file))
+        bad(["--compare", str(good), str(bad_file)], capsys, str(bad_file), *(["sweep"] if "sweep" in content else []))
 
 
 def test_mismatched_pair_and_missing_tokenizer(tmp_path, capsys):

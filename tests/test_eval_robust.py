@@ -1,7 +1,6 @@
 """The eval on a fake engine (canned tokens and timings, nothing compiled): the interleaved protocol, Ctrl-C (whole
 partial results, the SIGINT handler restored), reused folders, warnings, --out and memory checked first, the baseline
-drafter, prompts as encoded; the batch-size sweep (prompt cycling, throughput rows, outputs, bad input); on a
-subprocess, SIGINT at several moments (slow) and no transformers advisory."""
+drafter, prompts as encoded; the batch-size sweep; on a subprocess, SIGINT (slow) and no transformers advisory."""
 
 from __future__ import annotations
 
@@ -29,18 +28,15 @@ import sparkjax
 from sparkjax import demo
 from sparkjax.engine.state import Launch
 from sparkjax.errors import EvalError
-from sparkjax.eval import EvalConfig, config, harness, pair, plots, report, runner, sweep
+from sparkjax.eval import EvalConfig, config, harness, pair, plots, records, report, runner
 from sparkjax.eval.cli import main
-from sparkjax.eval.config import check_batch_sizes
 from sparkjax.eval.engine import BatchOutput, Engine, MethodConfig
 from sparkjax.eval.records import Record, Sample
 from sparkjax.eval.results import EvalResults
 from sparkjax.nn.drafter import Drafter
 from sparkjax.text import encode_prompt, load_tokenizer
-from tests.test_eval import PAIR, PNG, TOKENIZER, bad
+from tests.test_eval import FIXTURE, PAIR, PNG, ROOT, TOKENIZER, bad
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_dspark_b16"
 TINY = [*PAIR, "--methods", "ar,dspark", "--datasets", "mbpp", "--max-samples", "1", "--max-new-tokens", "8",
         "--ignore-eos"]
 SWEEP = [*PAIR, "--datasets", "mbpp", "--max-samples", "2", "--max-new-tokens", "6", "--methods", "ar,dspark",
@@ -91,9 +87,9 @@ def cli(*argv):
     return rc, buf.getvalue()
 
 
-def interrupting(original, at: int):
-    """``original`` (a ``time_batch``) raising KeyboardInterrupt on call number ``at``; and the calls list."""
-    calls = []
+def interrupt_at(monkeypatch, at: int) -> list:
+    """``harness.time_batch`` raising KeyboardInterrupt on call number ``at``; returns the calls list."""
+    calls, original = [], harness.time_batch
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -101,71 +97,65 @@ def interrupting(original, at: int):
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    return flaky, calls
+    monkeypatch.setattr(harness, "time_batch", flaky)
+    return calls
 
 
-@pytest.fixture(scope="module")
-def reused(tmp_path_factory):
+def test_fake_run_interleaves_summarizes_and_reuses_the_folder(fake, tmp_path, monkeypatch):
     """A fake run on two sets, into a folder an earlier run and the user left files in, the load faked high."""
-    out = tmp_path_factory.mktemp("reused")
     for name in ("tau_speedup.png", "stage_time.png", "batch_sweep.csv"):
-        (out / name).write_bytes(b"old")
-    (out / "my_notes.txt").write_text("keep me")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(harness, "Engine", FakeEngine)
-        mp.setattr(os, "getloadavg", lambda: (99.0, 1.0, 1.0))
-        FakeEngine.LOG = []
-        rc, stdout = cli(*PAIR, "--methods", "dspark,sparklingtree", "--budgets", "16", "--datasets",
-                         "mbpp,mt-bench", "--max-samples", "2", "--max-new-tokens", "8", "--repeats", "3", "--no-plots",
-                         "--out", str(out))
-    return types.SimpleNamespace(rc=rc, out=out, stdout=stdout, log=FakeEngine.LOG,
-                                 js=json.loads((out / "results.json").read_text()))
-
-
-def test_fake_run_interleaves_and_summarizes(reused):
-    assert reused.rc == 0, reused.stdout
+        (tmp_path / name).write_bytes(b"old")
+    (tmp_path / "my_notes.txt").write_text("keep me")
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 1.0, 1.0))
+    rc, stdout = cli(*PAIR, "--methods", "dspark,sparklingtree", "--budgets", "16", "--datasets", "mbpp,mt-bench",
+                     "--max-samples", "2", "--max-new-tokens", "8", "--repeats", "3", "--no-plots", "--out",
+                     str(tmp_path))
+    js = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0, stdout
     labels = ["ar", "dspark", "sparklingtree@16"]
-    assert reused.js["setup"]["labels"] == labels and "ar was added" in " ".join(reused.js["notes"])
+    assert js["setup"]["labels"] == labels and "ar was added" in " ".join(js["notes"])
     one = [(lab, 1, kind) for lab in labels for kind in ("full", "prefill")]
     stages = [(lab, 1, "stages") for lab in labels[1:]]
     warm = one[:2] + one[2:4] + stages[:1] + one[4:] + stages[1:]  # warm-ups with the stage functions
     # then per batch 3 interleaved repetitions (A B C, A B C); the first batch of each set gets a stage pass
-    assert reused.log == warm + (one * 3 + stages + one * 3) * 2
-    for r in reused.js["records"]:
-        assert len(r["run_seconds"]) == 3 and r["output_tokens"] == 8
-    row = next(r for r in reused.js["summary"] if (r["dataset"], r["label"]) == ("all", "dspark"))
+    assert fake == warm + (one * 3 + stages + one * 3) * 2
+    assert all(len(r["run_seconds"]) == 3 and r["output_tokens"] == 8 for r in js["records"])
+    row = next(r for r in js["summary"] if (r["dataset"], r["label"]) == ("all", "dspark"))
     assert row["tau_pooled"] == 2.0 and row["same_as_ar"] == 1.0 and row["n_samples"] == 4
     assert row["accept_rate"][:2] == [1.0, 0.0] and row["stage_ms_per_round"]["verify"] == pytest.approx(0.5)
-    assert "WARNING: the load average reached 99.0" in reused.stdout
-    assert reused.js["setup"]["timing"]["load_average_max"] == 99.0
-
-
-def test_reused_out_drops_stale_outputs_and_keeps_user_files(reused):
-    assert {p.name for p in reused.out.iterdir()} == {"results.json", "results.csv", "my_notes.txt"}
-    assert (reused.out / "my_notes.txt").read_text() == "keep me"
-    with open(reused.out / "results.csv", newline="") as f:
+    assert "WARNING: the load average reached 99.0" in stdout and js["setup"]["timing"]["load_average_max"] == 99.0
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.csv", "my_notes.txt"}
+    assert (tmp_path / "my_notes.txt").read_text() == "keep me"
+    with open(tmp_path / "results.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 9  # 2 sets + all, 3 methods
 
 
-def test_ctrl_c_keeps_whole_batches(fake, tmp_path, monkeypatch):
-    flaky, calls = interrupting(harness.time_batch, 3)  # both mbpp batches done; the first mt-bench one interrupted
-    monkeypatch.setattr(harness, "time_batch", flaky)
+@pytest.mark.parametrize("argv, table, kept, note", [
+    # both mbpp batches done; the first mt-bench one interrupted
+    ([*PAIR, "--methods", "ar,dspark", "--datasets", "mbpp,mt-bench", "--max-samples", "2"], "results.csv",
+     {("mbpp", None, 0), ("mbpp", None, 1)}, "cover the 2 sample(s)"),
+    # both size-1 batches done; the size-2 batch interrupted
+    ([*SWEEP, "--batch-sizes", "1,2,3"], "batch_sweep.csv", {("all", 1, 0), ("all", 1, 1)}, "size 1 #1"),
+], ids=["per-set", "sweep"])
+def test_ctrl_c_keeps_whole_batches(fake, tmp_path, monkeypatch, argv, table, kept, note):
+    calls = interrupt_at(monkeypatch, 3)
     (tmp_path / "tau_speedup.png").write_bytes(b"old")
-    rc, stdout = cli(*PAIR, "--methods", "ar,dspark", "--datasets", "mbpp,mt-bench", "--max-samples", "2",
-                     "--out", str(tmp_path), "--no-plots")
+    rc, stdout = cli(*argv, "--out", str(tmp_path), "--no-plots")
     assert rc == 130 and len(calls) == 3
     assert "partial results (interrupted) written to" in stdout and "INTERRUPTED" in stdout
     js = json.loads((tmp_path / "results.json").read_text())
-    assert js["interrupted"] and any("interrupted" in n for n in js["notes"])
-    assert {r["dataset"] for r in js["records"]} == {r["dataset"] for r in js["summary"]} == {"mbpp"}
-    assert len(js["records"]) == 4 and (tmp_path / "results.csv").read_text().count("\n") == 3
-    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.csv"}  # no temp file, no stale plot
+    assert js["interrupted"] and any("interrupted (Ctrl-C)" in n and note in n for n in js["notes"])
+    records, rows = (js["sweep"]["records"], js["sweep"]["rows"]) if js["sweep"] else (js["records"], js["summary"])
+    assert len(records) == 4 and {(r["dataset"], r.get("batch_size"), r["batch"]) for r in records} == kept
+    assert {(r.get("dataset", "all"), r.get("batch_size")) for r in rows} == {k[:2] for k in kept} and len(rows) == 2
+    with open(tmp_path / table, newline="") as f:
+        assert len(list(csv.DictReader(f))) == 2  # 2 methods
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", table}  # no temp file, no stale plot
 
 
 def test_ctrl_c_flag_stops_before_the_next_unit_of_work_and_restores_the_handler(fixture_target, monkeypatch):
     eng = FakeEngine(fixture_target, None, eos=[], temperature=0.0, max_new_tokens=8, cache_size=64, prompt_width=8)
-    FakeEngine.LOG = []
-    stop = runner.Interrupt()
+    FakeEngine.LOG, stop = [], runner.Interrupt()
     stop.requested = True
     with pytest.raises(runner.Stopped):
         runner.time_batch([(eng, MethodConfig("ar"))], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set(),
@@ -288,30 +278,18 @@ def test_every_default_method_has_its_own_stable_style():
     labels = [mc.label for mc in config.method_configs(EvalConfig())[0]]
     assert len({plots.method_style(lab)["color"] for lab in labels}) == len(labels) >= 12  # distinct colours
     assert plots.method_style("ar")["color"] != plots.method_style("sparklingtree-beam@32")["color"]
-    assert report.timing_warnings(harness.EvalResults({}, {}, {}, [], [])) == []  # no timing block, no warning
 
 
 # ----------------------------------------------------------------------------- the batch-size sweep
 
 
-def test_check_batch_sizes_sorts_and_refuses_bad_lists():
-    assert check_batch_sizes("64, 1,16,4") == (1, 4, 16, 64)
-    assert check_batch_sizes([3, 1]) == (1, 3) and check_batch_sizes(2) == (2,)
-    for value, needle in (("", "empty entry"), ("1,,4", "empty entry"), ("1,x", "integers"), ("1.5", "integers"),
-                          ((), "empty list"), ((0,), "positive"), ((1, -4), "positive"), ((1, 2.0), "positive"),
-                          ((True,), "positive"), ((4, 1, 4), "4 is listed twice")):
-        with pytest.raises(EvalError, match="--batch-sizes") as e:
-            check_batch_sizes(value)
-        assert needle in str(e.value), (value, str(e.value))
-
-
 def test_pool_takes_the_sets_in_turn_and_batches_cycle_it():
-    pool = sweep.prompt_pool({"a": [(0, 1, [1]), (1, 2, [2]), (2, 3, [3])], "b": [(5, 6, [9])]})
+    pool = records.prompt_pool({"a": [(0, 1, [1]), (1, 2, [2]), (2, 3, [3])], "b": [(5, 6, [9])]})
     assert [(p[0], p[1]) for p in pool] == [("a", 0), ("b", 5), ("a", 1), ("a", 2)]
-    assert sweep.fill_batches(pool, 1) == [[p] for p in pool]
-    assert sweep.fill_batches(pool, 3) == [[pool[0], pool[1], pool[2]], [pool[3], pool[0], pool[1]]]
-    assert sweep.fill_batches(pool, 6) == [[*pool, pool[0], pool[1]]]  # above N: prompts repeated, cycling
-    assert sweep.fill_batches([], 4) == []
+    assert records.fill_batches(pool, 1) == [[p] for p in pool]
+    assert records.fill_batches(pool, 3) == [[pool[0], pool[1], pool[2]], [pool[3], pool[0], pool[1]]]
+    assert records.fill_batches(pool, 6) == [[*pool, pool[0], pool[1]]]  # above N: prompts repeated, cycling
+    assert records.fill_batches([], 4) == []
 
 
 def _rec(label, size, batch, outs, decode, best, lens=None) -> Record:
@@ -330,7 +308,7 @@ HAND = [_rec("ar", 1, 0, [P0], 0.4, 0.2), _rec("ar", 1, 1, [P1], 0.3, 0.3),
 
 
 def test_throughput_rows_on_hand_made_records():
-    rows = sweep.summarize_sweep(HAND, ["ar", "dspark"], (1, 2), 0.0)
+    rows = records.summarize_sweep(HAND, ["ar", "dspark"], (1, 2), 0.0)
     assert [(r.batch_size, r.label) for r in rows] == [(1, "ar"), (1, "dspark"), (2, "ar"), (2, "dspark")]
     ar1, sp1, ar2, sp2 = rows
     assert ar1.tokens_per_s == pytest.approx(7 / 0.7) and ar1.tokens_per_s_best == pytest.approx(7 / 0.5)
@@ -343,15 +321,15 @@ def test_throughput_rows_on_hand_made_records():
     assert (sp1.same_as_ar, sp2.same_as_ar, ar2.same_as_ar) == (1.0, 0.5, None)
     assert (sp1.same_across_batches, sp2.same_across_batches) == (1.0, 0.5)
     assert sp2.tau_pooled == pytest.approx(2.0)
-    sampled = sweep.summarize_sweep(HAND, ["ar", "dspark"], (1, 2), 0.7)  # sampling: no exactness columns
+    sampled = records.summarize_sweep(HAND, ["ar", "dspark"], (1, 2), 0.7)  # sampling: no exactness columns
     assert all(r.same_as_ar is None and r.same_across_batches is None for r in sampled)
-    notes = sweep.sweep_notes(rows)
+    notes = records.sweep_notes(rows)
     assert any("batch 2/dspark: only 50% of greedy outputs equal ar's" in n for n in notes)
     assert any("batch 1/dspark: decode time not measured for 1 of 2" in n for n in notes)
 
 
 def _results(recs, sizes=(1, 2)) -> EvalResults:
-    block = sweep.sweep_block(recs, ["ar", "dspark"], sizes, [("d", 0, 1, [3, 4]), ("d", 1, 2, [5])], 0.0)
+    block = records.sweep_block(recs, ["ar", "dspark"], sizes, [("d", 0, 1, [3, 4]), ("d", 1, 2, [5])], 0.0)
     return EvalResults(
         config={"temperature": 0.0, "max_new_tokens": 4, "batch_size": 1, "batch_sizes": list(sizes),
                 "max_samples": 2, "repeats": 2},
@@ -381,40 +359,16 @@ def test_outputs_from_a_hand_made_sweep(tmp_path):
     assert f"{(7 / 0.1) / (7 / 0.35):.2f}x" in line  # speedup over ar at batch 2
     assert "batch 1/dspark" in next(ln for ln in table.splitlines() if "timing spread above 25%" in ln)
     assert re.search(r"^batch 2\s+dspark\s", report.compare(back, res), re.M)  # two sweeps compare per size
-
-
-def test_old_results_without_a_sweep_still_load(tmp_path):
-    _results(HAND).save(tmp_path, plots=False)
     d = json.loads((tmp_path / "results.json").read_text())
-    d.pop("sweep")
+    d.pop("sweep")  # an older file, from before the sweep
     d["config"].pop("batch_sizes")
     d["summary"] = [{"dataset": "x", "label": "ar", "n_samples": 1, "tau_pooled": 1.0, "accept_rate": []}]
     (tmp_path / "old.json").write_text(json.dumps(d))
     old = EvalResults.load(tmp_path / "old.json")
     assert old.sweep is None and old.sweep_rows == [] and "sweep" not in old.table()
-    for wrong in ([1], {"rows": [{"label": "ar"}]}, {"rows": "x"}, {"rows": [3]}):
-        d["sweep"] = wrong
-        (tmp_path / "bad.json").write_text(json.dumps(d))
-        with pytest.raises(EvalError, match="sweep"):
-            EvalResults.load(tmp_path / "bad.json")
 
 
-def test_bad_batch_sizes_before_any_work(capsys, no_model, tmp_path):
-    for value, needle in (("0", "positive"), ("=-4", "positive"), ("1,-4", "positive"), ("1,x", "integers"),
-                          ("4,1,4", "twice"), ("", "empty"), (" , ", "empty")):
-        flag = ["--batch-sizes" + value] if value.startswith("=") else ["--batch-sizes", value]
-        bad([*PAIR, "--datasets", "mbpp", *flag, "--out", str(tmp_path)], capsys, "--batch-sizes", needle)
-    for argv in (["--batch-size", "2", "--batch-sizes", "1,2"], ["--batch-sizes", "1,2", "--batch-size", "1"]):
-        line = bad([*PAIR, *argv], capsys, "--batch-sizes", "not allowed")
-        assert re.search(r"--batch-size(?!s)", line), line  # both flags named
-    with pytest.raises(EvalError, match=r"--batch-size 2 and --batch-sizes 1,2"):
-        harness.run(target="t", batch_size=2, batch_sizes=(1, 2))
-    assert not list(tmp_path.iterdir())
-
-
-def test_fake_sweep_rows_cycling_and_exactness(monkeypatch, tmp_path):
-    monkeypatch.setattr(harness, "Engine", FakeEngine)
-    FakeEngine.LOG = []
+def test_fake_sweep_rows_cycling_and_exactness(fake, tmp_path):
     rc, stdout = cli(*SWEEP, "--batch-sizes", "3,1", "--out", str(tmp_path))
     assert rc == 0, stdout
     assert "batch sizes 1,3 (sweep)" in stdout and "throughput_vs_batch.png" in stdout
@@ -433,25 +387,10 @@ def test_fake_sweep_rows_cycling_and_exactness(monkeypatch, tmp_path):
                                                                            for i in range(size)]
             assert len(r["run_seconds"]) == 2 and r["seed"] == r["batch"]
         assert row["same_across_batches"] == 1.0 and row["same_as_ar"] in (None, 1.0)
-        if measured := [r for r in mine if r["decode_seconds"]]:
-            rate = sum(r["output_tokens"] for r in measured) / sum(r["decode_seconds"] for r in measured)
-            assert row["tokens_per_s"] == pytest.approx(rate)
     # warm-up of each new shape before its timed runs; no stage pass in a sweep
     assert FakeEngine.LOG[:4] == [("ar", 1, "full"), ("ar", 1, "prefill"), ("dspark", 1, "full"),
                                   ("dspark", 1, "prefill")]
     assert ("ar", 3, "full") in FakeEngine.LOG and not any(kind == "stages" for *_, kind in FakeEngine.LOG)
-
-
-def test_ctrl_c_during_a_sweep_keeps_the_finished_batches(monkeypatch, tmp_path):
-    monkeypatch.setattr(harness, "Engine", FakeEngine)
-    flaky, calls = interrupting(sweep.time_batch, 3)  # both size-1 batches done; the size-2 batch interrupted
-    monkeypatch.setattr(sweep, "time_batch", flaky)
-    rc, stdout = cli(*SWEEP, "--batch-sizes", "1,2,3", "--no-plots", "--out", str(tmp_path))
-    js = json.loads((tmp_path / "results.json").read_text())
-    assert rc == 130 and len(calls) == 3 and js["interrupted"] and "INTERRUPTED" in stdout
-    assert {(r["batch_size"], r["batch"]) for r in js["sweep"]["records"]} == {(1, 0), (1, 1)}
-    assert [r["batch_size"] for r in js["sweep"]["rows"]] == [1, 1]
-    assert any("interrupted" in n and "size 1 #1" in n for n in js["notes"])
 
 
 # ----------------------------------------------------------------------------- on a subprocess
@@ -514,17 +453,16 @@ def test_no_pytorch_advisory_where_only_the_tokenizer_is_used():
     """transformers' "PyTorch was not found" advisory never shows where only its tokenizers are used (the eval,
     ``python -m sparkjax``); ``python -m sparkjax`` says one compile line per method and what its numbers mean."""
     block = "import sys, types; sys.modules['torch'] = None\n"
+    eval_tok = f"import sparkjax.eval\nsparkjax.text.load_tokenizer({str(TOKENIZER)!r})\n"
     demo_main = ("import sparkjax.__main__ as m\nm.engine.generate = lambda *a, **k: types.SimpleNamespace("
                  "tokens=[[1, 2]] * 3, acceptance_lengths=[[1]] * 3)\n"
                  "sys.exit(m.main(['--methods', 'ar,dspark', '--max-new-tokens', '4']))\n")
-    codes = [block + "import transformers\n", block + demo_main,
-             block + f"import sparkjax.eval\nsparkjax.text.load_tokenizer({str(TOKENIZER)!r})\n"]
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for code in codes]
-    (_, control), (out, err), (_, tok_err) = (p.communicate(timeout=240) for p in procs)
+                              stderr=subprocess.PIPE, text=True) for code in (block + "import transformers\n",
+                                                                             block + eval_tok + demo_main)]
+    (_, control), (out, err) = (p.communicate(timeout=240) for p in procs)
     assert "PyTorch was not found" in control  # the control proves torch is blocked and the message would show
-    assert procs[1].returncode == procs[2].returncode == 0, err + tok_err
-    assert "PyTorch was not found" not in out + err + tok_err
+    assert procs[1].returncode == 0 and "PyTorch was not found" not in out + err, err
     compiling = [ln for ln in out.splitlines() if "compiling" in ln]
     assert len(compiling) == 2 and all(ln.rstrip().endswith(" s") for ln in compiling), out
     assert sum("speed-ups need a large target" in ln for ln in out.splitlines()) == 1

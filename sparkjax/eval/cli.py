@@ -20,40 +20,30 @@ from .runner import sigint_flag
 
 _MAIN = [m for m in engine.METHODS if engine.parse_method(m).speculative and m not in BASELINE_METHODS]
 DESCRIPTION = f"""\
-Benchmark speculative decoding on a target/drafter pair: per prompt set and method, the
-acceptance length tau (pooled and per-response mean), tokens/s and speedup over ar (measured
-in the same run), per-depth acceptance rates and per-stage time per round. Prints a table and
-writes results.json, results.csv and PNG plots to --out.
+Benchmark speculative decoding on a target/drafter pair: per prompt set and method, the acceptance length tau
+(pooled and per-response mean), tokens/s and speedup over ar (measured in the same run), per-depth acceptance
+rates and per-stage time per round. Prints a table and writes results.json, results.csv and PNG plots to --out.
 
-With no argument it runs the demo pair bundled in the package (sparkjax/assets/demo) on its
-three prompt sets: a small Qwen3 target; the drafter dspark_b16, with a Markov head, for
-{', '.join(_MAIN)}; and dflash_b16, without one, for {', '.join(BASELINE_METHODS)}."""
+With no argument it runs the demo pair bundled in the package (sparkjax/assets/demo) on its three prompt sets:
+a small Qwen3 target; the drafter dspark_b16, with a Markov head, for {', '.join(_MAIN)}; and dflash_b16,
+without one, for {', '.join(BASELINE_METHODS)}."""
 
 EPILOG = """\
-timing protocol (docs/eval.md): per batch, --repeats interleaved repetitions of every method, each a
-full run then a prefill-only run; decode time = median(full) - median(prefill-only).
-
-batch-size sweep (--batch-sizes 1,4,16,64): instead of the per-set table, every method runs at every
-batch size on the pool of selected prompts, cycled to fill each batch (size B: ceil(N / B) batches of
-B sequences). Writes results.json (its "sweep" object), batch_sweep.csv and throughput_vs_batch.png.
+timing (docs/eval.md): per batch, --repeats interleaved repetitions of every method, each a full run then a
+prefill-only run; decode time = median(full) - median(prefill-only). The batch-size sweep (--batch-sizes) runs
+every method at every batch size on the selected prompts, cycled to fill each batch, and writes batch_sweep.csv
+and throughput_vs_batch.png instead of results.csv and the per-set plots.
 
 examples:
-  python -m sparkjax.eval
   python -m sparkjax.eval --methods ar,dspark,sparklingtree --budgets 16,64 --datasets stdlib_code,my.jsonl
   python -m sparkjax.eval --target Qwen3-4B --drafter dspark-4b --baseline-drafter dflash-4b --dtype bfloat16 \\
       --datasets gsm8k,mt-bench --max-new-tokens 256 --out runs/q4b
   python -m sparkjax.eval --methods ar,dspark --budgets 16 --batch-sizes 1,4,16,64 --max-samples 2
-  python -m sparkjax.eval --compare runs/a/results.json runs/b/results.json
 
---out is created and tested for writing before any work. Each results file is written atomically;
-outputs an earlier run left in the same folder (results.json, results.csv, batch_sweep.csv, the PNGs) are
-replaced or removed, and no other file is touched.
-
-Ctrl-C stops the run after the current step and writes the batches every method had finished, marked
-interrupted; a second Ctrl-C stops at once.
-
-exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (partial results written, or
-nothing if no batch had finished)."""
+--out is created and tested for writing before any work; each results file is written atomically; outputs an
+earlier run left there are replaced or removed, no other file is touched. Ctrl-C stops after the current step
+and writes the batches every method had finished, marked interrupted; a second Ctrl-C stops at once.
+exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted."""
 
 
 def _count_or_all(text: str):
@@ -67,18 +57,16 @@ def _count_or_all(text: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m sparkjax.eval", description=DESCRIPTION, epilog=EPILOG,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("pair")
-    g.add_argument("--target", metavar="DIR",
-                   help="Hugging Face Qwen3 folder (default: the bundled demo target, sparkjax/assets/demo/target)")
+    g.add_argument("--target", metavar="DIR", help="Hugging Face Qwen3 folder (default: the bundled demo target)")
     g.add_argument("--drafter", metavar="DIR",
                    help="DeepSpec DSpark or z-lab DFlash folder for the speculative methods (default: the demo's "
                         "dspark_b16, with the demo target only; needs --target)")
     g.add_argument("--baseline-drafter", metavar="DIR",
                    help=f"drafter for the methods without a Markov head ({', '.join(BASELINE_METHODS)}) (default: "
                         "--drafter; with the demo target, the demo's dflash_b16; needs --target)")
-    g.add_argument("--tokenizer", metavar="DIR",
-                   help="tokenizer folder for AutoTokenizer (default: the --target folder)")
+    g.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the --target folder)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default: the checkpoint's own; float32 for the bundled demo pair)")
     g = p.add_argument_group("runs")
@@ -86,13 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated methods out of {','.join(engine.METHODS)} (default: all); ar is always run, "
                         "as the speedup reference")
     g.add_argument("--budgets", metavar="LIST",
-                   help=f"tree sizes (nodes per round) for {' / '.join(engine.TREE_METHODS)}; each tree "
-                        f"method runs once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}); an error "
-                        "with chain-only methods")
-    g.add_argument("--top-c", type=int, metavar="C",
-                   help="candidates per depth for tree methods (default: the engine's, max(budget, 32))")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default); > 0 = lossless sampling at that temperature")
+                   help=f"tree sizes (nodes per round) for {' / '.join(engine.TREE_METHODS)}; each tree method runs "
+                        f"once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}); an error with chain-only "
+                        "methods")
+    g.add_argument("--top-c", type=int, metavar="C", help="candidates per depth of a tree (default: the engine's)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = lossless sampling")
     g.add_argument("--datasets", default=ds.DEFAULT, metavar="LIST",
                    help=f"comma-separated bundled sets (the demo's {','.join(ds.DEMO_SETS)}, the default; and, in a "
                         f"source checkout, {','.join(ds.EVAL_SETS)} from ./eval/datasets or ${ds.ENV_VAR}) and/or "
@@ -103,81 +89,60 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                    help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
     batch = g.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=int, metavar="B",
-                       help="prompts decoded together in the per-set run (default: 1)")
-    batch.add_argument("--batch-sizes", metavar="LIST",
-                       help="run the batch-size sweep instead: every method at each of these batch sizes (e.g. "
-                            "1,4,16,64; see below); not with --batch-size")
-    g.add_argument("--seed", type=int, default=0,
-                   help="sampling seed of the first batch, in [0, 2**63); batch i uses seed + i")
+    batch.add_argument("--batch-size", type=int, metavar="B", help="prompts decoded together (default: 1)")
+    batch.add_argument("--batch-sizes", metavar="LIST", help="run the batch-size sweep at these sizes (e.g. 1,4,16,64)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the first batch, in [0, 2**63); batch i uses seed + i")
     g.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                    help="timed repetitions per batch and method, interleaved across methods; the table shows the "
                         f"median and the fastest (default: {DEFAULT_REPEATS})")
     g.add_argument("--stage-samples", type=_count_or_all, default=1, metavar="N",
                    help="prompts per set (the first N with at least one round) that also get the separate, "
                         "instrumented per-stage pass (default: 1; 0: none; 'all')")
-    g.add_argument("--mesh", metavar="DATAxMODEL", default=None,
-                   help="shard generation over a DATA x MODEL device mesh: data parallel over the batch, tensor "
-                        "parallel over heads / FFN (default: one device)")
-    g.add_argument("--fresh-auto", action="store_true",
-                   help="method auto starts every batch from nothing (default: it carries its memory across batches)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="do not stop at EOS (default: stop at the target's generation_config / tokenizer EOS ids)")
+    g.add_argument("--mesh", metavar="DATAxMODEL", help="shard generation over a device mesh (default: one device)")
+    g.add_argument("--fresh-auto", action="store_true", help="auto starts every batch from nothing, not its memory")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS ids")
     g = p.add_argument_group("output")
-    g.add_argument("--out", metavar="DIR",
-                   help="folder for results.json, results.csv and the PNG plots (default: eval/out/<date-time>)")
+    g.add_argument("--out", metavar="DIR", help="output folder (default: eval/out/<date-time>)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
-                   help="print the differences between two results.json files and exit (nothing is run)")
+                   help="print the differences between two results.json files (nothing is run)")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    out = args.out or os.path.join("eval", "out", time.strftime("%Y%m%d-%H%M%S"))
-    return EvalConfig(
-        target=args.target, drafter=args.drafter, baseline_drafter=args.baseline_drafter, tokenizer=args.tokenizer,
-        dtype=args.dtype, methods=args.methods, budgets=args.budgets, top_c=args.top_c,
-        temperature=args.temperature, datasets=args.datasets,
-        max_samples=None if args.max_samples == 0 else args.max_samples, max_new_tokens=args.max_new_tokens,
-        batch_size=1 if args.batch_size is None else args.batch_size, batch_sizes=args.batch_sizes, seed=args.seed,
-        repeats=args.repeats, stage_samples=args.stage_samples, ignore_eos=args.ignore_eos, out=out,
-        plots=not args.no_plots, mesh=args.mesh, fresh_auto=args.fresh_auto,
-    )
+    fields = {k: v for k, v in vars(args).items() if k not in ("no_plots", "no_progress", "compare")}
+    if args.max_samples is not None and args.max_samples < 0:
+        raise EvalError(f"--max-samples: expected a positive integer or 0 (all), got {args.max_samples}")
+    return EvalConfig(**{**fields, "max_samples": args.max_samples or None, "plots": not args.no_plots,
+                         "batch_size": 1 if args.batch_size is None else args.batch_size,
+                         "out": args.out or os.path.join("eval", "out", time.strftime("%Y%m%d-%H%M%S"))})
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
     with sigint_flag():  # Ctrl-C sets a flag the run checks between steps (the previous handler comes back after)
         _startup.check()  # a Ctrl-C while jax was imported: exit 130, nothing written
-        return _main(argv)
-
-
-def _main(argv: list[str] | None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a malformed flag (2, already reported in one line)
-        return int(e.code or 0)
-    try:
-        if args.compare:
-            a, b = (EvalResults.load(p) for p in args.compare)
-            print(compare(a, b, *args.compare))
-            return 0
-        if args.max_samples is not None and args.max_samples < 0:
-            raise EvalError(f"--max-samples: expected a positive integer or 0 (all), got {args.max_samples}")
-        cfg = config_from_args(args)
-        t0 = time.perf_counter()
-        results = run(cfg, progress=not args.no_progress)
-        print(results.table())
-        files = results.setup.get("files", [])
-        state = "partial results (interrupted) written to" if results.interrupted else "wrote"
-        print(f"\n{state} {cfg.out}: " + ", ".join(os.path.basename(f) for f in files))
-        print(f"total time {time.perf_counter() - t0:.1f} s")
-        sys.stdout.flush()
-        return 130 if results.interrupted else 0
-    except SparkjaxError as e:
-        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # before the first batch finished (e.g. while loading): nothing to write
-        print("interrupted before any result (nothing written)", file=sys.stderr)
-        return 130
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # --help (0) or a malformed flag (2, already reported in one line)
+            return int(e.code or 0)
+        try:
+            if args.compare:
+                print(compare(*(EvalResults.load(p) for p in args.compare), *args.compare))
+                return 0
+            cfg = config_from_args(args)
+            t0 = time.perf_counter()
+            results = run(cfg, progress=not args.no_progress)
+            print(results.table())
+            state = "partial results (interrupted) written to" if results.interrupted else "wrote"
+            print(f"\n{state} {cfg.out}: " + ", ".join(os.path.basename(f) for f in results.setup.get("files", [])))
+            print(f"total time {time.perf_counter() - t0:.1f} s")
+            sys.stdout.flush()
+            return 130 if results.interrupted else 0
+        except SparkjaxError as e:
+            print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # before the first batch finished (e.g. while loading): nothing to write
+            print("interrupted before any result (nothing written)", file=sys.stderr)
+            return 130

@@ -48,95 +48,80 @@ class EvalConfig:
     fresh_auto: bool = False
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = False):
     if value is None and allow_none:
         return
-    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value >= 1)
-    if not ok:
+    if not (_is_int(value) and value >= (0 if allow_zero else 1)):
         raise EvalError(f"{name}: expected a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}")
 
 
 def _items(value) -> tuple | None:
-    """A comma-separated string or a sequence as a tuple (None stays None)."""
+    """A comma-separated string, a single int or a sequence as a tuple, empty entries left out (None stays None)."""
     if isinstance(value, str):
         return tuple(x.strip() for x in value.split(",") if x.strip())
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    return None if value is None else tuple(value)
+    return (value,) if _is_int(value) else None if value is None else tuple(value)
+
+
+def _ints(flag: str, value) -> tuple[int, ...] | None:
+    """``--budgets`` / ``--batch-sizes``: distinct positive integers (a comma-separated string or a sequence)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and any(not x.strip() for x in value.split(",")):
+        raise EvalError(f"{flag}: empty entry in {value!r}; expected comma-separated positive integers")
+    items = _items(value)
+    try:
+        items = tuple(int(x) if isinstance(x, str) else x for x in items)
+    except ValueError:
+        raise EvalError(f"{flag}: expected comma-separated positive integers, got {value!r}") from None
+    if not items:
+        raise EvalError(f"{flag}: empty list; expected comma-separated positive integers")
+    for x in items:
+        if not (_is_int(x) and x >= 1):
+            raise EvalError(f"{flag}: expected positive integers, got {x!r} in {list(items)}")
+    dupes = sorted({x for x in items if items.count(x) > 1})
+    if dupes:
+        raise EvalError(f"{flag}: duplicate entry, {dupes[0]} is listed twice in {list(items)}")
+    return items
 
 
 def normalized(cfg: EvalConfig) -> EvalConfig:
     """``cfg`` with the Python API's conveniences resolved: lists and comma-separated strings for methods,
-    datasets and budgets, a single budget as an int, budgets given as strings."""
-    budgets = _items(cfg.budgets)
-    if budgets is not None:
-        try:
-            budgets = tuple(int(b) if isinstance(b, str) else b for b in budgets)
-        except ValueError:
-            raise EvalError(f"--budgets: expected integers, got {cfg.budgets!r}") from None
-    sizes = cfg.batch_sizes if isinstance(cfg.batch_sizes, str) else _items(cfg.batch_sizes)
-    return dataclasses.replace(cfg, methods=_items(cfg.methods), datasets=_items(cfg.datasets), budgets=budgets,
-                               batch_sizes=sizes)
+    datasets, budgets and batch sizes, a single budget as an int; batch sizes in ascending order."""
+    sizes = _ints("--batch-sizes", cfg.batch_sizes)
+    return dataclasses.replace(cfg, methods=_items(cfg.methods), datasets=_items(cfg.datasets),
+                               budgets=_ints("--budgets", cfg.budgets), batch_sizes=sizes and tuple(sorted(sizes)))
 
 
 def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
-    """Validates the method / budget / top-c combination and expands it into benchmark columns, ``ar`` first
-    (added when missing: it is the reference of every speedup); returns them and the notes."""
-    notes: list[str] = []
+    """Validates the method / top-c combination of a :func:`normalized` config and expands it into benchmark
+    columns, ``ar`` first (added when missing: it is the reference of every speedup); returns them and the notes."""
     methods = [m.strip() for m in cfg.methods]
     if not methods or any(not m for m in methods):
         raise EvalError("--methods: empty method name")
     for m in methods:
         if m not in core.METHODS:  # a plain name: budgets come from --budgets
             raise EvalError(f"--methods: unknown method {m!r}; choose from {', '.join(core.METHODS)}")
-    dupes = sorted({m for m in methods if methods.count(m) > 1})
-    if dupes:
-        raise EvalError(f"--methods: {dupes[0]!r} is listed twice")
+        if methods.count(m) > 1:
+            raise EvalError(f"--methods: {m!r} is listed twice")
     trees = [m for m in methods if m in core.TREE_METHODS]
     for flag, value in (("--budgets", cfg.budgets), ("--top-c", cfg.top_c)):
         if value is not None and not trees:
-            given = ",".join(str(v) for v in value) if isinstance(value, tuple | list) else str(value)
+            given = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             raise EvalError(f"{flag}: {given} given, but none of --methods ({','.join(methods)}) builds a tree; "
                             f"{flag} applies only to {', '.join(core.TREE_METHODS)}")
-    budgets = tuple(cfg.budgets) if cfg.budgets is not None else DEFAULT_BUDGETS
-    if not budgets:
-        raise EvalError("--budgets: empty list")
-    for b in budgets:
-        _positive("--budgets", b)
-    if len(set(budgets)) != len(budgets):
-        raise EvalError(f"--budgets: duplicate budget in {list(budgets)}")
     _positive("--top-c", cfg.top_c, allow_none=True)
-    out: list[MethodConfig] = []
-    for m in methods:
-        out += [MethodConfig(m, int(b), cfg.top_c) for b in budgets] if m in trees else [MethodConfig(m)]
+    budgets = cfg.budgets or DEFAULT_BUDGETS
+    out = [MethodConfig(m, b, cfg.top_c) for m in methods for b in (budgets if m in trees else (None,))]
+    notes = []
     if all(mc.speculative for mc in out):
         out.insert(0, MethodConfig(core.AR_LABEL))
         notes.append("ar was added to --methods: it is the reference every speedup is measured against")
     out.sort(key=lambda mc: mc.speculative)  # ar first
     return out, notes
-
-
-def check_batch_sizes(sizes) -> tuple[int, ...]:
-    """Validates ``--batch-sizes`` (a comma-separated string or a sequence of integers); returns them in
-    ascending order, else EvalError naming the flag."""
-    if isinstance(sizes, str):
-        items = [x.strip() for x in sizes.split(",")]
-        if any(not x for x in items):
-            raise EvalError(f"--batch-sizes: empty entry in {sizes!r}; expected comma-separated positive integers")
-        try:
-            sizes = [int(x) for x in items]
-        except ValueError:
-            raise EvalError(f"--batch-sizes: expected comma-separated positive integers, got {sizes!r}") from None
-    sizes = [sizes] if isinstance(sizes, int) and not isinstance(sizes, bool) else list(sizes)
-    if not sizes:
-        raise EvalError("--batch-sizes: empty list; expected comma-separated positive integers, e.g. 1,4,16,64")
-    for b in sizes:
-        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-            raise EvalError(f"--batch-sizes: expected positive integers, got {b!r} in {list(sizes)}")
-    dupes = sorted({b for b in sizes if sizes.count(b) > 1})
-    if dupes:
-        raise EvalError(f"--batch-sizes: batch size {dupes[0]} is listed twice in {list(sizes)}")
-    return tuple(sorted(sizes))
 
 
 def eval_mesh(text: str | None):
@@ -164,14 +149,12 @@ def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[EvalConfig
     _positive("--max-samples", cfg.max_samples, allow_none=True)
     _positive("--max-new-tokens", cfg.max_new_tokens)
     _positive("--batch-size", cfg.batch_size)
-    if cfg.batch_sizes is not None:
-        cfg.batch_sizes = check_batch_sizes(cfg.batch_sizes)
-        if cfg.batch_size != 1:
-            raise EvalError(f"--batch-size {cfg.batch_size} and --batch-sizes {','.join(map(str, cfg.batch_sizes))}: "
-                            "give one of them (--batch-sizes runs the batch-size sweep; --batch-size batches the "
-                            "per-set run)")
+    if cfg.batch_sizes is not None and cfg.batch_size != 1:
+        raise EvalError(f"--batch-size {cfg.batch_size} and --batch-sizes {','.join(map(str, cfg.batch_sizes))}: "
+                        "give one of them (--batch-sizes runs the batch-size sweep; --batch-size batches the "
+                        "per-set run)")
     _positive("--repeats", cfg.repeats)
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < MAX_SEED:
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < MAX_SEED:
         raise EvalError(f"--seed: expected an integer in [0, 2**63), got {cfg.seed!r}")
     _positive("--stage-samples", cfg.stage_samples, allow_none=True, allow_zero=True)
     if not cfg.datasets:

@@ -17,25 +17,19 @@ from ..errors import DatasetError
 ENV_VAR = "SPARKJAX_EVAL_DATASETS"  # a folder holding the EVAL_SETS files (default: ./eval/datasets)
 DEMO_SETS = demo.PROMPT_SETS  # in the package: sparkjax/assets/demo/prompts
 EVAL_SETS = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")  # in the source checkout: eval/datasets
-BUNDLED = DEMO_SETS + EVAL_SETS
 DEFAULT = DEMO_SETS
-KINDS = ("chat", "text")
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptSet:
     """A prompt set: its display ``name``, its file, and its prompts (first turn or raw text) with their line
-    numbers and kinds."""
+    numbers and kinds (``"chat"`` / ``"text"``)."""
 
     name: str
     path: str
     prompts: tuple[str, ...]
     lines: tuple[int, ...]
-    kinds: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if not self.kinds:  # built by hand with chat prompts only
-            object.__setattr__(self, "kinds", ("chat",) * len(self.prompts))
+    kinds: tuple[str, ...]
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -45,10 +39,6 @@ class PromptSet:
         """``"chat"``, ``"text"`` or ``"mixed"``."""
         kinds = set(self.kinds)
         return kinds.pop() if len(kinds) == 1 else "mixed"
-
-
-def is_path(spec: str) -> bool:
-    return spec.endswith((".jsonl", ".json")) or os.sep in spec or "/" in spec or os.path.exists(spec)
 
 
 def resolve(spec: str) -> tuple[str, str]:
@@ -63,29 +53,20 @@ def resolve(spec: str) -> tuple[str, str]:
                                "package, in sparkjax/assets/demo/prompts/; pass the path of a JSONL file instead)")
         return spec, str(path)
     if spec in EVAL_SETS and not os.path.exists(spec):
-        return spec, str(eval_set_file(spec))
-    if is_path(spec):
+        folder = os.environ.get(ENV_VAR, "").strip()
+        path = (pathlib.Path(folder).expanduser() if folder else pathlib.Path.cwd() / "eval" / "datasets")
+        path = path / f"{spec}.jsonl"
+        if not path.is_file():
+            how = f"${ENV_VAR}" if folder else "the current folder's eval/datasets"
+            raise DatasetError(f"--datasets: {spec!r} not found at {path} ({how}): the public sets "
+                               f"{', '.join(EVAL_SETS)} are not installed with the package, they live in a source "
+                               f"checkout's eval/datasets/; run from the checkout's root, set {ENV_VAR}=FOLDER, or "
+                               "pass the path of a JSONL file")
+        return spec, str(path)
+    if spec.endswith((".jsonl", ".json")) or os.sep in spec or "/" in spec or os.path.exists(spec):
         return pathlib.Path(spec).stem, spec
-    raise DatasetError(f"--datasets: {spec!r} is neither a bundled set ({', '.join(BUNDLED)}) nor a .jsonl file path")
-
-
-def eval_sets_dir() -> tuple[pathlib.Path, str]:
-    """The folder searched for :data:`EVAL_SETS` and how it was chosen."""
-    folder = os.environ.get(ENV_VAR, "").strip()
-    if folder:
-        return pathlib.Path(folder).expanduser(), f"${ENV_VAR}"
-    return pathlib.Path.cwd() / "eval" / "datasets", "the current folder's eval/datasets"
-
-
-def eval_set_file(name: str) -> pathlib.Path:
-    """The JSONL file of the public set ``name`` (one of :data:`EVAL_SETS`); DatasetError when it is not there."""
-    folder, how = eval_sets_dir()
-    path = folder / f"{name}.jsonl"
-    if not path.is_file():
-        raise DatasetError(f"--datasets: {name!r} not found at {path} ({how}): the public sets {', '.join(EVAL_SETS)} "
-                           "are not installed with the package, they live in a source checkout's eval/datasets/; run "
-                           f"from the checkout's root, set {ENV_VAR}=FOLDER, or pass the path of a JSONL file")
-    return path
+    raise DatasetError(f"--datasets: {spec!r} is neither a bundled set ({', '.join(DEMO_SETS + EVAL_SETS)}) nor a "
+                       ".jsonl file path")
 
 
 def load(spec: str) -> PromptSet:
@@ -110,11 +91,10 @@ def load(spec: str) -> PromptSet:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
-        prompt, kind = parse_row(row, f"{path}:{number}")
-        rows.append((prompt, number, kind))
+        rows.append((*parse_row(row, f"{path}:{number}"), number))
     if not rows:
         raise DatasetError(f"{path}: no prompts (the file is empty)")
-    prompts, lines, kinds = zip(*rows, strict=True)
+    prompts, kinds, lines = zip(*rows, strict=True)
     return PromptSet(name, str(path), prompts, lines, kinds)
 
 
@@ -143,6 +123,7 @@ def parse_row(row, where: str) -> tuple[str, str]:
 
 
 def load_all(specs: list[str] | tuple[str, ...]) -> list[PromptSet]:
+    """Every set of ``specs``; DatasetError when two share a name."""
     sets = [load(s) for s in specs]
     names = [s.name for s in sets]
     dupes = sorted({n for n in names if names.count(n) > 1})

@@ -73,13 +73,11 @@ class Engine:
 
     def __init__(self, target, drafter, *, eos: list[int], temperature: float, max_new_tokens: int,
                  cache_size: int, prompt_width: int, mesh=None, carry_auto: bool = True):
-        self.target, self.drafter = target, drafter
-        self.eos_ids = list(eos)
-        self.temperature = check_temperature(temperature)
-        self.max_new_tokens = int(max_new_tokens)
-        self.cache_size = int(cache_size)
-        self.prompt_width = int(prompt_width)
+        self.target, self.drafter, self.eos_ids = target, drafter, list(eos)
         self.mesh = mesh  # a jax.sharding.Mesh (data x model) or None: one device
+        self.temperature = check_temperature(temperature)
+        self.max_new_tokens, self.cache_size = int(max_new_tokens), int(cache_size)
+        self.prompt_width = int(prompt_width)
         if mesh is not None:  # place the weights once, not per launch
             check_mesh(mesh, target, drafter)
             place_model(target, mesh)
@@ -105,8 +103,7 @@ class Engine:
         d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
         if p is not None:
             d.update(depth=p.depth, nodes=p.nodes, candidates=p.candidates)
-            d.update({f.name: getattr(p.method, f.name) for f in dataclasses.fields(p.method)
-                      if f.name not in d})
+            d.update({f.name: getattr(p.method, f.name) for f in dataclasses.fields(p.method) if f.name not in d})
         return d
 
     def check_memory(self, mc: MethodConfig, batch_size: int, *, flag: str = "--budgets") -> None:

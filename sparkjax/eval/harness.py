@@ -22,11 +22,11 @@ from .. import engine as core
 from ..errors import EvalError, TokenizerError
 from ..text import encode_prompt, eos_ids
 from . import datasets as ds
-from . import metrics, sweep
+from . import metrics
 from .config import MAX_SEED, EvalConfig, eval_mesh, validate
 from .engine import Engine
 from .pair import DEMO_NOTE, Pair, load_pair, load_tok, param_dtype, resolve_pair
-from .records import Record, is_reference, make_record, summarize
+from .records import Record, fill_batches, is_reference, make_record, prompt_pool, summarize, sweep_block, sweep_notes
 from .results import EvalResults, check_out
 from .runner import Interrupt, LoadMonitor, Stopped, protocol_text, sigint_flag, time_batch, warm_up
 
@@ -82,8 +82,8 @@ def _select(cfg: EvalConfig, sets, tok, tok_src: str, vocab: int, max_pos: int, 
             if len(ids) + cfg.max_new_tokens > max_pos:
                 skipped.append({"dataset": s.name, "index": i, "line": line, "prompt_tokens": len(ids),
                                 "reason": f"prompt + max_new_tokens > max_position_embeddings ({max_pos})"})
-                continue
-            chosen.append((i, line, ids))
+            else:
+                chosen.append((i, line, ids))
         if chosen:
             selected[s.name] = chosen
         else:
@@ -95,6 +95,10 @@ def _select(cfg: EvalConfig, sets, tok, tok_src: str, vocab: int, max_pos: int, 
     if not selected:
         raise EvalError("--datasets: no prompt fits the target's max_position_embeddings; lower --max-new-tokens")
     return selected, skipped
+
+
+def _listed(items: list[str], most: int) -> str:
+    return ", ".join(items[:most]) + (", ..." if len(items) > most else "")
 
 
 class _Run:
@@ -126,44 +130,42 @@ class _Run:
         eos = [] if cfg.ignore_eos else eos_ids(tok, pair.target_dir)
         tc = pair.target.config
         selected, skipped = _select(cfg, sets, tok, tok_src, tc.vocab_size, tc.max_position_embeddings, notes)
-        n_batches = sum(math.ceil(len(rows) / cfg.batch_size) for rows in selected.values())
         if cfg.batch_sizes:  # the sweep: batch j of every size runs with seed + j
             n_batches = math.ceil(sum(len(rows) for rows in selected.values()) / min(cfg.batch_sizes))
+        else:
+            n_batches = sum(math.ceil(len(rows) / cfg.batch_size) for rows in selected.values())
         if cfg.seed + n_batches - 1 >= MAX_SEED:
             raise EvalError(f"--seed: batch i runs with seed + i, and {cfg.seed} + {n_batches - 1} is not below 2**63")
         engines = self.engines(pair, eos, selected)
         self.early_stop()
         setup = self.setup(pair, tok_src, eos, engines, sets, selected, skipped)
-        records: list[Record] = []
-        sweep_records: list[Record] = []
-        pool = sweep.prompt_pool(selected) if cfg.batch_sizes else None
+        done: list[Record] = []
+        pool = prompt_pool(selected) if cfg.batch_sizes else None
         interrupted = False
         try:
             self.loads.sample()
             if pool is not None:
-                sweep.run_sweep(self.units, cfg.batch_sizes, pool, seed=cfg.seed, repeats=cfg.repeats,
-                                warmed=self.warmed, stop=self.stop, roles=self.roles, records=sweep_records,
-                                after_batch=self.loads.sample, progress=self.progress)
+                self.sweep(pool, done)
             else:
-                self.per_set(selected, records)
+                self.per_set(selected, done)
         except (Stopped, KeyboardInterrupt):
             interrupted = True
             if pool is not None:
-                done = sorted({(r.batch_size, r.batch) for r in sweep_records})
-                notes.append(f"interrupted (Ctrl-C): the sweep covers the {len(done)} batch(es) every method had "
-                             f"finished ({', '.join(f'size {b} #{j}' for b, j in done[:8])}"
-                             f"{', ...' if len(done) > 8 else ''})")
+                batches = sorted({(r.batch_size, r.batch) for r in done})
+                notes.append(f"interrupted (Ctrl-C): the sweep covers the {len(batches)} batch(es) every method had "
+                             f"finished ({_listed([f'size {b} #{j}' for b, j in batches], 8)})")
             else:
-                n = len({(r.dataset, s.index) for r in records for s in r.samples})
+                n = len({(r.dataset, s.index) for r in done for s in r.samples})
                 notes.append(f"interrupted (Ctrl-C): the results cover the {n} sample(s) every method had finished")
         setup["timing"] = self.loads.block(cfg.repeats)
         labels = [mc.label for mc in mcs]
+        records = [] if pool is not None else done
         summary = summarize(records, labels, setup["depths"], list(selected), cfg.temperature)
         notes += _notes(records, summary)
         block = None
         if pool is not None:
-            block = sweep.sweep_block(sweep_records, labels, cfg.batch_sizes, pool, cfg.temperature)
-            notes += sweep.sweep_notes(block.rows)
+            block = sweep_block(done, labels, cfg.batch_sizes, pool, cfg.temperature)
+            notes += sweep_notes(block.rows)
             setup["timing"]["order"] = ("interleaved: per (batch size, batch), repetition r runs every method in "
                                         "turn (full run, then prefill-only); no stage pass in a batch-size sweep")
         results = EvalResults(config=dataclasses.asdict(cfg), setup=setup, environment=environment(), summary=summary,
@@ -219,6 +221,15 @@ class _Run:
             "skipped": skipped, "protocol": protocol_text(),
         }
 
+    def time_chunk(self, dataset: str, batch: int, seed: int, chunk, *, stages: bool, **extra) -> list[Record]:
+        """Times ``chunk`` (``(index, line, ids)`` per sequence) with every method: one record per method."""
+        timed = time_batch(self.units, [ids for *_, ids in chunk], seed=seed, repeats=self.cfg.repeats, stages=stages,
+                           warmed=self.warmed, stop=self.stop)
+        done = [make_record(dataset, batch, seed, mc, chunk, timed[mc], drafter=self.roles[mc][0],
+                            drafter_role=self.roles[mc][1], **extra) for mc in self.mcs]
+        self.loads.sample()
+        return done
+
     def per_set(self, selected, records: list[Record]) -> None:
         """Warms every method up on the first batch, then times every set's batches in order."""
         cfg, mcs = self.cfg, self.mcs
@@ -235,28 +246,36 @@ class _Run:
         self.loads.sample()
         batch_no = 0
         for name, rows in selected.items():
-            bar = tqdm(total=len(rows), desc=name, unit="sample", disable=not self.progress)
-            staged = 0  # batches of this set that got the stage pass
-            try:
+            with tqdm(total=len(rows), desc=name, unit="sample", disable=not self.progress) as bar:
+                staged = 0  # batches of this set that got the stage pass
                 for b0 in range(0, len(rows), cfg.batch_size):
                     self.stop.check()
                     chunk = rows[b0 : b0 + cfg.batch_size]
-                    seed = cfg.seed + batch_no
                     stages = cfg.stage_samples is None or staged < cfg.stage_samples
-                    timed = time_batch(self.units, [ids for _, _, ids in chunk], seed=seed, repeats=cfg.repeats,
-                                       stages=stages, warmed=self.warmed, stop=self.stop)
-                    done = [make_record(name, b0 // cfg.batch_size, seed, mc, chunk, timed[mc],
-                                        drafter=self.roles[mc][0], drafter_role=self.roles[mc][1]) for mc in mcs]
+                    done = self.time_chunk(name, b0 // cfg.batch_size, cfg.seed + batch_no, chunk, stages=stages)
                     records.extend(done)  # a batch counts once every method has run it
-                    self.loads.sample()
                     staged += any(r.stage for r in done)
                     batch_no += 1
                     bar.update(len(chunk))
                     taus = [f"{mc.label}={_tau(records, name, mc.label):.2f}" for mc in mcs if mc.speculative]
                     if taus:
                         bar.set_postfix_str("tau " + " ".join(taus))
-            finally:
-                bar.close()
+
+    def sweep(self, pool, records: list[Record]) -> None:
+        """The batch-size sweep: every method at every batch size on the cycled pool (see
+        :func:`~sparkjax.eval.records.fill_batches`), one record per (batch size, batch, method) once every method
+        has run that batch."""
+        plan = [(b, j, batch) for b in self.cfg.batch_sizes for j, batch in enumerate(fill_batches(pool, b))]
+        with tqdm(plan, desc="batch-size sweep", unit="batch", disable=not self.progress) as bar:
+            for size, j, entries in bar:
+                self.stop.check()
+                bar.set_postfix_str(f"batch size {size}")
+                done = self.time_chunk("all", j, self.cfg.seed + j, [e[1:] for e in entries], stages=False,
+                                       batch_size=size)
+                for rec in done:
+                    for slot, (s, entry) in enumerate(zip(rec.samples, entries, strict=True)):
+                        s.dataset, s.slot = entry[0], slot
+                records.extend(done)
 
 
 def _tau(records: list[Record], dataset: str, label: str) -> float:
@@ -268,15 +287,14 @@ def _notes(records: list[Record], summary) -> list[str]:
     notes = []
     unmeasured = [f"{r.dataset}/{r.label}#{r.batch}" for r in records if r.timed and r.decode_seconds is None]
     if unmeasured:
-        notes.append(f"decode time not measured for {len(unmeasured)} batch(es) ({', '.join(unmeasured[:6])}"
-                     f"{', ...' if len(unmeasured) > 6 else ''}): the prefill-only runs took at least as long as the "
-                     "full runs (a busy machine?); they are left out of TPOT, tok/s and speedup")
-    ended = [(r.dataset, s.index) for r in records if is_reference(r.label) for s in r.samples
+        notes.append(f"decode time not measured for {len(unmeasured)} batch(es) ({_listed(unmeasured, 6)}): the "
+                     "prefill-only runs took at least as long as the full runs (a busy machine?); they are left out "
+                     "of TPOT, tok/s and speedup")
+    ended = [f"{r.dataset}#{s.index}" for r in records if is_reference(r.label) for s in r.samples
              if s.output_tokens <= 1]
     if ended:
-        notes.append(f"{len(ended)} response(s) ended at their first token ({', '.join(f'{d}#{i}' for d, i in ended)}):"
-                     " no round, so they add nothing to tau, and a batch made only of such responses is left out of"
-                     " TPOT")
+        notes.append(f"{len(ended)} response(s) ended at their first token ({', '.join(ended)}): no round, so they "
+                     "add nothing to tau, and a batch made only of such responses is left out of TPOT")
     for row in summary:
         if row.same_as_ar is not None and row.same_as_ar < 1:
             notes.append(f"{row.dataset}/{row.label}: only {100 * row.same_as_ar:.0f}% of greedy outputs equal ar's "

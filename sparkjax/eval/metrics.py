@@ -36,54 +36,42 @@ def accept_rates(accepted_per_depth: Iterable[Sequence[int]], rounds: Iterable[i
     return [h / total if total else math.nan for h in hits]
 
 
-def tpot(decode_seconds: float | None, output_tokens: int) -> float:
-    """Seconds per output token (NaN without tokens or without a measured, positive decode time)."""
-    if decode_seconds is None or not (decode_seconds > 0) or output_tokens <= 0:
-        return math.nan
-    return decode_seconds / output_tokens
+def finite(x) -> bool:
+    """A finite number (not a bool, None or NaN)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def mean_tpot(decode_seconds: Sequence[float], output_tokens: Sequence[int]) -> float:
+def measured(x, *, allow_zero: bool = False) -> bool:
+    """A measured, usable time, count or spread: a finite number > 0 (>= 0 with ``allow_zero``); None is not."""
+    return finite(x) and (x >= 0 if allow_zero else x > 0)
+
+
+def ratio(a, b) -> float:
+    """``a / b`` when both are measured (:func:`measured`), else NaN: TPOT (seconds, tokens), tok/s (tokens,
+    seconds), speedup (TPOT(ar), TPOT(method))."""
+    return a / b if measured(a) and measured(b) else math.nan
+
+
+def mean_tpot(decode_seconds: Sequence[float | None], output_tokens: Sequence[int]) -> float:
     """The mean over timed units (responses, or batches when batching) of their TPOT, as upstream averages it."""
-    values = [tpot(s, n) for s, n in zip(decode_seconds, output_tokens, strict=True) if n > 0]
+    values = [ratio(s, n) for s, n in zip(decode_seconds, output_tokens, strict=True)]
     values = [v for v in values if not math.isnan(v)]
     return sum(values) / len(values) if values else math.nan
 
 
-def speedup(tpot_ar: float, tpot_method: float) -> float:
-    """TPOT(ar) / TPOT(method): how many times faster than the target alone."""
-    if tpot_ar is None or tpot_method is None or not (tpot_method > 0) or not (tpot_ar > 0):
-        return math.nan
-    return tpot_ar / tpot_method
-
-
-def decode_seconds(run_seconds: Sequence[float], prefill_seconds: Sequence[float]) -> float | None:
-    """Decode time of one timed unit: median full run - median prefill-only run (None when not positive)."""
+def decode_seconds(run_seconds: Sequence[float], prefill_seconds: Sequence[float], *,
+                   best: bool = False) -> float | None:
+    """Decode time of one timed unit: median full run - median prefill-only run (``best``: fastest - fastest);
+    None when not positive."""
     if not run_seconds or not prefill_seconds:
         return None
-    d = statistics.median(run_seconds) - statistics.median(prefill_seconds)
+    pick = min if best else statistics.median
+    d = pick(run_seconds) - pick(prefill_seconds)
     return d if d > 0 else None
-
-
-def decode_seconds_min(run_seconds: Sequence[float], prefill_seconds: Sequence[float]) -> float | None:
-    """The best-case decode time: fastest full run - fastest prefill-only run (None when not positive)."""
-    if not run_seconds or not prefill_seconds:
-        return None
-    d = min(run_seconds) - min(prefill_seconds)
-    return d if d > 0 else None
-
-
-def rate(tpot_seconds: float) -> float:
-    """Tokens per second = 1 / TPOT (NaN for a TPOT that is not a positive number)."""
-    return 1.0 / tpot_seconds if isinstance(tpot_seconds, int | float) and tpot_seconds > 0 else math.nan
 
 
 def stage_ms_per_round(stage_seconds: Sequence[dict[str, float]], iterations: Sequence[int]) -> dict[str, float]:
     """Per-stage milliseconds per round: summed stage seconds / summed rounds (loop iterations)."""
     n = sum(int(i) for i in iterations)
-    names: list[str] = []
-    for s in stage_seconds:
-        names += [k for k in s if k not in names]
-    if not n:
-        return {k: math.nan for k in names}
-    return {k: 1000.0 * sum(s.get(k, 0.0) for s in stage_seconds) / n for k in names}
+    names = list(dict.fromkeys(k for s in stage_seconds for k in s))
+    return {k: 1000.0 * sum(s.get(k, 0.0) for s in stage_seconds) / n if n else math.nan for k in names}

@@ -27,7 +27,6 @@ from .engine import MethodConfig
 # auto adapts to its drafter, so it runs with the drafter
 BASELINE_METHODS = tuple(m for m in (*core.CHAIN_METHODS, *core.TREE_METHODS) if m not in core.MARKOV_METHODS)
 
-
 DEMO_NOTE = (
     "The default pair is the bundled demo pair: a small Qwen3 (4 layers, d=256, a 4k byte-level BPE vocabulary) "
     "trained from scratch on Python's stdlib sources, Python docs and synthetic math, with block-16 drafters "
@@ -38,21 +37,8 @@ DEMO_PARTS = {"target": "target", "drafter": "dspark_b16", "baseline": "dflash_b
 
 
 def demo_dir(part: str) -> pathlib.Path:
-    """A folder of the bundled demo pair (``"target"``, ``"drafter"``, ``"baseline"``), under
-    :data:`sparkjax.demo.DEMO_DIR` as it is when called."""
+    """A folder of the bundled demo pair (a key of :data:`DEMO_PARTS`) under :data:`sparkjax.demo.DEMO_DIR`."""
     return bundled.DEMO_DIR / DEMO_PARTS[part]
-
-
-def require_demo(*parts: str) -> None:
-    """Raises one EvalError naming every missing demo folder of ``parts`` (no config.json + *.safetensors)."""
-    missing = [str(demo_dir(p)) for p in parts
-               if not ((demo_dir(p) / "config.json").is_file() and any(demo_dir(p).glob("*.safetensors")))]
-    if missing:
-        raise EvalError(
-            f"the bundled demo pair is incomplete: {', '.join(missing)} not found (no config.json + *.safetensors); "
-            "pass --target and --drafter to run another pair, e.g. (from a source checkout) --target "
-            "tests/fixtures/tiny_dspark_b16/target --drafter tests/fixtures/tiny_dspark_b16/drafter --tokenizer "
-            "eval/default_pair/tokenizer")
 
 
 def uses_baseline(mc: MethodConfig) -> bool:
@@ -115,11 +101,18 @@ def resolve_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=No
             demo_parts.append("baseline")
     need_baseline = b_src is not None and any(uses_baseline(mc) for mc in mcs)
     need_drafter = any(mc.speculative and not (need_baseline and uses_baseline(mc)) for mc in mcs)
-    notes: list[str] = []
+    notes = []
     if b_given and not need_baseline:
         notes.append(f"--baseline-drafter is not used: none of the methods run uses it ({', '.join(BASELINE_METHODS)})")
     needed = {"target": True, "drafter": need_drafter, "baseline": need_baseline}
-    require_demo(*(p for p in demo_parts if needed[p]))
+    missing = [str(demo_dir(p)) for p in demo_parts if needed[p]
+               and not ((demo_dir(p) / "config.json").is_file() and any(demo_dir(p).glob("*.safetensors")))]
+    if missing:
+        raise EvalError(
+            f"the bundled demo pair is incomplete: {', '.join(missing)} not found (no config.json + *.safetensors); "
+            "pass --target and --drafter to run another pair, e.g. (from a source checkout) --target "
+            "tests/fixtures/tiny_dspark_b16/target --drafter tests/fixtures/tiny_dspark_b16/drafter --tokenizer "
+            "eval/default_pair/tokenizer")
     return {"t_src": t_src, "t_dir": t_dir, "default": default, "d_src": d_src, "b_src": b_src,
             "need_drafter": need_drafter, "need_baseline": need_baseline, "notes": notes}
 

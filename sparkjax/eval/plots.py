@@ -11,6 +11,7 @@ import numpy as np
 from ..engine.methods import AR_LABEL, METHODS
 from ..engine.round import STAGES
 from ..io.atomic import atomic_file
+from .metrics import finite
 from .records import is_reference
 
 STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
@@ -23,28 +24,22 @@ _MARKERS = ("o", "s", "^", "D", "v", "P")
 _HATCHES = ("", "//", "..", "xx", "\\\\", "++")
 
 
-def _mix(color: str, other: str, t: float) -> str:
-    a = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
-    b = [int(other[i : i + 2], 16) for i in (1, 3, 5)]
-    return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(a, b, strict=True))
+def _hash(text: str) -> int:
+    return int(hashlib.md5(text.encode()).hexdigest(), 16)
 
 
 def method_style(label: str) -> dict:
     """The plot style of a method label (``"ar"``, ``"dspark"``, ``"sparklingtree@32"``, ...): ``color``,
     ``linestyle``, ``marker`` and ``hatch``. Stable: a function of the label only."""
     family, _, budget = label.partition("@")
-    if family in METHODS:
-        base = _PALETTE[METHODS.index(family) % len(_PALETTE)]
-    else:  # a name the engine does not know (an older results file): a fixed colour picked from the name
-        base = _PALETTE[int(hashlib.md5(family.encode()).hexdigest(), 16) % len(_PALETTE)]
+    # a name the engine does not know (an older results file): a fixed colour picked from the name
+    base = _PALETTE[(METHODS.index(family) if family in METHODS else _hash(family)) % len(_PALETTE)]
     if not budget:
         return {"color": base, "linestyle": "-", "marker": "o", "hatch": ""}
-    try:
-        level = max(0, round(math.log2(int(budget))) - 4)  # 16 -> 0, 32 -> 1, 64 -> 2, ...
-    except ValueError:
-        level = int(hashlib.md5(budget.encode()).hexdigest(), 16) % 6
+    level = max(0, round(math.log2(int(budget))) - 4) if budget.isdigit() else _hash(budget) % 6  # 16 -> 0, 32 -> 1
     shade = (-0.45, 0.0, 0.4, -0.25, 0.2, 0.55)[level % 6]  # < 0: towards white, > 0: towards black
-    color = _mix(base, "#ffffff", -shade) if shade < 0 else _mix(base, "#000000", shade)
+    a, b = ([int(c[i : i + 2], 16) for i in (1, 3, 5)] for c in (base, "#ffffff" if shade < 0 else "#000000"))
+    color = "#" + "".join(f"{round(x + (y - x) * abs(shade)):02x}" for x, y in zip(a, b, strict=True))
     return {"color": color, "linestyle": _LINESTYLES[(level + 1) % len(_LINESTYLES)],
             "marker": _MARKERS[(level + 1) % len(_MARKERS)], "hatch": _HATCHES[(level + 1) % len(_HATCHES)]}
 
@@ -73,37 +68,41 @@ def _subtitle(results) -> str:
 
 
 def _val(x) -> float:
-    return float(x) if isinstance(x, int | float) and math.isfinite(x) else float("nan")
+    return float(x) if finite(x) else math.nan
+
+
+def _row(results, dataset: str, label: str):
+    return next((r for r in results.rows(dataset) if r.label == label), None)
+
+
+def _finish(fig, path, title: str, results) -> pathlib.Path:
+    """Titles the figure and writes it atomically (a temp file renamed into place)."""
+    fig.suptitle(f"{title}\n{_subtitle(results)}", fontsize=9)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return pathlib.Path(path)
 
 
 def acceptance_plot(results, path) -> pathlib.Path:
     """accept_rate@k against depth k, one line per method, one panel per dataset (+ all)."""
     sets = list(dict.fromkeys(r.dataset for r in results.summary if r.accept_rate))
-    n = max(len(sets), 1)
-    cols = min(n, 3)
-    rows = math.ceil(n / cols)
+    cols = min(max(len(sets), 1), 3)
+    rows = math.ceil(max(len(sets), 1) / cols)
     fig = _figure(4.6 * cols, 3.4 * rows + 0.6)
-    labels = [lab for lab in results.setup["labels"] if not is_reference(lab)]
     for i, name in enumerate(sets):
         ax = fig.add_subplot(rows, cols, i + 1)
-        for label in labels:
-            row = next((r for r in results.rows(name) if r.label == label), None)
-            if not row or not row.accept_rate:
+        for label in results.setup["labels"]:
+            row = _row(results, name, label)
+            if is_reference(label) or not row or not row.accept_rate:
                 continue
-            k = np.arange(1, len(row.accept_rate) + 1)
             st = method_style(label)
-            ax.plot(k, [_val(x) for x in row.accept_rate], marker=st["marker"], ms=3, ls=st["linestyle"],
-                    label=label, color=st["color"])
-        ax.set_title(f"{name}")
-        ax.set_xlabel("draft depth k")
-        ax.set_ylabel("accept_rate@k (fraction of rounds)")
-        ax.set_ylim(0, 1.02)
+            ax.plot(np.arange(1, len(row.accept_rate) + 1), [_val(x) for x in row.accept_rate], marker=st["marker"],
+                    ms=3, ls=st["linestyle"], label=label, color=st["color"])
+        ax.set(title=name, xlabel="draft depth k", ylabel="accept_rate@k (fraction of rounds)", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         if i == 0:
             ax.legend(fontsize=7)
-    fig.suptitle("Per-depth acceptance: fraction of rounds whose accepted path reached depth k\n" + _subtitle(results),
-                 fontsize=9)
-    return _save(fig, path)
+    return _finish(fig, path, "Per-depth acceptance: fraction of rounds whose accepted path reached depth k", results)
 
 
 def tau_speedup_plot(results, path) -> pathlib.Path:
@@ -117,10 +116,7 @@ def tau_speedup_plot(results, path) -> pathlib.Path:
                                         ("speedup", "speedup over ar = TPOT(ar) / TPOT(method)"))):
         ax = fig.add_subplot(2, 1, p + 1)
         for j, label in enumerate(labels):
-            vals = []
-            for name in sets:
-                row = next((r for r in results.rows(name) if r.label == label), None)
-                vals.append(_val(getattr(row, field)) if row else float("nan"))
+            vals = [_val(getattr(_row(results, name, label), field, None)) for name in sets]
             st = method_style(label)
             ax.bar(x + (j - (len(labels) - 1) / 2) * width, vals, width, label=label, color=st["color"],
                    hatch=st["hatch"] or None, edgecolor="white" if st["hatch"] else None, linewidth=0)
@@ -131,8 +127,7 @@ def tau_speedup_plot(results, path) -> pathlib.Path:
         ax.grid(axis="y", alpha=0.3)
         if p == 0:
             ax.legend(fontsize=7, ncols=min(len(labels), 5))
-    fig.suptitle("tau and speedup per dataset\n" + _subtitle(results), fontsize=9)
-    return _save(fig, path)
+    return _finish(fig, path, "tau and speedup per dataset", results)
 
 
 def stage_plot(results, path) -> pathlib.Path:
@@ -144,16 +139,15 @@ def stage_plot(results, path) -> pathlib.Path:
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
     for stage in STAGES:
-        vals = np.array([_val((r.stage_ms_per_round or {}).get(stage)) for r in rows])
-        ax.bar(x, np.nan_to_num(vals), 0.6, bottom=bottom, label=stage, color=STAGE_COLORS[stage])
-        bottom += np.nan_to_num(vals)
+        vals = np.nan_to_num([_val(r.stage_ms_per_round.get(stage)) for r in rows])
+        ax.bar(x, vals, 0.6, bottom=bottom, label=stage, color=STAGE_COLORS[stage])
+        bottom += vals
     fused = [_val(r.round_ms) for r in rows]
-    if rows and any(v == v for v in fused):
+    if not all(np.isnan(fused)):
         ax.plot(x, fused, "kD", ms=5, label="same round in the fused loop (timed pass)")
     ar = next((r for r in results.rows(scope) if is_reference(r.label)), None)
-    if ar and _val(ar.round_ms) == _val(ar.round_ms):
-        ax.axhline(ar.round_ms, color="k", ls="--", lw=1,
-                   label=f"ar: ms per token, fused loop ({ar.round_ms:.2f})")
+    if ar and not np.isnan(_val(ar.round_ms)):
+        ax.axhline(ar.round_ms, color="k", ls="--", lw=1, label=f"ar: ms per token, fused loop ({ar.round_ms:.2f})")
     for xi, r, top in zip(x, rows, bottom, strict=True):
         ax.text(xi, top, f"tau {_val(r.tau_pooled):.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, [r.label for r in rows], rotation=20, ha="right")
@@ -163,20 +157,18 @@ def stage_plot(results, path) -> pathlib.Path:
     ax.grid(axis="y", alpha=0.3)
     if not rows:
         ax.text(0.5, 0.5, "no instrumented pass in this run", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(f"Time per round by stage ({scope})\n" + _subtitle(results), fontsize=9)
-    return _save(fig, path)
+    return _finish(fig, path, f"Time per round by stage ({scope})", results)
 
 
 def throughput_plot(results, path) -> pathlib.Path:
     """The batch-size sweep: throughput (tokens/s, log scale) against batch size (log2) per method, ar
     included, with a bar from the median to the best case; below, the speedup over ar at each size."""
     rows = results.sweep_rows
-    labels = list(dict.fromkeys(r.label for r in rows))
     sizes = sorted({int(r.batch_size) for r in rows})
     fig = _figure(8.0, 7.5)
     top = fig.add_subplot(2, 1, 1)
     bottom = fig.add_subplot(2, 1, 2, sharex=top)
-    for label in labels:
+    for label in dict.fromkeys(r.label for r in rows):
         mine = sorted((r for r in rows if r.label == label), key=lambda r: r.batch_size)
         xs = np.array([float(r.batch_size) for r in mine])
         med = np.array([_val(r.tokens_per_s) for r in mine])
@@ -195,36 +187,24 @@ def throughput_plot(results, path) -> pathlib.Path:
     top.grid(alpha=0.3, which="both")
     top.legend(fontsize=7)
     bottom.axhline(1.0, color=method_style(AR_LABEL)["color"], lw=1, ls="--", label=AR_LABEL)
-    bottom.set_xlabel("batch size (sequences decoded together)")
-    bottom.set_ylabel("speedup over ar (same batch size)")
+    bottom.set(xlabel="batch size (sequences decoded together)", ylabel="speedup over ar (same batch size)")
     bottom.grid(alpha=0.3)
     bottom.legend(fontsize=7)
     if sizes:
         bottom.set_xticks(sizes, [str(b) for b in sizes])
         bottom.set_xlim(sizes[0] / 1.4, sizes[-1] * 1.4)
-    fill = results.sweep.fill
-    fig.suptitle(f"Batch-size sweep: throughput per method (prompts {fill} to fill each batch)\n"
-                 + _subtitle(results), fontsize=9)
-    return _save(fig, path)
+    return _finish(fig, path, f"Batch-size sweep: throughput per method (prompts {results.sweep.fill} to fill each "
+                   "batch)", results)
 
 
-def _save(fig, path) -> pathlib.Path:
-    """Writes the figure atomically (a temp file renamed into place)."""
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, format="png")
-    return pathlib.Path(path)
-
-
-def make_plots(results, folder, written: list | None = None) -> list[pathlib.Path]:
+def make_plots(results, folder, written: list) -> list[pathlib.Path]:
     """Writes the PNGs into ``folder``: the three per-set plots when there is a summary, and
     ``throughput_vs_batch.png`` when there is a batch-size sweep; each path is appended to ``written`` as soon
     as it exists."""
-    folder = pathlib.Path(folder)
-    written = [] if written is None else written
     plots = [(acceptance_plot, "acceptance_per_depth.png"), (tau_speedup_plot, "tau_speedup.png"),
              (stage_plot, "stage_time.png")] if results.summary else []
     if results.sweep_rows:
         plots.append((throughput_plot, "throughput_vs_batch.png"))
     for plot, name in plots:
-        written.append(plot(results, folder / name))
+        written.append(plot(results, pathlib.Path(folder) / name))
     return written

@@ -24,6 +24,14 @@ OUTPUT_FILES = ("results.json", "results.csv", "acceptance_per_depth.png", "tau_
 FORMAT = "sparkjax.eval/1"
 
 
+def _check_rows(path, rows, where: str, keys: tuple[tuple[str, type], ...]) -> None:
+    """EvalError naming ``path`` unless every row is an object whose ``keys`` have their types."""
+    for i, row in enumerate(rows):
+        if not (isinstance(row, dict) and all(type(row.get(k)) is t for k, t in keys)):
+            names = " and ".join(f"'{k}'" for k, _ in keys)
+            raise EvalError(f"{path}: {where}[{i}] is not a {where.split('.')[0]} row (an object with {names})")
+
+
 @dataclasses.dataclass
 class EvalResults:
     """Everything a run measured: ``summary`` (a :class:`Row` per (dataset, method), plus ``all`` rows),
@@ -59,16 +67,13 @@ class EvalResults:
         """Reads a ``results.json`` (EvalError naming the file when it is not one)."""
         try:
             d = read_json(path, EvalError, "results file")
+        except EvalError:
+            raise
         except (RecursionError, ValueError, OSError) as e:
-            if isinstance(e, EvalError):
-                raise
             raise EvalError(f"{path}: cannot read JSON ({type(e).__name__})") from None
         if not isinstance(d.get("summary"), list) or not isinstance(d.get("config"), dict):
             raise EvalError(f"{path}: not a sparkjax.eval results.json (no 'summary' list / 'config' object)")
-        for i, row in enumerate(d["summary"]):
-            if not (isinstance(row, dict) and isinstance(row.get("dataset"), str)
-                    and isinstance(row.get("label"), str)):
-                raise EvalError(f"{path}: summary[{i}] is not a summary row (an object with 'dataset' and 'label')")
+        _check_rows(path, d["summary"], "summary", (("dataset", str), ("label", str)))
         for key, kind in (("setup", dict), ("environment", dict), ("records", list), ("notes", list)):
             if key in d and not isinstance(d[key], kind):
                 raise EvalError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'list'}")
@@ -76,12 +81,7 @@ class EvalResults:
         if sweep is not None:
             if not isinstance(sweep, dict) or not isinstance(sweep.get("rows", []), list):
                 raise EvalError(f"{path}: 'sweep' must be a JSON object with a 'rows' list")
-            for i, row in enumerate(sweep.get("rows", [])):
-                row = row if isinstance(row, dict) else {}
-                size = row.get("batch_size")
-                if not (isinstance(row.get("label"), str) and isinstance(size, int) and not isinstance(size, bool)):
-                    raise EvalError(f"{path}: sweep.rows[{i}] is not a sweep row (an object with 'batch_size' and "
-                                    "'label')")
+            _check_rows(path, sweep.get("rows", []), "sweep.rows", (("batch_size", int), ("label", str)))
         try:
             return cls(config=d["config"], setup=d.get("setup", {}), environment=d.get("environment", {}),
                        summary=[Row.from_dict(r) for r in d["summary"]],
@@ -126,7 +126,11 @@ class EvalResults:
                     self.notes.append(f"plots incomplete: {type(e).__name__}: {e}")
         except OSError as e:
             raise EvalError(f"--out: cannot write to {folder} ({e.strerror or e})") from None
-        remove_stale_outputs(folder, keep=[p.name for p in paths])
+        for name in OUTPUT_FILES:  # an earlier run's outputs this run did not write
+            stale = folder / name
+            if stale not in paths and stale.is_file() and not stale.is_symlink():
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
         return [str(p) for p in paths]
 
 
@@ -149,12 +153,3 @@ def check_out(out: str | os.PathLike) -> pathlib.Path:
     except OSError as e:
         raise EvalError(f"--out: cannot write to {folder} ({e.strerror or e})") from None
     return folder
-
-
-def remove_stale_outputs(folder: str | os.PathLike, keep: list[str]) -> None:
-    """Removes the files of :data:`OUTPUT_FILES` in ``folder`` that are not in ``keep``."""
-    for name in OUTPUT_FILES:
-        path = pathlib.Path(folder) / name
-        if name not in keep and path.is_file() and not path.is_symlink():
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()

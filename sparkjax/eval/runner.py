@@ -2,30 +2,27 @@
 
 Timing protocol (per batch of prompts):
 
-1. Warm-up: before a shape is timed, every method is compiled and run once on it (a full run and a
-   prefill-only run), and all of a batch's warm-ups come before any of its timed runs.
-2. Timed pass, interleaved (:func:`sparkjax.bench.timing.interleave`): for repetition r = 1..repeats, every
-   method in turn (A B C, A B C, not A A B B C C) runs (a) the full generation, the engine's one jitted loop
-   with no host sync, and right after it (b) a prefill-only run of the same compiled program with
-   ``max_new_tokens = 1`` (prefill, first token, drafter context of the prompt, no round). Each run is
-   timed from dispatch to ``jax.block_until_ready``. Method ``auto`` (unless ``fresh_auto``) starts repetition r
-   of a batch from the memory repetition r of the previous batch of the same size ended with: each repetition
-   is one chain of requests through the prompts in order, as a server carries it.
+1. Warm-up: every method is compiled and run once on a shape (a full run and a prefill-only run) before any
+   timed run of it.
+2. Timed pass (:func:`sparkjax.bench.timing.interleave`): for repetition r = 1..repeats, every method in turn
+   (A B C, A B C) runs (a) the full generation, one jitted loop with no host sync, then (b) a prefill-only run
+   of the same compiled program (``max_new_tokens = 1``: prefill, first token, drafter context of the prompt,
+   no round), each timed from dispatch to ``jax.block_until_ready``. Method ``auto`` (unless ``fresh_auto``)
+   starts repetition r from the memory repetition r of the previous batch of the same size ended with.
 3. Decode seconds = median(a) - median(b), the best case min(a) - min(b), the spread (max(a) - min(a)) /
-   median(a). Prefill, the first token and the prompt part of the first draft pass are excluded; round 1's
-   drafter block pass stays in. A difference that is not positive (a busy machine) is "not measured" (None),
-   never 0, and is left out of TPOT, tok/s and speedup.
-4. TPOT = decode seconds / output tokens of the batch (all generated tokens, the first included); a method's
-   TPOT is the mean over its timed batches; tok/s = 1 / TPOT; speedup = TPOT(ar) / TPOT(method), ar timed in
-   the same run, on the same batches, with the same cache size. The table warns when a row's spread exceeds
-   25 % or the 1-minute load average (sampled between batches) exceeded the CPU count.
+   median(a): prefill, the first token and the prompt part of the first draft pass are excluded, round 1's
+   drafter block pass stays in. A difference that is not positive is "not measured" (None), never 0, and is
+   left out of TPOT, tok/s and speedup.
+4. TPOT = decode seconds / output tokens of the batch (the first included); a method's TPOT is the mean over
+   its timed batches; tok/s = 1 / TPOT; speedup = TPOT(ar) / TPOT(method), ar timed in the same run on the
+   same batches. The table warns when a spread exceeds 25 % or the load average (sampled between batches)
+   exceeds the CPU count.
 5. Stage pass (separate, synced, on the first ``stage_samples`` prompts of each set that have a round): the
-   engine's instrumented mode runs the batch stage by stage (draft, tree, verify, commit), blocking after
-   each, so it includes per-call overhead the fused loop does not pay. Its functions are warmed up first.
+   engine's instrumented mode, blocking after each stage (draft, tree, verify, commit); warmed up first.
 
-Ctrl-C: while a run is under :func:`sigint_flag`, SIGINT only sets a flag, which is checked before each unit
-of work (each warm-up, each timed run, each stage pass): the run stops at the next one and keeps the batches
-every method had finished. A second Ctrl-C raises KeyboardInterrupt at once.
+Ctrl-C: under :func:`sigint_flag`, SIGINT only sets a flag, checked before each unit of work (warm-up, timed
+run, stage pass): the run stops there and keeps the batches every method had finished. A second Ctrl-C raises
+KeyboardInterrupt at once.
 """
 
 from __future__ import annotations
@@ -50,18 +47,14 @@ class Stopped(Exception):
 class Interrupt:
     """The Ctrl-C flag of a run, set by the SIGINT handler :func:`sigint_flag` installs."""
 
-    def __init__(self) -> None:
-        self.requested = False
-        self.count = 0
+    requested = False
 
     def handler(self, signum, frame) -> None:
-        self.count += 1
+        if self.requested:
+            raise KeyboardInterrupt
         self.requested = True
-        if self.count == 1:
-            print("\nCtrl-C: stopping after the current step; the finished batches will be written "
-                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-            return
-        raise KeyboardInterrupt
+        print("\nCtrl-C: stopping after the current step; the finished batches will be written "
+              "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
 
     def check(self) -> None:
         if self.requested:
@@ -73,9 +66,8 @@ def sigint_flag():
     """Routes SIGINT to an :class:`Interrupt` flag for the block, then restores the previous handler. Reuses
     the flag when one is already installed; outside the main thread Ctrl-C stays a KeyboardInterrupt."""
     current = signal.getsignal(signal.SIGINT)
-    owner = getattr(current, "__self__", None)
-    if isinstance(owner, Interrupt):
-        yield owner
+    if isinstance(getattr(current, "__self__", None), Interrupt):
+        yield current.__self__
         return
     flag = Interrupt()
     try:
@@ -130,23 +122,25 @@ def warm_up(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: i
 
 
 def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]], *, seed: int, repeats: int,
-               stages: bool, warmed: set, stop: Interrupt | None = None) -> dict[MethodConfig, Timed]:
+               stages: bool, warmed: set, stop: Interrupt) -> dict[MethodConfig, Timed]:
     """Times ``batch`` with every ``(engine, method)`` unit by the protocol above. ``warmed`` holds the shapes
     already compiled (updated here). Raises :class:`Stopped` when ``stop`` is set between two units of work
     (the batch is then dropped whole)."""
-    check = stop.check if stop is not None else (lambda: None)
-    for eng, mc in units:
-        key = eng.shape_key(mc, batch)
+
+    def once(key, fn, *args, **kwargs):  # a warm-up of a shape not yet compiled
         if key not in warmed:
-            check()
-            warm_up(eng, mc, batch, seed=seed, stages=False)
+            stop.check()
+            fn(*args, **kwargs)
             warmed.add(key)
+
+    for eng, mc in units:
+        once(eng.shape_key(mc, batch), warm_up, eng, mc, batch, seed=seed, stages=False)
     last: dict[MethodConfig, Any] = {}
     reps = {mc: 0 for _, mc in units}
 
     def variant(eng, mc, kind: str):
         def go():
-            check()
+            stop.check()
             if kind == "prefill":
                 return eng.launch(mc, batch, seed, prefill_only=True)
             r = reps[mc]
@@ -156,8 +150,8 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             return res
         return go
 
-    variants = {(mc, kind): variant(eng, mc, kind) for eng, mc in units for kind in ("full", "prefill")}
-    stats = interleave(variants, repeats)
+    stats = interleave({(mc, kind): variant(eng, mc, kind) for eng, mc in units for kind in ("full", "prefill")},
+                       repeats)
     out: dict[MethodConfig, Timed] = {}
     for eng, mc in units:
         res = eng.outputs(last[mc], len(batch))
@@ -167,12 +161,8 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             iterations = max((len(t) for t in res.tokens), default=1) - 1
         stage = None
         if stages and mc.speculative and iterations > 0:  # a batch without a round has no stage to time
-            key = (eng.shape_key(mc, batch), "stages")
-            if key not in warmed:
-                check()
-                eng.instrumented(mc, batch, seed)
-                warmed.add(key)
-            check()
+            once((eng.shape_key(mc, batch), "stages"), eng.instrumented, mc, batch, seed)
+            stop.check()
             ins = eng.instrumented(mc, batch, seed)
             stage = {"seconds": ins.stage_seconds, "rounds": max((len(a) for a in ins.acceptance_lengths), default=0),
                      "acceptance_lengths": ins.acceptance_lengths}
