@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparkjax.errors import SparkjaxError
+from sparkjax.cli import run_cli
 from sparkjax.io.atomic import check_destination
 from sparkjax.io.checkpoint import save_model
 from sparkjax.io.hf import load_target
@@ -33,11 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` with the CLI convention: a SparkjaxError prints one line and returns 2."""
-    try:
-        return main(argv)
-    except SparkjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: main(argv))
 
 
 if __name__ == "__main__":

@@ -26,44 +26,32 @@ from sparkjax.errors import ArgumentError, SparkjaxError
 from sparkjax.training import DataError, TrainingError, export_run, train
 from sparkjax.training import cli as train_cli
 from sparkjax.training.data import TokenData
-from sparkjax.training.lm import LMConfig, export_lm, train_lm
+from sparkjax.training.fit import fit
+from sparkjax.training.lm import LMConfig, LMTask, export_lm, train_lm
 from sparkjax.training.outdir import LOCK_NAME, MARKER, RunLock, check_overwritable, drop_metrics_after
-from tests.conftest import TINY_RECIPE, TINY_RUN, tiny_run_config
+from tests.conftest import TINY_RECIPE as RECIPE
+from tests.conftest import TINY_RUN
+from tests.conftest import tiny_run_config as cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE, OVER = TINY_RECIPE, TINY_RUN  # the shared short drafter run: checkpoints at steps 2 and 4
 LM_MODEL = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
     "head_dim": 16, "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 128,
 }
-
-
-def _train_target_module():
-    spec = importlib.util.spec_from_file_location("train_target_cli", os.path.join(ROOT, "train", "train_target.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-train_target = _train_target_module()
-
-
-cfg = tiny_run_config
+QUIET = dict(progress=False, log=lambda m: None)
+_spec = importlib.util.spec_from_file_location("train_target_cli", os.path.join(ROOT, "train", "train_target.py"))
+train_target = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_target)
 
 
 def cli_sets(**kw) -> list[str]:
-    out = []
-    for k, v in {**OVER, **kw}.items():
-        out += ["--set", f"{k}={json.dumps(v)}"]
-    return out
+    return [a for k, v in {**TINY_RUN, **kw}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
 
 
 def lm_cfg(**kw) -> LMConfig:
-    d = dict(model=LM_MODEL, seq_len=16, batch_size=4, steps=4, lr=1e-2, warmup_steps=1, eval_every=2,
-             eval_batches=1, checkpoint_every=2, log_every=1)
-    d.update(kw)
-    return LMConfig(**d)
+    return LMConfig(**{**dict(model=LM_MODEL, seq_len=16, batch_size=4, steps=4, lr=1e-2, warmup_steps=1,
+                              eval_every=2, eval_batches=1, checkpoint_every=2, log_every=1), **kw})
 
 
 def one_error_line(err: str) -> str:
@@ -85,8 +73,13 @@ def survives(folder: str) -> bool:
         return f.read() == "years of work"
 
 
+def steps_of(path: str) -> list[int]:
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
 @pytest.fixture(scope="module")
-def run(tiny_run):
+def run(tiny_run):  # the shared short drafter run: checkpoints at steps 2 and 4
     assert os.path.isfile(os.path.join(tiny_run, "drafter", MARKER))
     return tiny_run
 
@@ -103,8 +96,7 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lm_run(tmp_path_factory, tokens):
     out = str(tmp_path_factory.mktemp("lm"))
-    r = train_lm(lm_cfg(), out, log=lambda *_: None, **tokens)
-    assert r.step == 4
+    assert train_lm(lm_cfg(), out, log=lambda *_: None, **tokens).step == 4
     return out
 
 
@@ -131,13 +123,10 @@ def test_drafter_export_refuses_a_folder_of_user_files(tmp_path, run, capsys):
     assert os.path.isfile(empty / MARKER) and os.path.isfile(empty / "model.safetensors")
     export_run(cfg(), run, "latest", str(empty), log=lambda m: None)
     assert os.path.isfile(empty / MARKER)
-
-
-def test_run_refuses_user_files_where_it_exports_before_training(tmp_path):
-    out = tmp_path / "out"
-    dest = user_folder(out / "drafter")
+    # a run refuses user files where it will export before it trains (a missing target would fail later)
+    dest = user_folder(tmp_path / "out" / "drafter")
     with pytest.raises(ArgumentError, match="drafter.*not empty and was not written by sparkjax"):
-        train(cfg(target=str(tmp_path / "no_target")), str(out), progress=False, log=lambda m: None)
+        train(cfg(target=str(tmp_path / "no_target")), str(tmp_path / "out"), **QUIET)
     assert survives(dest)
 
 
@@ -169,7 +158,7 @@ HOLD_LOCK = textwrap.dedent("""
 """)
 
 
-def test_a_second_run_into_the_same_output_is_refused(tmp_path, tokens, capsys):
+def test_a_second_run_into_the_same_output_is_refused(tmp_path, tokens, run, lm_run, capsys):
     out = str(tmp_path / "busy")
     os.makedirs(out)
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, out], stdout=subprocess.PIPE, text=True, cwd=ROOT,
@@ -177,7 +166,7 @@ def test_a_second_run_into_the_same_output_is_refused(tmp_path, tokens, capsys):
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
         with pytest.raises(TrainingError, match=f"{out} is in use by another training run \\(process {holder.pid}\\)"):
-            train(cfg(), out, progress=False, log=lambda m: None)
+            train(cfg(), out, **QUIET)
         with pytest.raises(TrainingError, match="in use by another training run"):
             train_lm(lm_cfg(), out, log=lambda *_: None, **tokens)
         rc = train_cli.main(["--recipe", RECIPE, "--output", out, *cli_sets(), "--no-progress"])
@@ -188,54 +177,49 @@ def test_a_second_run_into_the_same_output_is_refused(tmp_path, tokens, capsys):
     finally:
         os.kill(holder.pid, signal.SIGKILL)  # a crashed run: the OS releases its lock
         holder.wait()
-    RunLock(out).release()
-    # in one process too (flock is per open file description): a held lock refuses, a released one does not
+    # a run that ended (or was killed) has released its lock; in one process a held lock refuses too (flock is
+    # per open file description) and a released one does not
+    for folder in (out, run, lm_run):
+        RunLock(folder).release()
     with RunLock(out):
         with pytest.raises(TrainingError, match="in use"):
             RunLock(out)
     RunLock(out).release()
 
 
-def test_the_lock_is_released_when_a_run_ends(run, lm_run):
-    for out in (run, lm_run):
-        RunLock(out).release()
-
-
 # ----------------------------------------------------------------------------- 3. output folder and data cache
 
 
-def test_bad_output_folders_are_refused_before_any_work(tmp_path, tokens, monkeypatch, capsys):
+def test_bad_output_folders_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("keep me")
     bogus = cfg(target=str(tmp_path / "no_such_target"))  # any work would fail on the target instead
-    cases = [(str(a_file), "is not a folder"), (str(a_file / "sub"), "cannot be created")]
-    for out, msg in cases:
+
+    def refused(out, msg, cli=True):
         with pytest.raises(TrainingError, match=msg):
-            train(bogus, out, progress=False, log=lambda m: None)
+            train(bogus, out, **QUIET)
         with pytest.raises(TrainingError, match=msg):
             train_lm(lm_cfg(), out, log=lambda *_: None, tokens="missing.npy", heldout="missing.npy")
-        rc = train_cli.main(["--recipe", RECIPE, "--output", out, *cli_sets(), "--no-progress"])
-        line = one_error_line(capsys.readouterr().err)
-        assert rc == 2 and out in line and msg in line
+        if cli:
+            rc = train_cli.main(["--recipe", RECIPE, "--output", out, *cli_sets(), "--no-progress"])
+            line = one_error_line(capsys.readouterr().err)
+            assert rc == 2 and out in line and msg in line
+
+    refused(str(a_file), "is not a folder")
+    refused(str(a_file / "sub"), "cannot be created")
     assert a_file.read_text() == "keep me"
     # a folder of other files with a config.json / metrics.jsonl of its own: a run would overwrite them
     project = tmp_path / "project"
     project.mkdir()
     (project / "config.json").write_text('{"mine": true}')
-    with pytest.raises(TrainingError, match=f"{project} is not a training run folder but holds config.json"):
-        train(bogus, str(project), progress=False, log=lambda m: None)
-    with pytest.raises(TrainingError, match="not a training run folder"):
-        train_lm(lm_cfg(), str(project), log=lambda *_: None, tokens="missing.npy", heldout="missing.npy")
+    refused(str(project), f"{project} is not a training run folder but holds config.json", cli=False)
     assert os.listdir(project) == ["config.json"] and (project / "config.json").read_text() == '{"mine": true}'
     # read-only: tests run as root, so the permission check is simulated
     ro = tmp_path / "ro"
     ro.mkdir()
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(ro) else real(p, mode, **kw))
-    with pytest.raises(TrainingError, match=f"{ro} is not writable"):
-        train(bogus, str(ro), progress=False, log=lambda m: None)
-    with pytest.raises(TrainingError, match="is not writable"):
-        train_lm(lm_cfg(), str(ro), log=lambda *_: None, tokens="missing.npy", heldout="missing.npy")
+    refused(str(ro), f"{ro} is not writable", cli=False)
     assert os.listdir(ro) == []
 
 
@@ -248,6 +232,7 @@ def test_truncated_data_cache_raises_a_data_error_naming_it(tmp_path, run):
         np.load(bad)["input_ids"]
     with pytest.raises(DataError, match=f"{bad}: cannot read token data"):
         TokenData.load(str(bad))
+    assert issubclass(DataError, TrainingError) and issubclass(TrainingError, SparkjaxError)
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04junk")
     with pytest.raises(DataError, match="junk.npz"):
         TokenData.load(str(tmp_path / "junk.npz"))
@@ -289,12 +274,11 @@ def test_damaged_checkpoint_fallback_prints_one_line(tmp_path, run, xla_cache):
     shutil.copytree(run, out)
     zeroed = 0
     for root, _, files in os.walk(os.path.join(out, "checkpoints", "4", "state")):
-        if os.path.basename(root) == "d":  # the array data and b-tree nodes
-            for name in files:
-                path = os.path.join(root, name)
-                with open(path, "r+b") as f:
-                    f.write(b"\0" * os.path.getsize(path))
-                zeroed += 1
+        for name in files if os.path.basename(root) == "d" else ():  # the array data and b-tree nodes
+            path = os.path.join(root, name)
+            with open(path, "r+b") as f:
+                f.write(b"\0" * os.path.getsize(path))
+            zeroed += 1
     assert zeroed > 0
     proc = subprocess.run(
         [sys.executable, "-c", RESUME, "--recipe", RECIPE, "--output", out, *cli_sets(), "--resume", "--no-progress"],
@@ -340,38 +324,27 @@ def test_closed_loop_filter_drops_only_that_report(tmp_path, monkeypatch):
     from sparkjax.io.checkpoint import TrainCheckpointer, _ClosedLoopFilter
 
     seen = []
-
-    def record(report):
-        seen.append(report)
-
-    monkeypatch.setattr(sys, "unraisablehook", record)
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
     _late_tensorstore_read()
     assert len(seen) == 1 and str(seen[0].exc_value) == "Event loop is closed"  # the noise, without the filter
     TrainCheckpointer(str(tmp_path / "ck"), keep_last=1, keep_best=0).close()  # installs the filter
     hook = sys.unraisablehook
-    assert isinstance(hook, _ClosedLoopFilter) and hook.previous is record
+    assert isinstance(hook, _ClosedLoopFilter) and hook.previous == seen.append
     _late_tensorstore_read()
     assert len(seen) == 1 and hook.dropped == 1
     TrainCheckpointer(str(tmp_path / "ck2"), keep_last=1, keep_best=0).close()
     assert sys.unraisablehook is hook  # installed once
     noise = seen[0]
-    other = types.SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError("something else"),
-                                  exc_traceback=noise.exc_traceback, err_msg=None, object=None)
-    with_object = types.SimpleNamespace(exc_type=RuntimeError, exc_value=noise.exc_value,
-                                        exc_traceback=noise.exc_traceback, err_msg=None, object=object())
-    elsewhere = types.SimpleNamespace(exc_type=RuntimeError, exc_value=noise.exc_value, exc_traceback=None,
-                                      err_msg=None, object=None)
-    for report in (other, with_object, elsewhere):
-        hook(report)
-    assert seen[1:] == [other, with_object, elsewhere] and hook.dropped == 1
+    report = dict(exc_type=RuntimeError, exc_value=noise.exc_value, exc_traceback=noise.exc_traceback, err_msg=None,
+                  object=None)
+    others = [types.SimpleNamespace(**{**report, **change}) for change in (
+        {"exc_value": RuntimeError("something else")}, {"object": object()}, {"exc_traceback": None})]
+    for other in others:  # another error, one tied to an object, one raised elsewhere
+        hook(other)
+    assert seen[1:] == others and hook.dropped == 1
 
 
 # ----------------------------------------------------------------------------- 5. metrics after a resume
-
-
-def steps_of(path: str) -> list[int]:
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f]
 
 
 @pytest.mark.parametrize("how", ["killed", "damaged"])
@@ -460,17 +433,10 @@ def test_train_target_cli_mistakes_are_one_line(argv, capsys, tmp_path, monkeypa
     assert not os.path.exists(tmp_path / "y")
 
 
-def test_errors_are_sparkjax_errors():
-    assert issubclass(TrainingError, SparkjaxError) and issubclass(DataError, TrainingError)
-
-
 # ----------------------------------------------------------------------------- 7. one loop: SIGTERM / Ctrl-C stop
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_and_resume_continues(tmp_path, lm_run, tokens):
-    from sparkjax.training.fit import fit
-    from sparkjax.training.lm import LMTask
-
     out = str(tmp_path / "term")
     before = signal.getsignal(signal.SIGTERM)
     messages = []
@@ -484,8 +450,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_and_resume_continues(tmp_path, lm_
     assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
     assert sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit()) == [1]
     assert any("SIGTERM" in m for m in messages)
-    # a second signal stops at once
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
         fit(LMTask(**tokens), lm_cfg(), out, resume=True, log=lambda m: None,
             on_step=lambda step, saved: [os.kill(os.getpid(), signal.SIGINT) for _ in range(2)])
     assert signal.getsignal(signal.SIGTERM) is before

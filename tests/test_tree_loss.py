@@ -1,10 +1,6 @@
-"""The tree-aware training term: ``sparkjax.training.loss.tree_recall`` and the
-``tree_*`` settings of the objective and recipes.
-
-* a hand-computed value on a tiny case, the hard metrics, and the gradient against finite differences;
-* with ``tree_alpha = 0`` the objective is upstream's exactly (the fixture's total), metrics or not;
-* bad settings name the recipe key or the setting.
-"""
+"""The tree-aware training term (``sparkjax.training.loss.tree_recall``, the ``tree_*`` settings): a hand-computed
+value, the hard metrics and the gradient against finite differences; with ``tree_alpha = 0`` the objective is
+upstream's exactly, metrics or not; bad settings name the recipe key or the setting."""
 
 from __future__ import annotations
 
@@ -36,8 +32,8 @@ MASK = np.array([[[True, True, False]]])
 KEEP = np.array([[True]])
 
 
-# jitted (the objective is static): op by op, each of these tests compiled every small op for its shapes
-loss_sums = jax.jit(dspark_loss_sums, static_argnums=6)
+loss_sums = jax.jit(dspark_loss_sums, static_argnums=6)  # the objective is static
+recall = jax.jit(tree_recall, static_argnums=(2, 3))
 
 
 def sums_for(logits, objective):
@@ -47,13 +43,13 @@ def sums_for(logits, objective):
 
 
 def test_tree_recall_by_hand():
-    soft, hard = tree_recall(jnp.asarray(LOGITS), jnp.asarray(LABELS), 1, 1.0)
+    soft, hard = recall(jnp.asarray(LOGITS), jnp.asarray(LABELS), 1, 1.0)
     # slot 0: label 2 (logit 1), best other 2.0 -> outside the top-1; slot 1: label 1 (3), best other 1.0
     # slot 2: label 3 (0), best other 5.0
     np.testing.assert_allclose(soft[0, 0], [sigmoid(-1.0), sigmoid(2.0), sigmoid(-5.0)], rtol=1e-6)
     np.testing.assert_array_equal(hard[0, 0], [0.0, 1.0, 0.0])
     # top-2 at temperature 0.5: slot 0's threshold is the second best other (0.0), slot 1's is 0.5
-    soft2, hard2 = tree_recall(jnp.asarray(LOGITS), jnp.asarray(LABELS), 2, 0.5)
+    soft2, hard2 = recall(jnp.asarray(LOGITS), jnp.asarray(LABELS), 2, 0.5)
     np.testing.assert_allclose(soft2[0, 0, :2], [sigmoid(2.0), sigmoid(5.0)], rtol=1e-6)
     np.testing.assert_array_equal(hard2[0, 0], [1.0, 1.0, 0.0])
 
@@ -103,8 +99,7 @@ def test_tree_term_gradient_matches_finite_differences():
 
 def test_tree_settings_off_keep_upstreams_objective():
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(2, 3, 5, 16)).astype(np.float32)
-    target = rng.normal(size=logits.shape).astype(np.float32)
+    logits, target = rng.normal(size=(2, 2, 3, 5, 16)).astype(np.float32)
     labels = rng.integers(0, 16, size=logits.shape[:-1]).astype(np.int32)
     mask = np.arange(5)[None, None, :] < rng.integers(0, 6, size=(2, 3, 1))
     keep = np.ones((2, 3), bool)

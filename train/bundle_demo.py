@@ -25,18 +25,24 @@ def folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
 
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def last_metrics(run_dir: str, split: str) -> dict | None:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return None
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    rows = [r for r in rows if r.get("split") == split]
+    with open(path) as f:
+        rows = [r for r in map(json.loads, filter(str.strip, f)) if r.get("split") == split]
     return rows[-1] if rows else None
+
+
+def run_record(run: str) -> dict:
+    cfg = os.path.join(run, "config.json")
+    return {"config": read_json(cfg) if os.path.isfile(cfg) else None, "last_train": last_metrics(run, "train"),
+            "last_eval": last_metrics(run, "eval")}
 
 
 def main(argv=None) -> int:
@@ -56,72 +62,44 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not a.drafters_only and (a.target is None or a.corpus is None):
         p.error("--target and --corpus are required (unless --drafters-only)")
-
     import sparkjax
-    from sparkjax.io.atomic import atomic_dir
+    from sparkjax.io.atomic import atomic_dir, atomic_file
 
-    if a.drafters_only:
-        return bundle_drafters(a)
-    target = sparkjax.load_target(a.target)
-    parts = {}
-    with atomic_dir(os.path.join(a.out, "target"), overwrite=True) as tmp:
-        for name in sorted(os.listdir(a.target)):
-            shutil.copy2(os.path.join(a.target, name), os.path.join(tmp, name))
-    parts["target"] = os.path.join(a.out, "target")
-    for name, src in (("dspark_b16", a.dspark), ("dflash_b16", a.dflash)):
-        drafter = sparkjax.load_drafter(src, target=target)
-        parts[name] = sparkjax.save_drafter(drafter, os.path.join(a.out, name), overwrite=True, dtype="bfloat16")
-    total = sum(folder_bytes(x) for x in parts.values())
-    info = {
-        "corpus": json.load(open(os.path.join(a.corpus, "manifest.json"))),
-        "tokenizer_sha256": sha256_file(os.path.join(a.target, "tokenizer.json")),
-        "target_run": {"config": json.load(open(os.path.join(a.target_run, "config.json"))),
-                       "last_train": last_metrics(a.target_run, "train")},
-        "bytes": {k: folder_bytes(v) for k, v in parts.items()},
-    }
-    for name, run in (("dspark_run", a.dspark_run), ("dflash_run", a.dflash_run)):
-        cfg_path = os.path.join(run, "config.json")
-        info[name] = {"config": json.load(open(cfg_path)) if os.path.isfile(cfg_path) else None,
-                      "last_train": last_metrics(run, "train"), "last_eval": last_metrics(run, "eval")}
-    return finish(a, info, total)
-
-
-def finish(a, info: dict, total: int) -> int:
-    """Writes ``training.json`` (atomically), prints the sizes, and refuses a bundle over ``--max-mb``."""
-    tmp = os.path.join(a.out, ".training.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=2)
-    os.replace(tmp, os.path.join(a.out, "training.json"))
-    print(json.dumps({"bytes": info["bytes"], "total_mb": round(total / 2**20, 2)}))
-    if total > a.max_mb * 2**20:
-        print(f"error: the bundle is {total / 2**20:.1f} MiB, over --max-mb {a.max_mb}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def bundle_drafters(a) -> int:
-    """``--drafters-only``: both drafters re-saved in bfloat16 against the bundled target, and their fine-tune
-    runs added to ``training.json``."""
-    import sparkjax
-
-    target = sparkjax.load_target(os.path.join(a.out, "target"))
-    info_path = os.path.join(a.out, "training.json")
-    with open(info_path) as f:
-        info = json.load(f)
-    for name, run in (("dspark_finetune", a.dspark_run), ("dflash_finetune", a.dflash_run)):
-        cfg_path = os.path.join(run, "config.json")
-        if not os.path.isfile(cfg_path):
-            print(f"error: {cfg_path}: no run config (pass the fine-tune's output folder)", file=sys.stderr)
-            return 2
-        info[name] = {"config": json.load(open(cfg_path)), "last_train": last_metrics(run, "train"),
-                      "last_eval": last_metrics(run, "eval")}
+    runs = {"dspark": a.dspark_run, "dflash": a.dflash_run}
+    if a.drafters_only:  # the bundled target and record; the fine-tune runs must have their configs
+        info = read_json(os.path.join(a.out, "training.json"))
+        for kind, run in runs.items():
+            info[f"{kind}_finetune"] = run_record(run)
+            if info[f"{kind}_finetune"]["config"] is None:
+                print(f"error: {os.path.join(run, 'config.json')}: no run config (pass the fine-tune's output "
+                      "folder)", file=sys.stderr)
+                return 2
+        target = sparkjax.load_target(os.path.join(a.out, "target"))
+    else:
+        target = sparkjax.load_target(a.target)
+        with open(os.path.join(a.target, "tokenizer.json"), "rb") as f:
+            tokenizer_sha = hashlib.sha256(f.read()).hexdigest()
+        info = {"corpus": read_json(os.path.join(a.corpus, "manifest.json")), "tokenizer_sha256": tokenizer_sha,
+                "target_run": {"config": read_json(os.path.join(a.target_run, "config.json")),
+                               "last_train": last_metrics(a.target_run, "train")}}
+        info.update({f"{kind}_run": run_record(run) for kind, run in runs.items()})
+        with atomic_dir(os.path.join(a.out, "target"), overwrite=True) as tmp:
+            for name in sorted(os.listdir(a.target)):
+                shutil.copy2(os.path.join(a.target, name), os.path.join(tmp, name))
     drafters = {name: sparkjax.load_drafter(src, target=target)
                 for name, src in (("dspark_b16", a.dspark), ("dflash_b16", a.dflash))}
     parts = {"target": os.path.join(a.out, "target")}
     for name, drafter in drafters.items():
         parts[name] = sparkjax.save_drafter(drafter, os.path.join(a.out, name), overwrite=True, dtype="bfloat16")
     info["bytes"] = {k: folder_bytes(v) for k, v in parts.items()}
-    return finish(a, info, sum(info["bytes"].values()))
+    total = sum(info["bytes"].values())
+    with atomic_file(os.path.join(a.out, "training.json")) as tmp, open(tmp, "w") as f:
+        json.dump(info, f, indent=2)
+    print(json.dumps({"bytes": info["bytes"], "total_mb": round(total / 2**20, 2)}))
+    if total > a.max_mb * 2**20:
+        print(f"error: the bundle is {total / 2**20:.1f} MiB, over --max-mb {a.max_mb}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

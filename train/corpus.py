@@ -153,7 +153,7 @@ def math_problem(rng: random.Random) -> str:
         steps = [f"Each friend gets {total} / {groups} = {per} {item}."]
         ans = per
     elif kind == 3:
-        price, count, paid = rng.randint(2, 15), rng.randint(2, 9), 0
+        price, count = rng.randint(2, 15), rng.randint(2, 9)
         cost = price * count
         paid = cost + rng.randint(0, 50)
         q = (f"{name} buys {count} {item} at {price} dollars each and pays with {paid} dollars. "
@@ -208,9 +208,7 @@ def build(*, stdlib_root: str, docs_root: str, seed: int = 0, math_share: float 
         (held if is_heldout(d["id"], share) else train).append(d)
     rng = random.Random(seed)
     rng.shuffle(train)
-    chars = {}
-    for d in docs:
-        chars[d["source"]] = chars.get(d["source"], 0) + len(d["text"])
+    chars = {s: sum(len(d["text"]) for d in docs if d["source"] == s) for s in dict.fromkeys(d["source"] for d in docs)}
     manifest = {
         "python": sys.version.split()[0],
         "stdlib_root": stdlib_root,
@@ -239,16 +237,13 @@ def split_hash(docs: list[dict]) -> str:
 def write(out: str, train: list[dict], held: list[dict], manifest: dict) -> None:
     """Writes the three files atomically (each to a temporary name, then renamed)."""
     os.makedirs(out, exist_ok=True)
-    for name, rows in (("train.jsonl", train), ("heldout.jsonl", held)):
+    jsonl = lambda rows: "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in rows)  # noqa: E731
+    for name, text in (("train.jsonl", jsonl(train)), ("heldout.jsonl", jsonl(held)),
+                       ("manifest.json", json.dumps(manifest, indent=2))):
         tmp = os.path.join(out, f".{name}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            for d in rows:
-                f.write(json.dumps(d, ensure_ascii=False) + "\n")
+            f.write(text)
         os.replace(tmp, os.path.join(out, name))
-    tmp = os.path.join(out, ".manifest.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2)
-    os.replace(tmp, os.path.join(out, "manifest.json"))
 
 
 def ensure_docs(root: str, install: bool) -> None:

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import os
 import re
@@ -20,12 +22,9 @@ USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 
 def code_prompt(text: str, max_chars: int) -> str:
-    out = []
-    for line in text.splitlines(keepends=True):
-        if sum(map(len, out)) + len(line) > max_chars:
-            break
-        out.append(line)
-    return "".join(out)
+    """The whole lines of ``text`` that fit in ``max_chars`` characters."""
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[: bisect.bisect_right(list(itertools.accumulate(map(len, lines))), max_chars)])
 
 
 def build(corpus: str, code_chars: int, n_math: int) -> dict[str, list[dict]]:

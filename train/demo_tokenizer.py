@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -58,21 +59,15 @@ def save_tokenizer(tok, out: str) -> None:
     fast.model_max_length = 4096
     tmp = out.rstrip("/") + ".tmp"
     fast.save_pretrained(tmp)
-    if os.path.isdir(out):
-        import shutil
-
-        shutil.rmtree(out)
+    shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 
 
 def encode(tok, path: str) -> np.ndarray:
-    eot = tok.token_to_id("<|endoftext|>")
-    texts = list(read_texts(path))
-    out = []
-    for enc in tok.encode_batch(texts):
-        out.append(np.asarray(enc.ids, np.uint16))
-        out.append(np.asarray([eot], np.uint16))
-    return np.concatenate(out)
+    """The documents' ids, each followed by ``<|endoftext|>``."""
+    eot = np.asarray([tok.token_to_id("<|endoftext|>")], np.uint16)
+    return np.concatenate([x for enc in tok.encode_batch(list(read_texts(path)))
+                           for x in (np.asarray(enc.ids, np.uint16), eot)])
 
 
 def main(argv=None) -> int:

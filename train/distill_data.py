@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     import sparkjax
+    from sparkjax.io.atomic import atomic_file
     from sparkjax.text import load_tokenizer
 
     tok = load_tokenizer(a.target, what="--target")
@@ -67,19 +68,13 @@ def main(argv=None) -> int:
         out = sparkjax.generate(target, None, batch, method="ar", max_new_tokens=a.new, prompt_width=a.max_prompt,
                                 cache_size=a.max_prompt + a.new, capacity=a.new, eos_token_ids=eos)
         for i, prompt, cont in zip(idx, batch, out.tokens, strict=True):
-            cont = list(cont)
-            mask = [0] * len(prompt) + [1] * len(cont)
-            rows[i] = {"input_ids": list(prompt) + cont, "loss_mask": mask}
+            rows[i] = {"input_ids": list(prompt) + list(cont), "loss_mask": [0] * len(prompt) + [1] * len(cont)}
         if (b // a.batch) % 10 == 0:
             print(f"{b + len(idx)}/{len(prompts)} sequences, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, a.out)
-    n_new = sum(sum(r["loss_mask"]) for r in rows)
-    seconds = round(time.perf_counter() - t0)
-    print(json.dumps({"sequences": len(rows), "continuation_tokens": n_new, "seconds": seconds}))
+    with atomic_file(a.out) as tmp, open(tmp, "w") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
+    print(json.dumps({"sequences": len(rows), "continuation_tokens": sum(sum(r["loss_mask"]) for r in rows),
+                      "seconds": round(time.perf_counter() - t0)}))
     return 0
 
 

@@ -14,22 +14,9 @@ import sys
 from sparkjax.config import read_json
 from sparkjax.errors import TrainingError
 from sparkjax.text import load_tokenizer
-from sparkjax.training.cli import OneLineParser, run_cli
+from sparkjax.training.cli import OneLineParser, parse_set, run_cli
 from sparkjax.training.lm import LMConfig, export_lm, train_lm
 from sparkjax.training.outdir import check_overwritable
-
-
-def parse_set(items):
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise TrainingError(f"--set {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
 
 
 def main(argv=None) -> int:
@@ -51,8 +38,7 @@ def main(argv=None) -> int:
 
 def _main(a) -> int:
     if a.export:
-        # the destination is checked before any work: only a new or empty folder, or one sparkjax wrote
-        check_overwritable(a.export, "--export")
+        check_overwritable(a.export, "--export")  # before any work
         special = None
         if a.tokenizer:
             if not os.path.isfile(os.path.join(a.tokenizer, "tokenizer.json")):
@@ -64,11 +50,7 @@ def _main(a) -> int:
         return 0
     if not a.recipe or not a.corpus:
         raise TrainingError("--recipe and --corpus are required to train")
-    if a.max_minutes is not None and not a.max_minutes >= 0:
-        raise TrainingError(f"--max-minutes: expected a number >= 0, got {a.max_minutes}")
-    d = read_json(a.recipe, TrainingError, "recipe")
-    d.update(parse_set(a.set))
-    cfg = LMConfig.from_dict(d, source=a.recipe)
+    cfg = LMConfig.from_dict({**read_json(a.recipe, TrainingError, "recipe"), **parse_set(a.set)}, source=a.recipe)
     r = train_lm(cfg, a.output, tokens=os.path.join(a.corpus, "train.tokens.npy"),
                  heldout=os.path.join(a.corpus, "heldout.tokens.npy"), resume=a.resume or a.force_resume,
                  force_resume=a.force_resume, max_minutes=a.max_minutes)

@@ -1,10 +1,5 @@
-"""Joint retraining of DSpark drafters with optax (see ``docs/training.md``).
-
-:mod:`.anchors` (anchor sampling, block layout), :mod:`.loss` (the DSpark objective), :mod:`.forward` (the
-batch loss), :mod:`.optim`, :mod:`.trainer` (jitted steps), :mod:`.data`, :mod:`.models`, :mod:`.fit` (the
-one training loop for any :class:`Task`), :mod:`.loop` (the drafter's task, :func:`train`), :mod:`.lm` (the
-target LM's) and :mod:`.cli` (``train/train.py``).
-"""
+"""Joint retraining of DSpark drafters with optax, and target pre-training, through one loop (:func:`fit`);
+see ``docs/training.md``."""
 
 from ..errors import DataError, TrainingError
 from .anchors import Blocks, anchor_candidates, anchors_from_uniforms, build_blocks, sample_anchors

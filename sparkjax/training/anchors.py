@@ -1,25 +1,19 @@
 """Anchor sampling and the training layout of DSpark blocks (pure, jit-able functions).
 
-A training sequence ``input_ids [B, S]`` with a ``loss_mask [B, S]`` yields ``A`` draft
-blocks of ``G`` slots each, side by side in one drafter forward (upstream DeepSpec
-``Qwen3DSparkModel.forward``):
+A sequence ``input_ids [B, S]`` with ``loss_mask [B, S]`` yields ``A`` blocks of ``G`` slots, side by side in one
+drafter forward (upstream DeepSpec ``Qwen3DSparkModel.forward``):
 
-* **anchors** -- candidates are positions ``p <= S - 2`` with ``loss_mask[p] > 0.5`` and
-  ``loss_mask[p + 1] > 0.5``. With uniforms ``u [B, S - 1]``, invalid candidates get
-  ``u = 2``; the ``A`` smallest are taken and sorted by position. When fewer than ``A``
-  candidates are valid, the extra anchors are position 0 with ``keep = False`` (after the
-  kept ones).
-* **block input** ``[input_ids[anchor], MASK x (G - 1)]`` at positions ``anchor .. anchor + G - 1``
-  (a dropped block has the mask id in slot 0 too).
-* **mask** ``[B, A*G, S + A*G]`` (True = visible): a block query sees context positions
-  ``< anchor`` and every slot of its own block; dropped blocks see nothing (their rows are
-  all False, which the drafter's attention turns into zeros, like FlexAttention).
-* **labels** slot ``k`` predicts ``input_ids[anchor + k + 1]`` (index clamped to ``S - 1``;
-  dropped blocks use index 0); ``eval_mask`` is the cumulative product over ``k`` of
-  ``(anchor + k + 1 < S) & loss_mask[label] & keep``.
-* **aligned target index** ``max(label_index - 1, 0)``: the target position whose next-token
-  distribution the slot imitates (``anchor + k``, clamped like the label).
-* **Markov / confidence prev ids** ``[input_ids[anchor], labels[:-1]]`` (teacher forcing).
+* **anchors**: candidates are positions ``p <= S - 2`` with ``loss_mask[p] > 0.5`` and ``loss_mask[p + 1] > 0.5``;
+  with uniforms ``u [B, S - 1]`` (invalid candidates get ``u = 2``) the ``A`` smallest win, sorted by position.
+  With fewer than ``A`` valid candidates the extra anchors are position 0 with ``keep = False``, after the kept.
+* **block input** ``[input_ids[anchor], MASK x (G - 1)]`` at positions ``anchor .. anchor + G - 1`` (a dropped
+  block has the mask id in slot 0 too).
+* **mask** ``[B, A*G, S + A*G]`` (True = visible): a block query sees context positions ``< anchor`` and every
+  slot of its own block; dropped blocks see nothing (all-False rows: zeros from the attention, like FlexAttention).
+* **labels**: slot ``k`` predicts ``input_ids[anchor + k + 1]`` (index clamped to ``S - 1``; dropped blocks use
+  0); ``eval_mask`` is the cumulative product over ``k`` of ``(anchor + k + 1 < S) & loss_mask[label] & keep``.
+* **aligned target index** ``max(label_index - 1, 0)``: the target position whose next-token distribution the
+  slot imitates; **Markov / confidence prev ids** ``[input_ids[anchor], labels[:-1]]`` (teacher forcing).
 """
 
 from __future__ import annotations
@@ -39,17 +33,13 @@ def _check_shapes(loss_mask: Array, num_anchors: int, block_size: int | None = N
         raise ArgumentError(f"loss_mask: expected shape [B, S], got {tuple(loss_mask.shape)}")
     s = loss_mask.shape[1]
     if block_size is not None and s < block_size + 1:
-        raise ArgumentError(
-            f"sequence length: S={s} is shorter than a block plus its first label "
-            f"(block_size + 1 = {block_size + 1}); use longer sequences or a smaller block"
-        )
+        raise ArgumentError(f"sequence length: S={s} is shorter than a block plus its first label "
+                            f"(block_size + 1 = {block_size + 1}); use longer sequences or a smaller block")
     if not isinstance(num_anchors, int) or num_anchors < 1:
         raise ArgumentError(f"num_anchors: must be a positive integer, got {num_anchors!r}")
     if num_anchors > s - 1:
-        raise ArgumentError(
-            f"num_anchors: {num_anchors} anchors do not fit a sequence of length {s} "
-            f"(at most S - 1 = {s - 1} candidate positions)"
-        )
+        raise ArgumentError(f"num_anchors: {num_anchors} anchors do not fit a sequence of length {s} "
+                            f"(at most S - 1 = {s - 1} candidate positions)")
 
 
 def anchor_candidates(loss_mask: Array) -> Array:
@@ -105,16 +95,14 @@ class Blocks:
         return jnp.concatenate([self.context_positions, self.positions], axis=1)
 
 
-def build_blocks(
-    input_ids: Array, loss_mask: Array, anchors: Array, keep: Array, *, block_size: int, mask_token_id: int
-) -> Blocks:
+def build_blocks(input_ids: Array, loss_mask: Array, anchors: Array, keep: Array, *, block_size: int,
+                 mask_token_id: int) -> Blocks:
     """Block inputs, positions, the dense attention mask, labels and the eval mask (see the module doc)."""
     b, s = input_ids.shape
     if loss_mask.shape != (b, s):
         raise ArgumentError(f"loss_mask: shape {list(loss_mask.shape)} does not match input_ids {[b, s]}")
     _check_shapes(loss_mask, anchors.shape[1], block_size)
-    g = block_size
-    a = anchors.shape[1]
+    g, a = block_size, anchors.shape[1]
     ids = input_ids.astype(jnp.int32)
     anchors = anchors.astype(jnp.int32)
     k = jnp.arange(g, dtype=jnp.int32)
@@ -131,7 +119,6 @@ def build_blocks(
     lm = loss_mask.astype(jnp.float32) > 0.5
     label_ok = jnp.take_along_axis(lm, label_index.reshape(b, a * g), axis=1).reshape(b, a, g)
     eval_mask = jnp.cumprod((in_range & label_ok & keep[..., None]).astype(jnp.int32), axis=-1).astype(bool)
-    aligned_index = jnp.maximum(label_index - 1, 0)
     prev_ids = jnp.concatenate([anchor_tok[..., None], target_ids[..., :-1]], axis=-1)
 
     # mask: rows = (block, slot), columns = context positions then (block, slot)
@@ -144,15 +131,6 @@ def build_blocks(
     blk_vis = same[None] & keep_rows[:, :, None]
     mask = jnp.concatenate([ctx_vis, blk_vis], axis=-1)
 
-    return Blocks(
-        anchors=anchors,
-        keep=keep,
-        tokens=tokens.reshape(b, a * g),
-        positions=positions.reshape(b, a * g),
-        context_positions=jnp.broadcast_to(ctx_cols[None], (b, s)),
-        mask=mask,
-        target_ids=target_ids,
-        eval_mask=eval_mask,
-        aligned_index=aligned_index,
-        prev_ids=prev_ids,
-    )
+    return Blocks(anchors=anchors, keep=keep, tokens=tokens.reshape(b, a * g), positions=positions.reshape(b, a * g),
+                  context_positions=jnp.broadcast_to(ctx_cols[None], (b, s)), mask=mask, target_ids=target_ids,
+                  eval_mask=eval_mask, aligned_index=jnp.maximum(label_index - 1, 0), prev_ids=prev_ids)

@@ -2,9 +2,6 @@
 
     python train/train.py --recipe tiny --output runs/tiny       # a recipe of train/recipes by name
     python -m sparkjax.training --recipe train/recipes/tiny.json --output runs/tiny
-    python train/train.py --recipe train/recipes/extend_block.json --output runs/b16 \\
-        --set target=/models/Qwen3-4B --set init_drafter=/models/dspark_qwen3_4b_block7 \\
-        --set data=/data/train.jsonl
     python train/train.py --recipe ... --output runs/b16 --resume          # continue where it stopped
     python train/train.py --recipe ... --output runs/b16 --export best     # write a checkpoint as DeepSpec
 """
@@ -24,26 +21,26 @@ from .loop import export_run, train
 
 
 def run_cli(body) -> int:
-    """:func:`sparkjax.cli.run_cli` with the trainers' Ctrl-C line (a run saves its checkpoint on the first
-    Ctrl-C and stops; a second one stops at once)."""
+    """:func:`sparkjax.cli.run_cli` with the trainers' Ctrl-C line."""
     return _run_cli(body, interrupted="interrupted (Ctrl-C); --resume continues from the last saved checkpoint")
 
 
-def _parse_set(items: list[str]) -> dict:
+def parse_set(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items: VALUE as JSON, else a string; ``HEAD.SUB=VALUE`` sets ``{HEAD: {SUB: VALUE}}``."""
     out = {}
     for item in items:
-        if "=" not in item:
-            raise ArgumentError(f"--set: expected KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
+        key, eq, value = item.partition("=")
         key = key.strip()
+        if not eq:
+            raise ArgumentError(f"--set: expected KEY=VALUE, got {item!r}")
         if not key or (("." in key) and not all(key.split(".", 1))):
             raise ArgumentError(f"--set: empty key in {item!r}")
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             parsed = value
-        if "." in key:  # drafter.block_size=16
-            head, sub = key.split(".", 1)
+        head, dot, sub = key.partition(".")
+        if dot:
             out.setdefault(head, {})[sub] = parsed
         else:
             out[key] = parsed
@@ -51,7 +48,7 @@ def _parse_set(items: list[str]) -> dict:
 
 
 def _recipe_path(name: str, recipes_dir: str | None) -> str:
-    """``name`` as a path, else ``recipes_dir/name[.json]`` (the named recipes of ``train/train.py``)."""
+    """``name`` as a path, else ``recipes_dir/name[.json]``."""
     if os.path.exists(name) or recipes_dir is None:
         return name
     candidate = os.path.join(recipes_dir, name if name.endswith(".json") else name + ".json")
@@ -61,12 +58,9 @@ def _recipe_path(name: str, recipes_dir: str | None) -> str:
 def parser(recipes_dir: str | None = None) -> argparse.ArgumentParser:
     named = sorted(f[:-5] for f in os.listdir(recipes_dir) if f.endswith(".json")) \
         if recipes_dir and os.path.isdir(recipes_dir) else []
-    ap = OneLineParser(
-        prog="train.py",
-        description="Joint (re)training of a DSpark drafter (Markov + confidence heads) against a Qwen3 target.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=("Recipes: " + ", ".join(named)) if named else None,
-    )
+    ap = OneLineParser(prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Joint (re)training of a DSpark drafter (Markov + confidence heads) against a "
+                       "Qwen3 target.", epilog=("Recipes: " + ", ".join(named)) if named else None)
     ap.add_argument("--recipe", required=True,
                     help="a JSON recipe file (its relative paths are relative to the file)"
                     + (f", or the name of one in {recipes_dir}" if recipes_dir else ""))
@@ -90,8 +84,7 @@ def parser(recipes_dir: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *, recipes_dir: str | None = None) -> int:
-    """The command line; ``recipes_dir``: where ``--recipe NAME`` looks (``train/train.py`` passes its
-    ``recipes/`` folder; the package itself assumes no repository layout)."""
+    """The command line; ``recipes_dir``: where ``--recipe NAME`` looks (``train/train.py`` passes its ``recipes/``)."""
     _startup.check()  # a Ctrl-C while jax was imported: exit 130, nothing written
     args = parser(recipes_dir).parse_args(argv)
     return run_cli(lambda: _main(args, recipes_dir))
@@ -100,7 +93,7 @@ def main(argv: list[str] | None = None, *, recipes_dir: str | None = None) -> in
 def _main(args, recipes_dir: str | None = None) -> int:
     if args.export_to is not None and not args.export:
         raise ArgumentError("--export-to: only used with --export WHICH")
-    overrides = _parse_set(args.set)
+    overrides = parse_set(args.set)
     if args.steps is not None:
         overrides["steps"] = args.steps
     cfg = TrainConfig.from_file(_recipe_path(args.recipe, recipes_dir), overrides)
@@ -111,8 +104,7 @@ def _main(args, recipes_dir: str | None = None) -> int:
         export_run(cfg, args.output, args.export, args.export_to)
         return 0
     result = train(cfg, args.output, resume=args.resume or args.force_resume, force_resume=args.force_resume,
-                   progress=not args.no_progress, stop_at=args.stop_at,
-                   max_minutes=args.max_minutes)
+                   progress=not args.no_progress, stop_at=args.stop_at, max_minutes=args.max_minutes)
     summary = {"output": result.output_dir, "step": result.step, "resumed_from": result.resumed_from,
                "drafter": result.drafter_dir, "best_drafter": result.best_dir, "stopped_early": result.stopped_early}
     if result.last_eval is not None:

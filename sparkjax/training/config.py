@@ -1,21 +1,17 @@
-"""The training run config (:class:`TrainConfig`): a frozen dataclass read from a JSON recipe.
-
-Every key is validated up front and errors name the recipe file and the key. Keys that only
-change how a run is observed (``OPERATIONAL``) may differ when resuming; any other difference
-refuses to resume unless forced (see :func:`sparkjax.training.fit.check_config`).
-"""
+"""The training run config (:class:`TrainConfig`): a frozen dataclass read from a JSON recipe, every key validated
+up front (errors name the recipe file and the key). Keys that only change how a run is observed (``OPERATIONAL``)
+may differ when resuming; any other difference refuses to resume unless forced (:func:`.fit.check_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
 from ..config import read_json
 from ..errors import TrainingError
 from .loss import Objective
-from .optim import OPTIM_KEYS, OptimConfig, compose
+from .optim import OPTIM_KEYS, OptimConfig, compose, is_int, is_number
 
 PATH_KEYS = ("target", "init_drafter", "tokenizer", "data", "eval_data")
 OPERATIONAL = frozenset({
@@ -77,7 +73,6 @@ class TrainConfig:
     export_dtype: str | None = None
     tensorboard: bool = True
 
-    # ------------------------------------------------------------------ derived
     @property
     def objective(self) -> Objective:
         return Objective(self.loss_decay_gamma, self.ce_loss_alpha, self.l1_loss_alpha, self.confidence_alpha,
@@ -97,7 +92,6 @@ class TrainConfig:
         d["freeze"] = list(self.freeze)
         return d
 
-    # ------------------------------------------------------------------ parsing
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "<config>", base_dir: str | None = None) -> TrainConfig:
         """Builds and validates a config; relative paths resolve against ``base_dir`` (if given)."""
@@ -116,15 +110,13 @@ class TrainConfig:
         if isinstance(values.get("freeze"), list):
             values["freeze"] = tuple(values["freeze"])
         warm, ratio, steps = values.get("warmup_steps"), values.get("warmup_ratio", 0.04), values.get("steps", 600)
-        if not (isinstance(ratio, int | float) and not isinstance(ratio, bool) and math.isfinite(ratio)
-                and 0 <= ratio < 1):
+        if not (is_number(ratio) and 0 <= ratio < 1):
             raise TrainingError(f"{source}: key 'warmup_ratio' must be in [0, 1), got {ratio!r}")
-        if warm is not None and (isinstance(warm, bool) or not isinstance(warm, int) or warm < 0):
+        if warm is not None and not (is_int(warm) and warm >= 0):
             raise TrainingError(f"{source}: key 'warmup_steps' must be a positive integer or null, got {warm!r}")
         settings = {k: v for k, v in values.items() if k in OPTIM_KEYS}
         if warm is None:  # upstream's warmup_ratio of the run's steps (steps itself is checked by OptimConfig)
-            good_steps = isinstance(steps, int) and not isinstance(steps, bool)
-            settings["warmup_steps"] = int(ratio * steps) if good_steps else 0
+            settings["warmup_steps"] = int(ratio * steps) if is_int(steps) else 0
         optim = compose(settings, OptimConfig(), source=source)
         rest = {k: v for k, v in values.items() if k not in OPTIM_KEYS or k == "warmup_steps"}
         cfg = cls(**rest, optim=optim)
@@ -145,54 +137,39 @@ class TrainConfig:
         return cls.from_dict(data, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
 
     def validate(self, source: str = "<config>") -> None:
-        def fail(key, why):
-            raise TrainingError(f"{source}: key '{key}' {why}, got {getattr(self, key)!r}")
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        def check(key, ok, why):
+            if not ok:
+                raise TrainingError(f"{source}: key '{key}' {why}, got {getattr(self, key)!r}")
 
         for key in ("seq_len", "num_anchors", "batch_size", "log_every", "eval_every", "checkpoint_every",
                     "keep_last"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
-                fail(key, "must be a positive integer")
+            check(key, is_int(getattr(self, key)) and getattr(self, key) >= 1, "must be a positive integer")
         for key in ("eval_size", "keep_best", "seed", "data_seed"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
-                fail(key, "must be an integer >= 0")
+            check(key, is_int(getattr(self, key)) and getattr(self, key) >= 0, "must be an integer >= 0")
         for key in ("eval_batches", "data_parallel"):
             v = getattr(self, key)
-            if v is not None and (not is_int(v) or v < 1):
-                fail(key, "must be a positive integer or null")
+            check(key, v is None or (is_int(v) and v >= 1), "must be a positive integer or null")
         for key in ("ce_loss_alpha", "l1_loss_alpha", "confidence_alpha", "tree_loss_alpha"):
-            if not is_num(getattr(self, key)) or getattr(self, key) < 0:
-                fail(key, "must be a finite number >= 0")
-        if not is_int(self.tree_top_c) or self.tree_top_c < 0:
-            fail("tree_top_c", "must be an integer >= 0 (0: no tree term)")
-        if self.tree_loss_alpha > 0 and self.tree_top_c == 0:
-            fail("tree_top_c", "must be >= 1 when tree_loss_alpha > 0 (the candidates per depth the term rewards)")
-        if not is_num(self.tree_temperature) or self.tree_temperature <= 0:
-            fail("tree_temperature", "must be a finite number > 0")
-        if self.loss_decay_gamma is not None and not is_num(self.loss_decay_gamma):
-            fail("loss_decay_gamma", "must be a number or null")
-        if self.packing not in ("pad", "pack"):
-            fail("packing", "must be 'pad' or 'pack'")
-        if not is_num(self.warmup_ratio) or not 0 <= self.warmup_ratio < 1:
-            fail("warmup_ratio", "must be in [0, 1)")
-        if not isinstance(self.optim, OptimConfig):
-            fail("optim", "must be an OptimConfig")
-        if not isinstance(self.drafter, dict):
-            fail("drafter", "must be an object of drafter config keys")
-        if self.synthetic is not None and not isinstance(self.synthetic, dict):
-            fail("synthetic", "must be an object (num_sequences, prompt_len, seed, vocab_high) or null")
-        if not self.target:
-            fail("target", "is required (a Hugging Face Qwen3 folder; pass --set target=PATH)")
-        if self.data is None and self.synthetic is None:
-            fail("data", "is required (a JSONL file) unless 'synthetic' data is configured")
-        if self.num_anchors > self.seq_len - 1:
-            fail("num_anchors", f"does not fit sequences of seq_len={self.seq_len} (at most seq_len - 1)")
+            check(key, is_number(getattr(self, key)) and getattr(self, key) >= 0, "must be a finite number >= 0")
+        top_c = self.tree_top_c
+        check("tree_top_c", is_int(top_c) and top_c >= 0, "must be an integer >= 0 (0: no tree term)")
+        check("tree_top_c", not (self.tree_loss_alpha > 0 and top_c == 0),
+              "must be >= 1 when tree_loss_alpha > 0 (the candidates per depth the term rewards)")
+        check("tree_temperature", is_number(self.tree_temperature) and self.tree_temperature > 0,
+              "must be a finite number > 0")
+        check("loss_decay_gamma", self.loss_decay_gamma is None or is_number(self.loss_decay_gamma),
+              "must be a number or null")
+        check("packing", self.packing in ("pad", "pack"), "must be 'pad' or 'pack'")
+        check("warmup_ratio", is_number(self.warmup_ratio) and 0 <= self.warmup_ratio < 1, "must be in [0, 1)")
+        check("optim", isinstance(self.optim, OptimConfig), "must be an OptimConfig")
+        check("drafter", isinstance(self.drafter, dict), "must be an object of drafter config keys")
+        check("synthetic", self.synthetic is None or isinstance(self.synthetic, dict),
+              "must be an object (num_sequences, prompt_len, seed, vocab_high) or null")
+        check("target", self.target, "is required (a Hugging Face Qwen3 folder; pass --set target=PATH)")
+        check("data", self.data is not None or self.synthetic is not None,
+              "is required (a JSONL file) unless 'synthetic' data is configured")
+        check("num_anchors", self.num_anchors <= self.seq_len - 1,
+              f"does not fit sequences of seq_len={self.seq_len} (at most seq_len - 1)")
         for key in ("dtype", "compute_dtype", "export_dtype"):
-            v = getattr(self, key)
-            if v is not None and v not in ("float32", "bfloat16", "float16"):
-                fail(key, "must be 'float32', 'bfloat16', 'float16' or null")
+            check(key, getattr(self, key) in (None, "float32", "bfloat16", "float16"),
+                  "must be 'float32', 'bfloat16', 'float16' or null")

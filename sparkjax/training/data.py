@@ -1,17 +1,11 @@
 """Training data: JSONL conversations or token ids -> fixed-length ``input_ids`` / ``loss_mask``.
 
-Accepted JSONL lines (one JSON object per line, blank lines ignored):
-
-* ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}``
-* ``{"turns": ["user text", "assistant text", ...]}`` (alternating, user first) or
-  ``{"turns": [{"role": ..., "content": ...}, ...]}``
-* ``{"input_ids": [...], "loss_mask": [...]}`` (already tokenised; ``loss_mask`` defaults to all ones)
-
-Conversations are rendered with the tokenizer's chat template; the loss mask covers the tokens after each
-``assistant_header`` up to and including the next ``end_of_turn`` (ChatML by default). Lines without an
-assistant turn are skipped and counted. Sequences are padded / truncated to ``seq_len`` one per row, or packed
-back to back (``packing="pack"``). :class:`BatchStream` serves batches in a seeded order addressed by a
-*cursor* (batches consumed so far), so a resumed run continues with exactly the next batch.
+A JSONL line is ``{"messages": [{"role", "content"}, ...]}``, ``{"turns": [user, assistant, ...]}`` (strings,
+alternating from the user, or role/content objects) or ``{"input_ids": [...], "loss_mask": [...]}`` (the mask
+defaults to all ones). Conversations go through the tokenizer's chat template; the loss mask covers the tokens
+after each ``assistant_header`` through the next ``end_of_turn`` (ChatML by default); lines without an assistant
+turn are skipped and counted. Rows are padded / truncated to ``seq_len`` or packed (``packing="pack"``).
+:class:`BatchStream` addresses batches by a *cursor* (batches consumed), so a resumed run gets the next batch.
 """
 
 from __future__ import annotations
@@ -53,15 +47,10 @@ class TokenData:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def seq_len(self) -> int:
-        return int(self.input_ids.shape[1])
-
     def take(self, idx) -> TokenData:
         idx = np.asarray(idx)
-        pick = (lambda x: None if x is None else x[idx])  # noqa: E731
-        return TokenData(self.input_ids[idx], self.loss_mask[idx], pick(self.features), pick(self.last_hidden),
-                         dict(self.info))
+        return TokenData(self.input_ids[idx], self.loss_mask[idx], *(None if x is None else x[idx] for x in (
+            self.features, self.last_hidden)), dict(self.info))
 
     def fingerprint(self) -> str:
         """sha256 of the token ids and loss mask (what a resumed run must see again)."""
@@ -75,11 +64,10 @@ class TokenData:
 
     def save(self, path: str) -> None:
         """Writes the ids and mask to an ``.npz`` atomically."""
-        with atomic_file(path) as tmp:
-            with open(tmp, "wb") as f:
-                np.savez(f, input_ids=self.input_ids, loss_mask=self.loss_mask)
-                f.flush()
-                os.fsync(f.fileno())
+        with atomic_file(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, input_ids=self.input_ids, loss_mask=self.loss_mask)
+            f.flush()
+            os.fsync(f.fileno())
 
     @classmethod
     def load(cls, path: str) -> TokenData:
@@ -95,9 +83,6 @@ class TokenData:
             raise DataError(f"{path}: malformed token data (input_ids {ids.dtype} {list(ids.shape)}, "
                             f"loss_mask {list(mask.shape)})")
         return cls(ids.astype(np.int32), mask.astype(np.float32))
-
-
-# ----------------------------------------------------------------------------- JSONL
 
 
 def read_jsonl(path: str) -> Iterator[tuple[int, Any]]:
@@ -144,18 +129,15 @@ def parse_record(obj: Any, where: str) -> tuple[str, Any]:
                 isinstance(x, int | float) and not isinstance(x, bool) for x in mask):
             raise DataError(f"{where}: 'loss_mask' must be a list of {len(ids)} numbers (one per input id)")
         return "ids", (np.asarray(ids, np.int64), np.asarray(mask, np.float32))
-    if "messages" in obj:
-        msgs = obj["messages"]
+    for key in ("messages", "turns"):
+        if key not in obj:
+            continue
+        msgs = obj[key]
         if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: 'messages' must be a non-empty list; {_FORMAT_HINT}")
+            raise DataError(f"{where}: '{key}' must be a non-empty list; {_FORMAT_HINT}")
+        if key == "turns" and all(isinstance(t, str) for t in msgs):
+            return "chat", [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(msgs)]
         return "chat", [_message(m, where, i) for i, m in enumerate(msgs)]
-    if "turns" in obj:
-        turns = obj["turns"]
-        if not isinstance(turns, list) or not turns:
-            raise DataError(f"{where}: 'turns' must be a non-empty list; {_FORMAT_HINT}")
-        if all(isinstance(t, str) for t in turns):
-            return "chat", [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-        return "chat", [_message(m, where, i) for i, m in enumerate(turns)]
     raise DataError(f"{where}: no 'messages', 'turns' or 'input_ids' key (keys: {sorted(obj)[:6]}); {_FORMAT_HINT}")
 
 
@@ -166,19 +148,13 @@ class ChatEncoder:
                  source: str = "tokenizer"):
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{source}: the tokenizer has no chat template; conversations cannot be rendered")
-        self.tokenizer = tokenizer
-        self.header = assistant_header
-        self.end = end_of_turn
-        self.source = source
+        self.tokenizer, self.header, self.end = tokenizer, assistant_header, end_of_turn
         if self.header is None:
             probe = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False
-            )
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False)
             if CHATML_HEADER not in probe:
-                raise DataError(
-                    f"{source}: cannot find the assistant turns in this chat template (not ChatML); "
-                    "set assistant_header and end_of_turn"
-                )
+                raise DataError(f"{source}: cannot find the assistant turns in this chat template (not ChatML); "
+                                "set assistant_header and end_of_turn")
             self.header, self.end = CHATML_HEADER, CHATML_END if end_of_turn is None else end_of_turn
         if not self.end:
             raise DataError(f"{source}: end_of_turn must be a non-empty string")
@@ -195,27 +171,17 @@ class ChatEncoder:
             spans.append((start, stop))
             pos = text.find(self.header, stop)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], np.int64)
-        mask = np.zeros(len(ids), np.float32)
-        for i, (a, _) in enumerate(enc["offset_mapping"]):
-            if any(s <= a < e for s, e in spans):
-                mask[i] = 1.0
-        return ids, mask
+        mask = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+        return np.asarray(enc["input_ids"], np.int64), np.asarray(mask, np.float32)
 
 
 def fixed_length(seqs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, packing: str) -> TokenData:
     """Pads / truncates each sequence to ``seq_len`` (``"pad"``) or packs them into rows (``"pack"``)."""
-    if packing == "pack":
-        ids = np.concatenate([s[0] for s in seqs])
-        mask = np.concatenate([s[1] for s in seqs])
-        rows = -(-len(ids) // seq_len)
-        out_ids = np.full(rows * seq_len, pad_id, np.int32)
-        out_mask = np.zeros(rows * seq_len, np.float32)
-        out_ids[: len(ids)] = ids
-        out_mask[: len(ids)] = mask
-        return TokenData(out_ids.reshape(rows, seq_len), out_mask.reshape(rows, seq_len))
-    if packing != "pad":
+    if packing not in ("pad", "pack"):
         raise DataError(f"packing: expected 'pad' or 'pack', got {packing!r}")
+    if packing == "pack":  # one stream, cut into rows (the last one padded)
+        ids, mask = (np.concatenate(x) for x in zip(*seqs, strict=True))
+        seqs = [(ids[i : i + seq_len], mask[i : i + seq_len]) for i in range(0, len(ids), seq_len)]
     out_ids = np.full((len(seqs), seq_len), pad_id, np.int32)
     out_mask = np.zeros((len(seqs), seq_len), np.float32)
     for i, (ids, mask) in enumerate(seqs):
@@ -225,26 +191,14 @@ def fixed_length(seqs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id
     return TokenData(out_ids, out_mask)
 
 
-def load_jsonl(
-    path: str,
-    seq_len: int,
-    *,
-    block_size: int,
-    vocab_size: int,
-    tokenizer=None,
-    tokenizer_source: str = "tokenizer",
-    packing: str = "pad",
-    pad_id: int | None = None,
-    assistant_header: str | None = None,
-    end_of_turn: str | None = None,
-    max_records: int | None = None,
-) -> TokenData:
+def load_jsonl(path: str, seq_len: int, *, block_size: int, vocab_size: int, tokenizer=None,
+               tokenizer_source: str = "tokenizer", packing: str = "pad", assistant_header: str | None = None,
+               end_of_turn: str | None = None) -> TokenData:
     """Reads a JSONL file of conversations and/or token-id records into fixed-length rows; a record shorter than
     ``block_size + 1``, an id outside ``[0, vocab_size)`` or a malformed line raises DataError naming the line."""
     encoder = None
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
-    skipped = 0
-    lines = 0
+    skipped = lines = 0
     for lineno, obj in read_jsonl(path):
         where = f"{path}:{lineno}"
         lines += 1
@@ -252,10 +206,8 @@ def load_jsonl(
         if kind == "ids":
             ids, mask = payload
             if len(ids) < block_size + 1:
-                raise DataError(
-                    f"{where}: sequence of {len(ids)} tokens is shorter than a block plus its first label "
-                    f"(block_size + 1 = {block_size + 1})"
-                )
+                raise DataError(f"{where}: sequence of {len(ids)} tokens is shorter than a block plus its first label "
+                                f"(block_size + 1 = {block_size + 1})")
         else:
             if tokenizer is None:
                 raise DataError(f"{where}: a chat conversation needs a tokenizer (set 'tokenizer' to a local folder)")
@@ -269,36 +221,18 @@ def load_jsonl(
             skipped += 1
             continue
         seqs.append((ids, mask))
-        if max_records is not None and len(seqs) >= max_records:
-            break
     if not seqs:
-        raise DataError(
-            f"{path}: no usable training sequence ({lines} lines; {skipped} without at least 2 supervised "
-            "(assistant) tokens within seq_len)"
-        )
-    if pad_id is None:
-        pad_id = 0
-        if tokenizer is not None:
-            pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(t, int)), 0)
-    data = fixed_length(seqs, seq_len, int(pad_id), packing)
+        raise DataError(f"{path}: no usable training sequence ({lines} lines; {skipped} without at least 2 "
+                        "supervised (assistant) tokens within seq_len)")
+    specials = () if tokenizer is None else (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    data = fixed_length(seqs, seq_len, next((t for t in specials if isinstance(t, int)), 0), packing)
     data.info = {"source": os.path.abspath(path), "lines": lines, "sequences": len(seqs), "skipped": skipped,
                  "packing": packing}
     return data
 
 
-# ----------------------------------------------------------------------------- synthetic (token ids)
-
-
-def synthetic_data(
-    target,
-    *,
-    num_sequences: int,
-    seq_len: int,
-    prompt_len: int,
-    seed: int = 0,
-    vocab_high: int | None = None,
-    batch: int = 64,
-) -> TokenData:
+def synthetic_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, seed: int = 0,
+                   vocab_high: int | None = None, batch: int = 64) -> TokenData:
     """Target-greedy continuations of random prompts: ``prompt_len`` ids uniform in ``[0, vocab_high)``
     then ``seq_len - prompt_len`` tokens of :func:`sparkjax.generate` (method ``ar``,
     temperature 0), ``batch`` prompts per call. The loss mask is 0 on the prompt and 1 on the continuation."""
@@ -320,12 +254,8 @@ def synthetic_data(
         out = generate(target, None, padded, method="ar", max_new_tokens=new)
         rows.extend(out.tokens[: len(chunk)])
     ids = np.concatenate([prompts, np.asarray(rows, np.int32)], axis=1)
-    mask = np.zeros_like(ids, np.float32)
-    mask[:, prompt_len:] = 1.0
+    mask = np.broadcast_to(np.arange(ids.shape[1]) >= prompt_len, ids.shape).astype(np.float32)
     return TokenData(ids, mask, info={"source": "synthetic", "seed": seed, "prompt_len": prompt_len})
-
-
-# ----------------------------------------------------------------------------- features, splits, batches
 
 
 def precompute_features(target, data: TokenData, layer_ids: tuple[int, ...], batch: int = 8) -> TokenData:
@@ -337,12 +267,9 @@ def precompute_features(target, data: TokenData, layer_ids: tuple[int, ...], bat
     def run(state, ids):
         return target_features(nnx.merge(gdef, state), ids, layer_ids)
 
-    feats, last = [], []
-    for i in range(0, len(data), batch):
-        f, h = run(state, jnp.asarray(data.input_ids[i : i + batch]))
-        feats.append(np.asarray(f))
-        last.append(np.asarray(h))
-    return dataclasses.replace(data, features=np.concatenate(feats), last_hidden=np.concatenate(last))
+    outs = [run(state, jnp.asarray(data.input_ids[i : i + batch])) for i in range(0, len(data), batch)]
+    return dataclasses.replace(data, features=np.concatenate([np.asarray(f) for f, _ in outs]),
+                               last_hidden=np.concatenate([np.asarray(h) for _, h in outs]))
 
 
 def split_eval(data: TokenData, *, eval_size: int, seed: int) -> tuple[TokenData, TokenData]:
@@ -359,30 +286,20 @@ class BatchStream:
     """Seeded, resumable batches: batch ``cursor`` is rows ``[j * B, (j + 1) * B)`` of epoch ``e``'s
     permutation (``cursor = e * batches_per_epoch + j``); the last partial batch of an epoch is dropped."""
 
-    def __init__(self, data: TokenData, batch_size: int, seed: int = 0, *, shuffle: bool = True):
+    def __init__(self, data: TokenData, batch_size: int, seed: int = 0):
         if batch_size < 1:
             raise DataError(f"batch_size: must be >= 1, got {batch_size}")
         if len(data) < batch_size:
             raise DataError(f"batch_size: {batch_size} is larger than the {len(data)} training rows")
-        self.data = data
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
+        self.data, self.batch_size, self.seed = data, batch_size, seed
         self.batches_per_epoch = len(data) // batch_size
-        self._perm_epoch = -1
-        self._perm = None
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            n = len(self.data)
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-            self._perm_epoch = epoch
-        return self._perm
+        self._epoch, self._perm = -1, None
 
     def batch(self, cursor: int) -> dict[str, np.ndarray]:
         epoch, j = divmod(int(cursor), self.batches_per_epoch)
-        idx = np.sort(self._order(epoch)[j * self.batch_size : (j + 1) * self.batch_size])
-        return as_batch(self.data.take(idx))
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
+        return as_batch(self.data.take(np.sort(self._perm[j * self.batch_size : (j + 1) * self.batch_size])))
 
 
 def as_batch(data: TokenData) -> dict[str, np.ndarray]:

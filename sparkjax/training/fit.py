@@ -1,12 +1,11 @@
 """The one training loop: :func:`fit` runs a :class:`Task` (the drafter's, the target LM's) into a folder.
 
-The same for every task: the output folder and export destinations are checked before any work and the folder
-is locked for the run (:mod:`.outdir`); resume restores the newest good checkpoint after comparing its config
-(:func:`check_config`); ``config.json`` and ``metrics.jsonl`` (one JSON object per logged step) are written,
-with TensorBoard scalars when asked for; held-out evaluation every ``eval_every`` steps and checkpoints every
-``checkpoint_every`` steps and at the end; ``stop_at``, ``max_minutes``, SIGINT or SIGTERM finish the current
-step, save a checkpoint and return (``stopped_early``; a second signal raises ``KeyboardInterrupt``); a
-complete run ends with the task's exports.
+For every task: the output folder and export destinations are checked before any work and the folder is locked
+(:mod:`.outdir`); resume restores the newest good checkpoint after :func:`check_config`; ``config.json`` and
+``metrics.jsonl`` (one JSON object per logged step; TensorBoard scalars when asked for) are written; held-out
+evaluation every ``eval_every`` steps, checkpoints every ``checkpoint_every`` steps and at the end; ``stop_at``,
+``max_minutes``, SIGINT or SIGTERM save a checkpoint after the current step and return (``stopped_early``; a
+second signal raises ``KeyboardInterrupt``); a complete run ends with the task's exports.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ def _stderr(msg: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LoopSettings:
-    """The loop's part of a run config (each task reads it from its own config)."""
+    """The loop's part of a run config; ``operational`` keys may differ when resuming, ``fixed`` ones may not
+    differ even with ``force_resume``."""
 
     steps: int
     log_every: int = 10
@@ -50,12 +50,12 @@ class LoopSettings:
     async_checkpoint: bool = False
     tensorboard: bool = False
     tokens_per_step: int = 0
-    operational: frozenset[str] = frozenset()  # config keys that may differ when resuming
-    fixed: frozenset[str] = frozenset()  # config keys that may not differ even with force_resume
+    operational: frozenset[str] = frozenset()
+    fixed: frozenset[str] = frozenset()
 
 
 class Task:
-    """What :func:`fit` trains. A task is built empty; :meth:`build` loads models and data.
+    """What :func:`fit` trains: built empty, :meth:`build` loads models and data.
 
     ``best``: ``(checkpoint metric, eval metric, "max" | "min")`` the checkpoints record (None: no best);
     ``eval_inline``: eval metrics go into the train record as ``eval_<name>`` (else a record of their own).
@@ -79,8 +79,7 @@ class Task:
         """The train state's ``jax.ShapeDtypeStruct`` tree (with shardings) to restore into."""
         raise NotImplementedError
 
-    def restore(self, step: int, state, meta: dict[str, Any], where: str, force_resume: bool,
-                log: Callable[[str], None]) -> str:
+    def restore(self, step: int, state, meta: dict[str, Any], where: str, force_resume: bool, log) -> str:
         """Takes a restored checkpoint; returns the line to log."""
         raise NotImplementedError
 
@@ -120,40 +119,22 @@ class RunResult:
     exports: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------- resume checks
-
-
-def config_diff(saved: dict[str, Any], current: dict[str, Any], ignore=frozenset()) -> list[str]:
-    """Keys (other than ``ignore``) whose values differ, as ``"key: old -> new"``."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        if key in ignore:
-            continue
-        a, b = saved.get(key), current.get(key)
-        a, b = (list(a) if isinstance(a, tuple) else a), (list(b) if isinstance(b, tuple) else b)
-        if a != b:
-            out.append(f"{key}: {a!r} -> {b!r}")
-    return out
-
-
-def check_config(saved: dict[str, Any], current: dict[str, Any], where: str, force: bool, log,
+def check_config(saved: dict[str, Any] | None, current: dict[str, Any], where: str, force: bool, log,
                  settings: LoopSettings) -> None:
-    """Refuses to resume with a config other than the checkpoint's, unless ``force`` (and then only
-    when none of the ``fixed`` keys changed)."""
-    current = json.loads(json.dumps(current))
-    diff = config_diff(saved or {}, current, settings.operational)
+    """Refuses to resume with a config other than the checkpoint's, unless ``force`` (and then only when none of
+    the ``fixed`` keys changed)."""
+    saved, current = saved or {}, json.loads(json.dumps(current))
+    diff = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current))
+            if k not in settings.operational and saved.get(k) != current.get(k)]
     if not diff:
         return
     msg = f"{where}: the checkpoint was written with another config ({'; '.join(diff)})"
-    fixed = sorted(k for k in settings.fixed if (saved or {}).get(k) != current.get(k))
+    fixed = sorted(k for k in settings.fixed if saved.get(k) != current.get(k))
     if fixed:
         raise TrainingError(msg + f"; {', '.join(fixed)} cannot change in a resumed run (use a new folder)")
     if not force:
         raise TrainingError(msg + "; refusing to resume (pass --force-resume to continue with the new config)")
     log(f"warning: {msg}; continuing because of --force-resume")
-
-
-# ----------------------------------------------------------------------------- metrics
 
 
 class MetricsWriter:
@@ -198,15 +179,9 @@ def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
             for k, v in metrics.items()}
 
 
-# ----------------------------------------------------------------------------- signals
-
-
 class StopSignals:
-    """SIGINT / SIGTERM ask the loop to stop after the current step (it saves a checkpoint); a second
-    signal raises ``KeyboardInterrupt`` at once. Installed only in the main thread; the previous
-    handlers come back on exit."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    """SIGINT / SIGTERM ask the loop to stop after the current step (it saves a checkpoint); a second signal
+    raises ``KeyboardInterrupt`` at once. Installed only in the main thread; the previous handlers come back."""
 
     def __init__(self, log: Callable[[str], None]):
         self.log = log
@@ -222,7 +197,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(ValueError, OSError):
                     self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -234,22 +209,9 @@ class StopSignals:
         self._previous.clear()
 
 
-# ----------------------------------------------------------------------------- the loop
-
-
-def fit(
-    task: Task,
-    config,
-    output_dir: str,
-    *,
-    resume: bool = False,
-    force_resume: bool = False,
-    max_minutes: float | None = None,
-    stop_at: int | None = None,
-    progress: bool = False,
-    log: Callable[[str], None] = _stderr,
-    on_step: Callable[[int, bool], None] | None = None,
-) -> RunResult:
+def fit(task: Task, config, output_dir: str, *, resume: bool = False, force_resume: bool = False,
+        max_minutes: float | None = None, stop_at: int | None = None, progress: bool = False,
+        log: Callable[[str], None] = _stderr, on_step: Callable[[int, bool], None] | None = None) -> RunResult:
     """Runs (or resumes) ``task`` with ``config`` (which has ``to_dict()``) into ``output_dir``.
 
     ``on_step(step, saved)`` is called after every step. ``stop_at`` / ``max_minutes`` end the loop at that step
@@ -286,12 +248,6 @@ class _Run:
     def wall(self) -> float:
         return self.wall0 + time.perf_counter() - self.t0
 
-    def _better(self, value: float) -> bool:
-        if self.best is None:
-            return True
-        return value > self.best if self.task.best[2] == "max" else value < self.best
-
-    # ------------------------------------------------------------------ resume
     def _resume(self, resume: bool, force: bool) -> tuple[int, int | None]:
         ckpt, cfg = self.ckpt, self.config.to_dict()
         existing = ckpt.steps()
@@ -320,7 +276,6 @@ class _Run:
         self.wall0 = float(meta.get("wall_s", 0.0))
         return step, step
 
-    # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, evaluated: dict[str, Any] | None) -> None:
         metrics: dict[str, float] = {}
         if self.task.best:
@@ -336,17 +291,44 @@ class _Run:
         if not self.s.async_checkpoint:
             self.ckpt.wait()
 
-    # ------------------------------------------------------------------ the loop
+    def _evaluate(self, step: int, rec: dict | None) -> tuple[dict | None, dict | None]:
+        """Held-out metrics of ``step`` (merged into ``rec`` for an ``eval_inline`` task): ``(metrics, eval record
+        or None)``; the best metric is updated."""
+        task = self.task
+        evaluated = task.evaluate()
+        if evaluated is None:
+            return None, None
+        evaluated = _jsonable(evaluated)
+        if task.best:
+            value = evaluated[task.best[1]]
+            if self.best is None or (value > self.best if task.best[2] == "max" else value < self.best):
+                self.best = value
+        if task.eval_inline and rec is not None:
+            rec.update({f"eval_{k}": v for k, v in evaluated.items()})
+            return evaluated, None
+        return evaluated, {"step": step, "split": "eval", **evaluated}
+
+    def _show(self, rec: dict | None, eval_rec: dict | None, bar) -> None:
+        if rec is not None and bar is not None:
+            bar.set_postfix({k: f"{rec[k]:.4g}" for k in ("loss", "tau_probabilistic", "lr")
+                             if isinstance(rec.get(k), float)})
+        elif rec is not None:  # one line of the scalars (the full record is in metrics.jsonl)
+            self.log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in rec.items()
+                                 if not isinstance(v, list)}))
+        if eval_rec is not None:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in eval_rec.items() if isinstance(v, float))
+            best = f" (best {self.task.best[1]} {self.best:.4f})" if self.task.best and self.best is not None else ""
+            self.log(f"eval step {eval_rec['step']}: {shown}{best}")
+
     def run(self, resume, force, max_minutes, stop_at, progress, on_step) -> RunResult:
-        s, task, log = self.s, self.task, self.log
+        s, task = self.s, self.task
         start, resumed_from = self._resume(resume, force)
         with atomic_file(os.path.join(self.output_dir, "config.json")) as tmp, open(tmp, "w") as f:
             json.dump(self.config.to_dict(), f, indent=2)
         writer = MetricsWriter(self.output_dir, resume_step=start, tensorboard=s.tensorboard)
         end = s.steps if stop_at is None else min(s.steps, stop_at)
         history: list[dict[str, Any]] = []
-        last_eval = None
-        bar = None
+        last_eval = bar = None
         if progress:
             from tqdm.auto import tqdm
 
@@ -356,7 +338,7 @@ class _Run:
         self.t0 = time.perf_counter()
         t_window, steps_window = self.t0, 0
         try:
-            with StopSignals(log) as signals:
+            with StopSignals(self.log) as signals:
                 while step < end:
                     pending.append(task.step(step))
                     step += 1
@@ -364,10 +346,8 @@ class _Run:
                     stop = step < end and (signals.received is not None or (
                         max_minutes is not None and time.perf_counter() - self.t0 > 60 * max_minutes))
                     eval_due = step % s.eval_every == 0 or step == s.steps
-                    log_due = step % s.log_every == 0 or step == s.steps or step == end or stop or (
-                        task.eval_inline and eval_due)
-                    rec = evaluated = None
-                    if log_due:
+                    rec = evaluated = eval_rec = None
+                    if step % s.log_every == 0 or step == end or stop or (task.eval_inline and eval_due):
                         now = time.perf_counter()
                         metrics = task.train_metrics(pending)
                         pending = []
@@ -379,37 +359,17 @@ class _Run:
                                "wall_s": round(self.wall(), 1)}
                         t_window, steps_window = now, 0
                     if eval_due:
-                        evaluated = task.evaluate()
-                    eval_rec = None
-                    if evaluated is not None:
-                        evaluated = _jsonable(evaluated)
-                        if task.best and self._better(evaluated[task.best[1]]):
-                            self.best = evaluated[task.best[1]]
-                        if task.eval_inline and rec is not None:
-                            rec.update({f"eval_{k}": v for k, v in evaluated.items()})
+                        evaluated, eval_rec = self._evaluate(step, rec)
+                        if evaluated is not None:
                             last_eval = {"step": step, "split": "eval", **evaluated}
-                        else:
-                            eval_rec = last_eval = {"step": step, "split": "eval", **evaluated}
                     for r in (rec, eval_rec):
                         if r is not None:
                             writer.write(r)
                             history.append(r)
-                    if rec is not None:
-                        if bar is not None:
-                            bar.set_postfix({k: f"{rec[k]:.4g}" for k in ("loss", "tau_probabilistic", "lr")
-                                             if isinstance(rec.get(k), float)})
-                        else:  # one line of the scalars (the full record is in metrics.jsonl)
-                            log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in rec.items()
-                                            if not isinstance(v, list)}))
-                    if eval_rec is not None:
-                        shown = ", ".join(f"{k} {v:.4f}" for k, v in evaluated.items() if isinstance(v, float))
-                        best = f" (best {task.best[1]} {self.best:.4f})" if task.best and self.best is not None \
-                            else ""
-                        log(f"eval step {step}: {shown}{best}")
-                    saved = False
-                    if step % s.checkpoint_every == 0 or step == s.steps or step == end or stop:
+                    self._show(rec, eval_rec, bar)
+                    saved = step % s.checkpoint_every == 0 or step == end or stop
+                    if saved:
                         self.save(step, evaluated)
-                        saved = True
                     if bar is not None:
                         bar.update(1)
                     if on_step is not None:
@@ -421,7 +381,7 @@ class _Run:
                     if stop:
                         stopped = True
                         why = "a signal" if signals.received is not None else f"{max_minutes} minutes"
-                        log(f"stopped after {why} at step {step} (checkpoint saved); --resume continues")
+                        self.log(f"stopped after {why} at step {step} (checkpoint saved); --resume continues")
                         break
         finally:
             if bar is not None:
@@ -430,7 +390,7 @@ class _Run:
         self.ckpt.wait()
         exports = {}
         if not stopped and end == s.steps:
-            exports = task.export(self.ckpt, self.output_dir, log)
+            exports = task.export(self.ckpt, self.output_dir, self.log)
         elif end < s.steps:
             stopped = True
         return RunResult(self.output_dir, step, history, last_eval, exports.get("drafter"), exports.get("best_drafter"),

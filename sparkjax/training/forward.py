@@ -1,8 +1,5 @@
-"""The DSpark training forward: target features, the drafter over anchor blocks, and the loss.
-
-Everything here is a pure function of modules and arrays, so it runs inside ``jax.jit`` over
-``nnx.split`` state (see :mod:`sparkjax.training.trainer`).
-"""
+"""The DSpark training forward (pure functions of modules and arrays, jitted by :mod:`.trainer`): target
+features, the drafter over anchor blocks, and the loss."""
 
 from __future__ import annotations
 
@@ -19,22 +16,16 @@ from .loss import LossSums, Objective, dspark_loss_sums
 
 Array = jax.Array
 
-# the attention the training forward traces with: the reference path, which reverse-mode differentiation goes
-# through (the CPU's default blocked path has a loop with a run-time trip count)
-TRAIN_ATTENTION = "einsum"
+TRAIN_ATTENTION = "einsum"  # reverse mode cannot go through the blocked path's loop (a run-time trip count)
 
 
 def check_pair(drafter, target) -> None:
-    """A DSpark drafter (training needs its own tables and heads) that fits the target (the one pair check,
-    :func:`sparkjax.pairing.check_pair`)."""
-    dc = drafter.config
-    if dc.kind != "dspark":
+    """A DSpark drafter (training needs its own tables and heads) that fits the target, if one is given."""
+    if drafter.config.kind != "dspark":
         raise ArgumentError(
-            f"drafter: training needs a DSpark drafter (own embedding, LM head and heads), got {dc.kind!r}"
-        )
-    if target is None:
-        return
-    pairing.check_pair(target, drafter)
+            f"drafter: training needs a DSpark drafter (own embedding, LM head and heads), got {drafter.config.kind!r}")
+    if target is not None:
+        pairing.check_pair(target, drafter)
 
 
 def target_features(target, input_ids: Array, layer_ids: tuple[int, ...]) -> tuple[Array, Array]:
@@ -88,18 +79,9 @@ def drafter_outputs(drafter, blocks: Blocks, features: Array, last_hidden: Array
     return TrainOutputs(out.hidden, base, corrected, conf, jax.lax.stop_gradient(tlogits))
 
 
-def batch_loss(
-    drafter,
-    target,
-    input_ids: Array,
-    loss_mask: Array,
-    anchors: Array,
-    keep: Array,
-    objective: Objective,
-    *,
-    features: Array | None = None,
-    last_hidden: Array | None = None,
-) -> tuple[Array, LossSums, Blocks, TrainOutputs]:
+def batch_loss(drafter, target, input_ids: Array, loss_mask: Array, anchors: Array, keep: Array, objective: Objective,
+               *, features: Array | None = None, last_hidden: Array | None = None,
+               ) -> tuple[Array, LossSums, Blocks, TrainOutputs]:
     """The DSpark loss of one batch for given anchors: ``(total, sums, blocks, outputs)``. Target features come
     from ``features``/``last_hidden`` when given, else from a gradient-free forward of ``target``."""
     c = drafter.config
@@ -108,15 +90,11 @@ def batch_loss(
             raise ArgumentError("features: pass precomputed features and last_hidden, or a target to compute them")
         features, last_hidden = target_features(target, input_ids, tuple(c.target_layer_ids))
     if features.shape[-1] != c.feature_size:
-        raise ArgumentError(
-            f"features: last axis is {features.shape[-1]}, the drafter expects {c.feature_size} "
-            f"({len(c.target_layer_ids)} target layers x hidden {c.hidden_size})"
-        )
+        raise ArgumentError(f"features: last axis is {features.shape[-1]}, the drafter expects {c.feature_size} "
+                            f"({len(c.target_layer_ids)} target layers x hidden {c.hidden_size})")
     blocks = build_blocks(input_ids, loss_mask, anchors, keep, block_size=c.block_size, mask_token_id=c.mask_token_id)
     outs = drafter_outputs(drafter, blocks, features, last_hidden, target)
-    sums = dspark_loss_sums(
-        outs.draft_logits, outs.target_logits, blocks.target_ids, blocks.eval_mask, blocks.keep,
-        outs.confidence, objective,
-    )
+    sums = dspark_loss_sums(outs.draft_logits, outs.target_logits, blocks.target_ids, blocks.eval_mask, blocks.keep,
+                            outs.confidence, objective)
     total = sums.losses(objective, outs.confidence is not None)["loss"]
     return total, sums, blocks, outs

@@ -1,10 +1,8 @@
-"""Pre-training a Qwen3 target from scratch on a token stream (next-token cross-entropy).
-
+"""Pre-training a Qwen3 target from scratch on a token stream (next-token cross-entropy) through :func:`.fit.fit`.
 Batch ``s`` holds ``batch_size`` windows of ``seq_len + 1`` tokens at offsets drawn from
 ``numpy.random.default_rng([seed, s])``, so a resumed run sees exactly the batches an uninterrupted one would.
 
-    cfg = LMConfig(model={...Qwen3 config.json keys...}, steps=6000, ...)
-    result = train_lm(cfg, "runs/target", tokens="train.tokens.npy", heldout="heldout.tokens.npy")
+    result = train_lm(LMConfig(model={...}, steps=6000), "runs/target", tokens="train.npy", heldout="held.npy")
     export_lm("runs/target", "out/target", tokenizer="runs/tokenizer")
 """
 
@@ -31,7 +29,7 @@ from ..io.checkpoint import TrainCheckpointer
 from ..io.hf import save_target
 from ..nn.qwen3 import Qwen3
 from .fit import LoopSettings, Task, fit
-from .optim import OptimConfig, compose, make_optimizer, make_schedule
+from .optim import OptimConfig, compose, is_int, make_optimizer, make_schedule
 from .outdir import MARKER, check_overwritable, save_into
 
 LM_OPTIM = OptimConfig(lr=3e-3, steps=4000, warmup_steps=100, schedule="cosine", min_lr_ratio=0.1,
@@ -65,25 +63,19 @@ class LMConfig:
         object.__setattr__(self, "model", model)
         for f in dataclasses.fields(self):
             if f.name in LOOP_KEYS:
-                object.__setattr__(self, f.name, settings.pop(f.name, f.default))
+                v, low = settings.pop(f.name, f.default), 0 if f.name == "seed" else 1
+                if not is_int(v) or v < low:
+                    raise TrainingError(f"{f.name}: must be an integer >= {low}, got {v!r}")
+                object.__setattr__(self, f.name, v)
         object.__setattr__(self, "optim", compose(settings, LM_OPTIM, LM_OPTIM_KEYS, source="LMConfig"))
-        self._validate()
+        if not isinstance(model, dict):
+            raise TrainingError(f"model: must be a Qwen3 config.json object, got {type(model).__name__}")
+        self.qwen3_config()  # validates the model keys
 
     def __getattr__(self, name: str):  # cfg.lr, cfg.steps, ...: the optimizer's settings
         if name in LM_OPTIM_KEYS:
             return getattr(self.optim, name)
         raise AttributeError(f"LMConfig has no attribute {name!r}")
-
-    def _validate(self):
-        for name in ("seq_len", "batch_size", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise TrainingError(f"{name}: must be a positive integer, got {v!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise TrainingError(f"seed: must be an integer >= 0, got {self.seed!r}")
-        if not isinstance(self.model, dict):
-            raise TrainingError(f"model: must be a Qwen3 config.json object, got {type(self.model).__name__}")
-        self.qwen3_config()  # validates the model keys
 
     def qwen3_config(self) -> Qwen3Config:
         return Qwen3Config.from_hf_config(dict(self.model), source="LMConfig.model")
@@ -98,9 +90,6 @@ class LMConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> LMConfig:
         if not isinstance(d, dict):
             raise TrainingError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"model", *LOOP_KEYS, *LM_OPTIM_KEYS})
-        if unknown:
-            raise TrainingError(f"{source}: unknown key(s) {', '.join(unknown)}")
         if "model" not in d:
             raise TrainingError(f"{source}: key 'model' (a Qwen3 config.json object) is required")
         try:
@@ -109,7 +98,6 @@ class LMConfig:
             raise TrainingError(f"{source}: {e}") from None
 
 
-# ----------------------------------------------------------------------------- data
 def load_tokens(path: str, vocab: int, seq_len: int) -> np.ndarray:
     try:
         ids = np.load(path, mmap_mode="r")
@@ -140,7 +128,6 @@ def eval_windows(tokens: np.ndarray, batches: int, batch: int, seq_len: int) -> 
     return [rows[i * batch:(i + 1) * batch] for i in range(batches)]
 
 
-# ----------------------------------------------------------------------------- steps
 def _loss(graphdef, params, rest, window):
     model = nnx.merge(graphdef, params, rest)
     tokens, labels = window[:, :-1], window[:, 1:]
@@ -158,9 +145,7 @@ def _train_step(graphdef, optim: OptimConfig, state, rest, window):
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss, optax.tree.norm(grads)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _eval_step(graphdef, params, rest, window):
-    return _loss(graphdef, params, rest, window)
+_eval_step = jax.jit(_loss, static_argnums=(0,))
 
 
 @dataclasses.dataclass
@@ -233,17 +218,8 @@ class LMTask(Task):
         return self.state, {}
 
 
-def train_lm(
-    cfg: LMConfig,
-    output_dir: str,
-    *,
-    tokens: str,
-    heldout: str,
-    resume: bool = False,
-    force_resume: bool = False,
-    max_minutes: float | None = None,
-    log=print,
-) -> LMResult:
+def train_lm(cfg: LMConfig, output_dir: str, *, tokens: str, heldout: str, resume: bool = False,
+             force_resume: bool = False, max_minutes: float | None = None, log=print) -> LMResult:
     """Trains (or resumes) a target in ``output_dir`` (``config.json``, ``metrics.jsonl``, ``checkpoints/``)
     through the one training loop (:func:`.fit.fit`: run lock, resume, metrics, eval, stopping)."""
     r = fit(LMTask(tokens, heldout), cfg, output_dir, resume=resume, force_resume=force_resume,
@@ -270,16 +246,13 @@ def export_lm(run_dir: str, out: str, *, tokenizer: str | None = None, dtype: st
         _, state, meta = ckpt.restore(abstract, step)
     finally:
         ckpt.close()
-    model = nnx.merge(graphdef, state["params"], rest)
     ids = {k: int(v) for k, v in (special_ids or {}).items() if v is not None}
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_into(tmp, save_target, model, dtype=dtype)
-        config = read_json(os.path.join(tmp, "config.json"), CheckpointError, "config")
-        config.update(ids)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump({**ids, "do_sample": False}, f, indent=2)
+        save_into(tmp, save_target, nnx.merge(graphdef, state["params"], rest), dtype=dtype)
+        config = {**read_json(os.path.join(tmp, "config.json"), CheckpointError, "config"), **ids}
+        for name, content in (("config.json", config), ("generation_config.json", {**ids, "do_sample": False})):
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(content, f, indent=2)
         if tokenizer is not None:
             for name in sorted(os.listdir(tokenizer)):
                 src = os.path.join(tokenizer, name)

@@ -1,17 +1,7 @@
-"""The drafter's training task: models and data from a :class:`TrainConfig`, steps, eval, exports.
-
-:func:`train` runs a :class:`DrafterTask` through the one training loop (:func:`.fit.fit`). Output folder::
-
-    OUT/config.json           the resolved config of the run
-    OUT/metrics.jsonl         one JSON object per logged step ("split": "train") and per eval ("eval")
-    OUT/data/                 synthetic data, generated once (train.npz, eval.npz)
-    OUT/checkpoints/<step>/   orbax checkpoints (model, optimizer state, step, RNG, data cursor)
-    OUT/drafter/              the final drafter, DeepSpec safetensors format (load_drafter reads it)
-    OUT/best_drafter/         the drafter with the best held-out probabilistic tau
-    OUT/tensorboard/          TensorBoard events (only if tensorboardX or tensorboard is installed)
-    OUT/.sparkjax-lock        the run lock: a second run into OUT is refused while one runs
-
-A resumed run checks that the config and data are the ones its checkpoint was written with (``force_resume``
+"""The drafter's training task (:class:`DrafterTask`: models and data from a :class:`TrainConfig`, steps, eval,
+exports) and :func:`train`, which runs it through :func:`.fit.fit` into a run folder (``config.json``,
+``metrics.jsonl``, ``data/``, ``checkpoints/<step>/``, ``drafter/``, ``best_drafter/``, ``tensorboard/``; see
+``docs/training.md``). A resumed run checks that its config and data are the checkpoint's (``force_resume``
 overrides) and continues with exactly the next batch and RNG state.
 """
 
@@ -39,9 +29,6 @@ from .trainer import Trainer, to_host
 __all__ = ["DrafterTask", "RunResult", "build_data", "build_models", "export_run", "make_run_mesh", "train"]
 
 
-# ----------------------------------------------------------------------------- models and data
-
-
 def build_models(cfg: TrainConfig, log: Callable[[str], None] = _stderr):
     """``(target, drafter)`` for the run: the drafter continues ``init_drafter`` (with the
     ``drafter`` overrides and ``num_anchors``) or is a new one (``drafter`` settings)."""
@@ -63,57 +50,23 @@ def build_data(cfg: TrainConfig, target, drafter, output_dir: str | None,
                log: Callable[[str], None] = _stderr) -> tuple[data_lib.TokenData, data_lib.TokenData | None]:
     """Train and held-out :class:`~sparkjax.training.data.TokenData` for the run."""
     block = drafter.config.block_size
-    vocab = target.config.vocab_size
     if cfg.seq_len < block + 1:
         raise TrainingError(
-            f"seq_len: {cfg.seq_len} is shorter than a block plus its first label (block_size + 1 = {block + 1})"
-        )
+            f"seq_len: {cfg.seq_len} is shorter than a block plus its first label (block_size + 1 = {block + 1})")
     if cfg.synthetic is not None and cfg.data is None:
-        s = dict(cfg.synthetic)
-        known = {"num_sequences", "prompt_len", "seed", "vocab_high", "batch"}
-        bad = sorted(set(s) - known)
-        if bad:
-            raise TrainingError(f"synthetic: unknown key '{bad[0]}' (known: {', '.join(sorted(known))})")
-        cache = None if output_dir is None else os.path.join(output_dir, "data")
-        paths = None if cache is None else (os.path.join(cache, "train.npz"), os.path.join(cache, "eval.npz"))
-        train = held = None
-        if paths and all(os.path.exists(p) for p in paths):
-            try:
-                train, held = data_lib.TokenData.load(paths[0]), data_lib.TokenData.load(paths[1])
-            except data_lib.DataError as e:  # a cache this run wrote, damaged: it is rebuilt from its seed
-                log(f"warning: {e}; rebuilding the data cache")
-                train = held = None
-        if train is None:
-            common = dict(seq_len=cfg.seq_len, prompt_len=int(s.get("prompt_len", 16)),
-                          vocab_high=s.get("vocab_high"), batch=int(s.get("batch", 64)))
-            seed = int(s.get("seed", cfg.data_seed))
-            t0 = time.perf_counter()
-            train = data_lib.synthetic_data(target, num_sequences=int(s.get("num_sequences", 256)), seed=seed,
-                                            **common)
-            held = data_lib.synthetic_data(target, num_sequences=cfg.eval_size, seed=seed + 1_000_003, **common) \
-                if cfg.eval_size else data_lib.TokenData(train.input_ids[:0], train.loss_mask[:0])
-            log(f"data: generated {len(train)} + {len(held)} target-greedy sequences in "
-                f"{time.perf_counter() - t0:.1f}s")
-            if paths:
-                os.makedirs(cache, exist_ok=True)
-                train.save(paths[0])
-                held.save(paths[1])
-        if cfg.eval_size == 0:
-            held = None
+        train, held = _synthetic(cfg, target, output_dir, log)
     else:
-        tok = None
-        needs_tok = _has_chat_records(cfg.data) or (cfg.eval_data is not None and _has_chat_records(cfg.eval_data))
-        if needs_tok:
-            tok = load_tokenizer(cfg.tokenizer or cfg.target, what="tokenizer", error=DataError)
-        kw = dict(block_size=block, vocab_size=vocab, tokenizer=tok, tokenizer_source=cfg.tokenizer or cfg.target,
+        chat = _has_chat_records(cfg.data) or (cfg.eval_data is not None and _has_chat_records(cfg.eval_data))
+        source = cfg.tokenizer or cfg.target
+        tok = load_tokenizer(source, what="tokenizer", error=DataError) if chat else None
+        kw = dict(block_size=block, vocab_size=target.config.vocab_size, tokenizer=tok, tokenizer_source=source,
                   packing=cfg.packing, assistant_header=cfg.assistant_header, end_of_turn=cfg.end_of_turn)
         train = data_lib.load_jsonl(cfg.data, cfg.seq_len, **kw)
+        held = None
         if cfg.eval_data:
             held = data_lib.load_jsonl(cfg.eval_data, cfg.seq_len, **kw)
         elif cfg.eval_size:
             train, held = data_lib.split_eval(train, eval_size=cfg.eval_size, seed=cfg.data_seed)
-        else:
-            held = None
         log(f"data: {len(train)} train rows ({train.supervised_tokens()} supervised tokens)"
             + (f", {len(held)} held-out rows" if held is not None else "")
             + (f"; skipped {train.info.get('skipped')} lines without assistant tokens" if train.info.get("skipped")
@@ -123,6 +76,36 @@ def build_data(cfg: TrainConfig, target, drafter, output_dir: str | None,
         train = data_lib.precompute_features(target, train, ids)
         held = None if held is None else data_lib.precompute_features(target, held, ids)
     return train, held
+
+
+def _synthetic(cfg: TrainConfig, target, output_dir: str | None, log):
+    """Target-greedy train / held-out data (None without ``eval_size``), cached in ``OUT/data`` once generated."""
+    s = dict(cfg.synthetic)
+    known = {"num_sequences", "prompt_len", "seed", "vocab_high", "batch"}
+    bad = sorted(set(s) - known)
+    if bad:
+        raise TrainingError(f"synthetic: unknown key '{bad[0]}' (known: {', '.join(sorted(known))})")
+    cache = None if output_dir is None else os.path.join(output_dir, "data")
+    paths = () if cache is None else (os.path.join(cache, "train.npz"), os.path.join(cache, "eval.npz"))
+    if paths and all(os.path.exists(p) for p in paths):
+        try:
+            train, held = data_lib.TokenData.load(paths[0]), data_lib.TokenData.load(paths[1])
+            return train, held if cfg.eval_size else None
+        except data_lib.DataError as e:  # a cache this run wrote, damaged: it is rebuilt from its seed
+            log(f"warning: {e}; rebuilding the data cache")
+    common = dict(seq_len=cfg.seq_len, prompt_len=int(s.get("prompt_len", 16)), vocab_high=s.get("vocab_high"),
+                  batch=int(s.get("batch", 64)))
+    seed = int(s.get("seed", cfg.data_seed))
+    t0 = time.perf_counter()
+    train = data_lib.synthetic_data(target, num_sequences=int(s.get("num_sequences", 256)), seed=seed, **common)
+    held = data_lib.synthetic_data(target, num_sequences=cfg.eval_size, seed=seed + 1_000_003, **common) \
+        if cfg.eval_size else data_lib.TokenData(train.input_ids[:0], train.loss_mask[:0])
+    log(f"data: generated {len(train)} + {len(held)} target-greedy sequences in {time.perf_counter() - t0:.1f}s")
+    if paths:
+        os.makedirs(cache, exist_ok=True)
+        train.save(paths[0])
+        held.save(paths[1])
+    return train, held if cfg.eval_size else None
 
 
 def _has_chat_records(path: str) -> bool:
@@ -139,7 +122,9 @@ def make_run_mesh(cfg: TrainConfig):
     return make_mesh(data=n, model=1) if n > 1 else None
 
 
-# ----------------------------------------------------------------------------- the task
+def _trainer(cfg: TrainConfig, drafter, target, mesh=None) -> Trainer:
+    return Trainer(drafter, target, optim=cfg.optim, objective=cfg.objective, num_anchors=cfg.num_anchors,
+                   seed=cfg.seed, compute_dtype=cfg.compute_dtype, freeze=cfg.freeze, mesh=mesh)
 
 
 class DrafterTask(Task):
@@ -160,20 +145,14 @@ class DrafterTask(Task):
         self.cfg = cfg
         target, drafter = build_models(cfg, log)
         self.train_data, held = build_data(cfg, target, drafter, output_dir, log)
-        self.trainer = Trainer(
-            drafter, None if cfg.precompute_features else target, optim=cfg.optim, objective=cfg.objective,
-            num_anchors=cfg.num_anchors, seed=cfg.seed, compute_dtype=cfg.compute_dtype, freeze=cfg.freeze,
-            mesh=make_run_mesh(cfg),
-        )
+        self.trainer = _trainer(cfg, drafter, None if cfg.precompute_features else target, make_run_mesh(cfg))
         self.drafter_cfg = drafter.config.to_hf_dict()
         self.stream = data_lib.BatchStream(self.train_data, cfg.batch_size, cfg.data_seed)
         self.eval_batches = _eval_batches(cfg, held, self.trainer.data_parallel)
         self.cursor = 0
 
     def abstract_state(self):
-        tr = self.trainer
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tr.state,
-                            tr.state_shardings())
+        return self.trainer.abstract_state()
 
     def restore(self, step, state, meta, where, force_resume, log) -> str:
         if meta.get("data_fingerprint") != self.train_data.fingerprint():
@@ -187,9 +166,8 @@ class DrafterTask(Task):
         return f"resume: step {step} from {where} (data cursor {self.cursor})"
 
     def step(self, index: int):
-        out = self.trainer.step(self.stream.batch(self.cursor))
         self.cursor += 1
-        return out
+        return self.trainer.step(self.stream.batch(self.cursor - 1))
 
     def train_metrics(self, outputs) -> dict[str, Any]:
         sums, info = outputs[-1]  # the logged step's own metrics
@@ -198,9 +176,7 @@ class DrafterTask(Task):
                 "grad_norm": info["grad_norm"], "epoch": self.cursor / self.stream.batches_per_epoch}
 
     def evaluate(self):
-        if not self.eval_batches:
-            return None
-        return self.trainer.evaluate(self.eval_batches, seed=self.cfg.seed + 1)
+        return self.trainer.evaluate(self.eval_batches, seed=self.cfg.seed + 1) if self.eval_batches else None
 
     def checkpoint(self):
         return self.trainer.state, {"drafter_config": self.drafter_cfg, "data_cursor": int(self.cursor),
@@ -220,18 +196,10 @@ class DrafterTask(Task):
         return out
 
 
-def train(
-    cfg: TrainConfig,
-    output_dir: str,
-    *,
-    resume: bool = False,
-    force_resume: bool = False,
-    progress: bool = True,
-    log: Callable[[str], None] = _stderr,
-    on_step: Callable[[int, bool], None] | None = None,
-    stop_at: int | None = None,
-    max_minutes: float | None = None,
-) -> RunResult:
+def train(cfg: TrainConfig, output_dir: str, *, resume: bool = False, force_resume: bool = False,
+          progress: bool = True, log: Callable[[str], None] = _stderr,
+          on_step: Callable[[int, bool], None] | None = None, stop_at: int | None = None,
+          max_minutes: float | None = None) -> RunResult:
     """Runs (or resumes) a drafter training run into ``output_dir``; see the module doc for the layout
     and :func:`.fit.fit` for ``on_step``, ``stop_at`` and ``max_minutes``."""
     return fit(DrafterTask(), cfg, output_dir, resume=resume, force_resume=force_resume, max_minutes=max_minutes,
@@ -250,11 +218,9 @@ def _eval_batches(cfg: TrainConfig, held, dp: int):
 
 def export_checkpoint(cfg: TrainConfig, trainer: Trainer, ckpt: TrainCheckpointer, step: int, out_dir: str) -> str:
     """Writes the drafter of checkpoint ``step`` to ``out_dir`` (DeepSpec format), leaving ``trainer`` as it was."""
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainer.state,
-                            trainer.state_shardings())
     out_dir = check_overwritable(out_dir)
     current = trainer.state
-    _, state, _ = ckpt.restore(abstract, step=step)
+    _, state, _ = ckpt.restore(trainer.abstract_state(), step=step)
     trainer.set_state(state)
     try:
         export_drafter(trainer.drafter(), out_dir, dtype=cfg.export_dtype)
@@ -269,28 +235,23 @@ def export_run(cfg: TrainConfig, output_dir: str, which: str, out_dir: str | Non
     ``out_dir`` (default ``OUTPUT/export_stepN``: checked by the overwrite rule before any work)."""
     if out_dir is not None:
         check_overwritable(out_dir, "--export-to")
-    if not os.path.isdir(os.path.join(os.path.abspath(output_dir), "checkpoints")):
+    folder = os.path.join(os.path.abspath(output_dir), "checkpoints")
+    if not os.path.isdir(folder):
         raise CheckpointError(f"{os.path.abspath(output_dir)}: no checkpoints folder (not a training run?)")
-    ckpt = TrainCheckpointer(os.path.join(os.path.abspath(output_dir), "checkpoints"), keep_last=cfg.keep_last,
-                             keep_best=cfg.keep_best, log=log)
+    ckpt = TrainCheckpointer(folder, keep_last=cfg.keep_last, keep_best=cfg.keep_best, log=log)
     try:
-        if which == "latest":
-            step = ckpt.latest_step()
-        elif which == "best":
-            step = ckpt.best_step()
+        if which in ("latest", "best"):
+            step = ckpt.latest_step() if which == "latest" else ckpt.best_step()
+        elif not str(which).isdigit():
+            raise ArgumentError(f"--export: expected 'latest', 'best' or a step number, got {which!r}")
         else:
-            try:
-                step = int(which)
-            except ValueError:
-                raise ArgumentError(f"--export: expected 'latest', 'best' or a step number, got {which!r}") from None
+            step = int(which)
         if step is None:
             raise CheckpointError(f"{ckpt.directory}: no {which} checkpoint to export")
         target, drafter = build_models(cfg, log)
-        trainer = Trainer(drafter, target, optim=cfg.optim, objective=cfg.objective, num_anchors=cfg.num_anchors,
-                          seed=cfg.seed, compute_dtype=cfg.compute_dtype, freeze=cfg.freeze)
         out = out_dir or os.path.join(output_dir, f"export_step{step}")
         check_overwritable(out, "--export-to")
-        export_checkpoint(cfg, trainer, ckpt, step, out)
+        export_checkpoint(cfg, _trainer(cfg, drafter, target), ckpt, step, out)
         log(f"exported step {step} to {out}")
         return out
     finally:

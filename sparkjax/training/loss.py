@@ -1,27 +1,19 @@
 """The DSpark objective, exactly as upstream DeepSpec's ``compute_dspark_loss`` (world size 1).
 
-Per slot ``k`` of every block (``[B, A, G]``):
-
-* weights ``w = eval_mask * exp(-k / gamma)`` (no decay when ``gamma`` is None or <= 0);
-* ``ce``   cross-entropy of the Markov-corrected draft logits vs the labels;
-* ``l1``   ``sum_v |softmax(draft) - softmax(target)|`` against the target's logits at the aligned
-  position (``anchor + k``);
-* ``conf`` BCE-with-logits of the confidence logits vs the *detached* per-slot accept rate
-  ``clamp(1 - l1 / 2, 0, 1)``;
-
-each reduced as ``sum(term * w) / (sum(w) + 1e-6)``, and
-``total = ce_alpha * ce + l1_alpha * l1 + conf_alpha * conf``. Softmaxes are float32.
+Per slot ``k`` of every block ``[B, A, G]``, with weights ``w = eval_mask * exp(-k / gamma)`` (no decay when
+``gamma`` is None or <= 0): ``ce`` (cross-entropy of the Markov-corrected draft logits vs the labels), ``l1``
+(``sum_v |softmax(draft) - softmax(target)|``, the target's logits at ``anchor + k``) and ``conf`` (BCE-with-logits
+of the confidence logits vs the *detached* accept rate ``clamp(1 - l1 / 2, 0, 1)``), each reduced as
+``sum(term * w) / (sum(w) + 1e-6)``; ``total = ce_alpha * ce + l1_alpha * l1 + conf_alpha * conf`` (float32).
 
 The tree-aware term (off by default): with ``z`` the corrected logits, ``y`` the label and ``t_k`` the C-th
 largest logit of the other tokens, the soft recall is ``r_k = sigmoid((z_y - t_k) / T)`` and
 ``tree = 1 - prod_{j<=k} r_j``, reduced like the others and added as ``tree_alpha * tree``. ``tree_top_c > 0``
 also logs ``tree_recall@k`` (the label among the top-C) and ``tau_tree = 1 + sum_k prod_{j<=k} recall_j``.
 
-Metrics (sums, so that several batches or devices add up before dividing):
-``accept_rate@k`` = sum of accept rates over supervised slots k / their count;
-``tau_probabilistic`` = over kept blocks with at least one supervised slot, the mean of
-``1 + sum_k cumprod_k(accept_rate * eval_mask)`` (expected accepted drafts + 1);
-``confidence_abs_error`` / ``confidence_bias`` / ``confidence_cumprod_bias`` as upstream.
+Metrics are kept as sums (batches and devices add up before dividing): ``accept_rate@k`` over supervised slots,
+``tau_probabilistic`` (over kept blocks with a supervised slot, the mean of ``1 + sum_k cumprod_k(accept *
+eval_mask)``) and ``confidence_abs_error`` / ``confidence_bias`` / ``confidence_cumprod_bias`` as upstream.
 """
 
 from __future__ import annotations
@@ -41,16 +33,16 @@ EPS = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """Loss weights (upstream names: ``loss_decay_gamma``, ``ce_loss_alpha``, ``l1_loss_alpha``,
-    ``confidence_head_alpha``)."""
+    """Loss weights (upstream: ``loss_decay_gamma``, ``ce_loss_alpha``, ``l1_loss_alpha``, ``confidence_head_alpha``)
+    and the tree term's weight, candidates per depth (0: not computed) and sigmoid temperature (logit units)."""
 
     gamma: float | None = 4.0
     ce_alpha: float = 0.1
     l1_alpha: float = 0.9
     conf_alpha: float = 1.0
-    tree_alpha: float = 0.0  # weight of the tree-aware term (0: upstream's objective)
-    tree_top_c: int = 0  # candidates per depth of the tree term and metrics (0: not computed)
-    tree_temperature: float = 1.0  # of the soft recall's sigmoid, in logit units
+    tree_alpha: float = 0.0
+    tree_top_c: int = 0
+    tree_temperature: float = 1.0
 
 
 @jax.tree_util.register_dataclass
@@ -92,10 +84,7 @@ class LossSums:
 
     def metrics(self, objective: Objective, has_confidence: bool = True) -> dict[str, Array]:
         """Every logged value as ``num / den`` (a zero denominator gives 0)."""
-
-        def ratio(num, den):
-            return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
-
+        ratio = lambda num, den: jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # noqa: E731
         out = dict(self.losses(objective, has_confidence))
         out["tau_probabilistic"] = ratio(self.tau_sum, self.block_count)
         out["accept_rate"] = ratio(self.accept_sum, self.accept_count)
@@ -145,15 +134,8 @@ def tree_recall(logits: Array, labels: Array, top_c: int, temperature: float) ->
     return jax.nn.sigmoid((label - thresh) / temperature), (label > thresh).astype(z.dtype)
 
 
-def dspark_loss_sums(
-    draft_logits: Array,
-    target_logits: Array,
-    target_ids: Array,
-    eval_mask: Array,
-    keep: Array,
-    confidence_logits: Array | None,
-    objective: Objective,
-) -> LossSums:
+def dspark_loss_sums(draft_logits: Array, target_logits: Array, target_ids: Array, eval_mask: Array, keep: Array,
+                     confidence_logits: Array | None, objective: Objective) -> LossSums:
     """The sums behind every term: ``draft_logits``/``target_logits`` ``[B, A, G, V]``, ``target_ids``,
     ``eval_mask`` ``[B, A, G]``, ``keep`` ``[B, A]``, ``confidence_logits`` ``[B, A, G]`` or None."""
     w = loss_weights(eval_mask, objective.gamma)
@@ -192,19 +174,8 @@ def dspark_loss_sums(
         tree_hits = jnp.sum(valid_hard, axis=(0, 1))
         tree_tau = jnp.sum((jnp.sum(jnp.cumprod(valid_hard, axis=-1), axis=-1) + 1.0) * blocks)
 
-    return LossSums(
-        ce_num=jnp.sum(ce * w),
-        l1_num=jnp.sum(l1 * w),
-        conf_num=conf_num,
-        weight_sum=jnp.sum(w),
-        accept_sum=jnp.sum(valid_accept, axis=(0, 1)),
-        accept_count=jnp.sum(valid, axis=(0, 1)),
-        tau_sum=jnp.sum(tau_block * blocks),
-        block_count=jnp.sum(blocks),
-        conf_abs_error_num=conf_abs,
-        conf_bias_num=conf_bias,
-        conf_cumprod_bias_num=conf_cum,
-        tree_num=tree_num,
-        tree_recall_sum=tree_hits,
-        tree_tau_sum=tree_tau,
-    )
+    return LossSums(ce_num=jnp.sum(ce * w), l1_num=jnp.sum(l1 * w), conf_num=conf_num, weight_sum=jnp.sum(w),
+                    accept_sum=jnp.sum(valid_accept, axis=(0, 1)), accept_count=jnp.sum(valid, axis=(0, 1)),
+                    tau_sum=jnp.sum(tau_block * blocks), block_count=jnp.sum(blocks), conf_abs_error_num=conf_abs,
+                    conf_bias_num=conf_bias, conf_cumprod_bias_num=conf_cum, tree_num=tree_num,
+                    tree_recall_sum=tree_hits, tree_tau_sum=tree_tau)

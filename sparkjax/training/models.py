@@ -1,11 +1,5 @@
-"""Drafters to train: continue a DeepSpec checkpoint (possibly at another block size) or start anew.
-
-* :func:`load_drafter_for_training` reads a DeepSpec DSpark folder with config overrides (``{"block_size":
-  16}`` changes no shape); an override that changes shapes fails with a CheckpointError naming the tensor.
-* :func:`new_drafter_config` / :func:`init_drafter` build a new DSpark drafter for any Qwen3 target: its
-  backbone sizes, ``num_draft_layers`` layers, evenly spread ``target_layer_ids``, random weights, and
-  ``embed_tokens`` / ``lm_head`` copied from the target.
-"""
+"""Drafters to train: continue a DeepSpec checkpoint (possibly at another block size, :func:`load_drafter_for_training`)
+or a new DSpark drafter for any Qwen3 target (:func:`new_drafter_config`, :func:`init_drafter`)."""
 
 from __future__ import annotations
 
@@ -24,14 +18,9 @@ from ..io.safetensors import WeightFiles
 from ..nn.drafter import Drafter
 from ..pairing import check_pair
 
-NEW_DRAFTER_DEFAULTS: dict[str, Any] = {
-    "block_size": 16,
-    "num_draft_layers": 5,
-    "markov_rank": 256,
-    "markov_head_type": "vanilla",
-    "enable_confidence_head": True,
-    "confidence_head_with_markov": True,
-}
+NEW_DRAFTER_DEFAULTS: dict[str, Any] = {"block_size": 16, "num_draft_layers": 5, "markov_rank": 256,
+                                        "markov_head_type": "vanilla", "enable_confidence_head": True,
+                                        "confidence_head_with_markov": True}
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -40,13 +29,11 @@ def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     return sorted({int(round(x)) for x in np.linspace(1, hi, count)})
 
 
-def new_drafter_config(
-    target_config: Qwen3Config, settings: dict[str, Any], *, source: str = "drafter"
-) -> DrafterConfig:
-    """A DSpark config for ``target_config`` from DeepSpec-style ``settings`` (``block_size``,
-    ``num_draft_layers``, ``target_layer_ids``, ``mask_token_id`` (required), ``markov_rank``,
-    ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``,
-    ``num_anchors``, and any Qwen3 backbone key to override, e.g. ``intermediate_size``)."""
+def new_drafter_config(target_config: Qwen3Config, settings: dict[str, Any], *, source: str = "drafter",
+                       ) -> DrafterConfig:
+    """A DSpark config for ``target_config`` (its backbone sizes, evenly spread ``target_layer_ids``) from
+    DeepSpec-style ``settings`` over :data:`NEW_DRAFTER_DEFAULTS` (``mask_token_id`` is required; any Qwen3
+    backbone key, e.g. ``intermediate_size``, may be overridden)."""
     s = {**NEW_DRAFTER_DEFAULTS, **settings}
     if s.get("mask_token_id") is None:
         raise ConfigError(f"{source}: key 'mask_token_id' is required for a new drafter (an id the tokenizer "

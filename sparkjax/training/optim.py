@@ -33,37 +33,36 @@ class OptimConfig:
     grad_clip: float | None = 1.0
 
     def __post_init__(self):
-        def bad(field, value, why):
-            raise TrainingError(f"key '{field}' {why}, got {value!r}")
-
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            bad("steps", self.steps, "must be a positive integer")
-        if not _finite(self.lr) or self.lr <= 0 or self.lr > 1.0:
-            bad("lr", self.lr, "must be a finite learning rate in (0, 1]")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            bad("warmup_steps", self.warmup_steps, "must be an integer >= 0")
-        if self.warmup_steps and self.warmup_steps >= self.steps:
-            bad("warmup_steps", self.warmup_steps, f"must be smaller than steps ({self.steps})")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
-        if not _finite(self.min_lr_ratio) or not 0.0 <= self.min_lr_ratio <= 1.0:
-            bad("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        if not _finite(self.weight_decay) or self.weight_decay < 0:
-            bad("weight_decay", self.weight_decay, "must be >= 0")
-        for name in ("b1", "b2"):
-            v = getattr(self, name)
-            if not _finite(v) or not 0.0 <= v < 1.0:
-                bad(name, v, "must be in [0, 1)")
-        if not _finite(self.eps) or self.eps <= 0:
-            bad("eps", self.eps, "must be > 0")
-        if self.grad_clip is not None and (not _finite(self.grad_clip) or self.grad_clip <= 0):
-            bad("grad_clip", self.grad_clip, "must be > 0 (or null for no clipping)")
+        w, num = self.warmup_steps, is_number
+        rules = [
+            ("steps", is_int(self.steps) and self.steps >= 1, "must be a positive integer"),
+            ("lr", num(self.lr) and 0 < self.lr <= 1.0, "must be a finite learning rate in (0, 1]"),
+            ("warmup_steps", is_int(w) and w >= 0, "must be an integer >= 0"),
+            ("warmup_steps", not (is_int(w) and is_int(self.steps) and 0 < self.steps <= w),
+             f"must be smaller than steps ({self.steps})"),
+            ("schedule", self.schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}"),
+            ("min_lr_ratio", num(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0, "must be in [0, 1]"),
+            ("weight_decay", num(self.weight_decay) and self.weight_decay >= 0, "must be >= 0"),
+            ("b1", num(self.b1) and 0.0 <= self.b1 < 1.0, "must be in [0, 1)"),
+            ("b2", num(self.b2) and 0.0 <= self.b2 < 1.0, "must be in [0, 1)"),
+            ("eps", num(self.eps) and self.eps > 0, "must be > 0"),
+            ("grad_clip", self.grad_clip is None or (num(self.grad_clip) and self.grad_clip > 0),
+             "must be > 0 (or null for no clipping)"),
+        ]
+        for key, ok, why in rules:
+            if not ok:
+                raise TrainingError(f"key '{key}' {why}, got {getattr(self, key)!r}")
 
 
 OPTIM_KEYS = tuple(f.name for f in dataclasses.fields(OptimConfig))
 
 
-def _finite(x) -> bool:
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    """A finite int or float (not a bool)."""
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 

@@ -1,12 +1,5 @@
-"""The training output folder: checks before any work, the run lock, exports, metrics hygiene.
-
-* :func:`prepare_output` -- ``--output`` must be a folder that can be created and written.
-* :class:`RunLock` -- one run per output folder (``fcntl.flock`` on ``OUT/.sparkjax-lock``, released by the
-  OS when the process ends); a second run into the same folder gets a :class:`TrainingError`.
-* :func:`check_overwritable` -- the overwrite rule of :mod:`sparkjax.io.atomic` for exports.
-* :func:`export_drafter` -- drafter exports through ``atomic_dir``.
-* :func:`drop_metrics_after` -- after a resume, metric lines past the restored step are dropped.
-"""
+"""The training output folder: checks before any work (:func:`prepare_output`), the run lock (:class:`RunLock`),
+exports through ``atomic_dir`` under the overwrite rule, and metrics hygiene after a resume."""
 
 from __future__ import annotations
 
@@ -23,9 +16,6 @@ LOCK_NAME = ".sparkjax-lock"
 
 def _why(e: OSError) -> str:
     return e.strerror or type(e).__name__
-
-
-# ----------------------------------------------------------------------------- the output folder
 
 
 RUN_FILES = ("config.json", "metrics.jsonl")  # files a run (re)writes at the top of its folder
@@ -56,7 +46,8 @@ def prepare_output(path, what: str = "output folder") -> str:
 
 
 class RunLock:
-    """An exclusive ``flock`` on ``OUTPUT/.sparkjax-lock`` (a context manager; :meth:`release` ends it)."""
+    """One run per output folder: an exclusive ``flock`` on ``OUTPUT/.sparkjax-lock``, released by :meth:`release`,
+    on exit or by the OS when the process ends; a second run into the folder gets a :class:`TrainingError`."""
 
     def __init__(self, output_dir: str, what: str = "output folder"):
         import fcntl
@@ -76,10 +67,8 @@ class RunLock:
                 holder = f" (process {pid})"
             os.close(self._fd)
             self._fd = None
-            raise TrainingError(
-                f"{what} {self.output_dir} is in use by another training run{holder}; wait for it to end "
-                "or choose another --output"
-            ) from None
+            raise TrainingError(f"{what} {self.output_dir} is in use by another training run{holder}; wait for it "
+                                "to end or choose another --output") from None
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
@@ -94,9 +83,6 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-# ----------------------------------------------------------------------------- exports
 
 
 def check_overwritable(path, what: str = "export folder") -> str:
@@ -122,9 +108,6 @@ def export_drafter(drafter, out: str, *, dtype=None, what: str = "export folder"
     return out
 
 
-# ----------------------------------------------------------------------------- metrics
-
-
 def drop_metrics_after(path: str, step: int) -> int:
     """Keeps the lines of ``metrics.jsonl`` with ``step <= step`` (and drops lines cut by a kill);
     returns how many lines were dropped. The file is rewritten atomically."""
@@ -135,11 +118,10 @@ def drop_metrics_after(path: str, step: int) -> int:
         for line in f:
             try:
                 rec = json.loads(line)
-                at = int(rec.get("step", 0))
+                ok = int(rec.get("step", 0)) <= step
             except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
-                dropped += 1  # a line cut by a kill
-                continue
-            if at <= step:
+                ok = False  # a line cut by a kill
+            if ok:
                 keep.append(json.dumps(rec))
             else:
                 dropped += 1

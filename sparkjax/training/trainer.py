@@ -1,16 +1,11 @@
 """The jitted train / eval steps over ``nnx.split`` state, and :class:`Trainer` that owns the state.
 
-State layout (a plain dict pytree, what the orbax checkpoint holds)::
-
-    {"params":    trainable drafter Params (float32 master copies),
-     "opt_state": the optax state of those params,
-     "step":      int32 scalar (optimizer steps taken),
-     "rng":       uint32[2] key data (anchors of the next step are drawn from it)}
-
-Frozen parameters (by default the drafter's ``embed_tokens`` and ``lm_head``) and the target are separate
-arguments: never differentiated, updated or checkpointed. Parameters are cast to the compute dtype inside the
-step (float32 master weights). With a mesh the batch is sharded over ``data`` and the loss is the global
-``sum(term * w) / sum(w)``, so one device and many give the same loss and gradients.
+The state (what the orbax checkpoint holds) is ``{"params"`` (trainable drafter Params, float32 master copies),
+``"opt_state"`` (their optax state), ``"step"`` (int32), ``"rng"`` (uint32[2] key data of the next anchors)``}``.
+Frozen parameters (by default ``embed_tokens`` and ``lm_head``) and the target are separate arguments, never
+differentiated, updated or checkpointed; parameters are cast to the compute dtype inside the step. With a mesh
+the batch is sharded over ``data`` and the loss is the global ``sum(term * w) / sum(w)``, so one device and many
+give the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from ..sharding import batch_sharding
 from .anchors import sample_anchors
 from .forward import batch_loss, check_pair
 from .loss import LossSums, Objective
-from .optim import OptimConfig, make_optimizer, make_schedule
+from .optim import OptimConfig, is_int, make_optimizer, make_schedule
 
 Array = jax.Array
 
@@ -64,19 +59,12 @@ def _cast(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _modules(spec: StepSpec, params, frozen, target_state):
+def _batch_loss(spec: StepSpec, params, frozen, target_state, batch, key):
     drafter = nnx.merge(spec.graphdef, _cast(params, spec.compute_dtype), _cast(frozen, spec.compute_dtype))
     target = None if spec.target_graphdef is None else nnx.merge(spec.target_graphdef, target_state)
-    return drafter, target
-
-
-def _batch_loss(spec: StepSpec, params, frozen, target_state, batch, key):
-    drafter, target = _modules(spec, params, frozen, target_state)
     anchors, keep = sample_anchors(key, batch["loss_mask"], spec.num_anchors)
-    total, sums, _, _ = batch_loss(
-        drafter, target, batch["input_ids"], batch["loss_mask"], anchors, keep, spec.objective,
-        features=batch.get("features"), last_hidden=batch.get("last_hidden"),
-    )
+    total, sums, _, _ = batch_loss(drafter, target, batch["input_ids"], batch["loss_mask"], anchors, keep,
+                                   spec.objective, features=batch.get("features"), last_hidden=batch.get("last_hidden"))
     return total, sums
 
 
@@ -86,11 +74,20 @@ def _replicate(spec: StepSpec, tree):
     return jax.lax.with_sharding_constraint(tree, NamedSharding(spec.mesh, PartitionSpec()))
 
 
+def _loss_and_grads(params, frozen, target_state, batch, key, spec: StepSpec):
+    """``(loss, sums, grads)`` of one batch with anchors from ``key`` (jitted: :func:`loss_and_grads`)."""
+    (loss, sums), grads = jax.value_and_grad(functools.partial(_batch_loss, spec), has_aux=True)(
+        params, frozen, target_state, batch, key)
+    return loss, sums, grads
+
+
+loss_and_grads = jax.jit(_loss_and_grads, static_argnames=("spec",))
+
+
 def train_step_fn(state, frozen, target_state, batch, spec: StepSpec):
     """One optimizer step (pure). Returns ``(new_state, sums, {"grad_norm", "lr"})``."""
     rng, key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
-    grad_fn = jax.value_and_grad(functools.partial(_batch_loss, spec), has_aux=True)
-    (_, sums), grads = grad_fn(state["params"], frozen, target_state, batch, key)
+    _, sums, grads = _loss_and_grads(state["params"], frozen, target_state, batch, key, spec)
     tx = make_optimizer(spec.optim)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -109,15 +106,6 @@ def eval_step(params, frozen, target_state, batch, key, spec: StepSpec) -> LossS
     return _batch_loss(spec, params, frozen, target_state, batch, key)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def loss_and_grads(params, frozen, target_state, batch, key, spec: StepSpec):
-    """``(loss, sums, grads)`` of one batch with anchors from ``key`` (for checks and tools)."""
-    (loss, sums), grads = jax.value_and_grad(functools.partial(_batch_loss, spec), has_aux=True)(
-        params, frozen, target_state, batch, key
-    )
-    return loss, sums, grads
-
-
 def to_host(tree) -> Any:
     """Device arrays -> NumPy (python floats for scalars)."""
     return jax.tree.map(lambda x: x.item() if np.ndim(x) == 0 else np.asarray(x), jax.device_get(tree))
@@ -128,21 +116,11 @@ class Trainer:
     ones) and runs jitted steps on it. ``target`` computes the features on the fly, or is None when every batch
     carries ``features`` and ``last_hidden``; ``mesh``: data parallel over its ``data`` axis."""
 
-    def __init__(
-        self,
-        drafter,
-        target=None,
-        *,
-        optim: OptimConfig,
-        objective: Objective | None = None,
-        num_anchors: int = 32,
-        seed: int = 0,
-        compute_dtype: Any = None,
-        freeze: Sequence[str] = DEFAULT_FREEZE,
-        mesh: Mesh | None = None,
-    ):
+    def __init__(self, drafter, target=None, *, optim: OptimConfig, objective: Objective | None = None,
+                 num_anchors: int = 32, seed: int = 0, compute_dtype: Any = None,
+                 freeze: Sequence[str] = DEFAULT_FREEZE, mesh: Mesh | None = None):
         check_pair(drafter, target)
-        if isinstance(num_anchors, bool) or not isinstance(num_anchors, int) or num_anchors < 1:
+        if not is_int(num_anchors) or num_anchors < 1:
             raise ArgumentError(f"num_anchors: must be a positive integer, got {num_anchors!r}")
         self.drafter_dtype = jnp.dtype(drafter.dtype)
         self.has_confidence = drafter.confidence_head is not None
@@ -151,23 +129,16 @@ class Trainer:
         if not jax.tree.leaves(params):
             raise ArgumentError(f"freeze: {list(freeze)} leaves no trainable parameter")
         target_graphdef, target_state = (None, None) if target is None else nnx.split(target)
-        self.mesh = mesh
-        objective = Objective() if objective is None else objective
-        self.spec = StepSpec(graphdef, target_graphdef, objective, optim, num_anchors, compute.name, mesh)
-        self.optim = optim
+        self.mesh, self.optim = mesh, optim
+        self.spec = StepSpec(graphdef, target_graphdef, objective or Objective(), optim, num_anchors, compute.name,
+                             mesh)
         # float32 master copies, never aliasing the module's arrays (the step donates its state)
         params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.float32, copy=True), params)
-        state = {
-            "params": params,
-            "opt_state": make_optimizer(optim).init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(jax.random.key(seed)),
-        }
-        self.state = self._place(state)
+        self.state = self._place({"params": params, "opt_state": make_optimizer(optim).init(params),
+                                  "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))})
         self.frozen = self._place(frozen)
         self.target_state = self._place(target_state)
 
-    # ------------------------------------------------------------------ placement
     @property
     def data_parallel(self) -> int:
         return 1 if self.mesh is None else int(self.mesh.shape["data"])
@@ -179,33 +150,25 @@ class Trainer:
             return jax.tree.map(jnp.asarray, tree)
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def state_shardings(self):
-        """Shardings of the state leaves (replicated on the mesh, or the default device)."""
-        if self.mesh is None:
-            return jax.tree.map(lambda x: x.sharding, self.state)
-        return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), self.state)
+    def abstract_state(self):
+        """The state's ``jax.ShapeDtypeStruct`` tree with its shardings (replicated on the mesh), to restore into."""
+        rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep or x.sharding), self.state)
 
     def put_batch(self, batch: dict[str, Any]) -> dict[str, Array]:
         """Moves a host batch to the devices, sharded over the mesh's data axis."""
         out = {}
         for name, x in batch.items():
-            x = np.asarray(x)
-            if name in ("input_ids",):
-                x = x.astype(np.int32)
-            elif name == "loss_mask":
-                x = x.astype(np.float32)
-            if self.mesh is not None:
-                if x.shape[0] % self.data_parallel:
-                    raise ArgumentError(
-                        f"batch: {name} has {x.shape[0]} rows, not divisible by the {self.data_parallel} "
-                        "data-parallel devices"
-                    )
-                out[name] = jax.device_put(x, batch_sharding(self.mesh, x.ndim))
-            else:
+            x = np.asarray(x, {"input_ids": np.int32, "loss_mask": np.float32}.get(name))
+            if self.mesh is None:
                 out[name] = jnp.asarray(x)
+            elif x.shape[0] % self.data_parallel:
+                raise ArgumentError(f"batch: {name} has {x.shape[0]} rows, not divisible by the "
+                                    f"{self.data_parallel} data-parallel devices")
+            else:
+                out[name] = jax.device_put(x, batch_sharding(self.mesh, x.ndim))
         return out
 
-    # ------------------------------------------------------------------ steps
     @property
     def step_count(self) -> int:
         return int(jax.device_get(self.state["step"]))
@@ -233,7 +196,6 @@ class Trainer:
             raise ArgumentError("evaluate: no batches")
         return to_host(total.metrics(self.spec.objective, self.has_confidence))
 
-    # ------------------------------------------------------------------ models
     def drafter(self, dtype: Any = None):
         """A fresh Drafter module with the current weights, in ``dtype`` (default: the input drafter's)."""
         dt = jnp.dtype(dtype) if dtype is not None else self.drafter_dtype
