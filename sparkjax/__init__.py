@@ -1,12 +1,9 @@
 """sparkjax: SparklingTree speculative decoding in JAX / Flax NNX.
 
-Public API: :func:`load_target`, :func:`load_drafter`, :func:`save_target`, :func:`save_drafter`,
-:func:`generate`, :func:`stream`, the configs, the error classes, :class:`Options` (the trace-time settings),
-the method objects (:class:`AR`, :class:`Chain`, :class:`Tree`, :class:`PCTree`, :class:`Auto`, read from names by
-:func:`parse_method`), :func:`profile_costs` (``auto``'s cost table), :func:`required_cache_size` and
-:mod:`sparkjax.demo` (the bundled trained demo pair). Lower-level pieces live in ``sparkjax.engine`` (drafting,
-the round, the jitted programs), ``sparkjax.io`` (checkpoint files), ``sparkjax.nn``, ``sparkjax.cache``,
-``sparkjax.tree`` and ``sparkjax.sampling``.
+Public API: the loaders and savers, :func:`generate`, :func:`stream`, the configs, the error classes,
+:class:`Options`, the method objects (read from names by :func:`parse_method`), :func:`profile_costs`,
+:func:`required_cache_size` and :mod:`sparkjax.demo` (the bundled trained demo pair). Lower-level pieces live in
+``sparkjax.engine``, ``sparkjax.io``, ``sparkjax.nn``, ``sparkjax.cache``, ``sparkjax.tree`` and ``sparkjax.sampling``.
 """
 
 from . import _startup
@@ -47,36 +44,10 @@ from .io.hf import load_drafter, load_target, save_drafter, save_target
 __version__ = "0.1.0"
 
 __all__ = [
-    "AR",
-    "METHODS",
-    "ArgumentError",
-    "Auto",
-    "AutoMemory",
-    "Chain",
-    "CheckpointError",
-    "ConfigError",
-    "CostTable",
-    "CostTableError",
-    "DrafterConfig",
-    "GenerateOutput",
-    "IncompatiblePairError",
-    "NumericalError",
-    "Options",
-    "PCTree",
-    "Qwen3Config",
-    "SparkjaxError",
-    "Tree",
-    "demo",
-    "generate",
-    "load_drafter",
-    "load_cost_table",
-    "load_target",
-    "parse_method",
-    "profile_costs",
-    "required_cache_size",
-    "save_drafter",
-    "save_target",
-    "stream",
+    "AR", "METHODS", "ArgumentError", "Auto", "AutoMemory", "Chain", "CheckpointError", "ConfigError", "CostTable",
+    "CostTableError", "DrafterConfig", "GenerateOutput", "IncompatiblePairError", "NumericalError", "Options",
+    "PCTree", "Qwen3Config", "SparkjaxError", "Tree", "demo", "generate", "load_drafter", "load_cost_table",
+    "load_target", "parse_method", "profile_costs", "required_cache_size", "save_drafter", "save_target", "stream",
 ]
 
 _startup.release()  # a Ctrl-C that came during the imports ends the process here (exit 130)

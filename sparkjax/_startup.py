@@ -1,11 +1,10 @@
 """Ctrl-C while ``python -m sparkjax[.eval|.training]`` starts.
 
-When a ``-m`` entry point is starting, :func:`install` (the first thing the package's ``__init__`` does)
-routes SIGINT to :func:`handler` and blocks it in the main thread, so no signal lands inside an import;
-:func:`release` (the last thing ``__init__`` does) unblocks it, and a Ctrl-C that came during the imports ends
-the process with one line and exit code 130. After that, :func:`handler` raises KeyboardInterrupt but
-remembers the signal, and each CLI calls :func:`check` before its work. ``import sparkjax`` as a library
-changes nothing.
+For a ``-m`` entry point, :func:`install` (first in the package's ``__init__``) routes SIGINT to :func:`handler`
+and blocks it in the main thread, so no signal lands inside an import; :func:`release` (last in ``__init__``)
+unblocks it, and a Ctrl-C that came during the imports ends the process with one line and exit code 130. Later,
+:func:`handler` raises KeyboardInterrupt but remembers the signal; each CLI calls :func:`check` before its work.
+``import sparkjax`` as a library changes nothing.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Fixed-shape KV caches as registered-dataclass pytrees.
 
-A :class:`KVCache` holds, for every layer, keys and values of shape ``[B, K, S, H]`` (heads-major, one array
-per layer: a stacked buffer or a slot-major layout makes XLA copy or transpose the whole cache every step)
-plus the committed length of each sequence ``lengths[B]``. Slots ``[0, lengths[b])`` hold sequence ``b``'s
-committed prefix; anything after is scratch that masks never expose. Rows ``[B, T, K, H]`` (token-major) are
-written at traced per-sequence offsets; rows past the end are dropped, so callers size the cache for the
-longest window they write.
+A :class:`KVCache` holds, per layer, keys and values ``[B, K, S, H]`` (heads-major, one array per layer) and
+the committed lengths ``lengths[B]``: slots ``[0, lengths[b])`` hold sequence ``b``'s committed prefix, the rest
+is scratch that masks never expose. Rows ``[B, T, K, H]`` (token-major) are written at traced per-sequence
+offsets; rows past the end are dropped, so callers size the cache for the longest window they write.
 """
 
 from __future__ import annotations
@@ -21,16 +19,14 @@ from .sharding import DEFAULT_RULES, logical_to_spec
 
 Array = jax.Array
 
-# Logical axes of the cache arrays (mapped onto a mesh by the rules of :mod:`sparkjax.sharding`):
-# keys / values ``[B, K, S, H]`` split over the batch and the kv heads, lengths ``[B]`` over the batch.
+# Logical axes of the cache arrays (mapped onto a mesh by the rules of :mod:`sparkjax.sharding`).
 KV_AXES: tuple[str | None, ...] = ("batch", "kv_heads", None, None)
 LENGTHS_AXES: tuple[str | None, ...] = ("batch",)
 
 
 def scatter_rows(buf: Array, rows: Array, offsets: Array) -> Array:
-    """``buf[b, :, offsets[b] + j] = rows[b, j]``; buf ``[B, K, S, H]`` (heads-major), rows
-    ``[B, T, K, H]`` (token-major); rows past the end are dropped. Vmapped over the batch, so a
-    batch-sharded cache's scatter stays local to each shard."""
+    """``buf[b, :, offsets[b] + j] = rows[b, j]`` for buf ``[B, K, S, H]`` and rows ``[B, T, K, H]``; rows past
+    the end are dropped. Vmapped over the batch, so a batch-sharded cache's scatter stays local to each shard."""
     t = rows.shape[1]
 
     def one(buf_b: Array, rows_b: Array, offset: Array) -> Array:  # [K, S, H], [T, K, H], []
@@ -41,8 +37,7 @@ def scatter_rows(buf: Array, rows: Array, offsets: Array) -> Array:
 
 
 def _gather_rows(buf: Array, src: Array) -> Array:
-    """``buf[b, :, src[b, j]]`` as token-major rows ``[B, A, K, H]`` (indices clipped), per sequence and
-    vmapped over the batch like :func:`scatter_rows`."""
+    """``buf[b, :, src[b, j]]`` as token-major rows ``[B, A, K, H]`` (indices clipped), vmapped over the batch."""
     return jax.vmap(lambda buf_b, src_b: jnp.swapaxes(buf_b.at[:, src_b].get(mode="clip"), 0, 1))(buf, src)
 
 
@@ -73,8 +68,7 @@ class KVCache:
         return kv_cache_shardings(mesh, len(self.k), rules)
 
     def write_layer(self, layer: int, k: Array, v: Array) -> KVCache:
-        """Writes one layer's new rows ``[B, T, K, H]`` (token-major, as the projections make them) at
-        ``lengths`` (lengths unchanged)."""
+        """Writes one layer's new rows ``[B, T, K, H]`` at ``lengths`` (lengths unchanged)."""
         new_k = _replace_at(self.k, layer, scatter_rows(self.k[layer], k, self.lengths))
         new_v = _replace_at(self.v, layer, scatter_rows(self.v[layer], v, self.lengths))
         return dataclasses.replace(self, k=new_k, v=new_v)
@@ -83,10 +77,8 @@ class KVCache:
         return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
 
     def compact(self, start: Array, indices: Array, count: Array) -> KVCache:
-        """Keeps a subset of a freshly written window: rows ``start[b] + indices[b, j]`` for ``j < count[b]``
-        move to ``start[b] + j`` and the committed length becomes ``start[b] + count[b]``. ``indices`` is
-        ``[B, A]`` (padding past ``count`` is ignored; any in-window value is fine).
-        """
+        """Keeps a subset of a freshly written window: rows ``start[b] + indices[b, j]`` (``indices`` ``[B, A]``)
+        for ``j < count[b]`` move to ``start[b] + j``; the committed length becomes ``start[b] + count[b]``."""
         start = jnp.asarray(start, jnp.int32)
         src = start[:, None] + jnp.asarray(indices, jnp.int32)  # [B, A]
 
@@ -97,9 +89,8 @@ class KVCache:
 
 
 def kv_cache_shardings(mesh: Mesh, layers: int, rules: Mapping[str, str | None] = DEFAULT_RULES) -> KVCache:
-    """Shardings of a :class:`KVCache` of ``layers`` layers on ``mesh``: keys / values by
-    :data:`KV_AXES` (batch over ``rules["batch"]``, kv heads over ``rules["kv_heads"]``), lengths by
-    :data:`LENGTHS_AXES`."""
+    """Shardings of a :class:`KVCache` of ``layers`` layers on ``mesh``: keys / values by :data:`KV_AXES`,
+    lengths by :data:`LENGTHS_AXES`."""
     kv = NamedSharding(mesh, logical_to_spec(KV_AXES, rules))
     return KVCache((kv,) * layers, (kv,) * layers, NamedSharding(mesh, logical_to_spec(LENGTHS_AXES, rules)))
 
@@ -109,12 +100,9 @@ def _replace_at(items: tuple, index: int, value) -> tuple:
 
 
 def attention_mask(lengths: Array, block_mask: Array, size: int) -> Array:
-    """Mask ``[B, T, S]`` for T new tokens written at ``lengths[b]`` in a cache of ``size`` slots.
-
-    Query t sees every committed slot ``s < lengths[b]`` and the new slot
-    ``lengths[b] + u`` iff ``block_mask[b, t, u]`` (``block_mask`` is ``[T, T]``
-    or ``[B, T, T]``: causal for prefill/decode, ancestors for a tree).
-    """
+    """Mask ``[B, T, S]`` for T new tokens written at ``lengths[b]`` in a cache of ``size`` slots: query t sees
+    every committed slot ``s < lengths[b]`` and the new slot ``lengths[b] + u`` iff ``block_mask[b, t, u]``
+    (``block_mask`` ``[T, T]`` or ``[B, T, T]``: causal for prefill/decode, ancestors for a tree)."""
     t = block_mask.shape[-1]
     block_mask = jnp.broadcast_to(block_mask, (lengths.shape[0], t, t))
     s = jnp.arange(size, dtype=jnp.int32)
@@ -131,19 +119,13 @@ def causal_block(t: int) -> Array:
     return jnp.tril(jnp.ones((t, t), dtype=bool))
 
 
-# ----------------------------------------------------------------------------- drafter context
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ContextCache:
-    """A drafter's per-layer context keys/values (tuples of ``[B, K, S, H]``, heads-major, as :class:`KVCache`
-    holds them: each layer's buffer is updated and attended in place) and context lengths ``[B]`` (int32).
-
-    Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed positions whose
-    target features the drafter has seen; anything after is scratch. An engine's draft writes the block's own
-    K/V into the scratch slots ``lengths[b] ..`` and attends them there (:func:`~sparkjax.engine.drafting.draft_block`);
-    the next append overwrites them.
-    """
+    """A drafter's per-layer context keys/values (tuples of ``[B, K, S, H]``, as in :class:`KVCache`) and context
+    lengths ``[B]`` (int32). Slot ``s`` holds absolute position ``s``: slots ``[0, lengths[b])`` are the committed
+    positions whose target features the drafter has seen; the rest is scratch, where a draft writes and attends
+    the block's own K/V (:func:`~sparkjax.engine.drafting.draft_block`) until the next append overwrites them."""
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
@@ -161,7 +143,7 @@ class ContextCache:
 
     def append(self, k: Array, v: Array, count: Array) -> ContextCache:
         """Writes token-major rows ``[L, B, A, K, H]`` at slots ``lengths[b] ..`` and advances ``lengths`` by
-        ``count[b]`` (``<= A``); rows past the end of the cache are dropped (size it for ``max length + A``)."""
+        ``count[b]`` (``<= A``); rows past the end are dropped."""
         new_k = tuple(scatter_rows(buf, k[i], self.lengths) for i, buf in enumerate(self.k))
         new_v = tuple(scatter_rows(buf, v[i], self.lengths) for i, buf in enumerate(self.v))
         lengths = self.lengths + jnp.broadcast_to(jnp.asarray(count, jnp.int32), self.lengths.shape)

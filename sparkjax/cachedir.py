@@ -41,11 +41,9 @@ def subdir(name: str) -> pathlib.Path | None:
 
 
 def enable_compilation_cache() -> str | None:
-    """Points JAX's persistent compilation cache at ``xla/`` under the cache folder and returns its path.
-
-    A compilation cache folder already chosen (``JAX_COMPILATION_CACHE_DIR`` or
-    ``jax.config.jax_compilation_cache_dir``) is kept and returned; so is a minimum compile time already
-    chosen. With caching off nothing is changed and None is returned (unless a folder was already chosen)."""
+    """Points JAX's persistent compilation cache at ``xla/`` under the cache folder and returns its path; a folder
+    (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) or minimum compile time already chosen is kept. With caching
+    off nothing is changed and None is returned (unless a folder was already chosen)."""
     current = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if current:
         return current

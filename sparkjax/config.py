@@ -30,9 +30,9 @@ def open_regular(path: PathLike, error: type[Exception] = ConfigError, what: str
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                    else "not a regular file")
+            kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                     (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+            kind = next((name for test, name in kinds if test(mode)), "not a regular file")
             raise error(f"{path}: {what} is {kind}; expected a regular file")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
@@ -56,15 +56,14 @@ def read_json(path: PathLike, error: type[Exception] = ConfigError, what: str = 
     return data
 
 
+@dataclasses.dataclass
 class _Fields:
     """Typed access to a config dict that reports the file and key on every problem."""
 
-    def __init__(self, data: dict[str, Any], source: str):
-        self.data = data
-        self.source = source
+    data: dict[str, Any]
+    source: str
 
-    def _check(self, key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
-        # bool is an int subclass: never accept it where a number is expected.
+    def _check(self, key: str, value: Any, kind: type) -> Any:
         if isinstance(value, bool) and kind is not bool:
             raise ConfigError(f"{self.source}: key '{key}' must be {_kind_name(kind)}, got {value!r}")
         if kind is float and isinstance(value, int):
@@ -74,17 +73,16 @@ class _Fields:
                 raise ConfigError(f"{self.source}: key '{key}' is too large ({value})") from None
         if not isinstance(value, kind):
             raise ConfigError(f"{self.source}: key '{key}' must be {_kind_name(kind)}, got {value!r}")
-        # Python's json reads NaN / Infinity literals; no config value may be non-finite.
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{self.source}: key '{key}' must be a finite number, got {value!r}")
         return value
 
-    def required(self, key: str, kind: type | tuple[type, ...]) -> Any:
+    def required(self, key: str, kind: type) -> Any:
         if key not in self.data or self.data[key] is None:
             raise ConfigError(f"{self.source}: missing required key '{key}'")
         return self._check(key, self.data[key], kind)
 
-    def optional(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    def optional(self, key: str, kind: type, default: Any) -> Any:
         value = self.data.get(key)
         if value is None:
             return default
@@ -103,35 +101,26 @@ class _Fields:
 _MAX_DIM = 2**31
 
 
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    if isinstance(kind, tuple):
-        return " or ".join(k.__name__ for k in kind)
+def _kind_name(kind: type) -> str:
     return {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}.get(kind, kind.__name__)
 
 
 def _rope_theta(f: _Fields) -> float:
     """The rope base frequency; rejects any rope type other than the default one."""
     params = f.data.get("rope_parameters")
-    scaling = f.data.get("rope_scaling")
-    if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"{f.source}: key 'rope_parameters' must be an object, got {params!r}")
-    if scaling is not None and not isinstance(scaling, dict):
-        raise ConfigError(f"{f.source}: key 'rope_scaling' must be an object, got {scaling!r}")
-    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+    for key in ("rope_parameters", "rope_scaling"):
+        block = f.data.get(key)
+        if block is not None and not isinstance(block, dict):
+            raise ConfigError(f"{f.source}: key '{key}' must be an object, got {block!r}")
         if block:
             rope_type = block.get("rope_type", block.get("type", "default"))
             if rope_type != "default":
-                raise ConfigError(
-                    f"{f.source}: unsupported rope scaling type {rope_type!r} in key '{key}' "
-                    "(sparkjax implements only the default rotary embedding)"
-                )
-    theta = None
+                raise ConfigError(f"{f.source}: unsupported rope scaling type {rope_type!r} in key '{key}' "
+                                  "(sparkjax implements only the default rotary embedding)")
     if params and params.get("rope_theta") is not None:
         theta = _Fields(params, f"{f.source} (rope_parameters)").required("rope_theta", float)
-    elif f.data.get("rope_theta") is not None:
-        theta = f.required("rope_theta", float)
     else:
-        theta = 10000.0  # transformers' Qwen3Config default
+        theta = f.optional("rope_theta", float, 10000.0)  # transformers' Qwen3Config default
     if theta <= 0:
         raise ConfigError(f"{f.source}: key 'rope_theta' must be positive, got {theta}")
     return theta
@@ -156,33 +145,23 @@ class Qwen3Config:
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The fields as transformers 5.x writes them for a ``Qwen3ForCausalLM``."""
         d = dataclasses.asdict(self)
-        theta = d.pop("rope_theta")
-        d.update(
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
-            hidden_act="silu",
-            rope_parameters={"rope_theta": theta, "rope_type": "default"},
-            use_sliding_window=False,
-            sliding_window=None,
-            layer_types=["full_attention"] * self.num_hidden_layers,
-        )
+        d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
+                 rope_parameters={"rope_theta": d.pop("rope_theta"), "rope_type": "default"},
+                 use_sliding_window=False, sliding_window=None,
+                 layer_types=["full_attention"] * self.num_hidden_layers)
         return d
 
     @classmethod
-    def from_hf_config(
-        cls, config: dict[str, Any] | PathLike, *, source: str | None = None, check_architecture: bool = True
-    ) -> Qwen3Config:
+    def from_hf_config(cls, config: dict[str, Any] | PathLike, *, source: str | None = None,
+                       check_architecture: bool = True) -> Qwen3Config:
         """Builds the config from a ``config.json`` path or a parsed dict (``source`` names it in errors)."""
-        f = _fields_of(config, source)
-        return cls(**qwen3_fields(f, check_architecture=check_architecture))
+        return cls(**qwen3_fields(_fields_of(config, source), check_architecture=check_architecture))
 
 
 def _fields_of(config: dict[str, Any] | PathLike, source: str | None) -> _Fields:
@@ -204,27 +183,21 @@ def _check_unsupported(f: _Fields) -> None:
     quant = data.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
-        raise ConfigError(
-            f"{f.source}: key 'quantization_config' is present"
-            + (f" (quant_method {method!r})" if method is not None else "")
-            + "; quantized checkpoints are not supported, convert the weights to float first"
-        )
+        shown = f" (quant_method {method!r})" if method is not None else ""
+        raise ConfigError(f"{f.source}: key 'quantization_config' is present{shown}; quantized checkpoints are not "
+                          "supported, convert the weights to float first")
     for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
         value = data.get(key)
         if value not in (None, 0):
-            raise ConfigError(
-                f"{f.source}: key '{key}' is {value!r}; mixture-of-experts models are not implemented"
-            )
+            raise ConfigError(f"{f.source}: key '{key}' is {value!r}; mixture-of-experts models are not implemented")
     for key in ("torch_dtype", "dtype"):
         value = data.get(key)
         if value is None:
             continue
         name = value.removeprefix("torch.") if isinstance(value, str) else None
         if name not in _FLOAT_DTYPE_NAMES:
-            raise ConfigError(
-                f"{f.source}: key '{key}' is {value!r}; model weights must be a floating-point dtype "
-                f"({', '.join(_FLOAT_DTYPE_NAMES[:3])})"
-            )
+            raise ConfigError(f"{f.source}: key '{key}' is {value!r}; model weights must be a floating-point dtype "
+                              f"({', '.join(_FLOAT_DTYPE_NAMES[:3])})")
 
 
 def qwen3_fields(f: _Fields, *, check_architecture: bool = True) -> dict[str, Any]:
@@ -266,10 +239,8 @@ def qwen3_fields(f: _Fields, *, check_architecture: bool = True) -> dict[str, An
         )
     kv_heads = f.positive("num_key_value_heads", heads)
     if heads % kv_heads:
-        raise ConfigError(
-            f"{f.source}: key 'num_attention_heads' ({heads}) is not a multiple of "
-            f"'num_key_value_heads' ({kv_heads})"
-        )
+        raise ConfigError(f"{f.source}: key 'num_attention_heads' ({heads}) is not a multiple of "
+                          f"'num_key_value_heads' ({kv_heads})")
     head_dim = f.positive("head_dim", hidden // heads)
     if head_dim % 2:
         raise ConfigError(f"{f.source}: key 'head_dim' must be even for rotary embeddings, got {head_dim}")
@@ -333,10 +304,8 @@ class DrafterConfig(Qwen3Config):
         if self.block_size < 2:
             raise ConfigError(f"key 'block_size' must be at least 2, got {self.block_size}")
         if self.block_size > min(MAX_BLOCK_SIZE, self.max_position_embeddings):
-            raise ConfigError(
-                f"key 'block_size' is {self.block_size}; it must be at most {MAX_BLOCK_SIZE} and at most "
-                f"max_position_embeddings ({self.max_position_embeddings})"
-            )
+            raise ConfigError(f"key 'block_size' is {self.block_size}; it must be at most {MAX_BLOCK_SIZE} and at most "
+                              f"max_position_embeddings ({self.max_position_embeddings})")
         if not self.target_layer_ids:
             raise ConfigError("key 'target_layer_ids' must not be empty")
         if self.markov_rank > 0 and self.markov_head_type not in MARKOV_HEAD_TYPES:
@@ -386,54 +355,41 @@ class DrafterConfig(Qwen3Config):
             d["rope_theta"] = theta
         d["layer_types"] = ["full_attention"] * self.num_hidden_layers
         if self.kind == "dspark":
-            d.update(
-                block_size=self.block_size, target_layer_ids=list(self.target_layer_ids),
-                mask_token_id=self.mask_token_id, markov_rank=self.markov_rank,
-                enable_confidence_head=self.enable_confidence_head,
-            )
-            if self.num_target_layers is not None:
-                d["num_target_layers"] = self.num_target_layers
-            if self.num_anchors is not None:
-                d["num_anchors"] = self.num_anchors
-            if self.has_markov:
-                d["markov_head_type"] = self.markov_head_type
-            if self.enable_confidence_head:
-                d["confidence_head_with_markov"] = self.confidence_head_with_markov
+            d.update(block_size=self.block_size, target_layer_ids=list(self.target_layer_ids),
+                     mask_token_id=self.mask_token_id, markov_rank=self.markov_rank,
+                     enable_confidence_head=self.enable_confidence_head)
+            optional = {"num_target_layers": self.num_target_layers, "num_anchors": self.num_anchors,
+                        "markov_head_type": self.markov_head_type if self.has_markov else None,
+                        "confidence_head_with_markov":
+                            self.confidence_head_with_markov if self.enable_confidence_head else None}
         else:
             dc = dict(d.get("dflash_config") or {})
             dc.update(target_layer_ids=list(self.target_layer_ids), mask_token_id=self.mask_token_id)
-            if self.input_embedding_scale != 1.0:
-                dc["input_embedding_scale"] = self.input_embedding_scale
-            if self.output_multiplier != 1.0:
-                dc["output_multiplier"] = self.output_multiplier
-            if self.final_logit_softcapping is not None:
-                dc["final_logit_softcapping"] = self.final_logit_softcapping
-            if "block_size" in dc:
-                dc["block_size"] = self.block_size
-            else:
-                d["block_size"] = self.block_size
+            for key, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                                 ("final_logit_softcapping", None)):
+                if getattr(self, key) != default:
+                    dc[key] = getattr(self, key)
+            (dc if "block_size" in dc else d)["block_size"] = self.block_size
             d["dflash_config"] = dc
-            if self.num_target_layers is not None:
-                d["num_target_layers"] = self.num_target_layers
+            optional = {"num_target_layers": self.num_target_layers}
+        d.update({k: v for k, v in optional.items() if v is not None})
         return d
 
     @classmethod
-    def from_hf_config(
-        cls, config: dict[str, Any] | PathLike, *, source: str | None = None, check_architecture: bool = True
-    ) -> DrafterConfig:
+    def from_hf_config(cls, config: dict[str, Any] | PathLike, *, source: str | None = None,
+                       check_architecture: bool = True) -> DrafterConfig:
         """Parses a DeepSpec DSpark or z-lab DFlash ``config.json`` (path or dict); the format is detected.
         The drafter architectures are always checked (``check_architecture`` is ignored)."""
         del check_architecture
         f = _fields_of(config, source)
-        data, src = f.data, f.source
+        src = f.source
         kind = _drafter_kind(f)
         fields = qwen3_fields(f, check_architecture=False)
-        if kind == "dspark":
-            fields.update(_dspark_fields(f, fields))
-        else:
-            fields.update(_dflash_fields(f, fields))
+        fields.update((_dspark_fields if kind == "dspark" else _dflash_fields)(f, fields))
+        if f.data.get("num_target_layers") is not None:
+            fields["num_target_layers"] = f.positive("num_target_layers")
         try:
-            hf_json = json.dumps(data)
+            hf_json = json.dumps(f.data)
         except (TypeError, ValueError, RecursionError) as e:
             raise ConfigError(f"{src}: the config cannot be written back as JSON ({type(e).__name__}: {e})") from None
         try:
@@ -455,18 +411,14 @@ def _drafter_kind(f: _Fields) -> str:
         raise ConfigError(f"{f.source}: DFlash 2 drafters (key 'architectures' {archs!r}) are not supported")
     if "dflash_config" in data or "DFlash" in names:
         if not isinstance(data.get("dflash_config"), dict):
-            raise ConfigError(
-                f"{f.source}: a z-lab DFlash config needs a 'dflash_config' object with "
-                "'target_layer_ids' and 'mask_token_id'"
-            )
+            raise ConfigError(f"{f.source}: a z-lab DFlash config needs a 'dflash_config' object with "
+                              "'target_layer_ids' and 'mask_token_id'")
         return "dflash"
     if "DSpark" in names or "markov_rank" in data or "enable_confidence_head" in data:
         return "dspark"
-    raise ConfigError(
-        f"{f.source}: cannot tell the drafter format: expected a DeepSpec DSpark config "
-        "('architectures' Qwen3DSparkModel with 'block_size', 'target_layer_ids', 'mask_token_id', "
-        "'markov_rank', ...) or a z-lab DFlash config (with a 'dflash_config' object)"
-    )
+    raise ConfigError(f"{f.source}: cannot tell the drafter format: expected a DeepSpec DSpark config "
+                      "('architectures' Qwen3DSparkModel with 'block_size', 'target_layer_ids', 'mask_token_id', "
+                      "'markov_rank', ...) or a z-lab DFlash config (with a 'dflash_config' object)")
 
 
 def _layer_ids(f: _Fields, key: str) -> tuple[int, ...]:
@@ -495,8 +447,6 @@ def _dspark_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
         mask_token_id=_mask_id(f, "mask_token_id", base["vocab_size"]),
         num_anchors=f.optional("num_anchors", int, None),
     )
-    if "num_target_layers" in f.data and f.data["num_target_layers"] is not None:
-        out["num_target_layers"] = f.positive("num_target_layers")
     rank = f.required("markov_rank", int)
     if rank < 0:
         raise ConfigError(f"{f.source}: key 'markov_rank' must be >= 0, got {rank}")
@@ -504,19 +454,16 @@ def _dspark_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
     if rank > 0:
         head = f.required("markov_head_type", str).lower()
         if head not in MARKOV_HEAD_TYPES:
-            raise ConfigError(
-                f"{f.source}: key 'markov_head_type' is {head!r}; sparkjax implements "
-                f"{' and '.join(repr(t) for t in MARKOV_HEAD_TYPES)}"
-            )
+            raise ConfigError(f"{f.source}: key 'markov_head_type' is {head!r}; sparkjax implements "
+                              f"{' and '.join(repr(t) for t in MARKOV_HEAD_TYPES)}")
         out["markov_head_type"] = head
     conf = f.required("enable_confidence_head", bool)
     out["enable_confidence_head"] = conf
     if conf:
         with_markov = f.required("confidence_head_with_markov", bool)
         if with_markov and rank == 0:
-            raise ConfigError(
-                f"{f.source}: key 'confidence_head_with_markov' is true but 'markov_rank' is 0 (no Markov head)"
-            )
+            raise ConfigError(f"{f.source}: key 'confidence_head_with_markov' is true but 'markov_rank' is 0 "
+                              "(no Markov head)")
         out["confidence_head_with_markov"] = with_markov
     return out
 
@@ -525,12 +472,8 @@ def _dflash_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
     dc = _Fields(f.data["dflash_config"], f"{f.source} (dflash_config)")
     if f.data.get("is_causal"):
         raise ConfigError(f"{f.source}: key 'is_causal' is true; only bidirectional DFlash blocks are supported")
-    if "block_size" in dc.data:
-        block = dc.positive("block_size")
-    else:
-        block = f.positive("block_size", 16)  # the z-lab default
     out: dict[str, Any] = dict(
-        block_size=block,
+        block_size=dc.positive("block_size") if "block_size" in dc.data else f.positive("block_size", 16),
         target_layer_ids=_layer_ids(dc, "target_layer_ids"),
         mask_token_id=_mask_id(dc, "mask_token_id", base["vocab_size"]),
         input_embedding_scale=dc.optional("input_embedding_scale", float, 1.0),
@@ -539,6 +482,4 @@ def _dflash_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
     )
     if out["final_logit_softcapping"] is not None and out["final_logit_softcapping"] <= 0:
         out["final_logit_softcapping"] = None  # upstream applies a softcap only when it is > 0
-    if f.data.get("num_target_layers") is not None:
-        out["num_target_layers"] = f.positive("num_target_layers")
     return out

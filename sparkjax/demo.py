@@ -25,15 +25,9 @@ from . import text as _text
 from .errors import CheckpointError
 from .io.hf import load_drafter, load_target
 
-
-def _bundled_dir() -> pathlib.Path:
-    """``sparkjax/assets/demo`` of the installed package, found by importlib.resources (not by the source tree)."""
-    folder = resources.files("sparkjax.assets") / "demo"
-    # the loaders need real files: anything else (a zipped install) becomes a path that path() reports missing
-    return folder if isinstance(folder, pathlib.Path) else pathlib.Path(str(folder))
-
-
-DEMO_DIR = _bundled_dir()
+_FOUND = resources.files("sparkjax.assets") / "demo"  # the installed package's, not the source tree's
+# the loaders need real files: anything else (a zipped install) becomes a path that path() reports missing
+DEMO_DIR = _FOUND if isinstance(_FOUND, pathlib.Path) else pathlib.Path(str(_FOUND))
 PROMPT_SETS = ("python_docs", "stdlib_code", "synthetic_math")
 # stored in bfloat16, computed in float32: bf16 logit ties could break differently in decode and verify
 COMPUTE_DTYPE = "float32"
@@ -49,8 +43,7 @@ def path(part: str = "") -> pathlib.Path:
 
 @dataclasses.dataclass
 class DemoPair:
-    """The loaded demo pair; its encoders are those of :mod:`sparkjax.text`, shared with ``python -m sparkjax.eval``,
-    so a question gets the same ids from both."""
+    """The loaded demo pair; its encoders are those of :mod:`sparkjax.text` (as ``python -m sparkjax.eval``'s)."""
 
     target: Any
     dspark: Any
@@ -60,12 +53,11 @@ class DemoPair:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """:func:`sparkjax.text.eos_ids`: the target's generation_config EOS ids plus the tokenizer's."""
+        """The target's generation_config EOS ids plus the tokenizer's."""
         return _text.eos_ids(self.tokenizer, self.target_dir)
 
     def encode_chat(self, question: str, *, enable_thinking: bool = False) -> list[int]:
-        """A user turn through the chat template, ending with the assistant header (see
-        :func:`sparkjax.text.encode_chat`)."""
+        """A user turn through the chat template, ending with the assistant header."""
         return _text.encode_chat(self.tokenizer, question, enable_thinking=enable_thinking)
 
     def encode_text(self, text: str) -> list[int]:

@@ -1,9 +1,5 @@
-"""The exceptions sparkjax raises for anything a user can get wrong.
-
-Every error names the offending file, key, shape or argument in its message.
-All of them derive from :class:`SparkjaxError`, so ``except sparkjax.SparkjaxError``
-catches every user-facing failure; the subclasses also derive from the closest
-built-in exception so that generic handlers keep working.
+"""The exceptions sparkjax raises for anything a user can get wrong; each message names the offending file, key,
+shape or argument. All derive from :class:`SparkjaxError` and from the closest built-in exception.
 """
 
 from __future__ import annotations
@@ -38,9 +34,8 @@ class NumericalError(SparkjaxError, FloatingPointError):
 
 
 class WriteError(CheckpointError):
-    """An output could not be written (I/O error: read-only folder, full disk, ...); nothing was changed.
-
-    ``reason`` is the underlying cause alone (``strerror`` or the exception's name), without the path."""
+    """An output could not be written (read-only folder, full disk, ...); nothing was changed. ``reason`` is the
+    underlying cause alone (``strerror`` or the exception's name), without the path."""
 
     def __init__(self, message: str, reason: str | None = None):
         super().__init__(message)

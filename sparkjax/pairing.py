@@ -1,10 +1,7 @@
-"""The one target/drafter compatibility check.
+"""The one target/drafter compatibility check, run by every entry point before a drafter is used with a target.
 
-:func:`check_pair` is what every entry point runs before a drafter is used with a target:
-``load_drafter(target=)``, the decoders, the eval (drafter objects) and the trainer. Every mismatch
-raises :class:`~sparkjax.errors.IncompatiblePairError` whose message reads
-``drafter SRC does not fit target SRC: FIELD: detail``. :func:`source_of` gives the folder a model was
-loaded from, which those messages name.
+Every mismatch raises :class:`~sparkjax.errors.IncompatiblePairError` reading
+``drafter SRC does not fit target SRC: FIELD: detail``; :func:`source_of` gives the folder a model was loaded from.
 """
 
 from __future__ import annotations
@@ -68,14 +65,8 @@ def _table_shapes(model, cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return {"embed_tokens.weight": embed, "lm_head.weight": head}
 
 
-def check_pair(
-    target: Any,
-    drafter: Any,
-    *,
-    target_source: str | None = None,
-    drafter_source: str | None = None,
-    drafter_tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
-) -> None:
+def check_pair(target: Any, drafter: Any, *, target_source: str | None = None, drafter_source: str | None = None,
+               drafter_tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> None:
     """Checks that ``drafter`` fits ``target``; raises IncompatiblePairError naming both and the field.
 
     ``target``: a Qwen3 or a Qwen3Config; ``drafter``: a Drafter or a DrafterConfig (anything else:
@@ -89,24 +80,24 @@ def check_pair(
     t_src = _source(t_model, target_source, "target")
     d_src = _source(d_model, drafter_source, "drafter")
 
-    def fail(field: str, detail: str):
-        raise IncompatiblePairError(f"drafter {d_src} does not fit target {t_src}: {field}: {detail}")
+    def fail(detail: str):
+        raise IncompatiblePairError(f"drafter {d_src} does not fit target {t_src}: {detail}")
 
     if dc.hidden_size != tc.hidden_size or dc.vocab_size != tc.vocab_size:
-        fail("hidden_size" if dc.hidden_size != tc.hidden_size else "vocab_size",
-             f"drafter vs target hidden_size {dc.hidden_size} vs {tc.hidden_size}, "
+        field = "hidden_size" if dc.hidden_size != tc.hidden_size else "vocab_size"
+        fail(f"{field}: drafter vs target hidden_size {dc.hidden_size} vs {tc.hidden_size}, "
              f"vocab_size {dc.vocab_size} vs {tc.vocab_size} (both must match)")
     n = tc.num_hidden_layers
     for lid in dc.target_layer_ids:
         if lid == n - 1:
-            fail("target_layer_ids", f"entry {lid} is the target's final layer (its hidden state is final-normed)")
+            fail(f"target_layer_ids: entry {lid} is the target's final layer (its hidden state is final-normed)")
         if not -1 <= lid < n - 1:
-            fail("target_layer_ids", f"entry {lid} of target_layer_ids {list(dc.target_layer_ids)} is outside "
-                                     f"[-1, {n - 2}] for a target with {n} layers")
+            fail(f"target_layer_ids: entry {lid} of target_layer_ids {list(dc.target_layer_ids)} is outside "
+                 f"[-1, {n - 2}] for a target with {n} layers")
     if dc.num_target_layers is not None and dc.num_target_layers != n:
-        fail("num_target_layers", f"drafter expects {dc.num_target_layers} target layers, target has {n}")
+        fail(f"num_target_layers: drafter expects {dc.num_target_layers} target layers, target has {n}")
     if not 0 <= dc.mask_token_id < tc.vocab_size:
-        fail("mask_token_id", f"{dc.mask_token_id} is outside the target vocabulary [0, {tc.vocab_size})")
+        fail(f"mask_token_id: {dc.mask_token_id} is outside the target vocabulary [0, {tc.vocab_size})")
     if dc.kind != "dspark":
         return
     want = _table_shapes(t_model, tc)
@@ -120,10 +111,6 @@ def check_pair(
     else:
         stored = {}
     for key in IO_TABLES:
-        if key in stored:
-            got, where = stored[key]
-            if tuple(got) != want[key]:
-                raise IncompatiblePairError(
-                    f"drafter {d_src} does not fit target {t_src}: tensor '{key}' in {where} has shape "
-                    f"{list(got)}, the target's is {list(want[key])}"
-                )
+        if key in stored and tuple(stored[key][0]) != want[key]:
+            fail(f"tensor '{key}' in {stored[key][1]} has shape {list(stored[key][0])}, "
+                 f"the target's is {list(want[key])}")

@@ -1,10 +1,8 @@
 """Mesh helpers and logical-axis rules.
 
-Parameters carry logical axis names in their ``axes`` metadata (set where the
-modules create them). :data:`DEFAULT_RULES` maps those names onto a 2-D mesh
-``("data", "model")``: tensor parallelism over attention heads and the FFN
-dimension, data parallelism over the batch. The same jitted forward runs on one
-device or on a mesh; XLA's sharding propagation does the rest.
+Parameters carry logical axis names in their ``axes`` metadata. :data:`DEFAULT_RULES` maps them onto a 2-D mesh
+``("data", "model")``: tensor parallelism over attention heads and the FFN dimension, data parallelism over the
+batch; XLA's sharding propagation does the rest.
 """
 
 from __future__ import annotations
@@ -19,12 +17,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from .errors import ArgumentError
 
 DEFAULT_RULES: Mapping[str, str | None] = {
-    "batch": "data",
-    "heads": "model",
-    "kv_heads": "model",
-    "ffn": "model",
-    "vocab": None,
-    "embed": None,
+    "batch": "data", "heads": "model", "kv_heads": "model", "ffn": "model", "vocab": None, "embed": None,
 }
 
 
@@ -56,9 +49,7 @@ def param_shardings(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | Non
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES) -> nnx.Module:
     """Places ``model``'s parameters on ``mesh`` according to ``rules`` (in place; returns the model)."""
-    state = nnx.state(model, nnx.Param)
-    shardings = param_shardings(model, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
+    nnx.update(model, jax.device_put(nnx.state(model, nnx.Param), param_shardings(model, mesh, rules)))
     return model
 
 

@@ -1,8 +1,5 @@
 """Text in and out of the models, in one place for ``python -m sparkjax``, :mod:`sparkjax.demo` and the eval.
 
-:func:`load_tokenizer` (a local folder, offline), :func:`encode_chat` (a user turn through the chat template
-with the generation prompt), :func:`encode_text` (a raw completion prompt, as is), :func:`encode_prompt` /
-:func:`encode_row` (either, by kind or by prompt-set row) and :func:`eos_ids` (the ids that end a generation).
 A tokenizer that cannot be loaded or rendered raises :class:`sparkjax.errors.TokenizerError`; a bad ``kind``
 raises :class:`sparkjax.ArgumentError`.
 """
@@ -24,8 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """Silences transformers' advisory warnings ("PyTorch was not found ...") and info messages for the block;
-    the environment and log level are restored after it."""
+    """Silences transformers' advisory warnings ("PyTorch was not found ...") and info messages for the block."""
     key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
     previous = os.environ.get(key)
     os.environ[key] = "1"
@@ -50,8 +46,7 @@ def quiet_transformers() -> Iterator[None]:
 
 def load_tokenizer(folder: str | os.PathLike, *, what: str = "--tokenizer",
                    error: type[SparkjaxError] = TokenizerError):
-    """``AutoTokenizer.from_pretrained(folder)`` offline; ``what`` names the argument in the one-line ``error``
-    (:class:`~sparkjax.errors.TokenizerError`, or the caller's class: the trainer's is ``DataError``)."""
+    """``AutoTokenizer.from_pretrained(folder)`` offline; ``what`` names the argument in the one-line ``error``."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise error(f"{what}: {folder} is not a folder")
@@ -86,8 +81,8 @@ def render_chat(tokenizer, question: str, *, enable_thinking: bool = False) -> s
 
 
 def encode_chat(tokenizer, question: str, *, enable_thinking: bool = False) -> list[int]:
-    """A user turn as token ids, through the tokenizer's chat template with the generation prompt and
-    ``enable_thinking`` passed to it; a tokenizer without a chat template encodes the question as plain text."""
+    """A user turn as token ids, through the chat template with the generation prompt (and ``enable_thinking``);
+    a tokenizer without a chat template encodes the question as plain text."""
     if not getattr(tokenizer, "chat_template", None):
         return [int(i) for i in tokenizer(question)["input_ids"]]
     return encode_text(tokenizer, render_chat(tokenizer, question, enable_thinking=enable_thinking))
@@ -103,8 +98,7 @@ def encode_prompt(tokenizer, text: str, kind: str = "chat") -> list[int]:
 
 
 def encode_row(tokenizer, row: Mapping[str, Any]) -> list[int]:
-    """A prompt-set row (see :mod:`sparkjax.eval.datasets`): ``{"text": ...}`` raw, ``{"turns": [...]}`` its
-    first turn as chat."""
+    """A prompt-set row: ``{"text": ...}`` raw, ``{"turns": [...]}`` its first turn as chat."""
     if "text" in row:
         return encode_text(tokenizer, row["text"])
     return encode_chat(tokenizer, row["turns"][0])
@@ -113,18 +107,12 @@ def encode_row(tokenizer, row: Mapping[str, Any]) -> list[int]:
 def eos_ids(tokenizer, target_dir: str | os.PathLike | None = None) -> list[int]:
     """The ids that end a generation, sorted: the target folder's ``generation_config.json`` ``eos_token_id``
     (an int or a list; the file is optional) plus the tokenizer's ``eos_token_id``."""
-    ids: list[int] = []
+    value = None
     if target_dir is not None:
         path = pathlib.Path(target_dir) / "generation_config.json"
         try:
             value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
-            value = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            ids.append(value)
-        elif isinstance(value, list):
-            ids.extend(int(v) for v in value if isinstance(v, int) and not isinstance(v, bool))
-    tid = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tid, int) and not isinstance(tid, bool):
-        ids.append(tid)
-    return sorted(set(ids))
+            pass
+    found = [*(value if isinstance(value, list) else [value]), getattr(tokenizer, "eos_token_id", None)]
+    return sorted({int(v) for v in found if isinstance(v, int) and not isinstance(v, bool)})

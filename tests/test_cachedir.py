@@ -3,8 +3,6 @@ folder already chosen)."""
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import pytest
 
@@ -37,9 +35,8 @@ def test_the_folder_follows_the_environment(monkeypatch, tmp_path):
         assert cachedir.cache_dir() is None and cachedir.subdir("costs") is None
     monkeypatch.setenv("SPARKJAX_CACHE_DIR", str(tmp_path / "mine"))
     assert cachedir.subdir("costs") == tmp_path / "mine" / "costs" and (tmp_path / "mine" / "costs").is_dir()
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    monkeypatch.setenv("SPARKJAX_CACHE_DIR", str(blocker))
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SPARKJAX_CACHE_DIR", str(tmp_path / "file"))
     assert cachedir.subdir("costs") is None  # a folder that cannot be made: no cache, no error
 
 
@@ -57,6 +54,5 @@ def test_the_compilation_cache_goes_into_the_folder(monkeypatch, tmp_path, jax_c
 def test_a_compilation_cache_already_chosen_is_kept(monkeypatch, tmp_path, jax_cache_unset):
     monkeypatch.setenv("SPARKJAX_CACHE_DIR", str(tmp_path / "sjx"))
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))
-    assert cachedir.enable_compilation_cache() == str(tmp_path / "theirs")
-    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "theirs")
-    assert not pathlib.Path(tmp_path / "sjx").exists()
+    assert cachedir.enable_compilation_cache() == str(tmp_path / "theirs") == jax.config.jax_compilation_cache_dir
+    assert not (tmp_path / "sjx").exists()

@@ -6,6 +6,7 @@ sparkjax/assets/demo/MODEL_CARD.md), with margin: they show the drafters learned
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -33,32 +34,23 @@ def prompt_ids(pair):
     return [pair.encode_row(row) for name in demo.PROMPT_SETS for row in demo.prompts(name)[:2]]
 
 
-class _Outputs(dict):
+@pytest.fixture(scope="module")
+def outputs(pair, prompt_ids):
     """Each method's generation on the demo prompts, run when a test first asks for it (the default run needs two
     of the six; the slow exactness test all of them)."""
 
-    def __init__(self, pair, prompt_ids):
-        super().__init__()
-        self.pair, self.prompt_ids = pair, prompt_ids
-
-    def __missing__(self, method):
+    @functools.cache
+    def run(method):
         which = dict(RUNS, ar=None)[method]
-        drafter = getattr(self.pair, which) if which else None
-        out = sparkjax.generate(self.pair.target, drafter, self.prompt_ids, method=method,
-                                budget=BUDGET if method in sparkjax.engine.TREE_METHODS else None,
-                                max_new_tokens=MAX_NEW, eos_token_ids=self.pair.eos_token_ids)
-        self[method] = out
-        return out
+        return sparkjax.generate(pair.target, getattr(pair, which) if which else None, prompt_ids, method=method,
+                                 budget=BUDGET if method in sparkjax.engine.TREE_METHODS else None,
+                                 max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids)
 
-
-@pytest.fixture(scope="module")
-def outputs(pair, prompt_ids):
-    return _Outputs(pair, prompt_ids)
+    return run
 
 
 def tau(res) -> float:
-    lengths = [x for seq in res.acceptance_lengths for x in seq]
-    return float(np.mean(lengths))
+    return float(np.mean([x for seq in res.acceptance_lengths for x in seq]))
 
 
 def test_bundle_is_complete_and_small():
@@ -98,8 +90,7 @@ def test_transformers_loads_the_target_and_tokenizer(pair):
 
 def test_drafters_differ_only_in_the_markov_head(pair):
     a, b = pair.dspark.config, pair.dflash.config
-    assert a.has_markov and not b.has_markov
-    assert a.block_size == b.block_size == 16
+    assert a.has_markov and not b.has_markov and a.block_size == b.block_size == 16
     assert (a.num_hidden_layers, a.target_layer_ids, a.hidden_size) == (b.num_hidden_layers, b.target_layer_ids,
                                                                        b.hidden_size)
 
@@ -111,16 +102,16 @@ TAU_FLOOR_DFLASH = 2.0
 
 def test_the_drafters_are_trained(outputs):
     """Both drafters learned: the Markov drafter (through sparklingtree) and the one without the head (dflash)."""
-    assert tau(outputs["sparklingtree"]) > TAU_FLOOR_DSPARK and tau(outputs["dflash"]) > TAU_FLOOR_DFLASH
+    assert tau(outputs("sparklingtree")) > TAU_FLOOR_DSPARK and tau(outputs("dflash")) > TAU_FLOOR_DFLASH
 
 
 @pytest.mark.slow
 def test_every_method_emits_exactly_the_greedy_tokens_and_trees_beat_chains(outputs):
-    ar = outputs["ar"].tokens
+    ar = outputs("ar").tokens
     assert all(len(t) > 0 for t in ar)
     for method, _ in RUNS:
-        assert outputs[method].tokens == ar, method
-    taus = {m: tau(outputs[m]) for m in ("dflash", "dspark", "ddtree", "sparklingtree")}
+        assert outputs(method).tokens == ar, method
+    taus = {m: tau(outputs(m)) for m in ("dflash", "dspark", "ddtree", "sparklingtree")}
     assert taus["sparklingtree"] > taus["dspark"] > TAU_FLOOR_DSPARK, taus
     assert taus["ddtree"] > taus["dflash"] > TAU_FLOOR_DFLASH, taus
 

@@ -81,20 +81,15 @@ def test_math_problems_are_correct_and_boxed():
         text = corpus.math_problem(rng)
         steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", text)
         assert steps, text
-        for a, op, b, c in steps:
-            a, b, c = int(a), int(b), int(c)
-            if op == "/":
-                assert b and a == b * c, text
-            else:
-                assert {"+": a + b, "-": a - b, "*": a * b}[op] == c, text
+        for a, op, b, c in ((int(a), op, int(b), int(c)) for a, op, b, c in steps):
+            assert (b and a == b * c) if op == "/" else {"+": a + b, "-": a - b, "*": a * b}[op] == c, text
         assert text.rstrip().endswith("}.<|im_end|>") and f"\\boxed{{{steps[-1][3]}}}" in text
 
 
 def test_corpus_build_is_deterministic_and_respects_the_math_share(tmp_path, docs_root):
     kw = dict(stdlib_root=sysconfig.get_paths()["stdlib"], docs_root=str(docs_root), seed=3, math_share=0.15,
               heldout=0.2, limit_files=12)
-    a = corpus.build(**kw)
-    b = corpus.build(**kw)
+    a, b = corpus.build(**kw), corpus.build(**kw)
     assert a[2]["sha256"] == b[2]["sha256"]
     corpus.write(str(tmp_path / "c1"), *a)
     corpus.write(str(tmp_path / "c2"), *b)
@@ -113,8 +108,7 @@ def test_corpus_build_is_deterministic_and_respects_the_math_share(tmp_path, doc
 
 
 def test_missing_docs_folder_is_a_clear_error(tmp_path, capsys):
-    rc = corpus.main(["--out", str(tmp_path / "c"), "--docs-root", str(tmp_path / "nope")])
-    assert rc == 2
+    assert corpus.main(["--out", str(tmp_path / "c"), "--docs-root", str(tmp_path / "nope")]) == 2
     assert "python3.11-doc" in capsys.readouterr().err
 
 
@@ -130,8 +124,7 @@ TINY_MODEL = {
 def token_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_tokens")
     rng = np.random.default_rng(0)
-    # a learnable stream: a repeated pattern with noise
-    base = np.tile(np.arange(1, 33, dtype=np.uint16), 200)
+    base = np.tile(np.arange(1, 33, dtype=np.uint16), 200)  # a learnable stream: a repeated pattern with noise
     noise = rng.integers(1, 64, base.size).astype(np.uint16)
     stream = np.where(rng.random(base.size) < 0.1, noise, base)
     np.save(root / "train.tokens.npy", stream)
@@ -148,18 +141,13 @@ def _cfg(**kw):
     return LMConfig(**d)
 
 
-def _params(run_dir):
-    from sparkjax import load_target
-
-    return load_target(run_dir)
-
-
 @pytest.mark.slow
 def test_lm_pretraining_learns_resumes_exactly_and_exports(tmp_path, token_files):
     import jax
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
+    from sparkjax import load_target
     from sparkjax.training.lm import export_lm, train_lm
 
     kw = dict(tokens=str(token_files / "train.tokens.npy"), heldout=str(token_files / "heldout.tokens.npy"),
@@ -186,7 +174,7 @@ def test_lm_pretraining_learns_resumes_exactly_and_exports(tmp_path, token_files
     a = export_lm(str(tmp_path / "straight"), str(tmp_path / "hf_a"), dtype="float32",
                   special_ids={"eos_token_id": 2, "pad_token_id": 0})
     b = export_lm(str(tmp_path / "cut"), str(tmp_path / "hf_b"), dtype="float32")
-    pa, pb = nnx.state(_params(a), nnx.Param), nnx.state(_params(b), nnx.Param)
+    pa, pb = nnx.state(load_target(a), nnx.Param), nnx.state(load_target(b), nnx.Param)
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
@@ -198,7 +186,7 @@ def test_lm_pretraining_learns_resumes_exactly_and_exports(tmp_path, token_files
     ids = np.arange(1, 17)[None]
     with torch.no_grad():
         ref = hf(torch.as_tensor(ids)).logits.numpy()
-    ours = _params(a)(ids, np.arange(16)[None]).logits
+    ours = load_target(a)(ids, np.arange(16)[None]).logits
     np.testing.assert_allclose(np.asarray(ours), ref, rtol=2e-4, atol=2e-4)
 
 

@@ -1,18 +1,10 @@
-"""Fuzzing the loaders: corrupted safetensors files and configs end in success or a SparkjaxError.
-
-Hypothesis applies random truncations, byte flips and JSON header mutations (dtype strings, shapes
-that are huge / negative / not integers, offsets, extra keys, values that are not objects) to a
-valid small safetensors file and to the model.safetensors of the fixture target, and random values
-to the keys of a config. The only allowed outcomes are success or a SparkjaxError: never a hang
-(each example runs under an alarm) and never another exception type.
-
-The number of examples is bounded for the suite; set SPARKJAX_FUZZ_EXAMPLES for a longer run,
-e.g. ``SPARKJAX_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_safetensors.py``.
+"""Fuzzing the loaders: truncations, byte flips and JSON header mutations of a valid safetensors file and of the
+fixture target's, and random config values, end in success or a SparkjaxError: never a hang (each example runs
+under an alarm), never another exception. ``SPARKJAX_FUZZ_EXAMPLES=2000`` makes a longer run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -32,7 +24,7 @@ from sparkjax.io.safetensors import SafetensorsFile, write_safetensors
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_dspark_b16")
 EXAMPLES = int(os.environ.get("SPARKJAX_FUZZ_EXAMPLES", "60"))
-ALARM_S = 20  # far above the slowest example (a full load of the tiny target, well under a second)
+ALARM_S = 20  # far above the slowest example (a full load of the tiny target)
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -42,31 +34,23 @@ class Hang(BaseException):
     """Raised by the alarm: an example ran past ALARM_S (BaseException so no loader can swallow it)."""
 
 
-@contextlib.contextmanager
-def no_hang(seconds: float = ALARM_S):
-    def fire(signum, frame):
-        raise Hang(f"no result after {seconds}s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+def _hang(signum, frame):
+    raise Hang(f"no result after {ALARM_S}s")
 
 
 def outcome(fn) -> str:
     """Runs fn; "ok" or "error" (a SparkjaxError). Any other exception, or a hang, fails the test."""
-    with no_hang():
-        try:
-            fn()
-        except SparkjaxError:
-            return "error"
+    old = signal.signal(signal.SIGALRM, _hang)
+    signal.setitimer(signal.ITIMER_REAL, ALARM_S)
+    try:
+        fn()
+    except SparkjaxError:
+        return "error"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
     return "ok"
 
-
-# ----------------------------------------------------------------------------- strategies
 
 LEAF = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
@@ -165,9 +149,6 @@ def corrupt(data: bytes, recipe: dict) -> bytes:
     return bytes(out)
 
 
-# ----------------------------------------------------------------------------- fixtures
-
-
 def _header_end(data: bytes) -> int:
     return 8 + struct.unpack("<Q", data[:8])[0]
 
@@ -184,30 +165,21 @@ def small_file(tmp_path_factory) -> bytes:
         "scalar": np.array(7, np.uint8),
         "d": rng.standard_normal((3, 2)).astype(np.float64),
     }, {"format": "pt"})
-    data = path.read_bytes()
-    f = SafetensorsFile(path)  # the starting point is valid
-    assert sorted(f.keys()) == ["a", "b", "c", "d", "empty", "scalar"]
-    return data
+    assert sorted(SafetensorsFile(path).keys()) == ["a", "b", "c", "d", "empty", "scalar"]  # a valid start
+    return path.read_bytes()
 
 
 @pytest.fixture(scope="module")
 def target_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fuzz_target") / "target"
-    shutil.copytree(os.path.join(FIXTURE, "target"), folder)
-    data = (folder / "model.safetensors").read_bytes()
-    return folder, data
-
-
-# ----------------------------------------------------------------------------- tests
+    folder = shutil.copytree(os.path.join(FIXTURE, "target"), tmp_path_factory.mktemp("fuzz_target") / "target")
+    return folder, (folder / "model.safetensors").read_bytes()
 
 
 @FUZZ
 @given(recipe=st.data())
 def test_fuzz_safetensors_file(small_file, tmp_path_factory, recipe):
-    data = small_file
-    r = recipe.draw(corruptions(len(data), _header_end(data)))
     path = tmp_path_factory.getbasetemp() / "fuzz_small_case.safetensors"
-    path.write_bytes(corrupt(data, r))
+    path.write_bytes(corrupt(small_file, recipe.draw(corruptions(len(small_file), _header_end(small_file)))))
 
     def read_all():
         f = SafetensorsFile(path)
@@ -223,8 +195,7 @@ def test_fuzz_safetensors_file(small_file, tmp_path_factory, recipe):
 @given(recipe=st.data())
 def test_fuzz_target_folder(target_folder, recipe):
     folder, data = target_folder
-    r = recipe.draw(corruptions(len(data), _header_end(data)))
-    (folder / "model.safetensors").write_bytes(corrupt(data, r))
+    (folder / "model.safetensors").write_bytes(corrupt(data, recipe.draw(corruptions(len(data), _header_end(data)))))
     outcome(lambda: load_target(folder))
 
 

@@ -1,7 +1,6 @@
-"""The package works without its source checkout: a wheel built from this tree, installed into a fresh venv
-outside it, runs ``python -m sparkjax.eval`` and ``python -m sparkjax`` from an unrelated folder on the bundled
-demo pair. jax, transformers etc. come from the system site (``--system-site-packages``); the editable install of
-another checkout must not shadow the wheel, so ``PYTHONPATH`` is unset and ``sparkjax.__file__`` is checked."""
+"""A wheel built from this tree, installed into a fresh venv (with the system site's jax, transformers, ...), runs
+``python -m sparkjax.eval`` and ``python -m sparkjax`` from an unrelated folder on the bundled demo pair; no other
+install shadows it (``PYTHONPATH`` is unset and ``sparkjax.__file__`` is checked)."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def test_wheel_runs_outside_the_checkout(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path, env)
     py = str(venv / "bin" / "python")
-    # the system's pip, run by the venv's python, installs into the venv; --ignore-installed leaves any other
-    # sparkjax install alone
+    # the system's pip, run by the venv's python, installs into the venv and leaves any other sparkjax install alone
     _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", str(wheel)], tmp_path, env)
     site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     pkg = site / "sparkjax"

@@ -1,6 +1,5 @@
-"""sparkjax.text, the one place prompts become ids: the demo and the eval encode a question identically through a
-Qwen3-style chat template (with its enable_thinking switch); EOS ids; tokenizer errors; and where the public
-prompt sets are looked up (never relative to the package's source tree)."""
+"""sparkjax.text: the demo and the eval encode a question identically through a Qwen3-style chat template (with its
+enable_thinking switch); EOS ids; tokenizer errors; where the public prompt sets are looked up."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ import pytest
 from fixtures.default_tokenizer import write_default_tokenizer
 
 from sparkjax import demo, text
-from sparkjax.errors import ArgumentError, SparkjaxError
+from sparkjax.errors import ArgumentError, DatasetError, SparkjaxError, TokenizerError
+from sparkjax.eval import datasets as ds
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -46,8 +46,7 @@ HEADER = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> pathlib.Path:
-    """A tokenizer folder laid out like a Qwen3 checkpoint's: byte-level BPE with Qwen's special tokens and
-    ``<think>`` / ``</think>`` as added tokens, the template in ``chat_template.jinja``, and a
+    """A tokenizer folder laid out like a Qwen3 checkpoint's: the template in ``chat_template.jinja`` and a
     ``generation_config.json`` with two EOS ids (as Qwen3's: ``<|im_end|>`` and ``<|endoftext|>``)."""
     folder = write_default_tokenizer(tmp_path_factory.mktemp("qwen3_tok"))
     cfg_file = folder / "tokenizer_config.json"
@@ -67,13 +66,11 @@ def tok(qwen3_dir):
 def test_demo_and_eval_give_the_same_ids(tok, qwen3_dir):
     pair = demo.DemoPair(target=None, dspark=None, dflash=None, tokenizer=tok, target_dir=qwen3_dir)
     by_demo = pair.encode_chat(QUESTION)
-    by_eval = text.encode_prompt(tok, QUESTION, "chat")
-    assert by_demo == by_eval == text.encode_chat(tok, QUESTION)
+    assert by_demo == text.encode_prompt(tok, QUESTION, "chat") == text.encode_chat(tok, QUESTION)
     assert tok.decode(by_demo) == HEADER + "<think>\n\n</think>\n\n"
     # prompt-set rows: chat rows and raw rows, through either path
-    for row in ({"turns": [QUESTION, "a second turn"]}, {"text": "def read(path):\n    "}):
-        kind = "text" if "text" in row else "chat"
-        prompt = row.get("text") or row["turns"][0]
+    for row, prompt, kind in (({"turns": [QUESTION, "a second turn"]}, QUESTION, "chat"),
+                              ({"text": "def read(path):\n    "}, "def read(path):\n    ", "text")):
         assert pair.encode_row(row) == text.encode_prompt(tok, prompt, kind) == text.encode_row(tok, row)
     raw = pair.encode_text("def read(path):\n    ")
     assert raw == tok.encode("def read(path):\n    ", add_special_tokens=False) and 302 not in raw
@@ -106,8 +103,6 @@ def test_eos_ids_from_generation_config_and_tokenizer(tok, tmp_path):
 
 
 def test_tokenizer_errors_name_the_folder(tok, tmp_path, qwen3_dir):
-    from sparkjax.errors import TokenizerError
-
     missing = tmp_path / "nope"
     with pytest.raises(TokenizerError, match=re.escape(f"--tokenizer: {missing} is not a folder")):
         text.load_tokenizer(missing)
@@ -125,9 +120,6 @@ def test_tokenizer_errors_name_the_folder(tok, tmp_path, qwen3_dir):
 
 
 def test_public_prompt_sets_are_found_from_the_working_folder_or_the_env_var(tmp_path, monkeypatch):
-    from sparkjax.errors import DatasetError
-    from sparkjax.eval import datasets as ds
-
     monkeypatch.delenv(ds.ENV_VAR, raising=False)
     monkeypatch.chdir(tmp_path)  # not a source checkout
     with pytest.raises(DatasetError) as e:

@@ -1,18 +1,16 @@
 """Crash-safe writers for every output sparkjax produces (the one place that decides what may be replaced).
 
-**Overwrite rule.** A writer given ``overwrite=True`` may only replace a folder that sparkjax itself wrote (it
-holds the marker file :data:`MARKER`, written last) or an empty folder. Never ``""``, ``.``, ``/``, the home
-folder, the current working directory or any of their parents, a non-empty folder without the marker, a
-regular file or a symbolic link. Each refusal raises :class:`~sparkjax.errors.ArgumentError` naming the path,
-before any work is done, and nothing is deleted.
+**Overwrite rule.** ``overwrite=True`` may only replace a folder sparkjax wrote (it holds :data:`MARKER`,
+written last) or an empty folder; never ``""``, ``.``, ``/``, the home folder, the current working directory
+or their parents, a non-empty folder without the marker, a file or a symbolic link. A refusal raises
+:class:`~sparkjax.errors.ArgumentError` naming the path, before any work; nothing is deleted.
 
 **Crash safety.** :func:`atomic_dir` builds the output in a hidden temp folder beside the destination
-(``.NAME.tmp-PID@HOST-XXXXXXXX``) and commits it with one rename (new output) or one atomic exchange
-(overwrite), so a writer killed at any moment leaves the old output or the new one. Where the OS has no
-exchange, the old output is renamed aside to ``.NAME.old-PID@HOST-XXXXXXXX`` first; :func:`recover` (run by
-the next writer) renames it back after a kill, and removes the temps of dead writers that sparkjax owns.
-
-I/O failures while writing raise :class:`WriteError` naming the destination, which is left as it was.
+(``.NAME.tmp-PID@HOST-XXXXXXXX``) and commits it with one rename or one atomic exchange, so a killed writer
+leaves the old output or the new one. Without an exchange the old output is first renamed aside to
+``.NAME.old-PID@HOST-XXXXXXXX``; :func:`recover` (run by the next writer) renames it back after a kill and
+removes the temps of dead writers that sparkjax owns. I/O failures raise :class:`WriteError` naming the
+destination, which is left as it was.
 """
 
 from __future__ import annotations
@@ -49,9 +47,6 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
 
-# ----------------------------------------------------------------------------- small helpers
-
-
 def _umask() -> int:
     """The process umask, read without changing it where the OS allows (``os.umask`` is not thread-safe)."""
     with contextlib.suppress(OSError, ValueError):
@@ -70,20 +65,6 @@ def _host() -> str:
 
 def _prefix(base: str, kind: str) -> str:
     return f".{base}.{kind}-{os.getpid()}@{_host()}-"
-
-
-_TEMP_TAIL = re.compile(r"(?P<kind>tmp|old)-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._]+)-[a-z0-9_]+")
-
-
-def _parse_temp(entry: str, base: str) -> tuple[str, int, str] | None:
-    """``(kind, pid, host)`` when ``entry`` is a sparkjax temp name for destination ``base``."""
-    head = f".{base}."
-    if not entry.startswith(head):
-        return None
-    m = _TEMP_TAIL.fullmatch(entry[len(head):])
-    if m is None:
-        return None
-    return m["kind"], int(m["pid"]), m["host"]
 
 
 def _alive(pid: int) -> bool:
@@ -156,8 +137,6 @@ def _remove_owned(path: str) -> None:
     os.rmdir(path)
 
 
-# ----------------------------------------------------------------------------- atomic renames
-
 @functools.cache
 def _renameat2():
     if not sys.platform.startswith("linux"):
@@ -195,9 +174,6 @@ def _rename_new(src: str, dst: str) -> None:
         if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
         os.rename(src, dst)
-
-
-# ----------------------------------------------------------------------------- the rule
 
 
 def _protected(dest: str) -> str | None:
@@ -257,14 +233,9 @@ def check_destination(path: PathLike, *, overwrite: bool = False, what: str = "o
     except OSError as e:
         raise ArgumentError(f"{what} {dest} cannot be listed ({_why(e)}); refusing to replace it") from None
     if not empty and not is_sparkjax_output(dest):
-        raise ArgumentError(
-            f"{what} {dest} is not empty and was not written by sparkjax (it has no {MARKER} file); "
-            "refusing to replace it: remove it yourself or choose another path"
-        )
+        raise ArgumentError(f"{what} {dest} is not empty and was not written by sparkjax (it has no {MARKER} file); "
+                            "refusing to replace it: remove it yourself or choose another path")
     return dest
-
-
-# ----------------------------------------------------------------------------- recovery / stale temps
 
 
 def recover(path: PathLike) -> list[str]:
@@ -279,15 +250,13 @@ def recover(path: PathLike) -> list[str]:
         entries = os.listdir(parent)
     except OSError:
         return []
+    temp = re.compile(re.escape(f".{base}.") + r"(tmp|old)-(\d+)@([A-Za-z0-9._]+)-[a-z0-9_]+")
     host = _host()
-    stale: list[tuple[str, str]] = []
+    stale: list[tuple[str, str]] = []  # (kind, path) of the temps of dead writers on this host
     for entry in entries:
-        parsed = _parse_temp(entry, base)
-        if parsed is None:
-            continue
-        kind, pid, h = parsed
-        if h == host and not _alive(pid):
-            stale.append((kind, os.path.join(parent, entry)))
+        m = temp.fullmatch(entry)
+        if m and m[3] == host and not _alive(int(m[2])):
+            stale.append((m[1], os.path.join(parent, entry)))
     done = []
     if not os.path.lexists(dest):
         olds = [p for kind, p in stale if kind == "old" and is_sparkjax_output(p)]
@@ -312,9 +281,6 @@ def recover(path: PathLike) -> list[str]:
         except OSError:
             continue
     return done
-
-
-# ----------------------------------------------------------------------------- writers
 
 
 def _write_failed(dest: str, e: BaseException) -> WriteError:

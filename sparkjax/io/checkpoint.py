@@ -37,17 +37,14 @@ def save_model(model: nnx.Module, path: PathLike, *, overwrite: bool = False) ->
     check_destination(path, overwrite=overwrite)
     state = nnx.state(model, nnx.Param)
     meta = {"kind": "qwen3", "dtype": str(jnp.dtype(model.dtype)), "config": model.config.to_hf_dict(),
-            "checksum_kind": _CHECKSUM_KIND, "checksums": bit_checksums(state)}
+            "checksum_kind": _CHECKSUM_KIND, "checksums": _bits_and_finite(state)[0]}
     with atomic_dir(path, overwrite=overwrite) as tmp:
         with open(os.path.join(tmp, _META), "w") as f:
             json.dump(meta, f, indent=2)
         try:
-            ckptr = ocp.StandardCheckpointer()
-            try:
+            with ocp.StandardCheckpointer() as ckptr:
                 ckptr.save(os.path.join(tmp, "state"), state)
                 ckptr.wait_until_finished()
-            finally:
-                ckptr.close()
         except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many types on I/O failures
             reason = str(e).splitlines()[0][:300] if str(e) else ""
             raise WriteError(f"{path}: orbax could not save ({type(e).__name__}: {reason})",
@@ -56,11 +53,8 @@ def save_model(model: nnx.Module, path: PathLike, *, overwrite: bool = False) ->
 
 
 def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
-    """Restores a model saved by :func:`save_model` (optionally cast to ``dtype``).
-
-    Every tensor is checked against its stored checksum (when the folder has them) and must be finite; a
-    mismatch raises :class:`~sparkjax.errors.CheckpointError` naming the folder and the first bad tensor.
-    """
+    """Restores a model saved by :func:`save_model` (optionally cast to ``dtype``). Every tensor must match its
+    stored checksum (when the folder has them) and be finite, else CheckpointError naming the folder and tensor."""
     folder = str(path)
     meta_path = os.path.join(folder, _META)
     meta = read_json(meta_path)
@@ -86,12 +80,9 @@ def restore_model(path: PathLike, dtype: Any = None) -> nnx.Module:
     model = nnx.merge(graphdef, restored)
     if dtype is not None:
         dt = resolve_dtype(dtype, None)
-        params = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree.map(lambda x: x.astype(dt), params))
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dt), nnx.state(model, nnx.Param)))
     return model
 
-
-# ----------------------------------------------------------------------------- exact checksums, finiteness
 
 _CHECKSUM_KIND = "bits-u32-v1"
 
@@ -103,12 +94,9 @@ def _device_bits(leaves):
     for x in leaves:
         if x.dtype == jnp.bool_:
             bits = x.astype(jnp.uint32)
-        elif x.dtype.itemsize == 4:
-            bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        elif x.dtype.itemsize == 2:
-            bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-        elif x.dtype.itemsize == 1:
-            bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+        elif x.dtype.itemsize <= 4:
+            uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+            bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
         else:  # 64-bit leaves (x64 mode): fold the two halves
             halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
             bits = halves[..., 0] ^ (halves[..., 1] * jnp.uint32(0x9E3779B1))
@@ -120,16 +108,12 @@ def _device_bits(leaves):
 
 
 def _bits_and_finite(state) -> tuple[dict[str, list[int]], dict[str, bool]]:
+    """Exact per-leaf checksums (two 32-bit sums of the bit patterns) and finiteness flags, computed on device."""
     named = _named_leaves(state)
     res = jax.device_get(_device_bits(list(named.values())))
     sums = {name: [int(a), int(b)] for name, (a, b, _) in zip(named, res, strict=True)}
     finite = {name: bool(f) for name, (_, _, f) in zip(named, res, strict=True)}
     return sums, finite
-
-
-def bit_checksums(state) -> dict[str, list[int]]:
-    """Exact per-leaf checksums of a state pytree (two 32-bit sums of the bit patterns, on device)."""
-    return _bits_and_finite(state)[0]
 
 
 def verify_state(state, checksums, *, folder: str, meta_path: str | None = None, kind: str | None = None) -> None:
@@ -149,16 +133,11 @@ def verify_state(state, checksums, *, folder: str, meta_path: str | None = None,
             if name not in got:
                 raise CheckpointError(f"{folder}: tensor '{shown}' listed in {where} was not restored")
             if list(checksums[name]) != got[name]:
-                raise CheckpointError(
-                    f"{folder}: tensor '{shown}' does not match the checksum saved with it (saved "
-                    f"{checksums[name]}, read {got[name]}); the checkpoint is corrupted"
-                )
+                raise CheckpointError(f"{folder}: tensor '{shown}' does not match the checksum saved with it (saved "
+                                      f"{checksums[name]}, read {got[name]}); the checkpoint is corrupted")
     for name, ok in finite.items():
         if not ok:
             raise CheckpointError(f"{folder}: tensor '{name.removesuffix('.value')}' holds NaN or Inf values")
-
-
-# ----------------------------------------------------------------------------- training checkpoints
 
 
 def _leaf_name(path) -> str:
@@ -196,49 +175,34 @@ class TrainCheckpointer:
     Each step folder ``DIR/<step>`` holds ``state`` (the train-state pytree) and ``meta`` (JSON: config, data
     position, metrics, per-leaf checksums); a killed save leaves no step behind. Kept: the last ``keep_last``
     steps plus the ``keep_best`` best by ``metrics[best_metric]`` (``best_mode`` "max" or "min").
-
-    :meth:`restore` verifies a step (restore, shapes, checksums); a damaged step is moved aside to
-    ``DIR/corrupt-<step>-<n>`` and the previous one tried. Tensors whose shapes do not fit the model raise
-    :class:`~sparkjax.errors.CheckpointError`. Creating a checkpointer installs (once per process) a
-    ``sys.unraisablehook`` filter that drops only the "Event loop is closed" reports of tensorstore's late
-    reads of a damaged step.
+    :meth:`restore` moves a damaged step aside to ``DIR/corrupt-<step>-<n>`` and tries the previous one; tensors
+    whose shapes do not fit the model raise CheckpointError. The first checkpointer installs a
+    ``sys.unraisablehook`` filter that drops only the "Event loop is closed" reports of damaged reads.
     """
 
-    def __init__(
-        self,
-        directory: PathLike,
-        *,
-        keep_last: int = 3,
-        keep_best: int = 1,
-        best_metric: str = "eval_tau",
-        best_mode: str = "max",
-        async_save: bool = False,
-        log=None,
-    ):
+    def __init__(self, directory: PathLike, *, keep_last: int = 3, keep_best: int = 1, best_metric: str = "eval_tau",
+                 best_mode: str = "max", async_save: bool = False, log=None):
         if keep_last < 1:
             raise CheckpointError(f"{directory}: keep_last must be >= 1, got {keep_last}")
         if best_mode not in ("max", "min"):
             raise CheckpointError(f"{directory}: best_mode must be 'max' or 'min', got {best_mode!r}")
         self.directory = os.path.abspath(str(directory))
-        _install_closed_loop_filter()
+        if not isinstance(sys.unraisablehook, _ClosedLoopFilter):
+            sys.unraisablehook = _ClosedLoopFilter(sys.unraisablehook)
         self.best_metric = best_metric
         self.best_mode = best_mode
-        self._log = log or _stderr
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         cm = ocp.checkpoint_managers
         policies = [cm.LatestN(n=keep_last)]
         if keep_best > 0:
             sign = 1.0 if best_mode == "max" else -1.0
             policies.append(cm.BestN(get_metric_fn=lambda m: sign * float(m[best_metric]), n=keep_best,
                                      keep_checkpoints_without_metrics=False))
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save,
-            preservation_policy=cm.AnyPreservationPolicy(policies),
-            create=True,
-        )
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_save, create=True,
+                                               preservation_policy=cm.AnyPreservationPolicy(policies))
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
-    # ------------------------------------------------------------------ queries
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 
@@ -262,20 +226,16 @@ class TrainCheckpointer:
 
     def best_step(self) -> int | None:
         """The kept step with the best ``metrics[best_metric]`` recorded in its meta (None if none has one)."""
-        best, best_val = None, None
+        scored = []
         for step in self.steps():
             try:
                 value = (self.read_meta(step).get("metrics") or {}).get(self.best_metric)
             except CheckpointError:
                 continue
-            if value is None:
-                continue
-            better = best_val is None or (value > best_val if self.best_mode == "max" else value < best_val)
-            if better:
-                best, best_val = step, value
-        return best
+            if value is not None:
+                scored.append((value if self.best_mode == "max" else -value, step))
+        return max(scored, key=lambda vs: vs[0])[1] if scored else None
 
-    # ------------------------------------------------------------------ save
     def save(self, step: int, state, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> str:
         """Saves ``state`` and ``meta`` (+ per-leaf checksums) as step ``step``; returns its folder."""
         meta = dict(meta)
@@ -285,12 +245,8 @@ class TrainCheckpointer:
             meta["metrics"] = {k: float(v) for k, v in metrics.items()}
         keep_metrics = meta.get("metrics") if meta.get("metrics", {}).get(self.best_metric) is not None else None
         try:
-            self._mngr.save(
-                int(step),
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                metrics=keep_metrics,
-                force=True,
-            )
+            self._mngr.save(int(step), metrics=keep_metrics, force=True,
+                            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{self.step_dir(step)}: cannot save checkpoint ({type(e).__name__}: {e})") from e
         return self.step_dir(step)
@@ -302,7 +258,6 @@ class TrainCheckpointer:
         self._mngr.wait_until_finished()
         self._mngr.close()
 
-    # ------------------------------------------------------------------ restore
     def _check_shapes(self, step: int, abstract) -> None:
         """Shape check from orbax's metadata; unreadable metadata is left to the restore to judge."""
         try:
@@ -314,33 +269,25 @@ class TrainCheckpointer:
         have = {m.name: m for _, m in jax.tree_util.tree_flatten_with_path(saved)[0]
                 if getattr(m, "name", None) is not None}
         want = _named_leaves(abstract)
+        where = f"{self.step_dir(step)}/state"
+        other = "the checkpoint was written for a different model or optimizer (its tensors do not fit this config)"
         for name, x in sorted(want.items(), key=lambda kv: (not kv[0].startswith("params"), kv[0])):
             m = have.get(name)
             shown = name.removesuffix(".value")
             if m is None:
-                raise CheckpointError(
-                    f"{self.step_dir(step)}/state: tensor '{shown}' is missing; the checkpoint was written for "
-                    "a different model or optimizer (its tensors do not fit this config)"
-                )
+                raise CheckpointError(f"{where}: tensor '{shown}' is missing; {other}")
             if tuple(m.shape) != tuple(x.shape):
-                raise CheckpointError(
-                    f"{self.step_dir(step)}/state: tensor '{shown}' has shape {list(m.shape)}, this config expects "
-                    f"{list(x.shape)} (the checkpoint's tensors do not fit this config)"
-                )
-        extra = [name.removesuffix(".value") for name in sorted(set(have) - set(want))]
+                raise CheckpointError(f"{where}: tensor '{shown}' has shape {list(m.shape)}, this config expects "
+                                      f"{list(x.shape)} (the checkpoint's tensors do not fit this config)")
+        extra = sorted(set(have) - set(want))
         if extra:
-            raise CheckpointError(
-                f"{self.step_dir(step)}/state: unexpected tensor '{extra[0]}'; the checkpoint was written for a "
-                "different model or optimizer (its tensors do not fit this config)"
-            )
+            raise CheckpointError(f"{where}: unexpected tensor '{extra[0].removesuffix('.value')}'; {other}")
 
     def _restore_one(self, step: int, abstract):
         self._check_shapes(step, abstract)
         try:
-            out = self._mngr.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
-            )
+            out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                    meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
             raise _Damaged(f"orbax cannot restore it ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
         state, meta = out["state"], out["meta"]
@@ -378,7 +325,9 @@ class TrainCheckpointer:
             raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
         tried = []
         for s in reversed(steps):
-            _DamagedReadsFilter.install(self.step_dir(s))  # reads of a damaged step: reported by the warning below
+            if not _DAMAGED_FOLDERS:
+                logging.getLogger("asyncio").addFilter(_drop_damaged_reads)
+            _DAMAGED_FOLDERS.add(os.path.join(self.step_dir(s), ""))  # its damage is reported by the warning below
             try:
                 state, meta = self._restore_one(s, abstract_state)
             except _Damaged as e:
@@ -393,71 +342,41 @@ class TrainCheckpointer:
         raise CheckpointError(f"{self.directory}: no usable checkpoint ({'; '.join(tried)})")
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 class _Damaged(Exception):
     """A step that cannot be read back as written (internal: triggers the fallback)."""
 
 
-def _is_closed_loop_report(unraisable) -> bool:
-    """Whether an unraisable-exception report is a late tensorstore callback hitting a closed asyncio loop."""
-    exc = getattr(unraisable, "exc_value", None)
-    if type(exc) is not RuntimeError or str(exc) != "Event loop is closed":
-        return False
-    if getattr(unraisable, "object", None) is not None:
-        return False
-    tb, last = getattr(unraisable, "exc_traceback", None), None
-    while tb is not None:
-        last, tb = tb, tb.tb_next
-    return last is not None and last.tb_frame.f_code.co_name == "_check_closed" and \
-        os.path.basename(last.tb_frame.f_code.co_filename) == "base_events.py"
-
-
 class _ClosedLoopFilter:
-    """``sys.unraisablehook`` that drops :func:`_is_closed_loop_report` reports and forwards the rest."""
+    """``sys.unraisablehook`` that drops the reports of a late tensorstore callback hitting a closed asyncio
+    loop (``RuntimeError("Event loop is closed")`` from ``base_events._check_closed``, no object) and forwards
+    the rest."""
 
     def __init__(self, previous):
         self.previous = previous
         self.dropped = 0
 
     def __call__(self, unraisable) -> None:
-        if _is_closed_loop_report(unraisable):
+        exc = getattr(unraisable, "exc_value", None)
+        tb, last = getattr(unraisable, "exc_traceback", None), None
+        while tb is not None:
+            last, tb = tb, tb.tb_next
+        if (type(exc) is RuntimeError and str(exc) == "Event loop is closed"
+                and getattr(unraisable, "object", None) is None and last is not None
+                and last.tb_frame.f_code.co_name == "_check_closed"
+                and os.path.basename(last.tb_frame.f_code.co_filename) == "base_events.py"):
             self.dropped += 1
             return
         self.previous(unraisable)
 
 
-class _DamagedReadsFilter:
-    """A filter of the ``asyncio`` logger: drops the "Task / Future exception was never retrieved" reports of
-    failed reads of a step being restored (their exceptions name its folder); anything else passes."""
+_DAMAGED_FOLDERS: set[str] = set()  # steps being restored: their failed reads' asyncio reports are dropped
 
-    _instance: _DamagedReadsFilter | None = None
 
-    def __init__(self):
-        self.folders: set[str] = set()
-        self.dropped = 0
-
-    @classmethod
-    def install(cls, folder: str) -> None:
-        if cls._instance is None:
-            cls._instance = cls()
-            logging.getLogger("asyncio").addFilter(cls._instance)
-        cls._instance.folders.add(os.path.join(folder, ""))
-
-    def filter(self, record) -> bool:
-        msg = record.getMessage()
-        if not msg.startswith(("Task exception was never retrieved", "Future exception was never retrieved")):
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        text = f"{msg} {exc}"
-        if any(folder in text for folder in self.folders):
-            self.dropped += 1
-            return False
+def _drop_damaged_reads(record) -> bool:
+    """The ``asyncio`` logger's filter: drops "Task / Future exception was never retrieved" reports whose exception
+    names a folder of :data:`_DAMAGED_FOLDERS`; anything else passes."""
+    msg = record.getMessage()
+    if not msg.startswith(("Task exception was never retrieved", "Future exception was never retrieved")):
         return True
-
-
-def _install_closed_loop_filter() -> None:
-    if not isinstance(sys.unraisablehook, _ClosedLoopFilter):
-        sys.unraisablehook = _ClosedLoopFilter(sys.unraisablehook)
+    text = f"{msg} {record.exc_info[1] if record.exc_info else None}"
+    return not any(folder in text for folder in _DAMAGED_FOLDERS)

@@ -1,8 +1,5 @@
-"""Hugging Face checkpoint folders: loading and saving the Qwen3 target and the drafters.
-
-Loading reads one tensor at a time (peak host memory: the model plus about one tensor); missing, unexpected,
-mis-shaped or non-finite tensors raise :class:`~sparkjax.errors.CheckpointError` naming the file and the key.
-Saving writes a folder atomically (:mod:`sparkjax.io.atomic`).
+"""Hugging Face checkpoint folders: loading (one tensor at a time; a bad tensor is a CheckpointError naming the file
+and the key) and saving (atomically) the Qwen3 target and the drafters.
 """
 
 from __future__ import annotations
@@ -29,6 +26,8 @@ from .keymaps import DRAFTER_KEYS, QWEN3_KEYS, Rule, _checkpoint_shape, _to_chec
 from .safetensors import _FLOAT_DTYPES, _ST_NAMES, WeightFiles, _all_finite, _non_finite_error, write_safetensors
 
 PathLike = str | os.PathLike
+_MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 
 def _require_model(model, cls, func: str, what: str, other: str) -> None:
     """Writers take only the model class they can write back (a wrong one would make an unloadable folder)."""
@@ -39,9 +38,6 @@ def _require_model(model, cls, func: str, what: str, other: str) -> None:
         hint = f" (use {other} for a {type(model).__name__})"
     raise ArgumentError(f"{func}: model must be {what} ({cls.__module__}.{cls.__name__}), "
                         f"got {type(model).__name__}{hint}")
-
-
-_MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def resolve_dtype(dtype: Any, default: Any, argument: str = "dtype") -> Any:
@@ -60,25 +56,15 @@ def resolve_dtype(dtype: Any, default: Any, argument: str = "dtype") -> Any:
     return dt
 
 
-def load_into(
-    build: Callable[[], nnx.Module],
-    files: WeightFiles,
-    rules: Sequence[Rule],
-    *,
-    dtype: Any,
-    ignore: Sequence[str] = (),
-    shared: dict[tuple, Any] | None = None,
-    check_finite: bool = True,
-    mesh: Any = None,
-    sharding_rules: Any = None,
-) -> nnx.Module:
+def load_into(build: Callable[[], nnx.Module], files: WeightFiles, rules: Sequence[Rule], *, dtype: Any,
+              ignore: Sequence[str] = (), shared: dict[tuple, Any] | None = None, check_finite: bool = True,
+              mesh: Any = None, sharding_rules: Any = None) -> nnx.Module:
     """Builds ``build()`` abstractly and fills its parameters from ``files`` through ``rules``.
 
     ``ignore``: checkpoint keys skipped when present (a tied ``lm_head.weight``); ``shared``: values for module
-    paths not in the checkpoint. Every tensor must have the parameter's shape and a floating dtype; it is
-    converted to ``dtype`` and, with ``check_finite``, must be finite (else :class:`CheckpointError` naming the
-    file and the key). With ``mesh``, each tensor goes straight onto its sharding from ``sharding_rules``
-    (default :data:`sparkjax.sharding.DEFAULT_RULES`): each device receives only its slice.
+    paths not in the checkpoint. Every tensor must have the parameter's shape and a floating dtype; it is converted
+    to ``dtype`` and, with ``check_finite``, must be finite (else CheckpointError naming the file and the key). With
+    ``mesh``, each tensor goes straight onto its sharding from ``sharding_rules`` (default ``DEFAULT_RULES``).
     """
     abstract = nnx.eval_shape(build)
     shardings = None
@@ -96,16 +82,14 @@ def load_into(
     mapping = [(p, k, lay) for p, k, lay in param_keys(state, rules) if p not in shared]
     expected = {k for _, k, _ in mapping}
     available = set(files.keys())
-    missing = sorted(expected - available)
-    if missing:
-        raise CheckpointError(f"{files.describe()}: missing tensor '{missing[0]}'" +
-                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    unexpected = sorted(available - expected - set(ignore))
-    if unexpected:
-        raise CheckpointError(
-            f"{files.folder}/{files.where[unexpected[0]]}: unexpected tensor '{unexpected[0]}'"
-            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-        )
+
+    def more(keys: list) -> str:
+        return f"'{keys[0]}'" + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
+
+    if missing := sorted(expected - available):
+        raise CheckpointError(f"{files.describe()}: missing tensor {more(missing)}")
+    if unexpected := sorted(available - expected - set(ignore)):
+        raise CheckpointError(f"{files.folder}/{files.where[unexpected[0]]}: unexpected tensor {more(unexpected)}")
     dt = np.dtype(jnp.dtype(dtype))
     for path, key, layout in mapping:
         var = flat[path]
@@ -117,10 +101,8 @@ def load_into(
             raise CheckpointError(f"{src.path}: tensor '{key}' has shape {list(got)}, expected {list(want)}")
         stored = src.dtype(key)
         if stored not in _FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{src.path}: tensor '{key}' is stored as {_ST_NAMES[stored]}; parameters must be "
-                "floating-point (F32, BF16, F16 or F64)"
-            )
+            raise CheckpointError(f"{src.path}: tensor '{key}' is stored as {_ST_NAMES[stored]}; parameters must be "
+                                  "floating-point (F32, BF16, F16 or F64)")
         raw = src.read(key)
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, naming the tensor
             host = _to_module(layout, raw, shape).astype(dt, copy=False)
@@ -154,11 +136,12 @@ def _check_mesh_fits(abstract: nnx.Module, shardings: dict, folder: str) -> None
         for dim, (size, axes) in enumerate(zip(shape, tuple(sh.spec) + (None,) * len(shape), strict=False)):
             if axes is None:
                 continue
-            for ax in (axes,) if isinstance(axes, str) else tuple(axes):
+            names = (axes,) if isinstance(axes, str) else tuple(axes)
+            for ax in names:
                 if ax not in sh.mesh.shape:
                     raise ArgumentError(f"mesh: has axes {tuple(sh.mesh.axis_names)}, but the sharding rules place "
                                         f"parameter '{name}' on an axis named '{ax}'")
-            n = int(np.prod([sh.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+            n = int(np.prod([sh.mesh.shape[a] for a in names]))
             if size % n:
                 raise ArgumentError(
                     f"mesh: {folder}: parameter '{name}' has {size} along dimension {dim}, which does not divide "
@@ -180,16 +163,16 @@ def export_tensors(model: nnx.Module, rules: Sequence[Rule], *, skip: Sequence[t
     return {key: np.ascontiguousarray(_to_checkpoint(layout, np.asarray(jax.device_get(flat[path].get_value()))))
             for path, key, layout in param_keys(state, rules) if path not in skip}
 
+
 # ----------------------------------------------------------------------------- Qwen3 target
 
 def load_target(path: PathLike, dtype: Any = None, *, mesh: Any = None, sharding_rules: Any = None):
     """Loads a Hugging Face Qwen3 folder (``config.json`` + ``model.safetensors`` or shards).
 
-    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) defaults to the safetensors header's (float64 or
-    mixed float dtypes load as float32). Every failure (config, file, header, tensor) raises a
-    :class:`~sparkjax.errors.SparkjaxError` naming the file and the key. ``mesh`` / ``sharding_rules``: see
-    :func:`load_into`; a sharded dimension that does not divide over its mesh axis raises ArgumentError
-    before any tensor is read.
+    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) defaults to the safetensors header's (float64 or mixed
+    float dtypes load as float32). Every failure raises a :class:`~sparkjax.errors.SparkjaxError` naming the file and
+    the key. ``mesh`` / ``sharding_rules``: see :func:`load_into`; a sharded dimension that does not divide over its
+    mesh axis raises ArgumentError before any tensor is read.
     """
     folder = _folder(path, mesh, "load_target")
     cfg = Qwen3Config.from_hf_config(os.path.join(folder, "config.json"))
@@ -203,10 +186,8 @@ def load_target(path: PathLike, dtype: Any = None, *, mesh: Any = None, sharding
 
 
 def save_target(model, path: PathLike, *, overwrite: bool = False, dtype: Any = None) -> str:
-    """Writes a Qwen3 model as a Hugging Face folder (``config.json`` + ``model.safetensors``), atomically.
-
-    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`).
-    """
+    """Writes a Qwen3 model as a Hugging Face folder (``config.json`` + ``model.safetensors``), atomically;
+    ``overwrite=True`` replaces only a folder sparkjax wrote or an empty one (see :mod:`sparkjax.io.atomic`)."""
     _require_model(model, Qwen3, "save_target", "a Qwen3 target", "save_drafter")
     check_destination(path, overwrite=overwrite)  # before the export, so a refusal costs nothing
     cfg: Qwen3Config = model.config
@@ -226,15 +207,14 @@ def _write_hf_folder(path: PathLike, config: dict, tensors: dict, dtype: Any, ov
         write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
     return str(path)
 
+
 # ----------------------------------------------------------------------------- drafters (DSpark / DFlash)
 
 def load_drafter(path: PathLike, target=None, dtype: Any = None, *, mesh: Any = None, sharding_rules: Any = None):
     """Loads a DeepSpec DSpark or z-lab DFlash drafter folder (format detected from ``config.json``).
 
-    With ``target`` (a loaded Qwen3; anything else raises :class:`~sparkjax.errors.ArgumentError`) the pair is
-    checked first (:func:`sparkjax.pairing.check_pair`, before any tensor is read; a mismatch raises
-    :class:`~sparkjax.errors.IncompatiblePairError` naming both files). ``dtype``, ``mesh``, ``sharding_rules``
-    and the validation are as in :func:`load_target`.
+    With ``target`` (a loaded Qwen3, else ArgumentError) the pair is checked first (:func:`sparkjax.pairing.check_pair`,
+    before any tensor is read). ``dtype``, ``mesh``, ``sharding_rules`` and the checks are as in :func:`load_target`.
     """
     folder = _folder(path, mesh, "load_drafter")
     config_path = os.path.join(folder, "config.json")

@@ -1,14 +1,13 @@
 """The safetensors format: a validating, memory-mapped reader, an atomic writer, sharded folders.
 
-:class:`SafetensorsFile` opens regular files only and validates the whole header when the file is opened
-(known dtype, non-negative integer shape, offsets of exactly the tensor's size, inside the data section, not
-overlapping); every failure is a :class:`~sparkjax.errors.CheckpointError` naming the path and the key.
-:func:`write_safetensors` writes atomically. Also here: :class:`WeightFiles` (one file, or shards with a
-validated index) and the finiteness check of every loaded tensor.
+:class:`SafetensorsFile` opens regular files only and validates the whole header on open (known dtype,
+non-negative integer shape, offsets of exactly the tensor's size, inside the data section, not overlapping);
+every failure is a :class:`~sparkjax.errors.CheckpointError` naming the path and the key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -26,17 +25,13 @@ from .atomic import atomic_file
 
 PathLike = str | os.PathLike
 
-# ----------------------------------------------------------------------------- one file
-
 _ST_DTYPES: dict[str, Any] = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-# The dtypes a model parameter may be stored in (anything else is refused, never reinterpreted).
-_FLOAT_DTYPES = tuple(np.dtype(_ST_DTYPES[k]) for k in ("F32", "BF16", "F16", "F64"))
-# The safetensors format caps the JSON header at 100 MB; a larger length field is corruption.
-_MAX_HEADER = 100 * 1024 * 1024
+_FLOAT_DTYPES = tuple(np.dtype(_ST_DTYPES[k]) for k in ("F32", "BF16", "F16", "F64"))  # a parameter's only dtypes
+_MAX_HEADER = 100 * 1024 * 1024  # the format's cap on the JSON header
 
 
 def _is_int(x: Any) -> bool:
@@ -76,10 +71,8 @@ class SafetensorsFile:
             spans = sorted((begin, end, key) for key, (_, _, begin, end) in self.entries.items() if end > begin)
             for (_, prev_end, prev), (begin, _, key) in zip(spans, spans[1:], strict=False):
                 if begin < prev_end:
-                    raise CheckpointError(
-                        f"{self.path}: tensors '{prev}' and '{key}' overlap in the data section "
-                        f"(byte {begin} < {prev_end})"
-                    )
+                    raise CheckpointError(f"{self.path}: tensors '{prev}' and '{key}' overlap in the data section "
+                                          f"(byte {begin} < {prev_end})")
             try:
                 self._map = np.memmap(f, dtype=np.uint8, mode="r") if size > self._base else None
             except (OSError, ValueError) as e:
@@ -102,10 +95,8 @@ class SafetensorsFile:
         begin, end = offsets
         count = math.prod(shape)  # Python ints: no overflow
         if not 0 <= begin <= end or end - begin != count * np.dtype(dtype).itemsize:
-            raise CheckpointError(
-                f"{self.path}: key '{key}' has inconsistent data offsets [{begin}, {end}) for "
-                f"{name} shape {shape} ({count * np.dtype(dtype).itemsize} bytes)"
-            )
+            raise CheckpointError(f"{self.path}: key '{key}' has inconsistent data offsets [{begin}, {end}) for "
+                                  f"{name} shape {shape} ({count * np.dtype(dtype).itemsize} bytes)")
         if end > data_size:
             raise CheckpointError(
                 f"{self.path}: truncated safetensors file: key '{key}' ends at byte {self._base + end}, "
@@ -136,21 +127,18 @@ class SafetensorsFile:
         return raw.view(dtype).reshape(shape)
 
     def read(self, key: str) -> np.ndarray:
-        """Tensor ``key`` as a fresh array (a copy); its pages of the mapping are released afterwards
-        (``madvise(MADV_DONTNEED)``), so a loader never keeps the whole file resident."""
+        """Tensor ``key`` as a copy; its pages of the mapping are released afterwards (``MADV_DONTNEED``), so
+        a loader never keeps the whole file resident."""
         dtype, shape, begin, end = self._lookup(key)
         if self._map is None or end == begin:
             return np.zeros(shape, dtype)
         lo, hi = self._base + begin, self._base + end
         out = np.array(self._map[lo:hi]).view(dtype).reshape(shape)
         mm = getattr(self._map, "_mmap", None)
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        if mm is not None and advice is not None and hasattr(mm, "madvise"):
+        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             start = lo - lo % mmap.PAGESIZE
-            try:
-                mm.madvise(advice, start, hi - start)
-            except (OSError, ValueError):  # only a hint: the copy is right either way
-                pass
+            with contextlib.suppress(OSError, ValueError):  # only a hint: the copy is right either way
+                mm.madvise(mmap.MADV_DONTNEED, start, hi - start)
         return out
 
 
@@ -182,8 +170,6 @@ def write_safetensors(path: PathLike, tensors: dict[str, np.ndarray], metadata: 
         for arr in arrays:
             f.write(arr.tobytes())
 
-
-# ----------------------------------------------------------------------------- a checkpoint folder
 
 class WeightFiles:
     """The safetensors files of a checkpoint folder: a single file, or shards with an index whose
@@ -223,6 +209,7 @@ class WeightFiles:
 
     def _shard_name(self, index_path: str, key: str, fname: Any) -> str:
         """Validates one ``weight_map`` value: a relative path to a file inside the folder."""
+
         def bad(why: str) -> CheckpointError:
             return CheckpointError(f"{index_path}: 'weight_map' entry for key '{key}' {why}")
 
@@ -256,21 +243,15 @@ class WeightFiles:
             if found:
                 key = next(iter(self.where))
                 src = self.file_of(key)
-                raise CheckpointError(
-                    f"{src.path}: no floating-point tensor in the checkpoint (tensor '{key}' is "
-                    f"{_ST_NAMES[src.dtype(key)]})"
-                )
+                raise CheckpointError(f"{src.path}: no floating-point tensor in the checkpoint (tensor '{key}' is "
+                                      f"{_ST_NAMES[src.dtype(key)]})")
             return np.dtype(np.float32)
         if len(floats) == 1 and np.dtype(np.float64) not in floats:
             return next(iter(floats))
         return np.dtype(np.float32)
 
 
-# ----------------------------------------------------------------------------- finiteness
-
 _EXPONENT_MASK = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
-
-
 _FINITE_BLOCK = 1 << 22  # elements per block of the finiteness check: its temporaries stay a few MB
 
 
@@ -278,17 +259,17 @@ def _all_finite(x: np.ndarray) -> bool:
     """True when ``x`` holds no NaN or Inf (checked in blocks along the first axis: small temporaries)."""
     if x.size == 0:
         return True
-    if x.ndim == 0:
-        x = x.reshape(1)
+    x = x.reshape(1) if x.ndim == 0 else x
     rows = max(1, _FINITE_BLOCK // max(1, x.size // x.shape[0]))
-    return all(_block_finite(x[i : i + rows]) for i in range(0, x.shape[0], rows))
-
-
-def _block_finite(x: np.ndarray) -> bool:
     mask = _EXPONENT_MASK.get(x.dtype)
-    if mask is not None:  # np.isfinite is slow on 16-bit floats; compare the exponent bits instead
-        return int((x.view(np.uint16) & np.uint16(0x7FFF)).max()) < mask
-    return bool(np.isfinite(x).all())
+    for i in range(0, x.shape[0], rows):
+        if mask is not None:  # np.isfinite is slow on 16-bit floats; compare the exponent bits instead
+            ok = int((x[i : i + rows].view(np.uint16) & np.uint16(0x7FFF)).max()) < mask
+        else:
+            ok = bool(np.isfinite(x[i : i + rows]).all())
+        if not ok:
+            return False
+    return True
 
 
 def _non_finite_error(path: str, key: str, stored: np.ndarray, dtype: np.dtype) -> CheckpointError:
