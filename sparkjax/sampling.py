@@ -1,8 +1,9 @@
-"""Token choice and lossless acceptance rules (all float32, batch-first, jit-friendly).
+"""Token choice and lossless acceptance rules (all float32, batch-first, jit-friendly): walking a tree with
+:func:`posterior`'s independent per-node samples is lossless (the tree is fixed before the draws);
+:func:`speculative_chain` is standard speculative sampling against the chain's draft distribution.
 
-Walking a tree with :func:`posterior`'s independent per-node samples is lossless (the tree is fixed before
-the draws); :func:`speculative_chain` is standard speculative sampling against the chain's draft
-distribution.
+Keys and temperatures come either as one for the whole batch (a single key, a scalar) or one per sequence (a key
+array ``[B]``, a temperature ``[B]``); row b's numbers then come from key b alone, whatever the other rows.
 """
 
 from __future__ import annotations
@@ -27,11 +28,6 @@ def first_argmax(x: Array, axis: int = -1) -> Array:
         hit = hit | jnp.isnan(x)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
     return jnp.min(jnp.where(hit, index, n), axis=axis)
-
-
-# Keys and temperatures come either as one for the whole batch (a single key, a scalar) or one per sequence (a
-# key array [B], a temperature [B]); a per-sequence key draws row b's numbers from key b alone (vmapped), so a
-# sequence's draws do not depend on the other rows of the batch.
 
 
 def split_keys(key: Array, num: int) -> Array:
@@ -72,8 +68,7 @@ def per_row(value: Array | float, ndim: int) -> Array:
 
 def categorical(key: Array, logits: Array) -> Array:
     """A draw from ``softmax(logits)`` over the last axis (int32): exactly ``jax.random.categorical(key,
-    logits, axis=-1)`` for a single key (the same Gumbel noise added to the logits, the same first maximum);
-    per-sequence keys draw row b's noise from key b."""
+    logits, axis=-1)`` for a single key (the same Gumbel noise, the same first maximum)."""
     return first_argmax(gumbel(key, logits.shape, logits.dtype) + logits, axis=-1)
 
 

@@ -102,9 +102,6 @@ def test_good_values_of_other_types_are_fine(pair):
     assert np.isfinite(np.float32(checks.MAX_TEMPERATURE)) and np.float32(checks.MIN_TEMPERATURE) > 0
 
 
-# ----------------------------------------------------------------------------- types of shapes
-
-
 def test_cache_smaller_than_the_padded_prompt_names_the_padding(pair):
     target, drafter = pair
     width = bucket(3)
@@ -117,9 +114,6 @@ def test_cache_smaller_than_the_padded_prompt_names_the_padding(pair):
     # the advice works: with prompt_width=3 the prompt buffer fits (the cache then is too small for the rest)
     with pytest.raises(sparkjax.ArgumentError, match="cache_size: 7 slots cannot hold prompt 3 \\+ max_new_tokens"):
         generate(target, None, [[1, 2, 3]], cache_size=7, prompt_width=3, max_new_tokens=8)
-
-
-# ----------------------------------------------------------------------------- memory
 
 
 @pytest.mark.parametrize("method", ["sparklingtree", "ddtree"])
@@ -176,9 +170,6 @@ def test_a_big_batch_names_the_prompts_and_scales_with_the_batch(pair, monkeypat
         launch(target, drafter, [[1, 2, 3]] * 64, method="sparklingtree", budget=64, **RUN)
 
 
-# ----------------------------------------------------------------------------- model arguments
-
-
 def test_swapped_or_missing_models_are_argument_errors(pair):
     target, drafter = pair
     cases = [((target, target), "drafter", "sparkjax.nn.drafter.Drafter"),
@@ -203,9 +194,6 @@ def test_instrument_and_prompt_ids_must_have_their_types(pair):
                 np.ones((1, 3), np.float32), [[1, None]], [[1, 2**70]], [[-1, 2]], [[]], []):
         with pytest.raises(sparkjax.ArgumentError, match="^prompt_ids"):
             generate(target, None, bad, **RUN)
-
-
-# ----------------------------------------------------------------------------- the pair check
 
 
 @pytest.mark.parametrize("change,field", [({"target_layer_ids": [1, 5]}, "target_layer_ids"),
@@ -275,7 +263,8 @@ def test_nan_weights_raise_with_round_and_sequence(pair):
 
 
 def test_the_flag_records_the_first_bad_round(pair):
-    """A good prefill, then a round with poisoned weights: round 1 (stream()'s start/step functions)."""
+    """A good prefill, then a round with poisoned weights: round 1 (stream()'s start/step functions); the first
+    bad round is kept, a finished sequence is not flagged."""
     target, drafter = pair
     run = api.validate(target, drafter, P, method="dspark", max_new_tokens=2)
     plan, args = run.plan, run.device_args()
@@ -288,9 +277,7 @@ def test_the_flag_records_the_first_bad_round(pair):
     assert np.asarray(state.nonfinite).tolist() == [1, 1]
     with pytest.raises(sparkjax.NumericalError, match="round 1 of sequence 0"):
         api.raise_if_nonfinite(state.nonfinite)
-
-
-def test_flag_names_the_earliest_sequence_and_skips_finished_ones():
+    # the flag names the earliest sequence and skips finished ones
     logits = jnp.zeros((3, 2, 5)).at[2, 1, 4].set(jnp.nan).at[0, 0, 0].set(jnp.inf)
     flags = flag_nonfinite(jnp.array([-1, -1, -1]), logits, jnp.array([False, True, True]), jnp.array(4))
     assert np.asarray(flags).tolist() == [-1, -1, 4]  # sequence 0 was done: not flagged

@@ -17,18 +17,7 @@ import pytest
 
 import sparkjax
 from sparkjax import tree
-from sparkjax.engine import (
-    Auto,
-    CostTable,
-    adaptive,
-    costs,
-    generate,
-    launch,
-    load_cost_table,
-    parse_method,
-    policy,
-    profile_costs,
-)
+from sparkjax.engine import Auto, CostTable, adaptive, costs, generate, launch, load_cost_table, policy, profile_costs
 from sparkjax.engine.api import validate
 from sparkjax.engine.programs import spec_program, spec_start, split_pair
 from sparkjax.errors import ArgumentError, CostTableError, SparkjaxError
@@ -156,53 +145,64 @@ def test_predictions_from_hand_made_scores_and_their_calibration():
     np.testing.assert_allclose(np.asarray(adaptive.predictions(m, 1, padded, chain_p))[0, 3], 0.5, rtol=1e-6)
 
 
-def test_best_first_prefixes_are_nested():
-    """The first b nodes of a best-first tree are the best-first tree of b nodes (same nodes, parents, depths,
-    scores), and the ancestor mask slices with them: auto builds the largest tree once and slices it."""
+def test_best_first_prefix_masks_slice_with_the_tree():
+    """auto builds the largest best-first tree once and slices it (the prefix property: test_tree.py): the
+    ancestor mask of the first b nodes is the first b + 1 rows and columns of the whole tree's."""
     rng = np.random.default_rng(0)
-    d, c = 4, 8
-    logits = jnp.asarray(rng.normal(size=(d, 40)) * 3, jnp.float32)
-    toks, logp = tree.candidates(logits, c)
+    d = 4
+    toks, logp = tree.candidates(jnp.asarray(rng.normal(size=(d, 40)) * 3, jnp.float32), 8)
     tables = tree.ddtree_tables(logp)
     best_first = jax.jit(tree.best_first, static_argnums=2)
     big = best_first(tables, toks, 64)
-    mask = tree.visibility(big.parents, d)
+    mask = np.asarray(tree.visibility(big.parents, d))
     for b in (1, 2, 5, 8, 16, 33):
         small = best_first(tables, toks, b)
-        for name in ("tokens", "parents", "depths", "scores"):
-            np.testing.assert_array_equal(np.asarray(getattr(big, name))[:b], np.asarray(getattr(small, name)),
-                                          err_msg=f"{name} at b={b}")
-        np.testing.assert_array_equal(np.asarray(mask)[: b + 1, : b + 1], np.asarray(tree.visibility(small.parents, d)))
-        assert int(np.asarray(big.parents)[:b].max()) <= b  # every parent of a kept node is kept
+        np.testing.assert_array_equal(np.asarray(big.parents)[:b], np.asarray(small.parents))
+        np.testing.assert_array_equal(mask[: b + 1, : b + 1], np.asarray(tree.visibility(small.parents, d)))
 
 
 # ----------------------------------------------------------------------------- the cost table is a traced input
 
 
-def test_two_cost_tables_share_one_compiled_program(random_pair, ar_tokens, caplog):
-    """Tables of other seconds, same static part: equal plans, one compiled program (the jit cache and JAX's
-    compile log), greedy tokens, each table's own seconds read."""
+def test_tables_and_memories_are_traced_inputs_with_no_host_transfer(random_pair, ar_tokens, caplog):
+    """Tables of other seconds (same static part) and memories (fresh or carried, on device or on the host) are
+    traced inputs: equal plans, one compiled program (the jit cache and JAX's compile log), greedy tokens, each
+    table's own seconds read, and no transfer to the host during a launch."""
     target, drafter = random_pair
+    m = _auto(random_pair)
     runs = [validate(target, drafter, PROMPTS3, method=_auto(random_pair, s), max_new_tokens=NEW)
             for s in (BASE, OTHER)]
     assert runs[0].plan == runs[1].plan and hash(runs[0].plan) == hash(runs[1].plan)
     np.testing.assert_allclose(runs[1].inputs.seconds, OTHER)
-    first = generate(target, drafter, PROMPTS3, method=_auto(random_pair, BASE), max_new_tokens=NEW)
-    assert first.tokens == ar_tokens(PROMPTS3)
+    jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))  # compile
+    with jax.transfer_guard_device_to_host("disallow"):
+        res = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))
+    assert int(np.asarray(res.n).min()) == NEW and isinstance(res.extra.memory, adaptive.AutoMemory)
+    assert res.extra.choices.shape[0] == 3 and res.labels == m.resolve(drafter).labels()
     programs = spec_program._cache_size()
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles():
-        second = generate(target, drafter, PROMPTS3, method=_auto(random_pair, OTHER), max_new_tokens=NEW)
+        other = generate(target, drafter, PROMPTS3, method=_auto(random_pair, OTHER), max_new_tokens=NEW)
+        with jax.transfer_guard_device_to_host("disallow"):
+            again = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW,
+                                                 auto_memory=res.extra.memory))
+        host = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=again.extra.memory)
+        generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=host.auto_memory)
         jax.jit(lambda x: x * 3)(jnp.ones(7))  # the log works: this one compiles
-    assert second.tokens == first.tokens
+    assert other.tokens == host.tokens == ar_tokens(PROMPTS3)
     assert spec_program._cache_size() == programs
     logged = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("Compiling jit(<lambda>)") for m in logged)
-    assert not [m for m in logged if "jit(spec_program)" in m]
+    assert any(msg.startswith("Compiling jit(<lambda>)") for msg in logged)
+    assert not [msg for msg in logged if "jit(spec_program)" in msg]
     # a table with another static part is another program
     hopeless = validate(target, drafter, PROMPTS3, method=_auto(random_pair, (1.0, 9.0, 9.0, 9.0, 9.0)),
                         max_new_tokens=NEW)
     assert hopeless.plan != runs[0].plan and hopeless.plan.method.viable == (True, False, False, False, False)
+    # the compiled program alone, with its inputs already on device: no transfer of any kind
+    args, inputs = jax.block_until_ready((runs[0].device_args(), runs[0].device_inputs()))
+    with jax.transfer_guard("disallow"):
+        jax.block_until_ready(spec_program(*split_pair(target, drafter), *args, inputs, plan=runs[0].plan,
+                                           cache_size=runs[0].cache_size, buf_len=runs[0].buf_len))
 
 
 # ----------------------------------------------------------------------------- the round
@@ -337,33 +337,6 @@ def test_instrumented_and_stream_auto_match(random_pair, ar_tokens):
     assert [sum((c[b] for c in chunks), []) for b in range(3)] == ar
 
 
-def test_no_host_transfer_during_an_auto_generation(random_pair):
-    target, drafter = random_pair
-    m = _auto(random_pair)
-    jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))  # compile
-    with jax.transfer_guard_device_to_host("disallow"):
-        res = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))
-    assert int(np.asarray(res.n).min()) == NEW and isinstance(res.extra.memory, adaptive.AutoMemory)
-    assert res.extra.choices.shape[0] == 3 and res.labels == m.resolve(drafter).labels()
-    # a launch started from the last one's memory (device arrays): still no transfer to the host, and no new
-    # program (a memory is a traced input, fresh or carried, on device or on the host)
-    programs = spec_program._cache_size()
-    with jax.transfer_guard_device_to_host("disallow"):
-        again = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW,
-                                             auto_memory=res.extra.memory))
-    host = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=again.extra.memory)
-    generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=host.auto_memory)
-    assert spec_program._cache_size() == programs
-    # the compiled program alone, with its inputs (the table's seconds, the memory) already on device: no
-    # transfer of any kind
-    run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW)
-    graphdefs, states = split_pair(target, drafter)
-    args, inputs = jax.block_until_ready((run.device_args(), run.device_inputs()))
-    kw = dict(plan=run.plan, cache_size=run.cache_size, buf_len=run.buf_len)
-    with jax.transfer_guard("disallow"):
-        jax.block_until_ready(spec_program(graphdefs, states, *args, inputs, **kw))
-
-
 # ----------------------------------------------------------------------------- the memory carried across generations
 
 
@@ -385,9 +358,11 @@ def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, ar_
     assert generate(target, drafter, PROMPTS3[:1], method="dspark", max_new_tokens=8).auto_memory is None
 
 
-def test_auto_memory_sets_the_first_round_state(random_pair, ar_tokens):
+def test_memory_and_table_set_the_first_round_state_and_plain_steps(random_pair, ar_tokens):
     """init_state from a memory (its calibration, predictions, gap; a probe due at once) or fresh; a memory of
-    drafts accepting nothing makes every round a plain step, cheap drafts in a fresh start draft."""
+    drafts accepting nothing makes every round a plain step, cheap drafts in a fresh start draft. When no drafted
+    size can pay, a generation is plain steps only and the prompt's features never enter the drafter's context;
+    a drafting auto (decide="draft") still keeps it."""
     target, drafter = random_pair
     m = _auto(random_pair)
     run = validate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW)
@@ -402,11 +377,21 @@ def test_auto_memory_sets_the_first_round_state(random_pair, ar_tokens):
     fresh = adaptive.init_state(run.plan, 3, 20, run.inputs)
     assert int(fresh.gap) == int(fresh.idle) == run.plan.method.floor == 4 and not np.asarray(fresh.pred).any()
     ar = ar_tokens(PROMPTS3)
-    hopeless = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=mem)
-    assert hopeless.tokens == ar and set(hopeless.size_counts) == {"ar"}
+    hopeless_memory = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=mem)
+    assert hopeless_memory.tokens == ar and set(hopeless_memory.size_counts) == {"ar"}
     eager = generate(target, drafter, PROMPTS3, method=_auto(random_pair, (1.0, 0.01, 0.01, 0.01, 0.01)),
                      max_new_tokens=NEW)
     assert eager.tokens == ar and set(eager.size_counts) != {"ar"}
+    hopeless = _auto(random_pair, (1.0, 100.0, 100.0, 100.0, 100.0))
+    out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW, method=hopeless)
+    assert out.tokens == ar and set(out.size_counts) == {"ar"}
+    for method, kept in ((hopeless, False), (m, True)):
+        run, _, state = _start(random_pair, method)
+        assert run.plan.method.keeps_context(run.plan) == kept
+        assert bool((np.asarray(state.ctx.lengths) > 0).all()) == kept
+        if not kept:  # drafting every round (decide="draft") needs the context whatever the table
+            plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method, decide="draft"))
+            assert plan.method.keeps_context(plan)
 
 
 def test_bad_auto_memory_names_the_argument(random_pair):
@@ -493,7 +478,7 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
     assert busy.seconds[1] == pytest.approx(1e-3 / costs.PROFILE_ROUNDS) and min(busy.seconds) > 0
 
 
-def test_profile_costs_save_and_load(random_pair, ar_tokens, tmp_path):
+def test_profile_costs_save_load_and_unreadable_tables(random_pair, ar_tokens, tmp_path):
     target, drafter = random_pair
     tab = profile_costs(target, drafter, method=Auto(sizes=(0, "chain")), batch_size=2, cache_size=64, repeats=1)
     assert tab.labels == ("ar", "dspark")
@@ -520,9 +505,7 @@ def test_profile_costs_save_and_load(random_pair, ar_tokens, tmp_path):
     assert one.key_dict["active"] == 1 and "active" not in key and all(s > 0 for s in one.seconds)
     with pytest.raises(ArgumentError, match="active: 3 running sequences of a batch of 2"):
         profile_costs(target, drafter, method=Auto(sizes=(0, "chain")), batch_size=2, active=3)
-
-
-def test_unreadable_cost_tables_name_the_file(tmp_path):
+    # unreadable tables name the file
     neg = {"format": "sparkjax-cost-table", "key": {}, "candidates": [{"label": "ar", "seconds": -1.0}]}
     for name, text, words in (("none", None, "none.json: unreadable"), ("bad", "{not json", "bad.json: unreadable"),
                               ("other", json.dumps({"format": "x"}), "other.json: unreadable.*not a sparkjax cost"),
@@ -602,33 +585,19 @@ def test_default_auto_profiles_once_and_is_exact(random_pair, ar_tokens, monkeyp
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("bad,name", [
-    (lambda: Auto(sizes=()), "sizes: empty candidate set"),
-    (lambda: Auto(sizes=[]), "sizes: empty candidate set"),
-    (lambda: Auto(sizes="chain"), "sizes"),
-    (lambda: Auto(sizes=(0, "tree")), r"sizes\[1\]"),
-    (lambda: Auto(sizes=(0, -3)), r"sizes\[1\]"),
-    (lambda: Auto(sizes=(0, True)), r"sizes\[1\]"),
-    (lambda: Auto(sizes=(8, 8)), r"sizes\[1\]: 8 is listed twice"),
-    (lambda: Auto(sizes=(0, 8, 128), budget=64), "sizes: tree size 128 exceeds budget=64"),
-    (lambda: Auto(tree="dspark"), "tree"),
-    (lambda: Auto(tree="sparklingtree-beam"), "tree"),
-    (lambda: Auto(chain="ddtree"), "chain"),
-    (lambda: Auto(decide="later"), "decide"),
-    (lambda: Auto(probe=0), "probe"),
-    (lambda: Auto(viable_share=0), "viable_share"),
-    (lambda: Auto(viable_share=1.5), "viable_share"),
-    (lambda: Auto(viable_share="half"), "viable_share"),
-    (lambda: Auto(viable_share=float("nan")), "viable_share"),
-    (lambda: Auto(table={"ar": 1.0}), "table"),
-    (lambda: parse_method("auto", widths=(4, 4)), "widths"),
-    (lambda: parse_method("auto@0"), "budget"),
-    (lambda: CostTable(("ar", "dspark"), (1.0,)), "seconds"),
-    (lambda: CostTable(("ar",), (0.0,)), "seconds"),
+@pytest.mark.parametrize("kw,words", [
+    (dict(sizes=()), "sizes: empty candidate set"), (dict(sizes=[]), "sizes: empty candidate set"),
+    (dict(sizes="chain"), "sizes"), (dict(sizes=(0, "tree")), r"sizes\[1\]"), (dict(sizes=(0, -3)), r"sizes\[1\]"),
+    (dict(sizes=(0, True)), r"sizes\[1\]"), (dict(sizes=(8, 8)), r"sizes\[1\]: 8 is listed twice"),
+    (dict(sizes=(0, 8, 128), budget=64), "sizes: tree size 128 exceeds budget=64"),
+    (dict(tree="dspark"), "tree"), (dict(tree="sparklingtree-beam"), "tree"), (dict(chain="ddtree"), "chain"),
+    (dict(decide="later"), "decide"), (dict(probe=0), "probe"), (dict(viable_share=0), "viable_share"),
+    (dict(viable_share=1.5), "viable_share"), (dict(viable_share="half"), "viable_share"),
+    (dict(viable_share=float("nan")), "viable_share"), (dict(table={"ar": 1.0}), "table"),
 ])
-def test_bad_auto_options_name_the_argument(bad, name):
-    with pytest.raises(ArgumentError, match=name):
-        bad()
+def test_bad_auto_options_name_the_argument(kw, words):
+    with pytest.raises(ArgumentError, match=words):
+        Auto(**kw)
 
 
 def test_auto_checks_against_the_pair(random_pair):
@@ -651,16 +620,6 @@ def test_auto_checks_against_the_pair(random_pair):
             call()
 
 
-def test_parse_auto():
-    assert parse_method("auto") == Auto()
-    a = parse_method("auto@32")
-    assert a.sizes == (0, "chain", 8, 16, 32) and a.budget == 32
-    assert parse_method("auto", budget=12).sizes == (0, "chain", 8, 12)
-    assert Auto(sizes=[16, "chain", 0]).sizes == (0, "chain", 16)  # canonical order
-    assert dataclasses.replace(Auto(), decide="draft").decide == "draft"
-    assert "auto" in sparkjax.METHODS
-
-
 def test_eval_describes_every_default_method(random_pair):
     """The eval's per-method record (results.json) for every method it runs by default, auto included: the
     tree options resolve (auto reports the candidates of the tree it builds; chains have none)."""
@@ -677,19 +636,3 @@ def test_eval_describes_every_default_method(random_pair):
     assert seen["auto"]["nodes"] == max(Auto().sizes[2:])
     assert eng.plan(MethodConfig("dspark")).candidates is None and seen["ddtree"]["candidates"] == "base"
     assert seen["sparklingtree"]["candidates"] == "union"
-
-
-def test_plain_steps_only_when_no_draft_can_pay(random_pair, ar_tokens):
-    """When no drafted size can pay, a generation is plain steps only (still the target's greedy tokens) and the
-    prompt's features never enter the drafter's context; a drafting auto (decide="draft") still keeps it."""
-    target, drafter = random_pair
-    hopeless = _auto(random_pair, (1.0, 100.0, 100.0, 100.0, 100.0))
-    out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW, method=hopeless)
-    assert out.tokens == ar_tokens(PROMPTS3) and set(out.size_counts) == {"ar"}
-    for method, kept in ((hopeless, False), (_auto(random_pair), True)):
-        run, _, state = _start(random_pair, method)
-        assert run.plan.method.keeps_context(run.plan) == kept
-        assert bool((np.asarray(state.ctx.lengths) > 0).all()) == kept
-        if not kept:  # drafting every round (decide="draft") needs the context whatever the table
-            plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method, decide="draft"))
-            assert plan.method.keeps_context(plan)

@@ -177,7 +177,7 @@ def test_fixture_rounds_both_formulations(ref, fixture_drafter):
         check_chain(*out, g, exact=False)
 
 
-def test_markov_chain_modes_and_errors(ref, fixture_drafter):
+def test_markov_chain_modes_errors_and_one_device_program(ref, fixture_drafter):
     drafter = fixture_drafter
     base = jnp.asarray(ref["b.base_logits"])
     hidden = jnp.asarray(ref["b.block_hidden"])
@@ -198,16 +198,10 @@ def test_markov_chain_modes_and_errors(ref, fixture_drafter):
     for bad in (-1, 2.5, True):
         with pytest.raises(ArgumentError, match="^candidates:"):
             drafting.markov_chain_fixed_point(drafter, base, hidden, x0, candidates=bad)
-
-
-def test_fixed_point_loop_stays_on_device(ref, fixture_drafter):
-    """The compiled chain is one program: a while loop, no host callback, no transfer to or from the host."""
-    drafter = fixture_drafter
+    # the compiled fixed-point chain is one program: a while loop, no host callback, no transfer to or from the host
     gd, state = nnx.split(drafter)
     fn = jax.jit(lambda s, b, h, x, t, k: drafting.markov_chain(nnx.merge(gd, s), b, h, x, t, k, mode="fixed_point"))
-    args = (state, jnp.asarray(ref["b.base_logits"]), jnp.asarray(ref["b.block_hidden"]),
-            jnp.asarray(ref["b.first_token"], jnp.int32), jnp.float32(1.0), jax.random.key(0))
-    hlo = fn.lower(*args).compile().as_text()
+    hlo = fn.lower(state, base, hidden, x0, jnp.float32(1.0), jax.random.key(0)).compile().as_text()
     assert "while(" in hlo
     for op in ("custom-call", "outfeed", "infeed", "send(", "recv(", "host"):
         assert op not in hlo.lower(), op
@@ -257,20 +251,14 @@ def test_first_argmax_equals_argmax(seed, shape, levels, specials, dtype):
                   else np.full(shape, float(specials)))
         x = np.where(rng.random(shape) < 0.2, values, x).astype(np.float32)
     x = jnp.asarray(x).astype(dtype)
-    got, want = _first_argmax_all_axes(x), _argmax_all_axes(x)
-    for axis, g, w in zip(range(-len(shape), len(shape)), got, want, strict=True):
+    for axis, (g, w) in zip(range(-len(shape), len(shape)), _argmaxes_all_axes(x), strict=True):
         assert g.dtype == jnp.int32 and g.shape == w.shape
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"axis {axis}")
 
 
 @jax.jit
-def _first_argmax_all_axes(x):
-    return [sampling.first_argmax(x, a) for a in range(-x.ndim, x.ndim)]
-
-
-@jax.jit
-def _argmax_all_axes(x):
-    return [jnp.argmax(x, axis=a) for a in range(-x.ndim, x.ndim)]
+def _argmaxes_all_axes(x):
+    return [(sampling.first_argmax(x, a), jnp.argmax(x, axis=a)) for a in range(-x.ndim, x.ndim)]
 
 
 def test_first_argmax_all_equal_and_all_nan_and_greedy_pick():

@@ -28,27 +28,22 @@ class Hang(Exception):
     pass
 
 
-@contextlib.contextmanager
-def no_hang(seconds: int = HANG_SECONDS):
+def outcome(call):
+    """``("ok", result)`` or ``("error", the SparkjaxError)``; anything else, or no answer within HANG_SECONDS,
+    fails the test."""
     def alarm(signum, frame):
-        raise Hang(f"no answer after {seconds} s")
+        raise Hang(f"no answer after {HANG_SECONDS} s")
 
     old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
+    signal.alarm(HANG_SECONDS)
     try:
-        yield
+        return "ok", call()
+    except sparkjax.SparkjaxError as e:
+        assert str(e), "an error must say something"
+        return "error", e
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-
-
-def outcome(call):
-    with no_hang():  # ("ok", result) or ("error", the SparkjaxError); anything else fails the test
-        try:
-            return "ok", call()
-        except sparkjax.SparkjaxError as e:
-            assert str(e), "an error must say something"
-            return "error", e
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -164,18 +159,14 @@ def stubbed_programs():
 MODELS = st.sampled_from(["pair"] * 12 + ["no-drafter", "swapped", "target-twice", "none"])
 
 
-def _models(pair, which):
-    target, drafter = pair
-    return {"pair": (target, drafter), "no-drafter": (target, None), "swapped": (drafter, target),
-            "target-twice": (target, target), "none": (None, drafter)}[which]
-
-
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(args=arguments(), which=MODELS, entry=st.sampled_from(["generate", "instrument", "launch", "stream"]))
 def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entry):
     kw, prompt_ids = args
-    target, drafter = _models(pair, which)
+    t, d = pair
+    target, drafter = {"pair": (t, d), "no-drafter": (t, None), "swapped": (d, t), "target-twice": (t, t),
+                       "none": (None, d)}[which]
     if entry == "stream":
         kw = {k: v for k, v in kw.items() if k not in ("prompt_width", "capacity")}
     calls = {

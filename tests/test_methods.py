@@ -3,7 +3,7 @@
 import pytest
 
 import sparkjax
-from sparkjax.engine import AR, METHODS, TREE_METHODS, Chain, Options, PCTree, Tree, parse_method
+from sparkjax.engine import AR, METHODS, TREE_METHODS, Auto, Chain, CostTable, Options, PCTree, Tree, parse_method
 from sparkjax.engine.options import check_options
 
 
@@ -28,6 +28,10 @@ def test_the_parser_round_trips_every_method_and_methods_know_what_they_need():
     pc = parse_method("pctree")
     assert pc == PCTree() == PCTree("pctree", 32, k=4) and pc.label == "pctree@32" and pc.needs_markov
     assert hash(Options()) == hash(Options("auto", "auto", 1, None, 128)) and Options() != Options(block_slots=16)
+    assert parse_method("auto") == Auto() and "auto" in sparkjax.METHODS
+    assert parse_method("auto@32") == Auto(sizes=(0, "chain", 8, 16, 32), budget=32)
+    assert parse_method("auto", budget=12).sizes == (0, "chain", 8, 12)
+    assert Auto(sizes=[16, "chain", 0]).sizes == (0, "chain", 16)  # canonical order
 
 
 @pytest.mark.parametrize("bad,name", [
@@ -59,6 +63,10 @@ def test_the_parser_round_trips_every_method_and_methods_know_what_they_need():
     (lambda: Options(union_top_k=True), "union_top_k"),
     (lambda: Options(block_slots=2.0), "block_slots"),
     (lambda: check_options("einsum"), "options"),
+    (lambda: parse_method("auto", widths=(4, 4)), "widths"),
+    (lambda: parse_method("auto@0"), "budget"),
+    (lambda: CostTable(("ar", "dspark"), (1.0,)), "seconds"),
+    (lambda: CostTable(("ar",), (0.0,)), "seconds"),
 ])
 def test_method_objects_validate_themselves(bad, name):
     with pytest.raises(sparkjax.ArgumentError) as info:

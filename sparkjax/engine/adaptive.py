@@ -1,11 +1,7 @@
 """Method ``auto``, traced side: each round picks its verification size on device, from the drafter's own
-confidence and a measured cost table, and carries what it learned (:class:`AutoState`, :class:`AutoMemory`).
-The host side (the table: profiling, loading, saving, the per-machine cache) is :mod:`sparkjax.engine.costs`;
-the options are the :class:`~sparkjax.engine.methods.Auto` method object's.
-
-The cost table's seconds are a traced input of the program (:class:`AutoInputs`, carried in
-:attr:`AutoState.seconds`); what they decide statically sits in the plan's method: which sizes are viable
-(``Auto.viable``) and the probe gap's floor (``Auto.floor``). Tables that agree on those share one program.
+confidence and a measured cost table (host side: :mod:`sparkjax.engine.costs`), and carries what it learned.
+The table's seconds are a traced input; what they decide statically (``Auto.viable``, ``Auto.floor``) sits in
+the plan's method, so tables that agree on those share one program.
 
 **Modes.** ``idle``: plain target steps in a row since the last draft; ``gap``: plain steps before the next
 probe (it starts at the floor, and ``idle`` starts at ``gap``, so the first round is a probe)::
@@ -72,16 +68,12 @@ GAP_GROWTH = 4  # a probe draft that still predicts size 0 multiplies the gap by
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AutoState:
-    """What ``auto`` carries from round to round (``SpecState.extra``).
-
-    ``choices[b, r]``: the candidate index round r chose (-1 past the last round); ``real`` / ``pred``
-    ``[K]``: running averages of realised and predicted accepted drafts (the calibration); ``last`` ``[B, K]``:
-    the last draft's raw predictions; ``idle``: plain steps in a row since the last draft; ``force``: a
-    candidate index every round takes (-1: the policy); ``gap``: plain steps before the next probe (see the
-    module docstring); ``seconds`` ``[K]``: the cost table's round times (traced; ``[A + 1, K]`` for a serving
-    pool's, row ``a`` with ``a`` sequences active). ``shadow`` ``[B, D]``,
-    ``shadow_at``, ``shadow_pred``, ``shadow_live`` ``[B]`` (:func:`shadowing` methods): the chain a probe did
-    not verify, its first token's output index, its raw prediction and whether it is still to be scored.
+    """What ``auto`` carries from round to round (``SpecState.extra``): ``choices[b, r]`` (round r's candidate
+    index, -1 past the last round); the calibration ``real`` / ``pred`` ``[K]`` (running averages of realised and
+    predicted accepted drafts); ``last`` ``[B, K]`` (the last draft's raw predictions); ``idle`` and ``gap`` (see
+    the module docstring); ``force`` (a candidate every round takes; -1: the policy); ``seconds`` ``[K]`` (the
+    table's round times; ``[A + 1, K]`` for a pool, by active count); for :func:`shadowing` methods the chain a
+    probe did not verify (``shadow`` ``[B, D]``), its output index, raw prediction and whether it is unscored.
     """
 
     choices: Array
@@ -107,15 +99,10 @@ def shadowing(m: Auto) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AutoMemory:
-    """What method ``auto`` knows at the end of a generation, to start the next one from
-    (``generate(..., method="auto", auto_memory=previous.auto_memory)``; docs/auto.md).
-
-    ``real`` / ``pred`` ``[K]``: the calibration (:class:`AutoState`); ``last`` ``[K]``: the last draft's raw
-    predictions, averaged over the batch; ``gap``: the probe gap; ``labels``: the candidates they refer to
-    (``Auto.labels()``; a memory only fits a method with the same ones). A generation from a memory still
-    opens with a probe. It changes which sizes are verified, never the tokens (greedy); a seeded sampled run
-    is reproducible given the same memory.
-    """
+    """What method ``auto`` knows at the end of a generation, to start the next one from (``auto_memory=``;
+    docs/auto.md): the calibration ``real`` / ``pred`` ``[K]``, the last raw predictions averaged over the batch,
+    the probe gap, and the ``labels`` of the candidates (a memory only fits a method with the same ones). It
+    changes which sizes are verified, never the greedy tokens."""
 
     real: Array
     pred: Array
@@ -133,9 +120,8 @@ def fresh_memory(plan: Plan) -> AutoMemory:
 
 
 def check_auto_memory(memory: Any, plan: Plan) -> AutoMemory:
-    """``memory`` checked against ``plan`` (ArgumentError naming ``auto_memory``): host values must be finite
-    and >= 0 (the gap is clipped to ``[1, MAX_GAP]``); device arrays are checked by shape and dtype only (no
-    host copy)."""
+    """``memory`` checked against ``plan`` (ArgumentError naming ``auto_memory``): host values finite and >= 0
+    (the gap clipped to ``[1, MAX_GAP]``), device arrays by shape and dtype only (no host copy)."""
     m: Auto = plan.method
     if not isinstance(memory, AutoMemory):
         raise ArgumentError(f"auto_memory: expected the auto_memory of an earlier GenerateOutput (an "
@@ -164,25 +150,20 @@ def check_auto_memory(memory: Any, plan: Plan) -> AutoMemory:
     return AutoMemory(**out, labels=m.labels())
 
 
-def memory_of(st: AutoState, plan: Plan) -> AutoMemory:
-    """The :class:`AutoMemory` an ``auto`` state ends with (inside the program)."""
-    return AutoMemory(real=st.real, pred=st.pred, last=jnp.mean(st.last, axis=0), gap=st.gap,
-                      labels=plan.method.labels())
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AutoInputs:
-    """The traced inputs of an ``auto`` program: the cost table's ``seconds`` ``[K]`` float32 (in ``sizes``
-    order; ``[A + 1, K]``, a row per active count, for a pool) and the :class:`AutoMemory` it starts from."""
+    """The traced inputs of an ``auto`` program: the table's ``seconds`` (as :attr:`AutoState.seconds`) and the
+    :class:`AutoMemory` it starts from."""
 
     seconds: Any
     memory: AutoMemory
 
 
 def auto_inputs(plan: Plan, memory: Any = None) -> AutoInputs:
-    """The inputs of a generation of ``plan``: its table's seconds (equal costs without a table) and
-    ``memory`` checked (:func:`check_auto_memory`; None: :func:`fresh_memory`)."""
+    """The inputs of a generation of ``plan`` (equal costs without a table; ``memory`` None: fresh)."""
     m: Auto = plan.method
     seconds = m.table.seconds if m.table is not None else (1.0,) * len(m.sizes)
     mem = fresh_memory(plan) if memory is None else check_auto_memory(memory, plan)
@@ -192,11 +173,19 @@ def auto_inputs(plan: Plan, memory: Any = None) -> AutoInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AutoResults:
-    """What an ``auto`` generation returns beside the tokens: ``choices`` ``[B, R]`` (each round's candidate
-    index into ``Auto.labels()``, -1 past the last round) and the final :class:`AutoMemory`."""
+    """What an ``auto`` generation returns beside the tokens: ``choices`` (:attr:`AutoState.choices`) and the
+    final :class:`AutoMemory`."""
 
     choices: Array
     memory: AutoMemory
+
+
+def results(state: SpecState, plan: Plan) -> AutoResults:
+    """The choices of a finished generation and the :class:`AutoMemory` its state ends with."""
+    st = state.extra
+    memory = AutoMemory(real=st.real, pred=st.pred, last=jnp.mean(st.last, axis=0), gap=st.gap,
+                        labels=plan.method.labels())
+    return AutoResults(st.choices, memory)
 
 
 def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> AutoState:
@@ -218,24 +207,23 @@ def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> Auto
 PER_ROW = ("choices", "last", "shadow", "shadow_at", "shadow_pred", "shadow_live")  # AutoState's [B, ...] fields
 
 
-def take_rows(st: AutoState, rows: Array) -> AutoState:
+def take_rows(plan: Plan, st: AutoState, rows: Array) -> AutoState:
     """The state of the sub-batch of sequences ``rows`` ``[A]``: their per-sequence fields, the batch's
     calibration, probe schedule and table."""
     return dataclasses.replace(st, **{f: getattr(st, f)[rows] for f in PER_ROW if getattr(st, f) is not None})
 
 
-def put_rows(pool: AutoState, sub: AutoState, rows: Array) -> AutoState:
+def put_rows(plan: Plan, pool: AutoState, sub: AutoState, rows: Array) -> AutoState:
     """``pool`` after its sequences ``rows`` ran as ``sub``: their per-sequence fields written back, and what the
     sub-batch learned (calibration, probe schedule) kept for the whole pool."""
     per_row = {f: getattr(pool, f).at[rows].set(getattr(sub, f)) for f in PER_ROW if getattr(pool, f) is not None}
     return dataclasses.replace(sub, **per_row)
 
 
-def admit_state(pool: AutoState, row: AutoState, slot: Array) -> AutoState:
-    """``pool`` with sequence ``slot`` started over from ``row`` (a batch-1 :func:`init_state`): its choices,
-    predictions (the prior) and shadow chain are the row's; the calibration and the probe schedule stay the
-    batch's. An admission forces no probe: where drafting pays the gap is short and the next probe comes soon,
-    and where it does not, a probe per admission would be a draft pass over every slot for nothing."""
+def admit_state(plan: Plan, pool: AutoState, row: AutoState, slot: Array) -> AutoState:
+    """``pool`` with sequence ``slot`` started over from ``row`` (a batch-1 :func:`init_state`): its per-sequence
+    fields are the row's; the calibration and the probe schedule stay the batch's (an admission forces no
+    probe)."""
     per_row = {}
     for f in PER_ROW:
         p, r = getattr(pool, f), getattr(row, f)
@@ -297,14 +285,6 @@ def policy(expected: Any, costs: Any, active: Any = None, allowed: Any = None) -
     if allowed is not None:
         rate = jnp.where(jnp.asarray(allowed, bool), rate, -jnp.inf)
     return jnp.argmax(rate).astype(jnp.int32)
-
-
-def costs_now(seconds: Array, active: Array) -> Array:
-    """The round times ``[K]`` for this round: ``seconds`` itself, or a pool table's row for the number of
-    ``active`` sequences (``[B]`` bool; at least row 1)."""
-    if seconds.ndim == 1:
-        return seconds
-    return seconds[jnp.clip(jnp.sum(active.astype(jnp.int32)), 1, seconds.shape[0] - 1)]
 
 
 def viable(m: Auto, depth: int, seconds: Sequence[float]) -> tuple[bool, ...]:
@@ -390,12 +370,6 @@ def predictions(method: Auto, batch: int, tree_scores: Array | None, chain_p: Ar
     return jnp.stack(cols, axis=1)
 
 
-def slice_tree(prop: Proposal, b: int) -> Proposal:
-    """The first ``b`` nodes of a best-first tree (itself the best tree of ``b`` nodes)."""
-    return Proposal(prop.tokens[:, :b], prop.parents[:, :b], prop.depths[:, :b], prop.mask[:, : b + 1, : b + 1],
-                    None)
-
-
 # ============================================================================ the round's stages
 
 
@@ -478,18 +452,14 @@ def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos,
     return new, jnp.concatenate(out.hidden, axis=-1) if features else None, step, bonus
 
 
-def _plain_acceptance(bonus: Array, depth: int) -> Acceptance:
-    b = bonus.shape[0]
-    indices = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, depth), -1, jnp.int32)], axis=1)
-    return Acceptance(indices, jnp.ones((b,), jnp.int32), bonus)
-
-
 def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
     """Size 0 as one branch of a drafted round: :func:`_plain_target_step` and the drafter's context extended
     by its position."""
     new, feats, step, bonus = _plain_target_step(target, state, temperature, key, max_new, eos, plan)
     new = dataclasses.replace(new, ctx=drafting.append_context(drafter, state.ctx, feats, step))
-    return new, _plain_acceptance(bonus, plan.depth)
+    b = bonus.shape[0]
+    indices = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, plan.depth), -1, jnp.int32)], axis=1)
+    return new, Acceptance(indices, jnp.ones((b,), jnp.int32), bonus)
 
 
 def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temperature, key, max_new, eos, *,
@@ -502,8 +472,10 @@ def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temp
         return _plain_step(target, drafter, state, temperature, key, max_new, eos, plan)
     if v == CHAIN:
         sub, prop = m.chain_plan(plan), aprop.chain
-    else:
-        sub, prop = m.tree_plan(plan), slice_tree(aprop.tree, v)
+    else:  # the first v nodes of the best-first tree: the best tree of v nodes
+        t = aprop.tree
+        sub, prop = m.tree_plan(plan), Proposal(t.tokens[:, :v], t.parents[:, :v], t.depths[:, :v],
+                                                t.mask[:, : v + 1, : v + 1], None)
     ver = verify(target, drafter, state, prop, plan=sub)
     acc = sub.method.accept(prop, ver, temperature, key, plan=sub)
     return commit(drafter, state, ver, acc, max_new, eos, plan=plan), acc
@@ -558,8 +530,13 @@ def _update(m: Auto, st: AutoState, state: SpecState, k: Array, raw: Array, acc:
 
 
 def _choose(st: AutoState, raw: Array, plan: Plan, active: Array, allowed: Any = None) -> Array:
+    """The policy's choice (or the forced one) over the viable ``allowed`` sizes, at this round's costs: a pool
+    table's row for the number of ``active`` sequences (at least row 1)."""
     ok = jnp.asarray(viable_of(plan.method))
-    k = policy(calibrated(st, raw), costs_now(st.seconds, active), active, ok if allowed is None else ok & allowed)
+    sec = st.seconds
+    if sec.ndim > 1:
+        sec = sec[jnp.clip(jnp.sum(active.astype(jnp.int32)), 1, sec.shape[0] - 1)]
+    k = policy(calibrated(st, raw), sec, active, ok if allowed is None else ok & allowed)
     return jnp.where(st.force >= 0, st.force, k)
 
 
@@ -620,9 +597,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     if not track:  # no draft can pay: plain steps to the end, without the drafter's context
         steps = jnp.int32(st.choices.shape[1])
     steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
-
-    chunk = plan.depth + 1
-  # the rows a drafted round's commit appends: the context cache has room for them
+    chunk = plan.depth + 1  # the rows a drafted round's commit appends: the context cache has room for them
     feat_size = drafter.config.feature_size
     dtype = target.dtype  # the target's hidden states, as the per-step path passes them
 

@@ -73,10 +73,8 @@ def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) 
             raise ArgumentError(f"prompt_ids: expected shape [B, P], got {list(arr.shape)}")
         rows = list(arr)
     elif isinstance(prompt_ids, str | bytes) or is_int(prompt_ids) or not hasattr(prompt_ids, "__iter__"):
-        raise ArgumentError(
-            f"prompt_ids: expected token ids (an int array [B, P], a list of ids or a list of lists), "
-            f"got {describe(prompt_ids)}"
-        )
+        raise ArgumentError(f"prompt_ids: expected token ids (an int array [B, P], a list of ids or a list of lists), "
+                            f"got {describe(prompt_ids)}")
     else:
         rows = list(prompt_ids)
         if rows and all(is_int(x) for x in rows):
@@ -94,10 +92,8 @@ def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) 
         if r.size == 0:
             raise ArgumentError(f"prompt_ids[{b}]: empty prompt")
         if r.ndim != 1 or not np.issubdtype(r.dtype, np.integer):
-            raise ArgumentError(
-                f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got shape {list(r.shape)} "
-                f"of {r.dtype}"
-            )
+            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got shape "
+                                f"{list(r.shape)} of {r.dtype}")
         if r.min() < 0 or r.max() >= vocab_size:
             raise ArgumentError(f"prompt_ids[{b}]: token id outside [0, {vocab_size}) (vocab of the target)")
         seqs.append(r.astype(np.int32))
@@ -121,10 +117,8 @@ def eos_array(eos_token_ids: int | Sequence[int] | None, vocab_size: int) -> np.
     elif is_int(eos_token_ids):
         ids = [int(eos_token_ids)]
     elif isinstance(eos_token_ids, str | bytes):
-        raise ArgumentError(
-            f"{name}: expected an int or a sequence of ints, got a string {eos_token_ids!r} "
-            f"(a string is not a list of ids; pass [105], not '105')"
-        )
+        raise ArgumentError(f"{name}: expected an int or a sequence of ints, got a string {eos_token_ids!r} "
+                            f"(a string is not a list of ids; pass [105], not '105')")
     elif isinstance(eos_token_ids, np.ndarray | jax.Array):
         arr = np.asarray(eos_token_ids)
         if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer):
@@ -153,9 +147,8 @@ def required_cache_size(prompt_length: int, max_new_tokens: int, plans: Iterable
     return max(bucket(prompt_length + max_new_tokens + extra), prompt_width)
 
 
-def check_lengths(
-    prompts: Prompts, max_new_tokens: int, max_positions: int, cache_size: int | None, plan: Plan | None = None
-) -> int:
+def check_lengths(prompts: Prompts, max_new_tokens: int, max_positions: int, cache_size: int | None,
+                  plan: Plan | None = None) -> int:
     """Validates the budget of positions and returns the cache size (:func:`required_cache_size` by default;
     ``plan``'s scratch rows are the room a round needs past the committed tokens)."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens)
@@ -164,48 +157,37 @@ def check_lengths(
     longest = int(prompts.lengths.max())
     width = prompts.tokens.shape[1]
     if longest + max_new_tokens > max_positions:
-        raise ArgumentError(
-            f"max_new_tokens: prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the target's "
-            f"max_position_embeddings ({max_positions})"
-        )
+        raise ArgumentError(f"max_new_tokens: prompt length {longest} + max_new_tokens {max_new_tokens} exceeds "
+                            f"the target's max_position_embeddings ({max_positions})")
     extra = plan.scratch if plan is not None else 0
     need = longest + max_new_tokens + extra
     if cache_size is None:
         size = required_cache_size(longest, max_new_tokens, [plan], prompt_width=width)
         if size > MAX_SLOTS:
-            raise ArgumentError(
-                f"max_new_tokens: a cache of {size} slots is needed, more than {MAX_SLOTS} (int32 positions)"
-            )
+            raise ArgumentError(f"max_new_tokens: a cache of {size} slots is needed, more than {MAX_SLOTS} "
+                                "(int32 positions)")
         return size
     if cache_size > MAX_SLOTS:
         raise ArgumentError(f"cache_size: {cache_size} slots exceed {MAX_SLOTS} (positions are int32 on device)")
     if cache_size < longest + 1:
         raise ArgumentError(f"cache_size: the prompt ({longest} tokens) is longer than the cache ({cache_size} slots)")
     if cache_size < width:
-        raise ArgumentError(
-            f"cache_size: {cache_size} slots cannot hold the prompt buffer, which is padded to {width} slots "
-            f"(the longest prompt has {longest} tokens); pass prompt_width (at least {longest}) to pad less, "
-            f"or a cache_size of at least {width}"
-        )
+        raise ArgumentError(f"cache_size: {cache_size} slots cannot hold the prompt buffer, which is padded to "
+                            f"{width} slots (the longest prompt has {longest} tokens); pass prompt_width (at least "
+                            f"{longest}) to pad less, or a cache_size of at least {width}")
     if cache_size < need:
-        raise ArgumentError(
-            f"cache_size: {cache_size} slots cannot hold prompt {longest} + max_new_tokens {max_new_tokens}"
-            + (f" + {extra} scratch rows" if extra else "")
-        )
+        raise ArgumentError(f"cache_size: {cache_size} slots cannot hold prompt {longest} + max_new_tokens "
+                            f"{max_new_tokens}" + (f" + {extra} scratch rows" if extra else ""))
     return cache_size
 
 
 @dataclasses.dataclass
 class GenerateOutput:
-    """What :func:`generate` returns. ``tokens``: generated ids per sequence (prompt excluded, cut after EOS).
-    ``acceptance_lengths``: per sequence, the tokens each round committed (accepted drafts + 1,
-    the bonus / correction token included); tau = their mean. For ``ar`` every entry is 1.
-    ``accepted_per_depth``: per sequence, how many rounds accepted a draft at depth d + 1.
-    ``stage_seconds``: per-stage wall time summed over rounds (instrumented mode only).
-    ``size_choices``: method ``auto`` only, per sequence, the candidate each round verified (its label:
-    ``ar``, the chain's kind or ``tree@b``), parallel to ``acceptance_lengths``; None for other methods.
-    ``auto_memory``: method ``auto`` only, what it learned (:class:`~sparkjax.engine.adaptive.AutoMemory`, host
-    arrays): pass it as ``generate(..., auto_memory=)`` to start the next generation from it.
+    """What :func:`generate` returns (the fields are tabled in docs/api.md): per sequence the ``tokens`` (prompt
+    excluded, cut after EOS), the tokens each round committed, the rounds that accepted each depth;
+    ``stage_seconds`` when instrumented; ``size_choices`` (each round's candidate label, parallel to
+    ``acceptance_lengths``) and ``auto_memory`` (:class:`~sparkjax.engine.adaptive.AutoMemory`, host arrays)
+    for method ``auto`` only, else None.
     """
 
     tokens: list[list[int]]
@@ -236,11 +218,9 @@ def raise_if_nonfinite(nonfinite: Any) -> None:
     b = int(bad[np.argmin(flags[bad])])
     r = int(flags[b])
     where = "the prefill (round 0)" if r == 0 else f"round {r}"
-    raise NumericalError(
-        f"generate: the target's logits are not finite (NaN or Inf) in {where} of sequence {b} "
-        f"({bad.size} of {flags.size} sequence(s) affected); the generated tokens are garbage. "
-        "Check the target's weights for NaN/Inf or use a wider dtype (float32)"
-    )
+    raise NumericalError(f"generate: the target's logits are not finite (NaN or Inf) in {where} of sequence {b} "
+                         f"({bad.size} of {flags.size} sequence(s) affected); the generated tokens are garbage. "
+                         "Check the target's weights for NaN/Inf or use a wider dtype (float32)")
 
 
 def _outputs(res: Launch, stage_seconds: dict[str, float] | None = None) -> GenerateOutput:
@@ -348,10 +328,8 @@ def check_memory(target, drafter, plan: Plan | None, prompts: Prompts, size: int
         arg = "prompt_width" if prompt_width is not None else "prompt_ids"
         head = f"{arg}: a prefill of {b} sequence(s) x {p} prompt slots"
     detail = ", ".join(f"{k} {_gib(v)}" for k, v in est.items())
-    raise ArgumentError(
-        f"{head} needs about {_gib(total)} of memory ({detail}); {where}. "
-        "Lower budget, max_new_tokens, cache_size or the batch"
-    )
+    raise ArgumentError(f"{head} needs about {_gib(total)} of memory ({detail}); {where}. "
+                        "Lower budget, max_new_tokens, cache_size or the batch")
 
 
 def _buf_len(max_new_tokens: int, capacity: int | None, plan: Plan | None) -> int:
@@ -458,69 +436,27 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, options, inputs)
 
 
-def generate(
-    target,
-    drafter=None,
-    prompt_ids: Any = None,
-    *,
-    method: str | Method = "ar",
-    budget: int | None = None,
-    top_c: int | None = None,
-    widths: Sequence[int] | str | None = None,
-    normalization: str = "fast",
-    candidates: str | None = None,
-    max_new_tokens: int = 128,
-    eos_token_ids: int | Sequence[int] | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    cache_size: int | None = None,
-    prompt_width: int | None = None,
-    capacity: int | None = None,
-    instrument: bool = False,
-    mesh: Any = None,
-    auto_memory: AutoMemory | None = None,
-    options: Options | None = None,
-) -> GenerateOutput:
-    """Generates continuations of ``prompt_ids`` (``[B, P]`` ints or a list of lists).
+def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget: int | None = None,
+             top_c: int | None = None, widths: Sequence[int] | str | None = None, normalization: str = "fast",
+             candidates: str | None = None, max_new_tokens: int = 128, eos_token_ids: int | Sequence[int] | None = None,
+             temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
+             capacity: int | None = None, instrument: bool = False, mesh: Any = None,
+             auto_memory: AutoMemory | None = None, options: Options | None = None) -> GenerateOutput:
+    """Generates continuations of ``prompt_ids`` with ``method`` (a name, ``name@budget`` or a method object);
+    the arguments are tabled in docs/api.md.
 
-    ``method``: a method object (:class:`~sparkjax.engine.AR`, :class:`~sparkjax.engine.Chain`,
-    :class:`~sparkjax.engine.Tree`, :class:`~sparkjax.engine.PCTree`, :class:`~sparkjax.engine.Auto`) or its
-    name (``ar``, ``dflash``, ``dspark``, ``ddtree``, ``sparklingtree``, ``sparklingtree-beam``, ``pctree``,
-    ``auto``; the table is in docs/api.md), or ``name@budget`` for a tree. ``auto`` without a table profiles
-    once per process and shape (:func:`~sparkjax.engine.profile_costs`). With a name, ``budget`` is the tree
-    size M (trees only, default 64; pctree's counts the root, default 32), ``top_c`` the candidates per depth
-    (default ``max(budget, 32)``), ``widths`` the beam profile (per-depth ints, ``"even"``, or ``"auto"``, the
-    default), ``normalization`` the Markov tables' (``fast`` or ``exact``), ``candidates`` the Markov trees'
-    candidate sets (``union``, the default, ``corrected`` or ``base``, see
-    :func:`sparkjax.tree.markov_candidates`); a method object carries its own.
     Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else lossless
-    sampling seeded by ``seed``. The generation is one jitted program with no host sync; ``instrument=True``
-    instead runs each stage of the same round as its own jitted call and times it (``stage_seconds``).
+    sampling seeded by ``seed``. One jitted program with no host sync; ``instrument=True`` instead runs each
+    stage of the same round as its own jitted call and times it. Shapes decide recompilation: prompts are padded
+    to a power of two (or ``prompt_width``), the cache has ``cache_size`` slots (:func:`required_cache_size`),
+    the output buffer ``capacity`` tokens (default ``max_new_tokens``, which is otherwise traced). ``auto``
+    without a table profiles once per process and shape (:func:`~sparkjax.engine.profile_costs`).
 
-    Shapes (what decides recompilation): prompts are padded to a power of two, or to ``prompt_width``; the
-    cache has ``cache_size`` slots (default: :func:`required_cache_size`); the output buffer holds
-    ``capacity`` tokens (default ``max_new_tokens``, which is otherwise traced: runs that differ only in
-    ``max_new_tokens <= capacity`` share one program).
-
-    Argument rules: counts (``max_new_tokens``, ``budget``, ``top_c``, ``cache_size``, ``prompt_width``,
-    ``capacity``, ``widths`` entries) are ints, never bools or floats; ``seed`` is an int in ``[0, 2**63)``;
-    ``temperature`` is 0 or in ``[1e-6, 1e4]``; ``eos_token_ids`` is an int or a flat sequence of ints (not a
-    string). A run whose estimated memory (:func:`estimate_memory`) exceeds the device's (on CPU, the host's)
-    is refused before anything is compiled. Any violation raises :class:`~sparkjax.errors.ArgumentError` (a
-    mismatched pair :class:`~sparkjax.errors.IncompatiblePairError`). Non-finite target logits raise
-    :class:`NumericalError` naming the first such round and sequence.
-
-    ``mesh``: a :class:`jax.sharding.Mesh` with axes ``("data", "model")`` (or either alone;
-    :func:`sparkjax.sharding.make_mesh`): tensor parallel over the heads and the FFN on ``model``, data
-    parallel over the batch on ``data`` (:mod:`sparkjax.engine.placement`). The modules are not modified;
-    the tokens are the same as on one device. ``model`` must divide the heads, KV heads and FFN width,
-    ``data`` the batch.
-
-    ``auto_memory``: method ``auto`` only, the ``auto_memory`` of an earlier :class:`GenerateOutput` (of the
-    same candidates) to start from (:class:`~sparkjax.engine.adaptive.AutoMemory`); tokens are unchanged.
-
-    ``options``: the trace-time settings (:class:`~sparkjax.engine.options.Options`; None: the defaults).
-    They change the compiled program, never the tokens beyond float rounding.
+    Every argument is checked before anything compiles, and so is the estimated memory
+    (:func:`estimate_memory`): an :class:`~sparkjax.errors.ArgumentError` naming it (a mismatched pair:
+    :class:`~sparkjax.errors.IncompatiblePairError`). Non-finite target logits raise :class:`NumericalError`
+    naming the first such round and sequence. ``mesh`` (axes ``("data", "model")``,
+    :mod:`sparkjax.engine.placement`), ``auto_memory`` and ``options`` never change the tokens.
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
@@ -541,43 +477,19 @@ def generate(
 
 def launch(target, drafter=None, prompt_ids: Any = None, **kwargs) -> Launch:
     """Validates the arguments of :func:`generate` (all but ``instrument``, same defaults and errors) and
-    dispatches the jitted program without waiting.
-
-    Returns a :class:`~sparkjax.engine.state.Launch` of device arrays (nothing is copied to the host):
-    ``out [B, buf]`` and ``n [B]``; for speculative methods ``accept_lens [B, R]``, ``rounds [B]`` and
-    ``depth_hits [B, D]`` (None for ``ar``); ``nonfinite [B]`` int32, the first round whose target logits
-    held a NaN or an Inf (0 for the prefill; -1 when all were finite; :func:`raise_if_nonfinite` checks them
-    once the caller syncs); ``extra``, the method's own results (``auto``: ``choices [B, R]``, each round's
-    candidate index into ``labels``, -1 past the last round, and the final
-    :class:`~sparkjax.engine.adaptive.AutoMemory`); the static ``plan`` and ``labels``.
-    ``max_new_tokens=1`` stops after the prefill and its first token, in the same compiled program as a
-    longer run of the same shapes. With ``mesh`` the arrays are global arrays sharded over the batch
-    (:func:`sparkjax.engine.placement.to_host` copies one to the host).
-    """
+    dispatches the jitted program without waiting: a :class:`~sparkjax.engine.state.Launch` of device arrays
+    (docs/api.md; with ``mesh``, global arrays sharded over the batch). ``max_new_tokens=1`` stops after the
+    prefill, in the same compiled program as a longer run of the same shapes."""
     run = validate(target, drafter, prompt_ids, **kwargs)
     return run.method.launch(run, target, drafter)
 
 
-def stream(
-    target,
-    drafter=None,
-    prompt_ids: Any = None,
-    *,
-    method: str | Method = "sparklingtree",
-    budget: int | None = None,
-    top_c: int | None = None,
-    widths: Sequence[int] | str | None = None,
-    normalization: str = "fast",
-    candidates: str | None = None,
-    max_new_tokens: int = 128,
-    eos_token_ids: int | Sequence[int] | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    cache_size: int | None = None,
-    mesh: Any = None,
-    auto_memory: AutoMemory | None = None,
-    options: Options | None = None,
-):
+def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "sparklingtree",
+           budget: int | None = None, top_c: int | None = None, widths: Sequence[int] | str | None = None,
+           normalization: str = "fast", candidates: str | None = None, max_new_tokens: int = 128,
+           eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0, seed: int = 0,
+           cache_size: int | None = None, mesh: Any = None, auto_memory: AutoMemory | None = None,
+           options: Options | None = None):
     """Like :func:`generate` (speculative methods only), but yields each round's new tokens: a list per
     sequence (possibly empty); the concatenated yields equal ``generate(...).tokens``. One jitted call and one
     host sync per round. The arguments are validated before the generator is returned; a round whose target

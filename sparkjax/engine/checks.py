@@ -85,15 +85,12 @@ def check_models(target: Any, drafter: Any) -> None:
     """``target`` must be a Qwen3 model and ``drafter`` a Drafter (or None)."""
     if not isinstance(target, Qwen3):
         hint = " (the drafter was passed as the target?)" if isinstance(target, Drafter) else ""
-        raise ArgumentError(
-            f"target: expected a sparkjax.nn.qwen3.Qwen3 model (sparkjax.load_target), got {describe(target)}{hint}"
-        )
+        raise ArgumentError(f"target: expected a sparkjax.nn.qwen3.Qwen3 model (sparkjax.load_target), got "
+                            f"{describe(target)}{hint}")
     if drafter is not None and not isinstance(drafter, Drafter):
         hint = " (the target was passed as the drafter?)" if isinstance(drafter, Qwen3) else ""
-        raise ArgumentError(
-            f"drafter: expected a sparkjax.nn.drafter.Drafter (sparkjax.load_drafter) or None, "
-            f"got {describe(drafter)}{hint}"
-        )
+        raise ArgumentError(f"drafter: expected a sparkjax.nn.drafter.Drafter (sparkjax.load_drafter) or None, "
+                            f"got {describe(drafter)}{hint}")
 
 
 def check_drafter(target, drafter, method) -> None:
@@ -104,10 +101,8 @@ def check_drafter(target, drafter, method) -> None:
     check_pair(target, drafter)
     dc = drafter.config
     if method.needs_markov and not dc.has_markov:
-        raise ArgumentError(
-            f"method: {method.name!r} needs a drafter with a Markov head; this {dc.kind} drafter has none "
-            "(use 'dflash' or 'ddtree')"
-        )
+        raise ArgumentError(f"method: {method.name!r} needs a drafter with a Markov head; this {dc.kind} drafter "
+                            "has none (use 'dflash' or 'ddtree')")
 
 
 def check_temperature(temperature: float) -> float:
@@ -121,8 +116,6 @@ def check_temperature(temperature: float) -> float:
     if not np.isfinite(t) or t < 0:
         raise ArgumentError(f"temperature: must be finite and >= 0, got {temperature!r}")
     if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
-        raise ArgumentError(
-            f"temperature: {t!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (or 0 for greedy): "
-            "logits / temperature would overflow or underflow in float32"
-        )
+        raise ArgumentError(f"temperature: {t!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (or 0 for greedy): "
+                            "logits / temperature would overflow or underflow in float32")
     return t

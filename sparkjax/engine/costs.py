@@ -119,9 +119,12 @@ def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int, active: i
     """What a cost table's times depend on: the JSON key, and the key of the process's and the machine's
     caches (another device kind, platform, jax version, shape or trace-time option profiles again;
     ``active``: only that many of the ``batch`` sequences running, the rest done)."""
-    tc, dc = target.config, drafter.config
+    tc, dc, o = target.config, drafter.config, plan.options
     dev = jax.devices()[0]
     m: Auto = plan.method
+    # the trace-time options as JSON-friendly values (a callable attention by its name)
+    attention = o.attention if isinstance(o.attention, str) else getattr(o.attention, "__qualname__",
+                                                                         type(o.attention).__name__)
     try:
         dtype = str(np.dtype(target.dtype))
     except (AttributeError, TypeError):
@@ -140,15 +143,8 @@ def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int, active: i
         ("decide", m.decide),
         ("candidates", tuple(m.labels())),
         ("top_c", int(plan.top_c)),
-        ("options", _options_key(plan.options)),
+        ("options", (attention, o.chain_mode, o.candidate_chain_passes, o.union_top_k, o.block_slots)),
     )
-
-
-def _options_key(o) -> tuple:
-    """The trace-time options as JSON-friendly values (a callable attention by its name)."""
-    attention = o.attention if isinstance(o.attention, str) else getattr(o.attention, "__qualname__",
-                                                                         type(o.attention).__name__)
-    return (attention, o.chain_mode, o.candidate_chain_passes, o.union_top_k, o.block_slots)
 
 
 def read_table(path: str | os.PathLike, key: tuple[tuple[str, Any], ...] | None = None) -> CostTable:
@@ -194,16 +190,12 @@ def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, *,
 def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int | None = None,
             prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0,
             active: int | None = None) -> CostTable:
-    """Times one round of each candidate of ``plan``'s ``auto`` method on the current device and returns the
-    :class:`CostTable` (the method's own table is not used; public entry point:
-    :func:`sparkjax.engine.api.profile_costs`).
-
-    After a prefill of ``batch_size`` random ``prompt_length``-token prompts in a ``cache_size``-slot cache
-    (default: what a :data:`PROFILE_NEW_TOKENS`-token generation needs), sampled at ``temperature`` (default:
-    1 for a sampling plan, else greedy) and with only the first ``active`` sequences running (default: all; the
-    rest are done, as idle slots of a serving pool are), one compiled program runs :data:`PROFILE_ROUNDS` forced
-    rounds of a candidate (the plain step: one burst of :data:`PROFILE_BURST` steps); after a warm-up, ``repeats``
-    interleaved repetitions, each less a call of no round: the median (and the fastest) per candidate.
+    """Times one round of each candidate of ``plan``'s ``auto`` method on the current device (public entry point:
+    :func:`sparkjax.engine.api.profile_costs`): after a prefill of ``batch_size`` random prompts (the first
+    ``active`` running; default ``cache_size``: a :data:`PROFILE_NEW_TOKENS`-token generation's; default
+    ``temperature``: 1 for a sampling plan), one program runs :data:`PROFILE_ROUNDS` forced rounds of a candidate
+    (the plain step: a burst of :data:`PROFILE_BURST`); ``repeats`` interleaved repetitions after a warm-up, each
+    less a call of no round, give the median (and the fastest) per candidate.
     """
     batch_size = check_int("batch_size", batch_size)
     prompt_length = check_int("prompt_length", prompt_length)
@@ -268,15 +260,6 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
 _TABLES: dict[tuple, CostTable] = {}  # the process's tables, by cost_key
 
 
-def cache_file(key: tuple[tuple[str, Any], ...]):
-    """The machine's cache file of the table for ``key`` (None when caching is off)."""
-    folder = cachedir.subdir("costs")
-    if folder is None:
-        return None
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return folder / f"{digest}.json"
-
-
 def table_for(target, drafter, plan: Plan, batch: int, cache_size: int, active: int | None = None) -> CostTable:
     """The table of an ``auto`` run of ``plan`` at this batch and cache size (``active``: with only that many
     sequences running): the process's, else the one in the machine's cache folder, else profiled now (and kept in
@@ -284,7 +267,9 @@ def table_for(target, drafter, plan: Plan, batch: int, cache_size: int, active: 
     key = cost_key(target, drafter, plan, batch, cache_size, active)
     if key in _TABLES:
         return _TABLES[key]
-    path = cache_file(key)
+    folder = cachedir.subdir("costs")  # None: caching is off
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = None if folder is None else folder / f"{digest}.json"
     table = None
     if path is not None and path.exists():
         try:
@@ -321,5 +306,3 @@ def pool_table_for(target, drafter, plan: Plan, slots: int, cache_size: int, cou
         tables.append(table_for(target, drafter, plan, batch, cache_size, None if a == batch else a))
     return PoolCostTable(slots, counts, tuple(tables))
 
-
-__all__ = ["CostTable", "PoolCostTable", "cost_key", "pool_table_for", "profile", "read_table", "table_for"]

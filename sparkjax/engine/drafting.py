@@ -43,8 +43,7 @@ class DraftBlock:
 @dataclasses.dataclass(frozen=True)
 class DraftChain:
     """Drafted ``tokens`` ``[B, n]`` (token j at ``start + j + 1``; DSpark ``n = G``, DFlash ``G - 1``) and
-    the ``logits`` ``[B, n, V]`` (float32) they were drawn from: ``softmax(logits / T)`` is the draft
-    distribution speculative sampling must use; at T = 0 the tokens are the first-max argmax."""
+    the ``logits`` ``[B, n, V]`` (float32) whose ``softmax(. / T)`` they were drawn from."""
 
     tokens: Array
     logits: Array
@@ -60,11 +59,9 @@ def append_context(drafter: Drafter, ctx: ContextCache, features: Array, count: 
     ``ctx.lengths[b] + j`` are written at those slots; ``lengths`` advances by ``count`` (``[B]`` or a scalar,
     ``<= A``) and rows past it stay invisible scratch."""
     if features.ndim != 3 or features.shape[-1] != drafter.config.feature_size:
-        raise ArgumentError(
-            f"features: expected [B, A, {drafter.config.feature_size}] "
-            f"({len(drafter.config.target_layer_ids)} target layers x hidden {drafter.config.hidden_size}), "
-            f"got {tuple(features.shape)}"
-        )
+        raise ArgumentError(f"features: expected [B, A, {drafter.config.feature_size}] "
+                            f"({len(drafter.config.target_layer_ids)} target layers x hidden "
+                            f"{drafter.config.hidden_size}), got {tuple(features.shape)}")
     a = features.shape[1]
     positions = ctx.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
     k, v = drafter.context_kv(features, positions)
@@ -79,23 +76,13 @@ def block_tokens(drafter: Drafter, x_start: Array) -> Array:
     return jnp.concatenate([x_start[:, None], masks], axis=1)
 
 
-def draft_block(
-    drafter: Drafter,
-    ctx: ContextCache,
-    x_start: Array,
-    start: Array,
-    target=None,
-    *,
-    return_layers: bool = False,
-    attention="auto",
-    in_cache: bool = False,
-) -> DraftBlock:
+def draft_block(drafter: Drafter, ctx: ContextCache, x_start: Array, start: Array, target=None, *,
+                return_layers: bool = False, attention="auto", in_cache: bool = False) -> DraftBlock:
     """Runs one block ``[x_start, MASK x (G - 1)]`` at positions ``start .. start + G - 1``; each query sees
-    context slots ``< ctx.lengths`` (== ``start``) and the whole block.
-    ``target``: required for DFlash drafters (embedding and LM head), ignored by DSpark ones.
-    ``in_cache``: write the block's keys/values into the context's scratch slots ``ctx.lengths ..`` and attend
-    them there (one part: on a GPU, one cuDNN call per layer); the cache needs ``G`` scratch slots past every
-    length and comes back as ``ctx``, its committed slots unchanged. Otherwise the context is not written."""
+    context slots ``< ctx.lengths`` (== ``start``) and the whole block. ``target``: required for DFlash drafters
+    (embedding and LM head). ``in_cache``: the block's keys/values are written into the context's ``G`` scratch
+    slots past every length and attended there (one attention part), the cache coming back as ``ctx`` with its
+    committed slots unchanged; otherwise the context is not written."""
     c = drafter.config
     g = c.block_size
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (x_start.shape[0],))
@@ -104,9 +91,8 @@ def draft_block(
     x = drafter.embed(tokens, target)
     block_mask = np.ones((1, g, g), bool)  # on the host: the attention knows the whole block is visible
     ctx_mask = CacheMask(ctx.lengths, block_mask) if in_cache else CacheMask(ctx.lengths)
-    out = drafter.run_block(
-        x, positions, ctx.k, ctx.v, ctx_mask, block_mask, return_layers=return_layers, attention=attention
-    )
+    out = drafter.run_block(x, positions, ctx.k, ctx.v, ctx_mask, block_mask, return_layers=return_layers,
+                            attention=attention)
     new_ctx = ContextCache(out.ctx_k, out.ctx_v, ctx.lengths) if in_cache else None
     return DraftBlock(drafter.logits(out.hidden, target), out.hidden, out.layers, new_ctx)
 
@@ -164,8 +150,7 @@ def markov_features(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -
 
 def markov_bias(drafter: Drafter, block_hidden: Array, prev_tokens: Array) -> Array:
     """Teacher-forced Markov bias ``[B, G, V]`` (float32) for one prev id per slot ``[B, G]``."""
-    feats = markov_features(drafter, block_hidden, prev_tokens[..., None])[..., 0, :]
-    return drafter.markov_head.bias(feats)
+    return drafter.markov_head.bias(markov_features(drafter, block_hidden, prev_tokens[..., None])[..., 0, :])
 
 
 CHAIN_MODES = ("auto", "fixed_point", "scan")
@@ -181,26 +166,13 @@ def chain_mode(mode: str = "auto") -> str:
     return mode
 
 
-def markov_chain(
-    drafter: Drafter,
-    base_logits: Array,
-    block_hidden: Array,
-    x_start: Array,
-    temperature=0.0,
-    key: Array | None = None,
-    *,
-    mode: str = "auto",
-) -> DraftChain:
+def markov_chain(drafter: Drafter, base_logits: Array, block_hidden: Array, x_start: Array, temperature=0.0,
+                 key: Array | None = None, *, mode: str = "auto") -> DraftChain:
     """DSpark's left-to-right Markov-corrected chain: ``G`` tokens and the corrected logits they were chosen
-    from.
-
-    Slot g's logits are ``base[g] + W2 . f(prev_g)`` with ``prev_0 = x_start`` and ``prev_g`` the token chosen
-    at slot g - 1; the token is the first-max argmax at T = 0, else a draw from ``softmax(logits / T)`` with
-    slot g's key (``jax.random.split(key, G)[g]``). ``temperature`` may be traced (then ``key`` is required;
-    T <= 0 still means greedy). Without a Markov head the chain is the per-slot choice on the base logits.
-    ``mode`` (static; same tokens): ``"scan"`` (the reference, one mat-vec over ``W2`` per slot),
-    ``"fixed_point"`` (:func:`markov_chain_fixed_point`) or ``"auto"`` (:func:`chain_mode`).
-    """
+    from. Slot g's logits are ``base[g] + W2 . f(prev_g)`` (``prev_0 = x_start``, ``prev_g`` the token chosen at
+    slot g - 1); the token is the first-max argmax at T = 0, else a draw from ``softmax(logits / T)`` with key
+    ``split(key, G)[g]`` (a traced ``temperature`` needs ``key``). ``mode`` (static, same tokens): ``"scan"``,
+    ``"fixed_point"`` (:func:`markov_chain_fixed_point`) or ``"auto"`` (:func:`chain_mode`)."""
     if chain_mode(mode) == "fixed_point":
         return markov_chain_fixed_point(drafter, base_logits, block_hidden, x_start, temperature, key)[0]
     if drafter.config.kind != "dspark":
@@ -219,38 +191,21 @@ def markov_chain(
         return tok, (tok, logits)
 
     x0 = jnp.asarray(x_start, jnp.int32)
-    _, (tokens, logits) = jax.lax.scan(
-        step, x0, (jnp.swapaxes(base, 0, 1), jnp.swapaxes(block_hidden, 0, 1), keys)
-    )
+    _, (tokens, logits) = jax.lax.scan(step, x0, (jnp.swapaxes(base, 0, 1), jnp.swapaxes(block_hidden, 0, 1), keys))
     return DraftChain(jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(logits, 0, 1))
 
 
 CHAIN_CANDIDATES = 32  # markov_chain_fixed_point's default candidates per slot
 
 
-def markov_chain_fixed_point(
-    drafter: Drafter,
-    base_logits: Array,
-    block_hidden: Array,
-    x_start: Array,
-    temperature=0.0,
-    key: Array | None = None,
-    *,
-    candidates: int = CHAIN_CANDIDATES,
-    max_passes: int | None = None,
-) -> tuple[DraftChain, Array]:
-    """The Markov chain of :func:`markov_chain` by guess-and-verify passes (docs/design.md); also returns the
-    number of passes over ``W2`` (an int32 scalar, ``1 <= passes <= G``; 0 without a Markov head).
-
-    A pass computes all G slots' corrected logits for a guessed prev per slot in one product over ``W2`` and
-    chooses every slot with the sequential chain's rule and keys; the first slot whose prev differs from the
-    choice before it (the frontier) is then known, so the loop (a ``lax.while_loop``) ends with the
-    sequential chain's tokens within G passes. ``candidates = C > 0``: the guesses past the frontier walk a
-    chain restricted to each slot's C best base tokens (exact Markov scores between neighbouring slots'
-    candidates); ``C = 0``: plain Jacobi (the previous pass's choices). ``max_passes = n`` (static, ``>= 1``)
-    instead runs exactly ``min(n, G)`` unrolled passes: the tokens are the sequential chain's only where the
-    passes reached it, the logits each slot's for the last pass's prev. The batched product may round a row
-    differently from the scan's mat-vec (last bit).
+def markov_chain_fixed_point(drafter: Drafter, base_logits: Array, block_hidden: Array, x_start: Array,
+                             temperature=0.0, key: Array | None = None, *, candidates: int = CHAIN_CANDIDATES,
+                             max_passes: int | None = None) -> tuple[DraftChain, Array]:
+    """The chain of :func:`markov_chain` by guess-and-verify passes over ``W2`` (docs/design.md), and the number
+    of passes (int32, ``1 <= passes <= G``; 0 without a Markov head): the sequential chain's tokens within G
+    passes (the logits may differ from the scan's in the last bit). ``candidates = C > 0``: guesses past the
+    frontier walk a chain restricted to each slot's C best base tokens; ``C = 0``: plain Jacobi.
+    ``max_passes = n`` (static): exactly ``min(n, G)`` unrolled passes, the tokens exact only where they reached.
     """
     if drafter.config.kind != "dspark":
         raise ArgumentError("markov_chain: DFlash drafters have no Markov head; use argmax_chain / sample_chain")
@@ -344,13 +299,8 @@ def markov_chain_fixed_point(
         first_prev = guess(jnp.broadcast_to(x0[:, None], (b, g)), jnp.zeros((b,), jnp.int32))
     else:
         first_prev = after(choose(base))
-    init = (
-        first_prev,
-        jnp.zeros((b, g), jnp.int32),
-        jnp.zeros_like(base),
-        jnp.zeros((), jnp.int32),
-        jnp.zeros((), bool),
-    )
+    init = (first_prev, jnp.zeros((b, g), jnp.int32), jnp.zeros_like(base), jnp.zeros((), jnp.int32),
+            jnp.zeros((), bool))
     if max_passes is not None:
         state = init
         for _ in range(min(max_passes, g)):
@@ -361,14 +311,10 @@ def markov_chain_fixed_point(
     return DraftChain(tokens, logits), passes
 
 
-def candidate_chain_logits(
-    drafter: Drafter, base_logits: Array, block_hidden: Array, x_start: Array, *, max_passes: int | None = 1,
-    mode: str = "auto",
-) -> Array:
-    """Each slot's logits corrected for the greedy DSpark chain's token before it ``[B, G, V]`` (float32), what
-    the ``"corrected"`` / ``"union"`` candidates rank: the exact scan chain when ``mode`` resolves to ``scan``
-    (:func:`chain_mode`), else ``max_passes`` passes of :func:`markov_chain_fixed_point` (None: to convergence).
-    Only the tree's reach depends on it."""
+def candidate_chain_logits(drafter: Drafter, base_logits: Array, block_hidden: Array, x_start: Array, *,
+                           max_passes: int | None = 1, mode: str = "auto") -> Array:
+    """Each slot's logits ``[B, G, V]`` corrected for the greedy DSpark chain's token before it (what the
+    ``"corrected"`` / ``"union"`` candidates rank): the scan chain's, or ``max_passes`` fixed-point passes'."""
     if chain_mode(mode) == "scan":
         return markov_chain(drafter, base_logits, block_hidden, x_start, mode="scan").logits
     return markov_chain_fixed_point(drafter, base_logits, block_hidden, x_start, max_passes=max_passes)[0].logits

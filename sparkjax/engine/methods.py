@@ -1,10 +1,7 @@
-"""Decoding methods as objects: the :class:`Method` protocol and one class per method.
-
-A method validates itself when built (an :class:`~sparkjax.errors.ArgumentError` naming the argument),
-resolves into the static :class:`~sparkjax.engine.state.Plan` of a compiled program and owns its round
-and the other hooks of :class:`Method`; the programs and the entry points reach a method only through
-them. Method *names* are read only by :func:`parse_method`, from the one table at the end of this module:
-a new method is one new class plus one entry there (docs/design.md).
+"""Decoding methods as objects: the :class:`Method` protocol and one class per method. A method validates
+itself when built, resolves into the static :class:`~sparkjax.engine.state.Plan` of a compiled program and owns
+its round and the other hooks of :class:`Method`, through which alone the programs reach it. Method *names* are
+read only by :func:`parse_method`, from the one table at the end of this module (docs/design.md).
 """
 
 from __future__ import annotations
@@ -81,8 +78,8 @@ class Method:
         raise NotImplementedError
 
     def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = ()) -> Plan:
-        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (``pool``: a serving pool's, whose
-        rounds run at these batch sizes, its active slots padded with idle ones; default: ``plan`` itself)."""
+        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (``pool``: the batch sizes a serving
+        pool's rounds run at; default: ``plan`` itself)."""
         return plan
 
     def inputs(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, memory: Any = None) -> Any:
@@ -103,7 +100,7 @@ class Method:
 
     def take_rows(self, plan: Plan, extra: Any, rows: Array) -> Any:
         """The carried state of the sub-batch of sequences ``rows`` ``[A]`` (a serving pool's active slots;
-        default: ``extra`` itself, for a method that carries nothing per sequence)."""
+        default: ``extra`` itself)."""
         return extra
 
     def put_rows(self, plan: Plan, pool: Any, sub: Any, rows: Array) -> Any:
@@ -250,11 +247,8 @@ class Chain(Method):
 @dataclasses.dataclass(frozen=True)
 class Tree(Method):
     """A draft tree of ``budget`` nodes verified at once: ``ddtree``, ``sparklingtree`` or
-    ``sparklingtree-beam`` (``widths`` nodes per depth: a list, ``"even"`` or ``"auto"``, the default:
-    :func:`sparkjax.tree.even_widths`, :func:`sparkjax.tree.auto_widths`). ``top_c``: candidates per depth
-    (default ``max(budget, 32)``, at most the vocabulary); ``normalization``: ``fast`` or ``exact``;
-    ``candidates``: ``base``, ``corrected`` or ``union`` (the Markov trees' default;
-    :func:`sparkjax.tree.markov_candidates`); ddtree only takes ``base``."""
+    ``sparklingtree-beam`` (its options: docs/api.md, "Methods"; ``widths`` only for the beam, ``candidates``
+    other than ``base`` only for the Markov trees)."""
 
     kind: str = "sparklingtree"
     budget: int = DEFAULT_BUDGET
@@ -380,7 +374,7 @@ class Tree(Method):
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> Tree:
-        return cls(name, DEFAULT_BUDGET if budget is None else budget, top_c, widths, normalization)
+        return cls(name, cls.budget if budget is None else budget, top_c, widths, normalization)  # PCTree's too
 
 
 PCTREE_BUDGET = 32  # pctree's default N: nodes of the selected tree, the root included
@@ -389,11 +383,9 @@ PCTREE_K = 4  # pctree's default beam width per depth
 
 @dataclasses.dataclass(frozen=True)
 class PCTree(Tree):
-    """PCTree (arXiv 2608.02123): ``sparklingtree``'s candidates and Markov tables (``top_c``,
-    ``normalization``, ``candidates`` as for :class:`Tree`), a beam of the ``k`` best (parent, child)
-    extensions per depth, then the ``budget`` best kept nodes *counting the root* (the paper's N; ties to the
-    shallower node, then the lower path): :func:`sparkjax.tree.layer_beam`. ``pctree@32`` verifies
-    ``budget - 1 = 31`` drafted nodes. Verified by the tree walk."""
+    """PCTree (arXiv 2608.02123, :func:`sparkjax.tree.layer_beam`): ``sparklingtree``'s candidates and Markov
+    tables, a beam of the ``k`` best (parent, child) extensions per depth, then the ``budget`` best kept nodes
+    *counting the root* (``pctree@32`` verifies 31 drafted nodes). Verified by the tree walk."""
 
     kind: str = "pctree"
     budget: int = PCTREE_BUDGET
@@ -420,10 +412,6 @@ class PCTree(Tree):
         tables, cand_tokens = self.tables(drafter, x_start, blk, plan)
         return jax.vmap(tree.layer_beam, in_axes=(0, 0, None, None))(tables, cand_tokens, self.k, plan.nodes)
 
-    @classmethod
-    def from_options(cls, name, *, budget, top_c, widths, normalization) -> PCTree:
-        return cls(name, PCTREE_BUDGET if budget is None else budget, top_c, widths, normalization)
-
 
 DEFAULT_SIZES: tuple[int | str, ...] = (0, CHAIN, 8, 16, 32, 64)  # Auto's default candidate verification sizes
 DECIDE = ("draft", "previous")  # when Auto decides: after this round's draft, or from the previous round's
@@ -432,23 +420,14 @@ AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every 
 
 @dataclasses.dataclass(frozen=True)
 class Auto(Method):
-    """Picks each round's verification size on device: ``auto`` (its round and modes:
-    :mod:`sparkjax.engine.adaptive`; docs/auto.md).
-
-    ``sizes``: the candidate set, out of ``0`` (a plain target step), ``"chain"`` (``dspark`` with a Markov
-    head, else ``dflash``; or ``chain=``) and tree budgets ``b >= 1`` (the first ``b`` nodes of one best-first
-    tree of the largest budget: ``sparklingtree`` with a Markov head, else ``ddtree``; or ``tree=``).
-    ``budget``: the largest tree allowed (default: the largest tree size; a size above it is an
-    ArgumentError). ``decide``: ``"draft"`` picks after this round's draft, ``"previous"`` from the previous
-    round's draft (a size-0 round then skips the draft pass; a probe drafts again after ``probe`` plain
-    steps). ``viable_share`` (in ``(0, 1]``, default 0.5): a drafted size is viable only if its round costs
-    fewer plain steps than ``viable_share * (depth + 1)``.
-    ``table``: a :class:`~sparkjax.engine.costs.CostTable` for these sizes, or a
-    :class:`~sparkjax.engine.costs.PoolCostTable` (a serving pool's, by active slots; default: the one for this
-    device and shape: the process's, the user's cache folder's, or profiled). Its seconds are a traced input, so it
-    is not compared; its static part (``viable``, ``floor``: :func:`~sparkjax.engine.adaptive.viable`,
-    :func:`~sparkjax.engine.adaptive.gap_floor`) is set when it is bound (:meth:`bind`): leave those unset.
-    ``top_c`` (default 32, at most the vocabulary) and ``normalization``: the tree's, as for :class:`Tree`.
+    """Picks each round's verification size on device (its round and modes: :mod:`sparkjax.engine.adaptive`;
+    the options: docs/auto.md). ``sizes``: out of ``0`` (a plain target step), ``"chain"`` (``chain=``, default
+    ``dspark`` with a Markov head, else ``dflash``) and tree budgets ``b >= 1`` (the first ``b`` nodes of one
+    best-first tree of the largest budget: ``tree=``, default ``sparklingtree`` with a Markov head, else
+    ``ddtree``). ``table``: a :class:`~sparkjax.engine.costs.CostTable` or
+    :class:`~sparkjax.engine.costs.PoolCostTable` for these sizes (default: this device's and shape's, see
+    :meth:`bind`); its seconds are a traced input, so it is not compared, and its static part (``viable``,
+    ``floor``) is set when it is bound: leave those unset.
     """
 
     sizes: tuple[int | str, ...] = DEFAULT_SIZES
@@ -593,9 +572,8 @@ class Auto(Method):
         return dataclasses.replace(plan, method=bound)
 
     def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = ()) -> Plan:
-        """``plan`` with its cost table: the method's own, else the one for this device, batch and cache size
-        (:func:`~sparkjax.engine.costs.table_for`: the process's, the cache folder's, or profiled now); for a
-        ``pool`` (its visit sizes), one per number of active slots (:func:`~sparkjax.engine.costs.pool_table_for`)."""
+        """``plan`` with its cost table: the method's own, else this device's, batch's and cache size's
+        (:func:`~sparkjax.engine.costs.table_for`; for a ``pool``, :func:`~sparkjax.engine.costs.pool_table_for`)."""
         table = plan.method.table
         if isinstance(table, costs.PoolCostTable) and table.slots != batch:
             raise ArgumentError(f"table: a PoolCostTable for {table.slots} slots, but this run has {batch} "
@@ -612,27 +590,14 @@ class Auto(Method):
         """The table's seconds and the memory to start from (:func:`~sparkjax.engine.adaptive.auto_inputs`)."""
         return adaptive.auto_inputs(plan, memory)
 
-    def init_state(self, plan: Plan, batch: int, buf_len: int, inputs: adaptive.AutoInputs) -> adaptive.AutoState:
-        return adaptive.init_state(plan, batch, buf_len, inputs)
-
-    def admit_state(self, plan: Plan, pool: adaptive.AutoState, row: adaptive.AutoState, slot) -> adaptive.AutoState:
-        return adaptive.admit_state(pool, row, slot)
-
-    def take_rows(self, plan: Plan, extra: adaptive.AutoState, rows) -> adaptive.AutoState:
-        return adaptive.take_rows(extra, rows)
-
-    def put_rows(self, plan: Plan, pool: adaptive.AutoState, sub: adaptive.AutoState, rows) -> adaptive.AutoState:
-        return adaptive.put_rows(pool, sub, rows)
-
-    def keeps_context(self, plan: Plan) -> bool:
-        return adaptive.keeps_context(plan)
-
-    def round(self, target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
-              call=None) -> SpecState:
-        return adaptive.auto_round(target, drafter, state, plan, max_new, eos, temperature, call)
-
-    def results(self, state: SpecState, plan: Plan) -> adaptive.AutoResults:
-        return adaptive.AutoResults(state.extra.choices, adaptive.memory_of(state.extra, plan))
+    # the hooks of a method that carries state: auto's, in sparkjax.engine.adaptive
+    init_state = staticmethod(adaptive.init_state)
+    admit_state = staticmethod(adaptive.admit_state)
+    take_rows = staticmethod(adaptive.take_rows)
+    put_rows = staticmethod(adaptive.put_rows)
+    keeps_context = staticmethod(adaptive.keeps_context)
+    round = staticmethod(adaptive.auto_round)
+    results = staticmethod(adaptive.results)
 
     def tree_plan(self, plan: Plan) -> Plan:
         """The plan of the largest tree (the one built each round)."""

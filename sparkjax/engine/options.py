@@ -16,14 +16,10 @@ from .drafting import CHAIN_MODES
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The trace-time settings of a generation (the table is in docs/api.md); each field is checked on
-    construction (an :class:`~sparkjax.errors.ArgumentError` naming it).
-
-    ``attention``: an ``impl`` of :func:`sparkjax.nn.layers.attend` or a hashable callable with its
-    signature; ``chain_mode``: :func:`sparkjax.engine.drafting.chain_mode`'s; ``candidate_chain_passes``:
-    :func:`sparkjax.engine.drafting.candidate_chain_logits`' ``max_passes``; ``union_top_k``:
-    :func:`sparkjax.tree.markov_candidates`' ``union_k`` (None: ``top_c // 4``); ``block_slots``: the blocked
-    / prefix attention's chunk of cache slots.
+    """The trace-time settings of a generation (the table is in docs/api.md), each checked on construction (an
+    :class:`~sparkjax.errors.ArgumentError` naming it): ``attention`` (an ``impl`` of
+    :func:`sparkjax.nn.layers.attend` or a hashable callable with its signature), ``chain_mode``,
+    ``candidate_chain_passes``, ``union_top_k`` (None: ``top_c // 4``) and ``block_slots``.
     """
 
     attention: str | Callable = "auto"

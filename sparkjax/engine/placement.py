@@ -1,12 +1,8 @@
-"""Placing a generation on a device mesh: checks, input placement and in-program sharding constraints.
-
-A generation with ``mesh=`` (axes ``("data", "model")``, or either alone) runs the same jitted programs as
-a single-device one. Weights follow the logical-axis rules of :mod:`sparkjax.sharding`; the KV cache and
-the drafter context go batch over ``data`` and KV heads over ``model``; everything else a round carries or
-passes between stages goes batch over ``data`` and is replicated over ``model`` (scalars and the PRNG key
-replicated), so a round's only collectives are tensor parallelism's all-reduces (docs/design.md, "Meshes").
-Several processes: inputs are assembled from the host values every process holds (:func:`put`), and
-:func:`to_host` gathers a global output back on every process.
+"""Placing a generation on a device mesh (axes ``("data", "model")``, or either alone; docs/design.md,
+"Meshes"): checks, input placement and in-program sharding constraints, for the same jitted programs as on one
+device. Weights follow :mod:`sparkjax.sharding`'s rules, KV caches go batch over ``data`` and KV heads over
+``model``, everything else batch over ``data`` (scalars and keys replicated): a round's only collectives are
+tensor parallelism's all-reduces. Several processes assemble inputs from the host values each holds.
 """
 
 from __future__ import annotations
@@ -56,10 +52,8 @@ def check_mesh(mesh: Any, target, drafter=None, batch: int | None = None) -> Mes
     names = tuple(mesh.axis_names)
     unknown = [n for n in names if n not in MESH_AXES]
     if unknown or len(set(names)) != len(names):
-        raise ArgumentError(
-            f"mesh: axis names {names} (shape {dict(mesh.shape)}) are not among {MESH_AXES}: unknown "
-            f"{tuple(unknown)}; build the mesh with sparkjax.sharding.make_mesh(data, model)"
-        )
+        raise ArgumentError(f"mesh: axis names {names} (shape {dict(mesh.shape)}) are not among {MESH_AXES}: "
+                            f"unknown {tuple(unknown)}; build the mesh with sparkjax.sharding.make_mesh(data, model)")
     explicit = [n for n, t in zip(names, mesh.axis_types, strict=True) if t != AxisType.Auto]
     if explicit:
         raise ArgumentError(f"mesh: axes {tuple(explicit)} are not AxisType.Auto (sparkjax.sharding.make_mesh "
@@ -75,10 +69,8 @@ def check_mesh(mesh: Any, target, drafter=None, batch: int | None = None) -> Mes
     if batch is not None:
         d = axis_size(mesh, "data")
         if batch % d:
-            raise ArgumentError(
-                f"prompt_ids: a batch of {batch} sequence(s) does not divide over the mesh's data axis of size {d} "
-                f"(pad the batch to a multiple of {d})"
-            )
+            raise ArgumentError(f"prompt_ids: a batch of {batch} sequence(s) does not divide over the mesh's data "
+                                f"axis of size {d} (pad the batch to a multiple of {d})")
     return mesh
 
 
@@ -106,10 +98,9 @@ def batch_spec(x: Any, rules: Mapping[str, str | None]) -> PartitionSpec:
 
 
 def state_shardings(tree: Any, mesh: Mesh) -> Any:
-    """NamedShardings for a pytree of a generation's arrays (a :class:`~sparkjax.engine.state.SpecState`,
-    a stage's output, a KV cache, the run's arguments): KV caches by :data:`~sparkjax.cache.KV_AXES`,
-    the drafter context likewise, a drafter block's per-layer outputs ``[L, B, ...]`` over
-    the batch, every other array batch-first over ``data`` and replicated over ``model``."""
+    """NamedShardings for a pytree of a generation's arrays: KV caches and the drafter context by
+    :data:`~sparkjax.cache.KV_AXES`, a drafter block's per-layer outputs ``[L, B, ...]`` over the batch, every
+    other array batch-first over ``data`` and replicated over ``model``."""
     rules = rules_for(mesh)
 
     def named(spec: PartitionSpec) -> NamedSharding:
@@ -170,7 +161,8 @@ def place_state(state: Any, mesh: Mesh | None) -> Any:
     shardings = model_shardings(state, mesh)
 
     def move(sharding, variable):
-        return jax.tree.map(lambda x: _put_reuse(x, sharding), variable)
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.sharding == sharding else put(x, sharding),
+                            variable)
 
     return jax.tree.map(move, shardings, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -181,12 +173,6 @@ def place_model(model, mesh: Mesh | None):
     if mesh is not None:
         nnx.update(model, place_state(nnx.state(model), mesh))
     return model
-
-
-def _put_reuse(x, sharding: NamedSharding):
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return put(x, sharding)
 
 
 # ----------------------------------------------------------------------------- mesh -> host
@@ -201,10 +187,9 @@ def to_host(x: Any) -> np.ndarray:
 
 
 def per_sequence(fn, mesh: Mesh, module, *args):
-    """``fn(module, *args)`` run on each data shard's own sequences (``jax.shard_map``; arrays enter and leave
-    with :func:`state_shardings`, ``module``'s weights with their own, so ``fn`` may only use its replicated
-    ones). For deterministic (greedy) per-sequence stages XLA would otherwise all-gather over the batch (the
-    tree builder's ``top_k``); random draws inside would see the local batch."""
+    """``fn(module, *args)`` run on each data shard's own sequences (``jax.shard_map`` with
+    :func:`state_shardings`; ``fn`` may only use ``module``'s replicated weights): for deterministic
+    per-sequence stages that XLA would otherwise all-gather over the batch (the tree builder's ``top_k``)."""
     graphdef, weights = nnx.split(module)
 
     def local(weights, *a):
@@ -227,8 +212,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 def collective_ops(hlo_text: str) -> list[tuple[str, str]]:
     """``(kind, result type)`` of every collective op (:data:`COLLECTIVES`, async ``-start`` forms included)
-    in a compiled module's text, e.g. ``("all-reduce", "f32[4,9,64]{2,1,0}")``: static occurrences (an op
-    inside a loop body is listed once)."""
+    in a compiled module's text, e.g. ``("all-reduce", "f32[4,9,64]{2,1,0}")``, each static occurrence once."""
     pattern = re.compile(r"= (.*?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
     ops = []
     for line in hlo_text.splitlines():
