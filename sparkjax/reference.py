@@ -10,21 +10,13 @@ SparklingTree. Children with log-prob ``-inf`` are never added.
 from __future__ import annotations
 
 import heapq
+from collections import namedtuple
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
-
-class RefTree(NamedTuple):
-    """A reference tree in the padded layout of :class:`sparkjax.tree.Tree` (NumPy arrays)."""
-
-    tokens: np.ndarray
-    parents: np.ndarray
-    depths: np.ndarray
-    scores: np.ndarray
-    cands: np.ndarray
-    valid: np.ndarray
+# A reference tree in the padded layout of :class:`sparkjax.tree.Tree` (NumPy arrays).
+RefTree = namedtuple("RefTree", "tokens parents depths scores cands valid")
 
 
 # A child list: (log-prob, key, token, candidate index) sorted by (log-prob descending, key ascending).
@@ -52,18 +44,12 @@ def top_k(values: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(neg, kind="stable")[:k]
 
 
-def _sorted_children(
-    logp: np.ndarray, keys: np.ndarray, tokens: np.ndarray, cands: np.ndarray
-) -> list[Child]:
+def _sorted_children(logp: np.ndarray, keys: np.ndarray, tokens: np.ndarray, cands: np.ndarray) -> list[Child]:
     order = sorted(range(len(logp)), key=lambda n: (-float(logp[n]), int(keys[n])))
-    return [
-        (np.float32(logp[n]), int(keys[n]), int(tokens[n]), int(cands[n])) for n in order if logp[n] > -np.inf
-    ]
+    return [(np.float32(logp[n]), int(keys[n]), int(tokens[n]), int(cands[n])) for n in order if logp[n] > -np.inf]
 
 
-def _heap_tree(
-    children_of: Callable[[int, int, int], list[Child]], depth: int, budget: int, root: int
-) -> RefTree:
+def _heap_tree(children_of: Callable[[int, int, int], list[Child]], depth: int, budget: int, root: int) -> RefTree:
     """Best-first search as in DDTree: pop the best prefix, give it the next index, push its next sibling
     and its first child. ``children_of(level, token, cand)`` lists the children of a node at ``level``
     (0 = root) whose token / candidate index are given."""
@@ -143,14 +129,8 @@ def ddtree_heap(logits: np.ndarray, budget: int) -> RefTree:
     return _heap_tree(children_of, d, budget, root=-1)
 
 
-def naive_sparkling_tree(
-    base_logits: np.ndarray,
-    x_start: int,
-    parent_feat: Callable[[int, int], np.ndarray],
-    w2: np.ndarray,
-    budget: int,
-    top_c: int | None = None,
-) -> RefTree:
+def naive_sparkling_tree(base_logits: np.ndarray, x_start: int, parent_feat: Callable[[int, int], np.ndarray],
+                         w2: np.ndarray, budget: int, top_c: int | None = None) -> RefTree:
     """Naive SparklingTree: a best-first heap whose node with token ``p`` at level ``d`` (0: the root
     ``x_start``) has the children ``log_softmax(base_logits[d] + w2 @ parent_feat(d, p))`` (float32, full
     vocabulary; ``parent_feat``: ``(d, p) -> f[R]``, vanilla ``lambda d, p: w1[p]``).
@@ -197,14 +177,9 @@ def _path_tree(kept: list[tuple[np.float32, tuple[int, ...]]], cand_tokens: np.n
     """The padded tree of ``m`` nodes listing ``kept`` in order (every parent listed before its children)."""
     cand_tokens = np.asarray(cand_tokens)
     index = {path: n + 1 for n, (_, path) in enumerate(kept)}
-    return _pad(
-        [int(cand_tokens[len(p) - 1, p[-1]]) for _, p in kept],
-        [index[p[:-1]] if len(p) > 1 else 0 for _, p in kept],
-        [len(p) for _, p in kept],
-        [s for s, _ in kept],
-        [p[-1] for _, p in kept],
-        m,
-    )
+    return _pad([int(cand_tokens[len(p) - 1, p[-1]]) for _, p in kept],
+                [index[p[:-1]] if len(p) > 1 else 0 for _, p in kept],
+                [len(p) for _, p in kept], [s for s, _ in kept], [p[-1] for _, p in kept], m)
 
 
 def beam_tree(tables: np.ndarray, cand_tokens: np.ndarray, widths: Sequence[int]) -> RefTree:
@@ -223,13 +198,8 @@ def pctree(tables: np.ndarray, cand_tokens: np.ndarray, k: int, nodes: int) -> R
     return _path_tree(kept[:nodes], cand_tokens, nodes)
 
 
-def markov_tables(
-    base_logits: np.ndarray,
-    cand_tokens: np.ndarray,
-    parent_feats: np.ndarray,
-    w2: np.ndarray,
-    normalization: str = "exact",
-) -> np.ndarray:
+def markov_tables(base_logits: np.ndarray, cand_tokens: np.ndarray, parent_feats: np.ndarray, w2: np.ndarray,
+                  normalization: str = "exact") -> np.ndarray:
     """Entry-by-entry reference of :func:`sparkjax.tree.markov_tables` (float64 internally)."""
     u = np.asarray(base_logits, np.float64)
     f = np.asarray(parent_feats, np.float64)

@@ -10,18 +10,16 @@ Conventions
 -----------
 * **Depths.** Row ``d`` (0-based) of every per-depth array describes depth ``d + 1``; the root (``x_start``,
   the last committed token) is depth 0.
-* **Node indices.** The root is node 0 and the drafted nodes are 1..M. Per-node arrays of a :class:`Tree`
-  have length ``M``: entry ``i`` describes node ``i + 1``; ``parents[i]`` is in ``0..M`` (0 = root).
-  ``visibility`` and ``tree_positions`` include the root as row / element 0, lining up with the verify
-  input ``[x_start] + tokens``.
+* **Node indices.** The root is node 0, the drafted nodes 1..M: entry ``i`` of a :class:`Tree` describes node
+  ``i + 1``, ``parents[i]`` is in ``0..M``. ``visibility`` and ``tree_positions`` include the root as row /
+  element 0, lining up with the verify input ``[x_start] + tokens``.
 * **Order.** Nodes come in the total order "path score descending, then the tuple of candidate indices
   along the path ascending (a prefix before its extensions)". A token's candidate index is its rank in the
   per-depth top-C list (larger log-prob first, the lower token id first among equal ones), so for DDTree
   tables this is upstream DDTree's tie-break. Parents come before children and scores are non-increasing.
-* **Padding.** When fewer than ``M`` prefixes exist, the last nodes are padding: ``valid`` False, token -1,
-  parent 0, depth 1, score ``-inf``, candidate index -1. They see only the root and themselves, no valid
-  node sees them and :func:`accept` never walks into them; an engine must clamp their token before an
-  embedding lookup.
+* **Padding.** When fewer than ``M`` prefixes exist, the last nodes are padding (``valid`` False, token -1,
+  parent 0, depth 1, score ``-inf``, candidate index -1): they see only the root and themselves, no valid node
+  sees them, :func:`accept` never walks into them; an engine must clamp their token before an embedding lookup.
 * **Impossible children.** A table entry (or a logit) of ``-inf`` is never put into the tree, so
   ``tables[d:] = -inf`` limits the tree to depth ``d`` without a recompile. Positive table entries are
   clipped to 0 (a child never outscores its parent). NaNs are not supported.
@@ -38,26 +36,9 @@ import numpy as np
 from sparkjax.errors import ArgumentError
 
 __all__ = [
-    "Accepted",
-    "Tree",
-    "accept",
-    "accept_walk",
-    "auto_widths",
-    "beam",
-    "best_first",
-    "build_ddtree",
-    "build_sparkling_tree",
-    "candidates",
-    "chunked_top_k",
-    "ddtree_tables",
-    "even_widths",
-    "layer_beam",
-    "markov_candidates",
-    "markov_tables",
-    "merge_candidates",
-    "tree_positions",
-    "vanilla_parent_feats",
-    "visibility",
+    "Accepted", "Tree", "accept", "accept_walk", "auto_widths", "beam", "best_first", "build_ddtree",
+    "build_sparkling_tree", "candidates", "chunked_top_k", "ddtree_tables", "even_widths", "layer_beam",
+    "markov_candidates", "markov_tables", "merge_candidates", "tree_positions", "vanilla_parent_feats", "visibility",
 ]
 
 Normalization = Literal["exact", "fast"]
@@ -84,10 +65,6 @@ class Accepted(NamedTuple):
     bonus: jax.Array  # int32 scalar: the posterior token at the last accepted node (the next committed token)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# argument checks (all run at trace time on static shapes / Python ints)
-
-
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise ArgumentError(f"{name} must be a static Python int, got {type(value).__name__} {value!r}")
@@ -96,13 +73,11 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def _check_ndim(name: str, x: jax.Array, ndim: int, axes: str) -> None:
-    if jnp.ndim(x) != ndim:
-        raise ArgumentError(f"{name} must have shape [{axes}], got shape {tuple(jnp.shape(x))}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# candidates and tables
+def _check_ndim(**arrays: tuple[jax.Array, str]) -> None:
+    """``name=(array, "axes")``: each array has one dimension per comma-separated axis name."""
+    for name, (x, axes) in arrays.items():
+        if jnp.ndim(x) != axes.count(",") + 1:
+            raise ArgumentError(f"{name} must have shape [{axes}], got shape {tuple(jnp.shape(x))}")
 
 
 TOPK_CHUNK = 4096  # vocabulary chunk of the two-stage top-k (a larger vocabulary is split on GPU / TPU)
@@ -156,7 +131,7 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     in its row is its *candidate index*, the builders' tie-break key.
     """
     top_c = _check_int("top_c", top_c, 1)
-    _check_ndim("logits", logits, 2, "D, V")
+    _check_ndim(logits=(logits, "D, V"))
     x = jnp.asarray(logits, jnp.float32)
     logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
     c = min(top_c, x.shape[-1])
@@ -168,10 +143,8 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _lookup(keys: jax.Array, values: jax.Array, queries: jax.Array) -> jax.Array:
-    """``values[..., j]`` for the one ``j`` with ``keys[j] == queries[i]`` (0 where none matches), per query:
-    int32 ``[..., Q]`` from distinct int ``keys [N]``, int32 ``values [..., N]`` and ``queries [Q]``. A reduction
-    over ``[Q, N]`` comparisons: a small permutation or inverse that needs no scatter into a fresh buffer (on an
-    accelerator a broadcast, a copy and a scatter per loop iteration) and no re-sort."""
+    """``values[..., j]`` for the one ``j`` with ``keys[j] == queries[i]`` (0 where none matches): int32 ``[..., Q]``
+    from distinct ``keys [N]``, ``values [..., N]`` and ``queries [Q]``, by comparison (no scatter, no sort)."""
     hit = keys[None, :] == queries[:, None]  # [Q, N]
     return jnp.sum(jnp.where(hit, values[..., None, :], 0), axis=-1, dtype=jnp.int32)
 
@@ -179,8 +152,7 @@ def _lookup(keys: jax.Array, values: jax.Array, queries: jax.Array) -> jax.Array
 def merge_candidates(pool: jax.Array, valid: jax.Array, c: int) -> jax.Array:
     """The first ``c`` distinct valid tokens of ``pool`` int[Q] (``valid`` bool[Q]), in pool order: int32[c].
     ``c``: static, ``1 <= c <= Q``; with fewer than ``c`` distinct valid tokens the last slots hold token 0."""
-    _check_ndim("pool", pool, 1, "Q")
-    _check_ndim("valid", valid, 1, "Q")
+    _check_ndim(pool=(pool, "Q"), valid=(valid, "Q"))
     q = pool.shape[0]
     c = _check_int("c", c, 1)
     if c > q or valid.shape[0] != q:
@@ -195,13 +167,8 @@ def merge_candidates(pool: jax.Array, valid: jax.Array, c: int) -> jax.Array:
     return _lookup(slot, pool, jnp.arange(c, dtype=jnp.int32))
 
 
-def markov_candidates(
-    base_logits: jax.Array,
-    corrected_logits: jax.Array,
-    top_c: int,
-    mode: CandidateMode = "union",
-    union_k: int | None = None,
-) -> jax.Array:
+def markov_candidates(base_logits: jax.Array, corrected_logits: jax.Array, top_c: int, mode: CandidateMode = "union",
+                      union_k: int | None = None) -> jax.Array:
     """Per-depth candidates that follow the Markov head (the ``candidates`` option of the SparklingTree methods).
 
     ``corrected_logits`` [D, V] row ``d`` are depth ``d + 1``'s logits corrected for one known parent: the
@@ -216,16 +183,14 @@ def markov_candidates(
     if mode not in CANDIDATE_MODES:
         raise ArgumentError(f"candidates must be one of {', '.join(CANDIDATE_MODES)}, got {mode!r}")
     top_c = _check_int("top_c", top_c, 1)
-    _check_ndim("base_logits", base_logits, 2, "D, V")
+    _check_ndim(base_logits=(base_logits, "D, V"))
     base_tokens = candidates(base_logits, top_c)[0]
     if mode == "base":
         return base_tokens
-    _check_ndim("corrected_logits", corrected_logits, 2, "D, V")
+    _check_ndim(corrected_logits=(corrected_logits, "D, V"))
     if tuple(corrected_logits.shape) != tuple(base_logits.shape):
-        raise ArgumentError(
-            f"corrected_logits must have the shape of base_logits {tuple(base_logits.shape)}, "
-            f"got {tuple(corrected_logits.shape)}"
-        )
+        raise ArgumentError(f"corrected_logits must have the shape of base_logits {tuple(base_logits.shape)}, "
+                            f"got {tuple(corrected_logits.shape)}")
     corr_tokens = candidates(corrected_logits, top_c)[0]
     if mode == "corrected" or base_tokens.shape[0] == 1:
         return corr_tokens
@@ -240,7 +205,7 @@ def markov_candidates(
 
 def ddtree_tables(cand_logp: jax.Array) -> jax.Array:
     """DDTree tables float32[D, C, C]: ``T[d, i, j] = cand_logp[d, j]`` for every parent ``i``."""
-    _check_ndim("cand_logp", cand_logp, 2, "D, C")
+    _check_ndim(cand_logp=(cand_logp, "D, C"))
     lp = jnp.asarray(cand_logp, jnp.float32)
     d, c = lp.shape
     return jnp.broadcast_to(lp[:, None, :], (d, c, c))
@@ -249,21 +214,15 @@ def ddtree_tables(cand_logp: jax.Array) -> jax.Array:
 def vanilla_parent_feats(w1: jax.Array, x_start: jax.Array | int, cand_tokens: jax.Array) -> jax.Array:
     """Parent features ``f(p) = W1[p]`` of the vanilla Markov head (``w1`` [V, R]) for :func:`markov_tables`:
     float32[D, C, R], row 0 ``W1[x_start]`` for every ``i``, row ``d >= 1`` ``W1[cand_tokens[d - 1, i]]``."""
-    _check_ndim("w1", w1, 2, "V, R")
-    _check_ndim("cand_tokens", cand_tokens, 2, "D, C")
+    _check_ndim(w1=(w1, "V, R"), cand_tokens=(cand_tokens, "D, C"))
     w1 = jnp.asarray(w1, jnp.float32)
     d, c = cand_tokens.shape
     root = jnp.broadcast_to(w1[jnp.asarray(x_start, jnp.int32)], (1, c, w1.shape[1]))
     return jnp.concatenate([root, w1[cand_tokens[: d - 1]]], axis=0)
 
 
-def markov_tables(
-    base_logits: jax.Array,
-    cand_tokens: jax.Array,
-    parent_feats: jax.Array,
-    w2: jax.Array,
-    normalization: Normalization = "exact",
-) -> jax.Array:
+def markov_tables(base_logits: jax.Array, cand_tokens: jax.Array, parent_feats: jax.Array, w2: jax.Array,
+                  normalization: Normalization = "exact") -> jax.Array:
     """Top-C Markov tables float32[D, C, C], ``T[d, i, j] = log p(cand j of depth d+1 | parent cand i of depth d)``.
 
     A child of parent ``p`` has the corrected logits ``U_d + W2 f(p)`` (``U_d``: row ``d`` of ``base_logits``
@@ -277,28 +236,21 @@ def markov_tables(
     """
     if normalization not in ("exact", "fast"):
         raise ArgumentError(f"normalization must be 'exact' or 'fast', got {normalization!r}")
-    _check_ndim("base_logits", base_logits, 2, "D, V")
-    _check_ndim("cand_tokens", cand_tokens, 2, "D, C")
-    _check_ndim("parent_feats", parent_feats, 3, "D, C, R")
-    _check_ndim("w2", w2, 2, "V, R")
+    _check_ndim(base_logits=(base_logits, "D, V"), cand_tokens=(cand_tokens, "D, C"),
+                parent_feats=(parent_feats, "D, C, R"), w2=(w2, "V, R"))
     d, v = base_logits.shape
     c = cand_tokens.shape[1]
     r = w2.shape[1]
     if cand_tokens.shape[0] != d:
         raise ArgumentError(f"cand_tokens has {cand_tokens.shape[0]} depths but base_logits has {d}")
     if tuple(parent_feats.shape) != (d, c, r):
-        raise ArgumentError(
-            f"parent_feats must have shape {(d, c, r)} [D, C, R], got {tuple(parent_feats.shape)}"
-        )
+        raise ArgumentError(f"parent_feats must have shape {(d, c, r)} [D, C, R], got {tuple(parent_feats.shape)}")
     if w2.shape[0] != v:
         raise ArgumentError(f"w2 must have shape [V={v}, R], got {tuple(w2.shape)}")
-
     u = jnp.asarray(base_logits, jnp.float32)
     w2 = jnp.asarray(w2, jnp.float32)
     feats = jnp.asarray(parent_feats, jnp.float32)
     cand_tokens = jnp.asarray(cand_tokens, jnp.int32)
-
-    # depth 1: one parent (x_start), exact over the vocabulary
     z0 = u[0] + w2 @ feats[0, 0]
     row0 = (z0 - jax.nn.logsumexp(z0))[cand_tokens[0]]
     t0 = jnp.broadcast_to(row0[None, None, :], (1, c, c))
@@ -323,27 +275,19 @@ def markov_tables(
     return jnp.concatenate([t0, rest], axis=0)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# tree builders
-
-
 def _check_tables(tables: jax.Array, cand_tokens: jax.Array) -> tuple[int, int]:
-    _check_ndim("tables", tables, 3, "D, C, C")
-    _check_ndim("cand_tokens", cand_tokens, 2, "D, C")
+    _check_ndim(tables=(tables, "D, C, C"), cand_tokens=(cand_tokens, "D, C"))
     d, c, c2 = tables.shape
     if c != c2:
         raise ArgumentError(f"tables must have shape [D, C, C], got {tuple(tables.shape)}")
     if tuple(cand_tokens.shape) != (d, c):
-        raise ArgumentError(
-            f"cand_tokens must have shape {(d, c)} to match tables {tuple(tables.shape)}, "
-            f"got {tuple(cand_tokens.shape)}"
-        )
+        raise ArgumentError(f"cand_tokens must have shape {(d, c)} to match tables {tuple(tables.shape)}, "
+                            f"got {tuple(cand_tokens.shape)}")
     return d, c
 
 
-def _expand(
-    tables: jax.Array, widths: tuple[int, ...] | jax.Array, k: int | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _expand(tables: jax.Array, widths: tuple[int, ...] | jax.Array,
+            k: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-depth beams: at depth ``d`` keep the best ``widths[d]`` extensions (tree order) of the previous beam.
 
     Each beam is kept in lexicographic path order, so the flat index ``b * C + j`` of an extension follows its
@@ -369,10 +313,8 @@ def _expand(
         if not full:  # slots past this depth's width become empty (sorted last: keys past every child)
             keep = slots < limit
             idx, top = jnp.where(keep, idx, k * c + slots), jnp.where(keep, top, -jnp.inf)
-        # back to lexicographic order, the scores riding along with the keys: the keys are distinct, so entry
-        # a goes to slot #{b: key_b < key_a} (two small reductions that read the top-k in place, where a sort
-        # needs it sliced out first). An empty (-inf) entry may sit between kept ones: it is never extended
-        # (its children are -inf too), and its outputs are masked.
+        # back to lexicographic order (the keys are distinct: entry a goes to slot #{b: key_b < key_a}); an empty
+        # (-inf) entry between kept ones is never extended (its children are -inf too) and its outputs are masked
         slot = jnp.sum(idx[None, :] < idx[:, None], axis=1, dtype=jnp.int32)
         packed = jnp.stack([jax.lax.bitcast_convert_type(top, jnp.int32), idx])  # one output array per step
         packed = _lookup(slot, packed, slots)
@@ -464,11 +406,10 @@ def _merge(beams: tuple[jax.Array, jax.Array, jax.Array], cand_tokens: jax.Array
 def best_first(tables: jax.Array, cand_tokens: jax.Array, budget: int) -> Tree:
     """The ``budget`` (static, >= 1) most probable prefixes of depth ``1..D`` (DDTree's best-first heap).
 
-    A prefix's score is the sum of ``tables[d, parent_cand, cand]`` (float32[D, C, C]) along its path. A
-    per-depth beam of width ``budget``, then a global top-``budget`` merge (exact: a child never outscores
-    its parent). The first ``b`` nodes are the best ``b`` prefixes for every ``b <= budget``. With
-    :func:`ddtree_tables` and ``top_c >= min(budget, V)`` this is upstream DDTree's tree, tie-break included.
-    Returns a :class:`Tree` of ``budget`` nodes in the module's order.
+    A prefix's score is the sum of ``tables[d, parent_cand, cand]`` (float32[D, C, C]) along its path; the first
+    ``b`` nodes are the best ``b`` prefixes for every ``b <= budget`` (a per-depth beam of width ``budget``, then
+    a global merge). With :func:`ddtree_tables` and ``top_c >= min(budget, V)`` this is upstream DDTree's tree,
+    tie-break included. Returns a :class:`Tree` of ``budget`` nodes in the module's order.
     """
     budget = _check_int("budget", budget, 1)
     d, _ = _check_tables(tables, cand_tokens)
@@ -479,10 +420,9 @@ def layer_beam(tables: jax.Array, cand_tokens: jax.Array, k: int, nodes: int) ->
     """PCTree's tree (arXiv 2608.02123): a beam of ``k`` (static, >= 1) nodes per depth, then the global top
     ``nodes`` (static, the root excluded, ``1 <= nodes <= k * D``).
 
-    At each depth the ``k`` best (parent, child) extensions of the kept nodes by path score are kept (ties:
-    the lower candidate-index path); the tree is the ``nodes`` best kept nodes by path score, ties to the
-    shallower node, then the lower path. It is prefix-closed (a child never outscores its parent). Returns a
-    :class:`Tree` in that order, padding at the end.
+    At each depth the ``k`` best extensions of the kept nodes by path score are kept (ties: the lower
+    candidate-index path); the tree (prefix-closed) is the ``nodes`` best kept nodes by path score, ties to the
+    shallower node, then the lower path. Returns a :class:`Tree` in that order, padding at the end.
     """
     d, _ = _check_tables(tables, cand_tokens)
     k = _check_int("k", k, 1)
@@ -504,19 +444,12 @@ def even_widths(budget: int, depth: int) -> tuple[int, ...]:
 DEMO_DEPTH_RATES: tuple[float, ...] = (
     0.54, 0.69, 0.79, 0.76, 0.81, 0.71, 0.96, 0.86, 0.88, 0.93, 0.76, 0.86, 0.93, 0.90, 0.97, 0.77,
 )
-
-
 # auto_widths' model ``miss(w) = miss(1) * w ** -exponent``, fitted on the demo pair (docs/benchmarks.md).
 DEMO_WIDTH_EXPONENT = 0.6
 
 
-def auto_widths(
-    budget: int,
-    depth: int,
-    rates: tuple[float, ...] | None = None,
-    top_c: int | None = None,
-    exponent: float | None = None,
-) -> tuple[int, ...]:
+def auto_widths(budget: int, depth: int, rates: tuple[float, ...] | None = None, top_c: int | None = None,
+                exponent: float | None = None) -> tuple[int, ...]:
     """A beam profile of ``depth`` non-negative ints summing to ``budget`` that maximises the expected accepted
     length ``sum_d prod_{i <= d} q_i(w_i)``, ``q_d(w) = 1 - (1 - r_d) * w ** -exponent`` (``q_d(0) = 0``).
 
@@ -578,15 +511,11 @@ def beam(tables: jax.Array, cand_tokens: jax.Array, widths: tuple[int, ...]) -> 
     return _merge(_expand(tables, widths), jnp.asarray(cand_tokens, jnp.int32), sum(widths))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# mask, positions, acceptance
-
-
 def visibility(parents: jax.Array, max_depth: int | None = None) -> jax.Array:
     """Ancestor mask bool[M + 1, M + 1] of a tree, root included: ``mask[q, a]`` is True iff node ``a`` is
     ``q`` or one of its ancestors (by pointer doubling). ``parents``: int[M] as :attr:`Tree.parents`;
     ``max_depth``: static bound on the tree depth (default ``M``)."""
-    _check_ndim("parents", parents, 1, "M")
+    _check_ndim(parents=(parents, "M"))
     m = parents.shape[0]
     bound = m if max_depth is None else _check_int("max_depth", max_depth, 1)
     jump = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.asarray(parents, jnp.int32)])
@@ -599,34 +528,23 @@ def visibility(parents: jax.Array, max_depth: int | None = None) -> jax.Array:
 
 def tree_positions(depths: jax.Array, start: jax.Array | int) -> jax.Array:
     """Absolute positions int32[M + 1] of ``[root] + nodes``: ``start``, then ``start + depth``."""
-    _check_ndim("depths", depths, 1, "M")
+    _check_ndim(depths=(depths, "M"))
     d = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.asarray(depths, jnp.int32)])
     return jnp.asarray(start, jnp.int32) + d
 
 
 def _check_accept_args(parents, tokens, posterior, max_depth) -> tuple[int, int, jax.Array, jax.Array, jax.Array]:
-    """``(M, walk steps)`` and the three arrays as int32."""
-    _check_ndim("parents", parents, 1, "M")
-    _check_ndim("tokens", tokens, 1, "M")
-    _check_ndim("posterior", posterior, 1, "M + 1")
+    _check_ndim(parents=(parents, "M"), tokens=(tokens, "M"), posterior=(posterior, "M + 1"))
     m = parents.shape[0]
     if tokens.shape[0] != m or posterior.shape[0] != m + 1:
-        raise ArgumentError(
-            f"parents [M], tokens [M] and posterior [M + 1] disagree: shapes {tuple(parents.shape)}, "
-            f"{tuple(tokens.shape)}, {tuple(posterior.shape)}"
-        )
+        raise ArgumentError(f"parents [M], tokens [M] and posterior [M + 1] disagree: shapes {tuple(parents.shape)}, "
+                            f"{tuple(tokens.shape)}, {tuple(posterior.shape)}")
     steps = m if max_depth is None else _check_int("max_depth", max_depth, 1)
     return m, steps, *(jnp.asarray(x, jnp.int32) for x in (parents, tokens, posterior))
 
 
-def accept(
-    parents: jax.Array,
-    tokens: jax.Array,
-    posterior: jax.Array,
-    max_depth: int | None = None,
-    *,
-    mask: jax.Array | None = None,
-) -> Accepted:
+def accept(parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max_depth: int | None = None, *,
+           mask: jax.Array | None = None) -> Accepted:
     """Walk a verified tree (upstream ``follow_verified_tree``), all depths at once, without a loop.
 
     From the root, while ``posterior[current]`` equals the token of one of ``current``'s children, move to
@@ -662,9 +580,7 @@ def accept(
     return Accepted(indices=indices, length=length, bonus=posterior[indices[length - 1]])
 
 
-def accept_walk(
-    parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max_depth: int | None = None
-) -> Accepted:
+def accept_walk(parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max_depth: int | None = None) -> Accepted:
     """The step-by-step walk of :func:`accept` (one ``fori_loop`` step per depth); the reference it equals."""
     m, steps, parents, tokens, posterior = _check_accept_args(parents, tokens, posterior, max_depth)
 
@@ -682,10 +598,6 @@ def accept_walk(
     return Accepted(indices=path, length=length, bonus=posterior[cur])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# convenience pipelines
-
-
 def build_ddtree(logits: jax.Array, budget: int) -> Tree:
     """Upstream DDTree on device: top-``min(budget, V)`` per depth, independent marginals, best-first."""
     budget = _check_int("budget", budget, 1)
@@ -693,17 +605,9 @@ def build_ddtree(logits: jax.Array, budget: int) -> Tree:
     return best_first(ddtree_tables(cand_logp), cand_tokens, budget)
 
 
-def build_sparkling_tree(
-    base_logits: jax.Array,
-    x_start: jax.Array | int,
-    w1: jax.Array,
-    w2: jax.Array,
-    *,
-    budget: int,
-    top_c: int,
-    normalization: Normalization = "fast",
-    widths: tuple[int, ...] | None = None,
-) -> Tree:
+def build_sparkling_tree(base_logits: jax.Array, x_start: jax.Array | int, w1: jax.Array, w2: jax.Array, *,
+                         budget: int, top_c: int, normalization: Normalization = "fast",
+                         widths: tuple[int, ...] | None = None) -> Tree:
     """SparklingTree with a vanilla Markov head: candidates, Markov tables, then best-first
     (``widths=None``) or :func:`beam` with the given width profile (which must sum to ``budget``)."""
     budget = _check_int("budget", budget, 1)

@@ -93,19 +93,22 @@ def test_two_part_context_and_block(impl, seed):
     _close(_attend(q, parts, impl, block=16), ref, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "prefix"])
+@pytest.mark.parametrize("impl", ["blocked", "prefix", "split"])
 def test_bounded_paths_read_only_live_slots(impl):
-    """Slots past the live length (rounded up to a chunk / a power of two) are never read: NaN there leaves the
-    result intact (and poisons the reference, which reads the whole bucket)."""
-    q, k, v, mask, lengths = _case(2, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37])
+    """Slots past the live length (rounded up to a chunk, or a power of two for ``prefix``) are never read: NaN
+    there leaves the result intact (and poisons the reference, which reads the whole bucket). ``split`` gets a
+    CacheMask, which every other path makes dense."""
+    q, k, v, mask, lengths = _case(2, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37], lazy=impl == "split")
+    dense = mask.dense(3, 128) if impl == "split" else mask
     last = int(jnp.max(lengths)) + 3  # slots [0, last) can be visible
-    cut = -(-last // 16) * 16 if impl == "blocked" else max(16, 1 << (last - 1).bit_length())
+    cut = max(16, 1 << (last - 1).bit_length()) if impl == "prefix" else -(-last // 16) * 16
     assert cut < 128, cut
-    clean = _attend(q, [(k, v, mask)], "einsum")
+    clean = _attend(q, [(k, v, dense)], "einsum")
     k_bad, v_bad = k.at[:, :, cut:].set(jnp.nan), v.at[:, :, cut:].set(jnp.nan)
-    got = _attend(q, [(k_bad, v_bad, mask)], impl, block=16)
-    _close(got, clean, 1e-5)
-    assert np.isnan(np.asarray(_attend(q, [(k_bad, v_bad, mask)], "einsum"))).any()
+    _close(_attend(q, [(k_bad, v_bad, mask)], impl, block=16), clean, 1e-5)
+    assert np.isnan(np.asarray(_attend(q, [(k_bad, v_bad, dense)], "einsum"))).any()
+    for other in ("einsum", "dpa", "blocked", "prefix") if impl == "split" else ():
+        _close(_attend(q, [(k, v, mask)], other, block=16), clean, 1e-5)
 
 
 # a chunked prefix in float32; one step over a cache that is not whole chunks in bfloat16
@@ -133,17 +136,6 @@ def test_split_matches_reference_over_a_cache(dtype, tol, s):
         parts = [(k, v, ctx), (bk, bv, jnp.ones((1, 5, 5), bool))]
         ref = _attend(q, [(k, v, ctx.dense(5, s)), parts[1]], "einsum")
         _close(_attend(q, parts, "split", block=16), ref, tol)
-
-
-def test_split_reads_only_the_prefix_and_the_block():
-    """Slots past each sequence's block (rounded up to a chunk for the prefix) are never read: NaN there leaves
-    the split intact; every other path makes the CacheMask dense and agrees with the reference."""
-    q, k, v, cm, lengths = _case(5, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37], lazy=True)
-    clean = _attend(q, [(k, v, cm.dense(3, 128))], "einsum")
-    k_bad, v_bad = k.at[:, :, 48:].set(jnp.nan), v.at[:, :, 48:].set(jnp.nan)
-    _close(_attend(q, [(k_bad, v_bad, cm)], "split", block=16), clean, 1e-5)
-    for impl in ("einsum", "dpa", "blocked", "prefix"):
-        _close(_attend(q, [(k, v, cm)], impl, block=16), clean, 1e-5)
 
 
 @pytest.mark.parametrize("method", [pytest.param("dspark", marks=pytest.mark.slow), "sparklingtree"])

@@ -53,9 +53,7 @@ def close(actual, expected, tol=LOGIT_TOL, what=""):
 
 def jit_with(fn, *modules):
     """``fn(*modules, *args)`` jitted over the modules' split state (one compile per arg shapes)."""
-    split = [nnx.split(m) for m in modules]
-    graphdefs = [g for g, _ in split]
-    states = [s for _, s in split]
+    graphdefs, states = zip(*(nnx.split(m) for m in modules), strict=True)
 
     @jax.jit
     def run(states, *args):
@@ -64,11 +62,8 @@ def jit_with(fn, *modules):
     return lambda *args: run(states, *args)
 
 
-# ``ref`` (the reference tensors) and ``fixture_target`` come from conftest.py (session-scoped).
-
-
 @pytest.fixture(scope="module")
-def target(fixture_target):
+def target(fixture_target):  # ``ref``, ``fixture_target`` and ``fixture_drafter``: conftest.py
     return fixture_target
 
 
@@ -85,14 +80,10 @@ def fns(drafter):
         blk = draft.draft_block(d, ctx, x0, start, return_layers=True)
         chain = draft.markov_chain(d, blk.logits, blk.hidden, x0)
         forced = blk.logits + draft.markov_bias(d, blk.hidden, prev)
-        return blk, chain, forced, draft.confidence(d, blk.hidden, prev), draft.confidence(
-            d, blk.hidden, draft.chain_prev(x0, chain.tokens)
-        )
+        chain_conf = draft.confidence(d, blk.hidden, draft.chain_prev(x0, chain.tokens))
+        return blk, chain, forced, draft.confidence(d, blk.hidden, prev), chain_conf
 
-    return dict(
-        append=jit_with(draft.append_context, drafter),
-        round=jit_with(round_fn, drafter),
-    )
+    return dict(append=jit_with(draft.append_context, drafter), round=jit_with(round_fn, drafter))
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +93,6 @@ def b0(ref, drafter, fns):
     p = feats.shape[1]
     ctx = fns["append"](drafter.init_context(1, 64), feats, jnp.array([p]))
     return feats, p, ctx, jnp.asarray(ref["b.first_token"], jnp.int32)
-
-
-# ----------------------------------------------------------------------------- group b
 
 
 def test_round0_matches_reference(ref, drafter, fns, b0):
@@ -144,9 +132,6 @@ def test_round0_matches_reference(ref, drafter, fns, b0):
     for c in range(5):
         close(table[:, :, c], draft.markov_bias(drafter, blk.hidden, cands[..., c]), dict(rtol=1e-5, atol=1e-5))
     close(f, drafter.markov_head.markov_w1.weight[...][cands], dict(rtol=0, atol=0))  # vanilla: W1[prev]
-
-
-# ----------------------------------------------------------------------------- group c
 
 
 def test_all_rounds_with_incremental_context(ref, target, drafter, fns):
@@ -257,9 +242,6 @@ def test_joined_context_projections_equal_the_per_layer_ones(ref, drafter, rando
                             d.config.head_dim)
 
 
-# ----------------------------------------------------------------------------- sampling
-
-
 def test_markov_chain_sampling_draws_from_returned_logits(drafter, fns, b0):
     _, p, ctx, x0 = b0
     blk, greedy, *_ = fns["round"](ctx, x0, jnp.array([p]), jnp.zeros((1, 16), jnp.int32))
@@ -325,9 +307,6 @@ def test_drafter_without_heads(ref, drafter):
         draft.markov_w2(plain)
 
 
-# ----------------------------------------------------------------------------- group e (training forward)
-
-
 def test_training_forward_matches_reference(ref, drafter):
     hs = jnp.asarray(ref["e.target_hidden_states"])
     s = hs.shape[1]
@@ -348,9 +327,6 @@ def test_training_forward_matches_reference(ref, drafter):
     close(draft.confidence(drafter, flat(hidden), flat(prev)), flat(ref["e.confidence_pred"]), what="confidence")
     with pytest.raises(ArgumentError, match="mask"):
         drafter(hs, pos[:, :s], jnp.asarray(ref["e.noise_input_ids"]), pos[:, s:], jnp.ones((2, 128, 100), bool))
-
-
-# ----------------------------------------------------------------------------- DFlash
 
 
 def write_dflash(folder, *, drop_dflash_config=False):
@@ -411,9 +387,6 @@ def test_dflash_checkpoint_drafts_with_dflash_alignment(ref, tmp_path, target, d
         SafetensorsFile(os.path.join(folder, "model.safetensors")).keys())
 
 
-# ----------------------------------------------------------------------------- export
-
-
 def test_export_roundtrip(tmp_path, target, drafter, ref, b0):
     out = save_drafter(drafter, str(tmp_path / "exported"))
     orig = SafetensorsFile(os.path.join(DRAFTER_DIR, "model.safetensors"))
@@ -450,9 +423,6 @@ def test_export_roundtrip(tmp_path, target, drafter, ref, b0):
     )
 
 
-# ----------------------------------------------------------------------------- real size
-
-
 def test_qwen3_4b_b16_parameter_counts():
     cfg = DrafterConfig.from_hf_config(os.path.join(FIX, "configs", "dspark_qwen3_4b_b16_config.json"))
     expect = json.load(open(os.path.join(FIX, "configs", "dspark_qwen3_4b_b16_param_counts.json")))
@@ -476,25 +446,6 @@ def test_qwen3_4b_b16_parameter_counts():
     assert DrafterConfig.from_hf_config(dflash.to_hf_dict()) == dflash
 
 
-# ----------------------------------------------------------------------------- bad input
-
-
-def drafter_copy(tmp_path, edit_config=None, edit_tensors=None):
-    folder = str(tmp_path / "bad")
-    shutil.copytree(DRAFTER_DIR, folder)
-    if edit_config:
-        path = os.path.join(folder, "config.json")
-        cfg = json.load(open(path))
-        edit_config(cfg)
-        json.dump(cfg, open(path, "w"))
-    if edit_tensors:
-        path = os.path.join(folder, "model.safetensors")
-        tensors = load_file(path)
-        edit_tensors(tensors)
-        save_file(tensors, path, metadata={"format": "pt"})
-    return folder
-
-
 @pytest.mark.parametrize(
     "edit_config, edit_tensors, error, pattern",
     [
@@ -511,7 +462,15 @@ def drafter_copy(tmp_path, edit_config=None, edit_tensors=None):
     ],
 )
 def test_bad_drafter_raises(tmp_path, target, edit_config, edit_tensors, error, pattern):
-    folder = drafter_copy(tmp_path, edit_config, edit_tensors)
+    folder = shutil.copytree(DRAFTER_DIR, str(tmp_path / "bad"))
+    if edit_config:
+        cfg = json.load(open(os.path.join(folder, "config.json")))
+        edit_config(cfg)
+        json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    if edit_tensors:
+        tensors = load_file(os.path.join(folder, "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(error, match=pattern) as info:
         load_drafter(folder, target=target)
     assert isinstance(info.value, SparkjaxError)

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 import sparkjax
 from sparkjax import generate, load_target, save_target
 from sparkjax.engine.programs import ar_program as _ar_program
+from sparkjax.reference import ancestor_mask
 from tests.conftest import jit_call
 
 
@@ -68,9 +70,6 @@ def test_fixture_target_matches_upstream(fixture_target, ref):
     np.testing.assert_allclose(logits[0], ref["a.target_logits"][0], atol=1e-4, rtol=1e-4)
     for i, h in enumerate(hidden):
         np.testing.assert_allclose(h[0], ref["a.target_hidden_states"][i, 0], atol=1e-4, rtol=1e-4)
-
-
-def test_fixture_greedy_output(fixture_target, ref):
     prompt = ref["a.prompt_ids"]
     expected = ref["c.ar_output_ids"][0, prompt.shape[1]:].tolist()
     out = generate(fixture_target, None, prompt, method="ar", max_new_tokens=len(expected))
@@ -111,21 +110,14 @@ def test_tree_mask_block_equals_per_path_causal(fixture_target):
     """An arbitrary node-to-node mask on a cached block: each node sees the prefix and its ancestors."""
     rng = np.random.default_rng(5)
     prefix = rng.integers(0, 300, 10)
-    # a small tree: 0 <- 1 <- 2, 0 <- 3, 1 <- 4
-    parents = [-1, 0, 1, 0, 1]
-    depth = [0, 1, 2, 1, 2]
+    vis = ancestor_mask(np.array([0, 1, 0, 1]))  # a small tree: 0 <- 1 <- 2, 0 <- 3, 1 <- 4
+    depth = vis.sum(1) - 1
     node_tok = rng.integers(0, 300, 5)
-    vis = np.zeros((5, 5), bool)
-    for i in range(5):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
     cache = fixture_target.init_cache(1, 32)
     pre = jit_call(fixture_target, jnp.asarray(prefix[None], jnp.int32), jnp.arange(10)[None], cache=cache)
     cache = pre.cache.with_lengths(jnp.array([10]))
-    out = jit_call(fixture_target, jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(10 + np.array(depth))[None],
-                         cache=cache, mask=jnp.asarray(vis))
+    out = jit_call(fixture_target, jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(10 + depth)[None], cache=cache,
+                   mask=jnp.asarray(vis))
     # the reference: each node's root-to-node path after the prefix as its own causal sequence, right-padded
     # into one batch (causal attention: the padding after a row's last token does not change its logits)
     seqs = [np.concatenate([prefix, node_tok[[j for j in range(5) if vis[i, j]]]]) for i in range(5)]
@@ -177,16 +169,13 @@ def test_greedy_equals_transformers_generate_with_eos(hf_factory):
     assert out.tokens[1] == cut
 
 
-def test_prompt_buckets_share_one_compilation(fixture_target):
+def test_ar_program_buckets_and_greedy_draws_no_random_bits(fixture_target):
+    """Prompts of one bucket share one compilation. At temperature 0 the AR baseline is a plain argmax loop: its
+    program splits no key; at temperature > 0 it does draw."""
     generate(fixture_target, None, [[1, 2, 3, 4, 5]], max_new_tokens=8)
     before = _ar_program._cache_size()
     generate(fixture_target, None, [[9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=7)
     assert _ar_program._cache_size() == before
-
-
-def test_greedy_ar_program_draws_no_random_bits(fixture_target):
-    """At temperature 0 the AR baseline is a plain argmax loop: its program splits no key (it used to run
-    the sampling branch on every step and throw it away); at temperature > 0 it does draw."""
     from flax import nnx
 
     from sparkjax.engine import api, programs
@@ -262,24 +251,17 @@ def test_orbax_checkpoint_round_trip(tmp_path, fixture_target):
                                   np.asarray(jit_call(fixture_target, ids, ids).logits))
 
 
-# ----------------------------------------------------------------------------- bad input
-
-
 def _edit_config(fn):
     def edit(folder):
-        with open(folder / "config.json") as f:
-            cfg = json.load(f)
+        cfg = json.loads((folder / "config.json").read_text())
         fn(cfg)
-        with open(folder / "config.json", "w") as f:
-            json.dump(cfg, f)
+        (folder / "config.json").write_text(json.dumps(cfg))
 
     return edit
 
 
 def _edit_weights(fn):
     def edit(folder):
-        from safetensors.numpy import load_file, save_file
-
         tensors = load_file(str(folder / "model.safetensors"))
         fn(tensors)
         save_file(tensors, str(folder / "model.safetensors"))
@@ -318,12 +300,10 @@ def test_bad_target_folder(tmp_path, fixture_dir, edit, error, pattern):
 
 def test_sliding_window_and_other_architectures_rejected(fixture_dir):
     base = json.loads((fixture_dir / "target" / "config.json").read_text())
-    with pytest.raises(sparkjax.ConfigError, match="sliding"):
-        sparkjax.Qwen3Config.from_hf_config({**base, "use_sliding_window": True})
-    with pytest.raises(sparkjax.ConfigError, match="layer_types"):
-        sparkjax.Qwen3Config.from_hf_config({**base, "layer_types": ["sliding_attention"] * 6})
-    with pytest.raises(sparkjax.ConfigError, match="model_type"):
-        sparkjax.Qwen3Config.from_hf_config({**base, "model_type": "llama"})
+    for pattern, edit in [("sliding", {"use_sliding_window": True}), ("model_type", {"model_type": "llama"}),
+                          ("layer_types", {"layer_types": ["sliding_attention"] * 6})]:
+        with pytest.raises(sparkjax.ConfigError, match=pattern):
+            sparkjax.Qwen3Config.from_hf_config({**base, **edit})
     # older transformers: top-level rope_theta
     old = {k: v for k, v in base.items() if k != "rope_parameters"} | {"rope_theta": 5e5}
     assert sparkjax.Qwen3Config.from_hf_config(old).rope_theta == 5e5
@@ -349,18 +329,16 @@ def test_failed_conversion_leaves_no_output(tmp_path, fixture_dir, monkeypatch):
 
 
 def test_generate_bad_arguments(fixture_target):
-    with pytest.raises(sparkjax.ArgumentError, match="empty prompt"):
-        generate(fixture_target, None, [[1, 2], []], max_new_tokens=4)
-    with pytest.raises(sparkjax.ArgumentError, match="max_position_embeddings"):
-        generate(fixture_target, None, [[1] * 1000], max_new_tokens=100)
-    with pytest.raises(sparkjax.ArgumentError, match="cache_size"):
-        generate(fixture_target, None, [[1] * 40], max_new_tokens=4, cache_size=32)
-    with pytest.raises(sparkjax.ArgumentError, match="temperature"):
-        generate(fixture_target, None, [[1, 2]], max_new_tokens=4, temperature=-1)
-    with pytest.raises(sparkjax.ArgumentError, match="vocab"):
-        generate(fixture_target, None, [[1, 400]], max_new_tokens=4)
-    with pytest.raises(sparkjax.ArgumentError, match="method"):
-        generate(fixture_target, None, [[1, 2]], method="beam-search")
+    for pattern, prompts, kw in [
+        ("empty prompt", [[1, 2], []], dict(max_new_tokens=4)),
+        ("max_position_embeddings", [[1] * 1000], dict(max_new_tokens=100)),
+        ("cache_size", [[1] * 40], dict(max_new_tokens=4, cache_size=32)),
+        ("temperature", [[1, 2]], dict(max_new_tokens=4, temperature=-1)),
+        ("vocab", [[1, 400]], dict(max_new_tokens=4)),
+        ("method", [[1, 2]], dict(method="beam-search")),
+    ]:
+        with pytest.raises(sparkjax.ArgumentError, match=pattern):
+            generate(fixture_target, None, prompts, **kw)
 
 
 @pytest.mark.slow

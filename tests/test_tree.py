@@ -41,10 +41,6 @@ def fixture() -> dict[str, np.ndarray]:
     return load_file(str(FIXTURES / "reference.safetensors"))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# jitted pipelines (compiled once per static configuration, reused by every example)
-
-
 @functools.partial(jax.jit, static_argnames=("budget",))
 def ddtree_pipeline(logits, budget):
     tokens, logp = tree.candidates(logits, budget)
@@ -73,7 +69,6 @@ def sparkling_padded(base, x_start, w1, w2, n_depth, budget, top_c, normalizatio
 best_first_jit = jax.jit(tree.best_first, static_argnames=("budget",))
 beam_jit = jax.jit(tree.beam, static_argnames=("widths",))
 accept_jit = jax.jit(tree.accept, static_argnames=("max_depth",))
-visibility_jit = jax.jit(tree.visibility, static_argnames=("max_depth",))
 
 BEAM_PROFILES = [
     tree.even_widths(64, D_PAD),
@@ -81,10 +76,6 @@ BEAM_PROFILES = [
     (12, 8, 6, 4, 3, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1),
     (3, 3, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# helpers
 
 
 def to_np(x):
@@ -110,18 +101,12 @@ def prefix_scores(t, n: int | None = None) -> dict[tuple[int, ...], float]:
 def assert_same_prefixes(a: dict, b: dict, rel: float = 1e-4) -> None:
     """Same prefix sets with close scores, except that near-ties at the selection boundary may swap."""
     assert len(a) == len(b), (len(a), len(b))
-
-    def tol(s: float) -> float:
-        return rel * (1.0 + abs(s))
-
     for p in a.keys() & b.keys():
-        assert abs(a[p] - b[p]) <= tol(a[p]), (p, a[p], b[p])
+        assert abs(a[p] - b[p]) <= rel * (1.0 + abs(a[p])), (p, a[p], b[p])
     for mine, other in ((a, b), (b, a)):
         worst = min(other.values(), default=np.inf)
         for p in mine.keys() - other.keys():
-            assert mine[p] <= worst + tol(worst), (
-                f"{p} (score {mine[p]}) beats the other tree's worst {worst}"
-            )
+            assert mine[p] <= worst + rel * (1.0 + abs(worst)), f"{p} (score {mine[p]}) beats the other's worst {worst}"
 
 
 def assert_trees_equal(t, r, n: int | None = None) -> None:
@@ -194,10 +179,6 @@ def random_tables(rng: np.random.Generator, integer: bool) -> tuple[np.ndarray, 
     return tables, cand_tokens
 
 
-# ----------------------------------------------------------------------------------------------------------
-# upstream fixtures
-
-
 @pytest.mark.parametrize("budget", FIXTURE_BUDGETS)
 @pytest.mark.parametrize("name", TREE_NAMES)
 def test_fixture_ddtree_trees(name, budget):
@@ -259,10 +240,6 @@ def test_fixture_verify():
     assert acc.bonus == fx["d.verify.next_token"][0]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# candidates and tables
-
-
 @pytest.mark.parametrize(("depth", "vocab", "top_c"), [(3, 5, 8), (2, 1, 4), (4, 7, 3), (1, 6, 6)])
 def test_candidates(depth, vocab, top_c):
     rng = np.random.default_rng(depth * 100 + vocab)
@@ -278,61 +255,41 @@ def test_candidates(depth, vocab, top_c):
     np.testing.assert_allclose(np.exp(full).sum(-1), 1.0, atol=1e-5)
 
 
-def test_markov_tables_match_reference_for_any_features():
-    """Exact and fast tables equal the entry-by-entry formulas, for non-vanilla (e.g. gated) features."""
+@jax.jit
+def markov_cases(base, feats, w1, w2):
+    """Exact and fast tables: of given features (C < V); of vanilla features from x_start 2 (C = V); of a zero
+    head (C = 4), with DDTree's tables."""
+    norms = ("exact", "fast")
+    tokens, _ = tree.candidates(base, feats.shape[1])
+    given = [tree.markov_tables(base, tokens, feats, w2, n) for n in norms]
+    tokens_v, _ = tree.candidates(base, base.shape[1])
+    feats_v = tree.vanilla_parent_feats(w1, 2, tokens_v)
+    full = [tree.markov_tables(base, tokens_v, feats_v, w2, n) for n in norms]
+    tokens4, logp4 = tree.candidates(base, 4)
+    feats4 = tree.vanilla_parent_feats(w1, 0, tokens4)
+    zero = [tree.markov_tables(base, tokens4, feats4, jnp.zeros_like(w2), n) for n in norms]
+    return tokens, given, tokens_v, feats_v, full, zero, tree.ddtree_tables(logp4)
+
+
+def test_markov_tables():
     rng = np.random.default_rng(0)
     d, v, c, r = 4, 9, 5, 3
     base = rng.normal(size=(d, v)).astype(np.float32) * 2
     w2 = rng.normal(size=(v, r)).astype(np.float32)
-    feats = rng.normal(size=(d, c, r)).astype(np.float32)
-
-    @jax.jit
-    def tables(base, feats, w2):
-        tokens, _ = tree.candidates(base, c)
-        return tokens, [tree.markov_tables(base, tokens, feats, w2, norm) for norm in ("exact", "fast")]
-
-    tokens, both = to_np(tables(base, feats, w2))
-    for norm, got in zip(("exact", "fast"), both, strict=True):
-        want = ref.markov_tables(base, tokens, feats, w2, norm)
-        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=norm)
-        np.testing.assert_array_equal(got[0], np.broadcast_to(got[0, :1], got[0].shape))  # one root row
-    exact = ref.markov_tables(base, tokens, feats, w2, "exact")
-    fast = ref.markov_tables(base, tokens, feats, w2, "fast")
-    assert np.abs(exact[1:] - fast[1:]).max() > 1e-3  # the two really differ when C < V
-    np.testing.assert_allclose(exact[0], fast[0], atol=1e-12)  # depth 1 is exact in both
-
-
-@jax.jit
-def special_tables(base, w1, w2):
-    """(C = V: candidates, vanilla features from x_start 2, exact and fast tables), (C = 4, zero head: exact and
-    fast tables, DDTree's tables)."""
-    tokens, _ = tree.candidates(base, base.shape[1])
-    feats = tree.vanilla_parent_feats(w1, 2, tokens)
-    full = [tree.markov_tables(base, tokens, feats, w2, norm) for norm in ("exact", "fast")]
-    tokens4, logp4 = tree.candidates(base, 4)
-    feats4 = tree.vanilla_parent_feats(w1, 0, tokens4)
-    zero = [tree.markov_tables(base, tokens4, feats4, jnp.zeros_like(w2), norm) for norm in ("exact", "fast")]
-    return tokens, feats, full, zero, tree.ddtree_tables(logp4)
-
-
-def test_markov_tables_special_cases():
-    rng = np.random.default_rng(1)
-    d, v, r = 3, 6, 2
-    base = rng.normal(size=(d, v)).astype(np.float32)
+    feats = rng.normal(size=(d, c, r)).astype(np.float32)  # not vanilla (e.g. gated)
     w1 = rng.normal(size=(v, r)).astype(np.float32)
-    w2 = rng.normal(size=(v, r)).astype(np.float32)
-    tokens, feats, (exact, fast), zero, ddtree = to_np(special_tables(base, w1, w2))
-    np.testing.assert_allclose(feats[0], np.broadcast_to(w1[2], (v, r)))
-    np.testing.assert_allclose(feats[1:], w1[tokens[:-1]])
-    # C = V: the fast normalisation sums over the whole vocabulary, so it is exact
-    np.testing.assert_allclose(exact, fast, atol=1e-5)
-    # a zero head gives DDTree's independent marginals, in both normalisations
-    for t in zero:
+    tokens, given, tokens_v, feats_v, (exact, fast), zero, ddtree = to_np(markov_cases(base, feats, w1, w2))
+    want = {n: ref.markov_tables(base, tokens, feats, w2, n) for n in ("exact", "fast")}
+    for norm, got in zip(want, given, strict=True):  # the entry-by-entry formulas
+        np.testing.assert_allclose(got, want[norm], atol=2e-5, err_msg=norm)
+        np.testing.assert_array_equal(got[0], np.broadcast_to(got[0, :1], got[0].shape))  # one root row
+    assert np.abs(want["exact"][1:] - want["fast"][1:]).max() > 1e-3  # the two really differ when C < V
+    np.testing.assert_allclose(want["exact"][0], want["fast"][0], atol=1e-12)  # depth 1 is exact in both
+    np.testing.assert_allclose(feats_v[0], np.broadcast_to(w1[2], (v, r)))
+    np.testing.assert_allclose(feats_v[1:], w1[tokens_v[:-1]])
+    np.testing.assert_allclose(exact, fast, atol=1e-5)  # C = V: the fast normalisation is exact
+    for t in zero:  # a zero head gives DDTree's independent marginals, in both normalisations
         np.testing.assert_allclose(t, ddtree, atol=1e-6)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# properties
 
 
 @PROPERTY
@@ -406,17 +363,6 @@ def test_beam_and_best_first_on_markov_tables(seed, integer, depth, profile):
     assert_trees_equal(t, ref.table_heap(tables, tokens, M_MARKOV))
 
 
-def test_visibility_of_a_chain():
-    m = 16
-    parents = np.arange(m, dtype=np.int32)  # node i+1 hangs below node i
-    vis = np.asarray(visibility_jit(parents))  # default max_depth = M covers a chain of M
-    np.testing.assert_array_equal(vis, np.tril(np.ones((m + 1, m + 1), bool)))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# static budgets, jit hygiene, vmap
-
-
 def test_best_first_prefix_property_and_budgets():
     """best_first(b) equals the first b nodes of best_first(M) (different static budgets)."""
     rng = np.random.default_rng(7)
@@ -470,19 +416,22 @@ def test_vmap_equals_single_calls():
     w2 = rng.normal(size=(V_PAD, R)).astype(np.float32)
 
     def one(base, x_start):
-        t, _, _ = sparkling_padded(
-            base, x_start, w1, w2, D_PAD, budget=M_MARKOV, top_c=C_MARKOV, normalization="fast"
-        )
-        return t, visibility_jit(t.parents, max_depth=D_PAD)
+        t, _, _ = sparkling_padded(base, x_start, w1, w2, D_PAD, budget=M_MARKOV, top_c=C_MARKOV, normalization="fast")
+        mask = tree.visibility(t.parents, max_depth=D_PAD)
+        posterior = jnp.concatenate([jnp.maximum(t.tokens, 0), jnp.zeros((1,), jnp.int32)])  # follows node 1 at least
+        return t, mask, tree.accept(t.parents, t.tokens, posterior, D_PAD, mask=mask)  # as engine/round.py calls it
 
     batched = to_np(jax.jit(jax.vmap(one))(base, x_start))
     for i in range(4):
-        single = to_np(one(base[i], x_start[i]))
-        got = jax.tree.map(lambda x, i=i: x[i], batched[0])
+        single = to_np(jax.jit(one)(base[i], x_start[i]))
+        got = jax.tree.map(lambda x, i=i: x[i], batched)
         # batched matmuls may round the tables differently in the last bit: same tree, scores to 1 ulp
-        np.testing.assert_allclose(got.scores, single[0].scores, rtol=1e-6)
-        assert_trees_equal(got._replace(scores=single[0].scores), single[0])
-        np.testing.assert_array_equal(batched[1][i], single[1])
+        np.testing.assert_allclose(got[0].scores, single[0].scores, rtol=1e-6)
+        assert_trees_equal(got[0]._replace(scores=single[0].scores), single[0])
+        np.testing.assert_array_equal(got[1], single[1])
+        for field in tree.Accepted._fields:
+            np.testing.assert_array_equal(getattr(got[2], field), getattr(single[2], field))
+        assert single[2].length >= 2
         check_valid_tree(single[0], D_PAD)
     # on given tables the builder itself is bit-exact under vmap
     tables, tokens = zip(*(random_tables(rng, integer=True) for _ in range(4)), strict=True)
@@ -491,10 +440,6 @@ def test_vmap_equals_single_calls():
     for i in range(4):
         single = to_np(best_first_jit(tables[i], tokens[i], budget=M_MARKOV))
         assert_trees_equal(jax.tree.map(lambda x, i=i: x[i], batched), single)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# argument errors
 
 
 def _bad_calls():
@@ -528,6 +473,11 @@ def _bad_calls():
         ("budget", lambda: tree.even_widths(0, 4)),
         ("depth", lambda: tree.even_widths(4, 0)),
         ("widths", lambda: tree.build_sparkling_tree(base, 0, w2, w2, budget=5, top_c=4, widths=(1, 1, 1))),
+        ("candidates", lambda: tree.markov_candidates(base, base, 8, "both")),
+        ("union_k", lambda: tree.markov_candidates(base, base, 8, "union", union_k=9)),
+        ("corrected_logits", lambda: tree.markov_candidates(base, base[:, :5], 8, "union")),
+        ("exponent", lambda: tree.auto_widths(8, 4, (0.5,), exponent=0)),
+        *(("rates", lambda bad=bad: tree.auto_widths(8, 4, bad)) for bad in ((), (0.5, 1.5), (float("nan"),), "0.5")),
     ]
 
 

@@ -1,22 +1,20 @@
-"""The loop-free kernels of :mod:`sparkjax.tree` against their step-by-step references.
-
-* :func:`sparkjax.tree.accept` (all depths at once) equals :func:`sparkjax.tree.accept_walk` (the
-  ``fori_loop`` walk) and the NumPy walk of :mod:`sparkjax.reference` on random trees with duplicate
-  sibling tokens, padding and truncated walks.
-
-Jitted functions are module-level with fixed shapes, so hypothesis examples do not recompile.
-"""
+"""The loop-free kernels of :mod:`sparkjax.tree` against their step-by-step references (accept, the beam's
+preorder, the two-stage top-k), Markov-aware candidates, ``widths="auto"`` profiles and the tree options of the
+methods. Jitted functions are module-level with fixed shapes, so hypothesis examples do not recompile."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparkjax import reference as ref
-from sparkjax import tree
+from sparkjax import generate, reference, tree
+from sparkjax.engine import drafting
+from sparkjax.engine.methods import Tree, parse_method
+from sparkjax.errors import ArgumentError
 
 M = 24  # nodes of the random trees
 DEPTHS = (1, 3, 6, M)  # walk lengths (max_depth) tried on every tree
@@ -26,16 +24,12 @@ PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 @jax.jit
 def accept_all(parents, tokens, posterior):
-    """Every variant at every walk length: (vectorised, vectorised with the verify mask, walk) per depth."""
-    out = []
-    full = tree.visibility(parents)  # complete rows at any depth
-    for d in DEPTHS:
-        out.append((
-            tree.accept(parents, tokens, posterior, max_depth=d),
-            tree.accept(parents, tokens, posterior, max_depth=d, mask=full),
-            tree.accept_walk(parents, tokens, posterior, max_depth=d),
-        ))
-    return out
+    """The visibility (default max_depth = M), then every variant at every walk length: (vectorised, vectorised
+    with the verify mask, walk) per depth."""
+    full = tree.visibility(parents)
+    return full, [(tree.accept(parents, tokens, posterior, max_depth=d),
+                   tree.accept(parents, tokens, posterior, max_depth=d, mask=full),
+                   tree.accept_walk(parents, tokens, posterior, max_depth=d)) for d in DEPTHS]
 
 
 def random_tree(rng: np.random.Generator, shape: str) -> tuple[np.ndarray, np.ndarray]:
@@ -68,8 +62,9 @@ def test_accept_equals_walk(seed, shape, p_follow):
     parents, tokens = random_tree(rng, shape)
     posterior = rng.integers(0, 4, size=M + 1).astype(np.int32)
     follow(rng, parents, tokens, posterior, p_follow)
-    results = jax.tree.map(np.asarray, accept_all(parents, tokens, posterior))
-    want_path, want_bonus = ref.accept_walk(parents, tokens, posterior)
+    vis, results = jax.tree.map(np.asarray, accept_all(parents, tokens, posterior))
+    np.testing.assert_array_equal(vis, reference.ancestor_mask(parents))
+    want_path, want_bonus = reference.accept_walk(parents, tokens, posterior)
     for d, (vec, vec_mask, walk) in zip(DEPTHS, results, strict=True):
         for got in (vec, vec_mask):
             np.testing.assert_array_equal(got.indices, walk.indices, err_msg=f"max_depth={d}")
@@ -91,31 +86,6 @@ def test_accept_duplicate_siblings_lowest_index_wins():
     acc = jax.tree.map(np.asarray, tree.accept(parents, np.full(5, -1, np.int32), posterior, max_depth=2))
     np.testing.assert_array_equal(acc.indices, [0, -1, -1])
     assert int(acc.length) == 1 and int(acc.bonus) == posterior[0]
-
-
-def test_accept_batched_like_the_engine():
-    """vmap over a batch with the verify mask, as engine/round.py calls it, equals per-sequence walks."""
-    rng = np.random.default_rng(0)
-    trees = [random_tree(rng, s) for s in ("chain", "bushy", "deep", "bushy")]
-    parents = np.stack([p for p, _ in trees])
-    tokens = np.stack([t for _, t in trees])
-    posterior = rng.integers(0, 4, size=(4, M + 1)).astype(np.int32)
-    for b in range(4):
-        follow(rng, parents[b], tokens[b], posterior[b], 1.0)
-
-    @jax.jit
-    def batched(parents, tokens, posterior):
-        masks = jax.vmap(tree.visibility, in_axes=(0, None))(parents, M)
-        return jax.vmap(lambda p, t, q, m: tree.accept(p, t, q, M, mask=m))(parents, tokens, posterior, masks)
-
-    got = batched(parents, tokens, posterior)
-    lengths = []
-    for b in range(4):
-        want = tree.accept_walk(parents[b], tokens[b], posterior[b], max_depth=M)
-        for field in tree.Accepted._fields:
-            np.testing.assert_array_equal(np.asarray(getattr(got, field))[b], np.asarray(getattr(want, field)))
-        lengths.append(int(want.length))
-    assert max(lengths) > 1  # the posteriors follow paths, so something is accepted
 
 
 @jax.jit
@@ -151,9 +121,6 @@ def test_preorder_ranks_paths_lexicographically(seed):
         if i == 1:
             assert sorted(pre.tolist()) == list(range(pre.size))
 
-
-# ----------------------------------------------------------------------------------------------------------
-# two-stage top-k
 
 TOPK_KS = (1, 5, 8)
 
@@ -222,3 +189,155 @@ def test_expand_with_traced_widths_keeps_what_static_widths_keep(seed, widths):
         for got, want in zip(traced[1:], static[1:], strict=True):
             np.testing.assert_array_equal(got[depth][:m][kept], want[depth][kept])
         assert np.all(traced[0][depth][m:] == -np.inf)
+
+
+def _logits(seed, d=5, v=40):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(d, v)) * 3, jnp.float32), jnp.asarray(rng.normal(size=(d, v)) * 3, jnp.float32)
+
+
+def test_merge_candidates_keeps_the_first_distinct_valid_tokens():
+    pool = jnp.asarray([5, 3, 5, 9, 3, 1, 7, 2], jnp.int32)
+    valid = jnp.asarray([True, True, True, False, True, True, True, True])
+    out = np.asarray(tree.merge_candidates(pool, valid, 4))
+    # walk the pool by hand: 5 kept, 3 kept, 5 duplicate, 9 invalid, 3 duplicate, 1 kept, 7 kept
+    assert out.tolist() == [5, 3, 1, 7]
+
+
+@pytest.mark.parametrize("mode", tree.CANDIDATE_MODES)
+@pytest.mark.parametrize("top_c", [1, 8, 40])
+def test_markov_candidates_shapes_and_contents(mode, top_c):
+    base, corr = _logits(top_c)
+    out = np.asarray(jax.jit(tree.markov_candidates, static_argnums=(2, 3))(base, corr, top_c, mode))
+    c = min(top_c, base.shape[1])
+    assert out.shape == (base.shape[0], c) and out.dtype == np.int32
+    for row in out:
+        assert len(set(row.tolist())) == c  # distinct tokens
+    base_top = np.argsort(-np.asarray(base), axis=1, kind="stable")[:, :c]
+    corr_top = np.argsort(-np.asarray(corr), axis=1, kind="stable")[:, :c]
+    if mode == "base":
+        np.testing.assert_array_equal(out, base_top)
+    elif mode == "corrected":
+        np.testing.assert_array_equal(out, corr_top)
+    else:
+        np.testing.assert_array_equal(out[0], corr_top[0])  # depth 1: the exact corrected row
+        k = max(1, c // 4)
+        for d in range(1, out.shape[0]):
+            want = list(dict.fromkeys(corr_top[d, :k].tolist() + base_top[d].tolist()))[:c]
+            assert out[d].tolist() == want
+            assert np.argmax(np.asarray(corr[d])) in out[d]  # the corrected argmax is always reachable
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    budget=st.integers(1, 300),
+    depth=st.integers(1, 12),
+    rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=14),
+    top_c=st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_auto_widths_sum_to_the_budget_without_gaps(budget, depth, rates, top_c):
+    reach = None if top_c is None else sum(top_c**k for k in range(1, depth + 1))
+    if reach is not None and budget > reach:
+        with pytest.raises(ArgumentError, match="budget"):
+            tree.auto_widths(budget, depth, tuple(rates), top_c)
+        return
+    w = tree.auto_widths(budget, depth, tuple(rates), top_c)
+    assert len(w) == depth and sum(w) == budget and all(x >= 0 for x in w)
+    first_zero = w.index(0) if 0 in w else depth
+    assert not any(w[first_zero:])
+    if top_c is not None:
+        assert all(x <= top_c ** (i + 1) for i, x in enumerate(w))
+        assert all(w[i] <= w[i - 1] * top_c for i in range(1, depth))
+
+
+def test_auto_widths_follow_the_rates():
+    # a sure first depth needs one node; a coin-flip depth gets more; a hopeless tail gets what is left
+    w = tree.auto_widths(10, 3, (1.0, 0.5, 0.0))
+    assert w[0] == 1 and w[1] > w[2] and sum(w) == 10
+    assert tree.auto_widths(4, 8, (1.0,)) == (1, 1, 1, 1, 0, 0, 0, 0)  # a sure chain: one node per depth
+    assert all(0.0 <= x <= 1.0 for x in tree.DEMO_DEPTH_RATES)  # the default profile
+    assert tree.auto_widths(64, 16) == tree.auto_widths(64, 16, tree.DEMO_DEPTH_RATES)
+
+
+def test_tree_options_validate():
+    assert Tree("sparklingtree", candidates="base").candidates == "base"
+    assert Tree("sparklingtree").candidates == "union" and Tree("sparklingtree-beam").candidates == "union"
+    assert Tree("ddtree").candidates == "base"
+    assert parse_method("sparklingtree@16", candidates="corrected") == Tree("sparklingtree", 16, candidates="corrected")
+    assert parse_method("sparklingtree-beam", widths="auto").widths == "auto"
+    for name, call in [
+        ("candidates", lambda: Tree("sparklingtree", candidates="both")),
+        ("candidates", lambda: Tree("ddtree", candidates="union")),  # no Markov head to follow
+        ("candidates", lambda: parse_method("dspark", candidates="union")),
+        ("candidates", lambda: parse_method(Tree("sparklingtree"), candidates="union")),
+        ("widths", lambda: parse_method("sparklingtree", widths="auto")),
+        ("widths", lambda: parse_method("sparklingtree-beam", widths="uneven")),
+    ]:
+        with pytest.raises(ArgumentError, match=name):
+            call()
+
+
+@pytest.fixture(scope="module")
+def prompts(ref):  # test_decode's three prompts: the same compiled AR program
+    p = ref["a.prompt_ids"][0].tolist()
+    return [p, np.random.default_rng(7).integers(0, 300, 13).tolist(), p[:19]]
+
+
+@pytest.fixture(scope="module")
+def ar(pair, prompts):
+    return generate(pair[0], None, prompts, max_new_tokens=24).tokens
+
+
+# sparklingtree's default (union candidates) is test_decode's test_greedy_equals_ar_on_fixture_pair[sparklingtree-8]
+@pytest.mark.parametrize("method,kw", [
+    pytest.param("sparklingtree", {"candidates": "corrected"}, marks=pytest.mark.slow),
+    ("sparklingtree-beam", {"candidates": "union", "widths": "auto"}),
+    pytest.param("sparklingtree-beam", {"widths": "auto", "candidates": "base"}, marks=pytest.mark.slow),
+])
+def test_greedy_equals_ar_with_tree_options(pair, prompts, ar, method, kw):
+    target, drafter = pair
+    out = generate(target, drafter, prompts, method=method, budget=8, max_new_tokens=24, **kw)
+    assert out.tokens == ar
+    assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
+
+
+def test_union_candidates_contain_the_dspark_chain(pair, ref):
+    """On a real round of the fixture pair: every depth's union candidates hold the greedy DSpark chain's token
+    (the corrected argmax for the chain's parent), at static shapes."""
+    target, drafter = pair
+    cfg = drafter.config
+    ids = jnp.asarray(ref["a.prompt_ids"][:1], jnp.int32)
+    p = ids.shape[1] - 1
+
+    @jax.jit
+    def round_candidates(ids):
+        tout = target(ids, jnp.arange(ids.shape[1], dtype=jnp.int32)[None], hidden_layers=cfg.target_layer_ids,
+                      compute_logits=False)
+        feats = drafting.features_from_hidden(tout.hidden)
+        ctx = drafting.append_context(drafter, drafter.init_context(1, 64), feats[:, :p], jnp.array([p]))
+        x0 = ids[:, p]
+        blk = drafting.draft_block(drafter, ctx, x0, jnp.array([p]))
+        chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x0)
+        base = drafting.aligned_logits(drafter, blk.logits)[0]
+        one = drafting.markov_chain_fixed_point(drafter, blk.logits, blk.hidden, x0, max_passes=1)[0]
+        full = drafting.markov_chain_fixed_point(drafter, blk.logits, blk.hidden, x0, max_passes=cfg.block_size)
+        return (chain.tokens[0], [tree.markov_candidates(base, chain.logits[0], c, "union") for c in (2, 8)],
+                chain, one, full, blk)
+
+    chain, cands, exact, one, (full, passes), blk = round_candidates(ids)
+    x0 = ids[:, p]
+    for mode, want in (("scan", exact), ("fixed_point", one)):  # what the tree's candidates read, per backend
+        # jitted per mode: op by op, the two calls took most of this test's time
+        got = jax.jit(lambda lg, h, x, m=mode: drafting.candidate_chain_logits(drafter, lg, h, x, mode=m))(
+            blk.logits, blk.hidden, x0)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want.logits), rtol=1e-5, atol=1e-4)
+    # the unrolled passes: G passes are the sequential chain; one pass corrects slot 0 exactly (its prev is x_start)
+    np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(exact.tokens))
+    assert 1 <= int(passes) <= cfg.block_size
+    np.testing.assert_allclose(np.asarray(one.logits[:, 0]), np.asarray(exact.logits[:, 0]), rtol=1e-5, atol=1e-5)
+    assert one.logits.shape == exact.logits.shape
+    for c, cand in zip((2, 8), cands, strict=True):
+        cand = np.asarray(cand)
+        assert cand.shape == (cfg.block_size, c)
+        for d, tok in enumerate(np.asarray(chain)):
+            assert tok in cand[d]

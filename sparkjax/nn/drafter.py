@@ -1,15 +1,13 @@
 """DSpark and DFlash block drafters as Flax NNX modules.
 
 A drafter reads *context features* (the target hidden states ``hidden_states[l + 1]`` for ``l`` in
-``target_layer_ids``, concatenated: ``F = len(ids) * D``) and a block ``[x_start, MASK, ..., MASK]``. Per
-layer the context is projected once (``hidden_norm(fc(features))``) and goes through ``k_proj`` /
-``v_proj`` / ``k_norm`` and RoPE at its own positions (the rows the :class:`~sparkjax.cache.ContextCache`
-keeps); the block's queries see the context rows its mask allows and every slot of the block. A DSpark
-drafter owns ``embed_tokens`` / ``lm_head``; a DFlash drafter uses the target's (pass ``target=``).
-Heads (DSpark only): the Markov head adds ``W2 . f(prev)`` to the base logits (``f(prev) = W1[prev]``, or
-gated ``W1[prev] * sigmoid(gate_proj([h ; W1[prev]]))``); the confidence head is ``Linear([h ; W1[prev]]
--> 1)`` (or ``[h]`` alone), read through a sigmoid. Parameter paths mirror the DeepSpec checkpoint keys
-(:data:`sparkjax.io.keymaps.DRAFTER_KEYS`).
+``target_layer_ids``, concatenated: ``F = len(ids) * D``), projected once (``hidden_norm(fc(features))``) and
+keyed per layer at their own positions (the rows the :class:`~sparkjax.cache.ContextCache` keeps), and a block
+``[x_start, MASK, ..., MASK]`` whose queries see the context rows its mask allows and the whole block. A DSpark
+drafter owns ``embed_tokens`` / ``lm_head`` and may have a Markov head (``W2 . f(prev)`` added to the base
+logits, ``f(prev) = W1[prev]`` or gated by ``sigmoid(gate_proj([h ; W1[prev]]))``) and a confidence head
+(``Linear([h (; W1[prev])] -> 1)``); a DFlash drafter uses the target's (pass ``target=``). Parameter paths
+mirror the DeepSpec checkpoint keys (:data:`sparkjax.io.keymaps.DRAFTER_KEYS`).
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ from flax import nnx
 from ..cache import ContextCache, scatter_rows
 from ..config import DrafterConfig
 from ..errors import ArgumentError
-from .layers import CacheMask, Embed, Linear, RMSNorm, apply_rope, attend, attention_fn, init_normal, rope_cos_sin
-from .qwen3 import DecoderLayer, LMHead
+from .layers import CacheMask, Embed, Linear, LMHead, RMSNorm, apply_rope, attention_fn, init_normal, rope_cos_sin
+from .qwen3 import DecoderLayer
 
 Array = jax.Array
 
@@ -35,13 +33,6 @@ class Table(nnx.Module):
 
     def __init__(self, rows: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.weight = nnx.Param(init_normal(rngs, (rows, dim), dtype), axes=("vocab", None))
-
-    def lookup(self, ids: Array) -> Array:
-        return jnp.take(self.weight[...], ids, axis=0)
-
-    def project(self, x: Array) -> Array:
-        """``x [..., R] -> [..., V]``: ``x @ weight.T`` accumulated in float32."""
-        return jnp.einsum("...r,vr->...v", x, self.weight[...], preferred_element_type=jnp.float32)
 
 
 class MarkovHead(nnx.Module):
@@ -61,7 +52,7 @@ class MarkovHead(nnx.Module):
 
     def prev_embeddings(self, prev: Array) -> Array:
         """``W1[prev]``: ``[...] -> [..., R]``."""
-        return self.markov_w1.lookup(prev)
+        return jnp.take(self.markov_w1.weight[...], prev, axis=0)
 
     def features(self, hidden: Array, prev: Array) -> Array:
         """Parent features ``f(prev)`` ``[..., C, R]`` for hidden ``[..., D]`` and prev ids ``[..., C]``."""
@@ -76,8 +67,8 @@ class MarkovHead(nnx.Module):
         return gate.astype(e.dtype) * e
 
     def bias(self, feats: Array) -> Array:
-        """``W2 . f`` in float32: ``[..., R] -> [..., V]``."""
-        return self.markov_w2.project(feats)
+        """``W2 . f`` accumulated in float32: ``[..., R] -> [..., V]``."""
+        return jnp.einsum("...r,vr->...v", feats, self.markov_w2.weight[...], preferred_element_type=jnp.float32)
 
 
 class ConfidenceHead(nnx.Module):
@@ -115,10 +106,8 @@ class DrafterLayer(DecoderLayer):
         """Keys/values of projected context rows ``[B, S, D]`` (no input_layernorm), RoPE'd at their positions."""
         return self.self_attn.keys_values(ctx, cos, sin)
 
-    def block(
-        self, x: Array, cos: Array, sin: Array, ctx_k: Array, ctx_v: Array, ctx_mask: Array, block_mask: Array,
-        attention=attend,
-    ) -> tuple[Array, Array, Array]:
+    def block(self, x: Array, cos: Array, sin: Array, ctx_k: Array, ctx_v: Array, ctx_mask: Array, block_mask: Array,
+              attention: Callable) -> tuple[Array, Array, Array]:
         """The layer over the block; returns ``(x, ctx_k, ctx_v)``. A :class:`CacheMask` ``ctx_mask`` with a
         ``block`` first writes the block's keys/values into the context buffers at ``lengths`` and attends
         them there as one part (``block_mask`` unused); otherwise the block is a second part."""
@@ -156,7 +145,6 @@ class Drafter(nnx.Module):
     def dtype(self):
         return self.norm.weight.get_value().dtype
 
-    # ------------------------------------------------------------------ pieces
     def _check_target(self, target, what: str):
         if self.config.kind == "dflash" and target is None:
             raise ArgumentError(f"{what}: a DFlash drafter uses the target's embedding and LM head; pass target=")
@@ -226,18 +214,8 @@ class Drafter(nnx.Module):
         c = self.config
         return ContextCache.zeros(c.num_hidden_layers, batch, size, c.num_key_value_heads, c.head_dim, self.dtype)
 
-    def run_block(
-        self,
-        x: Array,
-        positions: Array,
-        ctx_k: Array,
-        ctx_v: Array,
-        ctx_mask: Array,
-        block_mask: Array,
-        *,
-        return_layers: bool = False,
-        attention: str | Callable = "auto",
-    ) -> BlockOutput:
+    def run_block(self, x: Array, positions: Array, ctx_k: Array, ctx_v: Array, ctx_mask: Array, block_mask: Array, *,
+                  return_layers: bool = False, attention: str | Callable = "auto") -> BlockOutput:
         """The decoder stack over block embeddings ``x [B, Q, D]`` at ``positions [B, Q]``: context rows
         ``ctx_k``/``ctx_v`` per layer ``[B, K, S, H]`` (heads-major; a tuple, or stacked ``[L, B, K, S, H]``),
         ``ctx_mask`` ``[B, Q, S]`` (or a :class:`~sparkjax.nn.layers.CacheMask` of the context lengths) and
@@ -256,26 +234,15 @@ class Drafter(nnx.Module):
         return BlockOutput(self.norm(x), jnp.stack(outs) if return_layers else None,
                            *((tuple(new_k), tuple(new_v)) if _block_in_cache(ctx_mask) else (None, None)))
 
-    def __call__(
-        self,
-        features: Array,
-        feature_positions: Array,
-        tokens: Array,
-        positions: Array,
-        mask: Array,
-        *,
-        target=None,
-        return_layers: bool = False,
-        attention: str | Callable = "auto",
-    ) -> BlockOutput:
+    def __call__(self, features: Array, feature_positions: Array, tokens: Array, positions: Array, mask: Array, *,
+                 target=None, return_layers: bool = False, attention: str | Callable = "auto") -> BlockOutput:
         """Cache-free forward (training): context ``features [B, S, F]`` at ``feature_positions [B, S]``,
         block ``tokens [B, Q]`` at ``positions [B, Q]``, boolean ``mask [B, Q, S + Q]`` (context columns, then
         block slots; True = visible). Returns the final-normed block hidden states ``[B, Q, D]``."""
         s = features.shape[1]
         if mask.shape[-1] != s + tokens.shape[1]:
-            raise ArgumentError(
-                f"mask: last axis has {mask.shape[-1]} columns, expected S + Q = {s} + {tokens.shape[1]}"
-            )
+            raise ArgumentError(f"mask: last axis has {mask.shape[-1]} columns, expected S + Q = {s} + "
+                                f"{tokens.shape[1]}")
         k, v = self.context_kv(features, feature_positions)
         k, v = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)  # heads-major, as run_block takes them
         x = self.embed(tokens, target)

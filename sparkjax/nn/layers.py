@@ -42,22 +42,13 @@ class RMSNorm(nnx.Module):
 class Linear(nnx.Module):
     """A dense layer ``x @ kernel (+ bias)`` whose kernel is ``[in, *out_shape]``."""
 
-    def __init__(
-        self,
-        in_dim: int,
-        out_shape: tuple[int, ...],
-        axes: tuple[str | None, ...],
-        *,
-        use_bias: bool = False,
-        rngs: nnx.Rngs,
-        dtype=jnp.float32,
-    ):
+    def __init__(self, in_dim: int, out_shape: tuple[int, ...], axes: tuple[str | None, ...], *, use_bias: bool = False,
+                 rngs: nnx.Rngs, dtype=jnp.float32):
         self.kernel = nnx.Param(init_normal(rngs, (in_dim, *out_shape), dtype), axes=axes)
         self.bias = nnx.Param(jnp.zeros(out_shape, dtype), axes=axes[1:]) if use_bias else None
 
     def __call__(self, x: Array) -> Array:
-        kernel = self.kernel[...]
-        y = jnp.tensordot(x, kernel, axes=((x.ndim - 1,), (0,)))
+        y = jnp.tensordot(x, self.kernel[...], axes=((x.ndim - 1,), (0,)))
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -88,6 +79,16 @@ class Embed(nnx.Module):
 
     def attend(self, x: Array) -> Array:
         return jnp.einsum("...d,vd->...v", x, self.embedding[...])
+
+
+class LMHead(nnx.Module):
+    """An untied output head, stored like an embedding table ``[V, D]`` (transformers' layout)."""
+
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.weight = nnx.Param(init_normal(rngs, (vocab, dim), dtype), axes=("vocab", "embed"))
+
+    def __call__(self, x: Array) -> Array:
+        return jnp.einsum("...d,vd->...v", x, self.weight[...])
 
 
 class MLP(nnx.Module):
@@ -450,12 +451,10 @@ def attend_split(q: Array, parts: list[tuple[Array, Array, Array | CacheMask]], 
                  block_slots: int = BLOCK_SLOTS) -> Array:
     """:func:`attend` as separate pieces merged exactly through their log-sum-exps.
 
-    A part whose mask is a :class:`CacheMask` reads the heads-major cache in place. Without a ``block`` it is
-    one prefix piece over slots ``[0, lengths[b])`` with no mask: cuDNN flash attention with key lengths on a
-    GPU for bf16 / f16, elsewhere an online softmax in ``block_slots`` chunks up to the longest prefix. With a
-    ``block``, on such a GPU it is one cuDNN call over slots ``[0, lengths[b] + T)`` under the dense mask (the
-    block's own rows are already in the cache), and elsewhere that prefix piece merged with a masked piece over
-    the block's ``T`` rows read from slots ``lengths[b] ..``. Any other part is one masked piece.
+    A :class:`CacheMask` part reads the heads-major cache in place: its prefix ``[0, lengths[b])`` unmasked (cuDNN
+    with key lengths on a GPU for bf16 / f16, else an online softmax in ``block_slots`` chunks) and, with a
+    ``block``, the block's rows at slots ``lengths[b] ..`` (on such a GPU one cuDNN call under the dense mask, else
+    a masked piece merged with the prefix). Any other part is one masked piece.
     """
     b, t, n, h = q.shape
     kh = parts[0][0].shape[1]

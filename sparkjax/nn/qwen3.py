@@ -15,29 +15,9 @@ from flax import nnx
 from ..cache import KVCache, causal_block
 from ..config import Qwen3Config
 from ..errors import ArgumentError
-from .layers import (
-    MLP,
-    AttentionProjections,
-    CacheMask,
-    Embed,
-    RMSNorm,
-    attend,
-    attention_fn,
-    init_normal,
-    rope_cos_sin,
-)
+from .layers import MLP, AttentionProjections, CacheMask, Embed, LMHead, RMSNorm, attend, attention_fn, rope_cos_sin
 
 Array = jax.Array
-
-
-class LMHead(nnx.Module):
-    """An untied output head, stored like an embedding table ``[V, D]`` (transformers' layout)."""
-
-    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.weight = nnx.Param(init_normal(rngs, (vocab, dim), dtype), axes=("vocab", "embed"))
-
-    def __call__(self, x: Array) -> Array:
-        return jnp.einsum("...d,vd->...v", x, self.weight[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -61,8 +41,7 @@ class DecoderLayer(nnx.Module):
         else:  # no cache, or a fresh one holding nothing before the block: attend to the block alone
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         x = x + self.self_attn.o_proj(attention(q, [(k, v, mask)]))
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 @jax.tree_util.register_dataclass
@@ -100,19 +79,9 @@ class Qwen3(nnx.Module):
         c = self.config
         return KVCache.zeros(c.num_hidden_layers, batch, size, c.num_key_value_heads, c.head_dim, self.dtype)
 
-    def __call__(
-        self,
-        tokens: Array,
-        positions: Array,
-        *,
-        cache: KVCache | None = None,
-        mask: Array | None = None,
-        hidden_layers: tuple[int, ...] = (),
-        logits_at: Array | None = None,
-        compute_logits: bool = True,
-        fresh_cache: bool = False,
-        attention: str | Callable = "auto",
-    ) -> Qwen3Output:
+    def __call__(self, tokens: Array, positions: Array, *, cache: KVCache | None = None, mask: Array | None = None,
+                 hidden_layers: tuple[int, ...] = (), logits_at: Array | None = None, compute_logits: bool = True,
+                 fresh_cache: bool = False, attention: str | Callable = "auto") -> Qwen3Output:
         """Runs the decoder over new tokens ``[B, T]`` at ``positions`` ``[B, T]``.
 
         With a cache, the new keys/values are written at ``cache.lengths`` (left for the caller to advance)
