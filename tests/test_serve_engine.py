@@ -74,8 +74,8 @@ def solo(random_pair):
     return lambda name, prompt, n: tokens(name, tuple(prompt), n)
 
 
-@pytest.mark.parametrize("name", ["sparklingtree@16", "auto", pytest.param("dspark", marks=pytest.mark.slow),
-                                  pytest.param("ar", marks=pytest.mark.slow)])  # the chain and ar: in the slow run
+@pytest.mark.parametrize("name", ["sparklingtree@16", *(pytest.param(n, marks=pytest.mark.slow) for n in (
+    "auto", "dspark", "ar"))])  # auto, the chain and ar: in the slow run (auto's pool exactness stays, below)
 def test_greedy_tokens_equal_solo_generate_whenever_a_request_joins(engines, solo, name):
     """A long request runs; another joins after each of its rounds (one round per visit), so requests enter at
     every round offset and share the pool with up to two others; each one's tokens are generate's alone."""
