@@ -509,7 +509,8 @@ class Engine:
             return
         hot = bool(any(self._slot_temp[i] > 0 for i in occupied))
         size = next(s for s in self.visit_sizes if s >= len(occupied))
-        free = [i for i in range(self.slots) if i not in set(occupied)]
+        taken = set(occupied)
+        free = [i for i in range(self.slots) if i not in taken]
         rows = np.asarray(sorted(occupied + free[: size - len(occupied)]), np.int32)
         self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0, hot, rows)
         v = jax.device_get(visit)
