@@ -10,7 +10,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from sparkjax.errors import TrainingError
+from sparkjax.errors import SparkjaxError, TrainingError
 
 TRAIN = pathlib.Path(__file__).resolve().parents[1] / "train"
 
@@ -216,6 +216,14 @@ def test_tokenizer_trains_saves_and_encodes_the_corpus(tmp_path, docs_root):
     corpus.write(str(tmp_path / "c"), train, held, manifest)
     assert tokmod.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "tok"), "--vocab", "400"]) == 0
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    mine = tmp_path / "mine"  # a folder of the user's is refused and kept; the tokenizer's own is replaced
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    trained = tokmod.train_tokenizer(str(tmp_path / "c"), 400)
+    with pytest.raises(SparkjaxError, match="mine"):
+        tokmod.save_tokenizer(trained, str(mine))
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    tokmod.save_tokenizer(trained, str(tmp_path / "tok"))
     assert [tok.convert_tokens_to_ids(t) for t in tokmod.SPECIALS] == [0, 1, 2, 3]
     assert tok.eos_token == "<|im_end|>" and len(tok) == 400
     text = tok.apply_chat_template([{"role": "user", "content": "2 + 2?"}], tokenize=False, add_generation_prompt=True)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
+
+from sparkjax.cli import run_cli
+from sparkjax.io.atomic import atomic_dir
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -57,10 +59,8 @@ def save_tokenizer(tok, out: str) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 4096
-    tmp = out.rstrip("/") + ".tmp"
-    fast.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_dir(out, overwrite=True) as tmp:  # replaces only a folder sparkjax wrote (or an empty one)
+        fast.save_pretrained(tmp)
 
 
 def encode(tok, path: str) -> np.ndarray:
@@ -82,6 +82,10 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(a.corpus, "train.jsonl")):
         print(f"error: {a.corpus}/train.jsonl is missing (run train/corpus.py first)", file=sys.stderr)
         return 2
+    return run_cli(lambda: _run(a))
+
+
+def _run(a) -> int:
     tok = train_tokenizer(a.corpus, a.vocab)
     save_tokenizer(tok, a.out)
     stats = {}
