@@ -48,6 +48,7 @@ def test_the_parser_round_trips_every_method_and_methods_know_what_they_need():
     (lambda: parse_method("ddtree@x"), "method"),
     (lambda: parse_method("ddtree@8", budget=8), "budget"),
     (lambda: parse_method("ar", budget=8), "budget"),
+    (lambda: parse_method("dspark", budget=8), "budget"),  # a chain drafts one node per depth
     (lambda: parse_method("dflash", top_c=8), "top_c"),
     (lambda: parse_method(Tree(), budget=8), "budget"),
     (lambda: PCTree(k=0), "k"),
