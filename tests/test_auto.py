@@ -417,6 +417,7 @@ def test_bad_auto_memory_names_the_argument(random_pair):
         assert words in str(e.value), (kw, e.value)
 
 
+@pytest.mark.slow
 def test_eval_engine_carries_auto_memory_per_chain(random_pair, ar_tokens, monkeypatch):
     """The eval's engine keeps the memory of each chain (batch size, repetition) of method auto, and none without
     carry_auto or for other methods; its default auto takes the table for its shape (here a hand-made one)."""
@@ -478,6 +479,7 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
     assert busy.seconds[1] == pytest.approx(1e-3 / costs.PROFILE_ROUNDS) and min(busy.seconds) > 0
 
 
+@pytest.mark.slow
 def test_profile_costs_save_load_and_unreadable_tables(random_pair, ar_tokens, tmp_path):
     target, drafter = random_pair
     tab = profile_costs(target, drafter, method=Auto(sizes=(0, "chain")), batch_size=2, cache_size=64, repeats=1)

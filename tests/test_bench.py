@@ -233,6 +233,7 @@ def _check_rows(rows, labels, batches, accept):
         assert r["writeup_speedup"] == 4.29
 
 
+@pytest.mark.slow
 def test_scale_on_the_tiny_preset(tmp_path, capsys):  # the AR step and a forced chain round, JSON written
     out = tmp_path / "scale.json"
     assert main(["scale", "--preset", "tiny", "--methods", "dflash", "--batches", "2", "--accept", "3",

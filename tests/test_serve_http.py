@@ -38,6 +38,7 @@ MAX_NEW = 96  # room for the long requests that keep slots busy (cache 256 with 
 QUEUE = 32
 CONCURRENT = 24
 BODY_LIMIT = 4096
+SIZES = (0, "chain", 8, 16)  # auto's plain step, chain and two trees (its default adds trees of 32 and 64 nodes)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def pair():
 def pool_table(pair):
     """A fixed pool cost table (profiling is tested elsewhere): drafted rounds cost little more than a plain step,
     least with few active slots, so the server's auto drafts (chains or trees) as requests come and go."""
-    labels = Auto().resolve(pair.dspark).labels()
+    labels = Auto(sizes=SIZES).resolve(pair.dspark).labels()
     k = len(labels)
 
     def table(drafted):
@@ -59,7 +60,7 @@ def pool_table(pair):
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    eng = Engine(pair.target, pair.dspark, method=Auto(table=pool_table(pair)), slots=SLOTS,
+    eng = Engine(pair.target, pair.dspark, method=Auto(sizes=SIZES, table=pool_table(pair)), slots=SLOTS,
                  max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
                  eos_token_ids=pair.eos_token_ids, visit_sizes=(SLOTS,))  # packed visits: tests/test_serve_engine
     eng.start()

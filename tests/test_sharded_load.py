@@ -163,6 +163,7 @@ def _rss_model(tmp_path) -> tuple[str, dict]:
     return str(folder), sizes
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="peak RSS is read from /proc/self/status")
 def test_load_peak_host_memory_is_model_plus_about_one_tensor(tmp_path):
     """Loading a 170 MB float32 model (largest tensor 2 MB) grows peak RSS by the model plus a small margin, far
