@@ -289,10 +289,9 @@ def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
             np.testing.assert_allclose(np.stack(got)[:, b, :, :n], np.stack(want)[:, b, :, :n], rtol=1e-5, atol=1e-5)
 
 
-# both batch sizes and both decide modes in the default run; the other two pairings are slow
-@pytest.mark.parametrize(("batch", "decide"), [(3, "previous"), (1, "draft"),
-                                               pytest.param(1, "previous", marks=pytest.mark.slow),
-                                               pytest.param(3, "draft", marks=pytest.mark.slow)])
+# the default run: batch 3, decide="previous" (decide="draft" in a pool: tests/test_serve_engine.py); the rest slow
+@pytest.mark.parametrize(("batch", "decide"), [(3, "previous"), *(
+    pytest.param(b, d, marks=pytest.mark.slow) for b, d in ((1, "draft"), (1, "previous"), (3, "draft")))])
 def test_greedy_auto_equals_ar(random_pair, ar_tokens, decide, batch):
     target, drafter = random_pair
     prompts = PROMPTS3[:batch]
@@ -340,7 +339,7 @@ def test_instrumented_and_stream_auto_match(random_pair, ar_tokens):
 # ----------------------------------------------------------------------------- the memory carried across generations
 
 
-@pytest.mark.slow  # the default run keeps a carried memory's exactness in the first-round and no-transfer tests
+@pytest.mark.slow  # the default run keeps a carried memory's exactness in the traced-input test
 @pytest.mark.parametrize("batch", [1, 3])
 def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, ar_tokens, batch):
     """A chain of generations, each from the last one's memory (host copies, across batch sizes too): the tokens
@@ -358,6 +357,7 @@ def test_auto_memory_carries_across_generations_and_stays_exact(random_pair, ar_
     assert generate(target, drafter, PROMPTS3[:1], method="dspark", max_new_tokens=8).auto_memory is None
 
 
+@pytest.mark.slow
 def test_memory_and_table_set_the_first_round_state_and_plain_steps(random_pair, ar_tokens):
     """init_state from a memory (its calibration, predictions, gap; a probe due at once) or fresh; a memory of
     drafts accepting nothing makes every round a plain step, cheap drafts in a fresh start draft. When no drafted

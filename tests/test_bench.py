@@ -160,6 +160,7 @@ def test_fused_attention_model_is_one_kernel_charged_its_operands_and_output():
     assert tally.flops == 4 * b * t * n * h * (s1 + s2)
 
 
+@pytest.mark.slow
 def test_round_on_the_tiny_preset(tmp_path, capsys):
     out, js = tmp_path / "round.txt", tmp_path / "round.json"
     assert main(["round", "--preset", "tiny", "--batches", "1", "--methods", "ar,dspark", "--context", "64",

@@ -89,7 +89,8 @@ def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
         assert out.tokens == ar, method
 
 
-def test_batch_one_stream_instrumented_and_no_host_transfer(pair, prompts3, ar3):
+@SLOW
+def test_batch_one_stream_and_instrumented(pair, prompts3, ar3):
     target, drafter = pair
     out = generate(target, drafter, [prompts3[0]], method="sparklingtree", budget=8, max_new_tokens=NEW)
     assert out.tokens == [ar3[0]]
@@ -99,6 +100,10 @@ def test_batch_one_stream_instrumented_and_no_host_transfer(pair, prompts3, ar3)
     assert inst.tokens == ar3
     assert set(inst.stage_seconds) == {"draft", "tree", "verify", "commit"}
     assert all(v > 0 for v in inst.stage_seconds.values())
+
+
+def test_a_generation_transfers_nothing_to_the_host(pair, prompts3):
+    target, drafter = pair
     jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW))
     with jax.transfer_guard_device_to_host("disallow"):  # the generation itself syncs nothing
         res = jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree", budget=8,
@@ -109,9 +114,9 @@ def test_batch_one_stream_instrumented_and_no_host_transfer(pair, prompts3, ar3)
 # ----------------------------------------------------------------------------- random pairs, sampling
 
 
-# the fixture pair runs every method in the default run; on the random pair the default run keeps sparklingtree
-@pytest.mark.parametrize("method", ["sparklingtree", *(pytest.param(m, marks=SLOW) for m in (
-    "dflash", "dspark", "ddtree", "sparklingtree-beam", "pctree"))])
+# the fixture pair runs every method in the default run; the random pair in the slow run
+@SLOW
+@pytest.mark.parametrize("method", ["sparklingtree", "dflash", "dspark", "ddtree", "sparklingtree-beam", "pctree"])
 def test_greedy_equals_ar_on_random_pair(random_pair, method):
     target, drafter = random_pair
     ar = generate(target, None, PROMPTS3, max_new_tokens=NEW).tokens
@@ -172,9 +177,9 @@ def _auto(decide: str):
 
 
 @pytest.mark.parametrize(
-    "method,temperature", [("sparklingtree", 1.0), ("dspark", 0.6), ("auto-draft", 1.0)] + [
-        pytest.param(m, 1.0, marks=SLOW)
-        for m in ("ddtree", "dspark", "dflash", "sparklingtree-beam", "pctree", "auto-previous")]
+    "method,temperature", [("sparklingtree", 1.0)] + [pytest.param(m, t, marks=SLOW) for m, t in (
+        ("dspark", 0.6), ("auto-draft", 1.0), ("ddtree", 1.0), ("dspark", 1.0), ("dflash", 1.0),
+        ("sparklingtree-beam", 1.0), ("pctree", 1.0), ("auto-previous", 1.0))]
 )
 def test_sampling_is_lossless(random_pair, method, temperature):
     target, drafter = random_pair

@@ -67,6 +67,7 @@ def test_bundle_is_complete_and_small():
     assert info["corpus"]["sha256"]["train"] in card  # the card names the corpus it was trained on
 
 
+@pytest.mark.slow
 def test_transformers_loads_the_target_and_tokenizer(pair):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

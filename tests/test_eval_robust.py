@@ -449,6 +449,7 @@ def test_sigint_subprocess_at_several_moments(tmp_path, xla_cache):
         assert all(len(r["run_seconds"]) == 3 for r in res["records"]) and len(res["records"]) in (0, 2, 4)
 
 
+@pytest.mark.slow
 def test_no_pytorch_advisory_where_only_the_tokenizer_is_used():
     """transformers' "PyTorch was not found" advisory never shows where only its tokenizers are used (the eval,
     ``python -m sparkjax``); ``python -m sparkjax`` says one compile line per method and what its numbers mean."""

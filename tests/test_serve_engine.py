@@ -74,8 +74,8 @@ def solo(random_pair):
     return lambda name, prompt, n: tokens(name, tuple(prompt), n)
 
 
-@pytest.mark.parametrize("name", ["sparklingtree@16", *(pytest.param(n, marks=pytest.mark.slow) for n in (
-    "auto", "dspark", "ar"))])  # auto, the chain and ar: in the slow run (auto's pool exactness stays, below)
+@pytest.mark.slow  # the default run joins requests at different times over HTTP (tests/test_serve_http.py)
+@pytest.mark.parametrize("name", ["sparklingtree@16", "auto", "dspark", "ar"])
 def test_greedy_tokens_equal_solo_generate_whenever_a_request_joins(engines, solo, name):
     """A long request runs; another joins after each of its rounds (one round per visit), so requests enter at
     every round offset and share the pool with up to two others; each one's tokens are generate's alone."""
@@ -98,6 +98,7 @@ def test_greedy_tokens_equal_solo_generate_whenever_a_request_joins(engines, sol
     assert sum(m["verify_sizes"].values()) == m["rounds"] > 0
 
 
+@pytest.mark.slow  # a cancelled HTTP stream frees its slot: tests/test_serve_http.py
 def test_cancel_frees_the_slot_for_a_waiting_request(engines, solo):
     name = "sparklingtree@16"
     eng = engines(name)
@@ -249,7 +250,7 @@ def test_per_sequence_keys_draw_each_row_as_alone():
         assert (int(acc[b]), int(nxt[b])) == (int(one[0][0]), int(one[1][0]))
 
 
-@pytest.mark.parametrize("name", SAMPLED)
+@pytest.mark.parametrize("name", ["sparklingtree@16", pytest.param("dspark", marks=pytest.mark.slow)])
 def test_a_seeded_request_gets_the_same_tokens_alone_and_in_a_busy_pool(engines, solo, name):
     eng = engines(name)
     prompt = PROMPTS[0]

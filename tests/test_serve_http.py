@@ -1,5 +1,6 @@
 """The OpenAI-compatible server over HTTP: one live server on 127.0.0.1 (a free port, a background thread) with the
-demo pair and method auto, driven by the real ``openai`` client and by httpx.
+demo pair and a 16-node SparklingTree (auto in a pool: tests/test_serve_engine.py), driven by the real ``openai``
+client and by httpx.
 
 Greedy responses equal ``sparkjax.generate`` (the target's own greedy tokens) for that prompt alone, whatever shares
 the pool; a cancelled stream frees its slot; every refused request gets its 4xx and an OpenAI-style error body;
@@ -25,7 +26,6 @@ import pytest
 
 import sparkjax
 from sparkjax import demo
-from sparkjax.engine import Auto, CostTable, PoolCostTable
 from sparkjax.serve import Engine
 from sparkjax.serve.server import ServerThread, create_app, render_messages
 from sparkjax.text import encode_text
@@ -38,7 +38,7 @@ MAX_NEW = 96  # room for the long requests that keep slots busy (cache 256 with 
 QUEUE = 32
 CONCURRENT = 24
 BODY_LIMIT = 4096
-SIZES = (0, "chain", 8, 16)  # auto's plain step, chain and two trees (its default adds trees of 32 and 64 nodes)
+METHOD = "sparklingtree@16"
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +46,9 @@ def pair():
     return demo.load(dtype="float32")
 
 
-def pool_table(pair):
-    """A fixed pool cost table (profiling is tested elsewhere): drafted rounds cost little more than a plain step,
-    least with few active slots, so the server's auto drafts (chains or trees) as requests come and go."""
-    labels = Auto(sizes=SIZES).resolve(pair.dspark).labels()
-    k = len(labels)
-
-    def table(drafted):
-        return CostTable(labels, (1.0, *(drafted + 0.1 * i for i in range(k - 1))))
-
-    return PoolCostTable(SLOTS, (1, 2, SLOTS), (table(1.05), table(1.1), table(1.2)))
-
-
 @pytest.fixture(scope="module")
 def engine(pair):
-    eng = Engine(pair.target, pair.dspark, method=Auto(sizes=SIZES, table=pool_table(pair)), slots=SLOTS,
+    eng = Engine(pair.target, pair.dspark, method=METHOD, slots=SLOTS,
                  max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
                  eos_token_ids=pair.eos_token_ids, visit_sizes=(SLOTS,))  # packed visits: tests/test_serve_engine
     eng.start()

@@ -288,12 +288,10 @@ def ar(pair, prompts):
     return generate(pair[0], None, prompts, max_new_tokens=24).tokens
 
 
-# sparklingtree's default (union candidates) is test_decode's test_greedy_equals_ar_on_fixture_pair[sparklingtree-8]
-@pytest.mark.parametrize("method,kw", [
-    pytest.param("sparklingtree", {"candidates": "corrected"}, marks=pytest.mark.slow),
-    ("sparklingtree-beam", {"candidates": "union", "widths": "auto"}),
-    pytest.param("sparklingtree-beam", {"widths": "auto", "candidates": "base"}, marks=pytest.mark.slow),
-])
+@pytest.mark.slow  # the defaults of both tree methods: test_decode's test_greedy_equals_ar_on_fixture_pair
+@pytest.mark.parametrize("method,kw", [("sparklingtree", {"candidates": "corrected"}),
+                                       ("sparklingtree-beam", {"candidates": "union", "widths": "auto"}),
+                                       ("sparklingtree-beam", {"widths": "auto", "candidates": "base"})])
 def test_greedy_equals_ar_with_tree_options(pair, prompts, ar, method, kw):
     target, drafter = pair
     out = generate(target, drafter, prompts, method=method, budget=8, max_new_tokens=24, **kw)
