@@ -153,12 +153,22 @@ def tiny_run_config(**kw):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> str:
-    """The folder of one finished TINY_RUN (tests copy it before they change anything)."""
+    """The folder of one finished TINY_RUN (tests copy it before they change anything). It is trained once for the
+    whole run: the first xdist worker that needs it trains it under a lock, the other one reads it."""
+    import fcntl
+
     from sparkjax.training import train
 
-    out = str(tmp_path_factory.mktemp("tiny_run"))
-    assert train(tiny_run_config(), out, progress=False, log=lambda m: None).step == 4
-    return out
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # this run's folder, the same for every worker
+    out, done = root / "tiny_run", root / "tiny_run.done"
+    with open(root / "tiny_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            assert train(tiny_run_config(), str(out), progress=False, log=lambda m: None).step == 4
+            done.touch()
+    return str(out)
 
 
 def make_hf_qwen3(folder, *, tied=True, layers=3, heads=4, kv_heads=2, vocab=160, hidden=64, ffn=128,
@@ -209,9 +219,12 @@ def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# The longest files first, so that xdist's per-file scheduling (--dist loadfile) does not leave one worker running a
-# long file alone at the end. A file not listed keeps its place after these.
-LONGEST_FIRST = ("test_decode.py", "test_auto.py", "test_serve_http.py", "test_serve_engine.py", "test_gpu_check.py")
+# The longest files first (by their time in the default run), so that xdist's per-file scheduling (--dist loadfile
+# --no-loadscope-reorder) does not leave one worker running a long file alone at the end. A file not listed keeps
+# its place after these.
+LONGEST_FIRST = ("test_gpu_check.py", "test_decode.py", "test_auto.py", "test_target.py", "test_training.py",
+                 "test_serve_http.py", "test_attention.py", "test_tree.py", "test_eval.py", "test_training_robust.py",
+                 "test_drafter.py", "test_api_robust.py", "test_serve_engine.py", "test_tree_kernels.py")
 
 
 def pytest_collection_modifyitems(config, items):

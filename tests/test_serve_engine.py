@@ -122,6 +122,7 @@ def test_cancel_frees_the_slot_for_a_waiting_request(engines, solo):
     assert m["requests"]["cancelled"] >= 2 and m["active_slots"] == 0
 
 
+@pytest.mark.slow  # the default run checks both over HTTP (tests/test_serve_http.py)
 def test_no_compilation_after_start_and_async_streams(engines, solo, caplog):
     """Requests with keys of every kind (the high half zero or not), read together by ``async for``, compile
     nothing and stream generate's tokens."""
@@ -150,6 +151,7 @@ def test_no_compilation_after_start_and_async_streams(engines, solo, caplog):
     assert [m for m in logged if "<lambda>" not in m] == []
 
 
+@pytest.mark.slow  # the default run checks both over HTTP (tests/test_serve_http.py)
 def test_a_fault_in_the_device_loop_fails_in_flight_requests_and_the_engine_recovers(engines, solo, monkeypatch):
     eng = engines("sparklingtree@16")
     real = eng._visit_call
@@ -176,8 +178,10 @@ def test_a_fault_in_the_device_loop_fails_in_flight_requests_and_the_engine_reco
     assert m["faults"] == 1 and m["requests"]["failed"] >= 2
 
 
-def test_bad_requests_and_a_full_queue(random_pair, engines):
-    eng = engines("sparklingtree@16")
+def test_bad_requests_and_a_full_queue(random_pair):
+    target, drafter = random_pair
+    # requests are checked on submit: this engine is never started and compiles nothing
+    eng = Engine(target, drafter, method="sparklingtree@16", slots=SLOTS, max_prompt_tokens=16, max_new_tokens=NEW)
     bad = [
         (dict(prompt_ids=list(range(1, 16)) + [1, 2]), "prompt_ids: 17 tokens exceed .* 16 prompt tokens"),
         (dict(prompt_ids=[]), "prompt_ids: empty"),
@@ -199,7 +203,7 @@ def test_bad_requests_and_a_full_queue(random_pair, engines):
         args = {"prompt_ids": [1, 2], "max_new_tokens": 4, **kw}
         with pytest.raises(ArgumentError, match=match):
             eng.submit(args.pop("prompt_ids"), **args)
-    target, drafter = random_pair
+    eng.close()
     sizes = [(dict(slots=4, visit_sizes=v), "visit_sizes") for v in ([1, 2], [2, 1, 4], "4", [0, 4])]
     cache = (dict(cache_size=32, max_prompt_tokens=30), "cache_size: 32 slots cannot hold")
     for kw, match in [(dict(slots=0), "slots"), *sizes, cache]:
@@ -250,7 +254,8 @@ def test_per_sequence_keys_draw_each_row_as_alone():
         assert (int(acc[b]), int(nxt[b])) == (int(one[0][0]), int(one[1][0]))
 
 
-@pytest.mark.parametrize("name", ["sparklingtree@16", pytest.param("dspark", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SAMPLED)
 def test_a_seeded_request_gets_the_same_tokens_alone_and_in_a_busy_pool(engines, solo, name):
     eng = engines(name)
     prompt = PROMPTS[0]

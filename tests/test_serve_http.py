@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ import time
 from collections import Counter
 
 import httpx
+import jax
+import jax.numpy as jnp
 import openai
 import pytest
 
@@ -134,7 +137,7 @@ def test_completions_and_chat_with_the_openai_client(pair, client, solo):
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
-def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, engine, client, solo):
+def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, engine, client, solo, caplog):
     qs = questions()
     jobs = []  # (kind, prompt, ids, max_tokens, stream, delay)
     for i in range(CONCURRENT):
@@ -157,8 +160,20 @@ def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, eng
         text = "".join(p.delta.content or "" if kind == "chat" else p.text for p in parts)
         return text, parts[-1].finish_reason, None
 
-    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+    def sample(seed):  # sampled requests with seeds of every kind (the high half zero or not) share the pool
+        r = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0.8, seed=seed)
+        return r.usage.completion_tokens
+
+    x = jnp.ones(3)
+    caplog.set_level(logging.WARNING, logger="jax")
+    with jax.log_compiles(), concurrent.futures.ThreadPoolExecutor(CONCURRENT + 4) as pool:
+        sampled = pool.map(sample, (None, 7, 2**31 + 1, 2**40 + 3))
         answers = list(pool.map(send, jobs))
+        assert all(0 < n <= 12 for n in sampled)
+        jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert any("jit(<lambda>)" in m for m in logged)
+    assert [m for m in logged if "<lambda>" not in m] == []  # the started engine compiles nothing more
     for job, (text, finish, n) in zip(jobs, answers, strict=True):
         want = expected(pair, solo(job[2], job[3]))
         assert (text, finish) == want[:2], job

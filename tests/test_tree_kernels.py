@@ -170,6 +170,7 @@ def test_candidates_stage_out_the_chunked_top_k_for_accelerators():
     assert cpu.count("chlo.top_k") == 1 and "32x4748" not in cpu
 
 
+@pytest.mark.slow  # a compiled program per example
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), widths=st.lists(st.integers(1, 6), min_size=5, max_size=5))
 def test_expand_with_traced_widths_keeps_what_static_widths_keep(seed, widths):
@@ -299,6 +300,7 @@ def test_greedy_equals_ar_with_tree_options(pair, prompts, ar, method, kw):
     assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
 
 
+@pytest.mark.slow
 def test_union_candidates_contain_the_dspark_chain(pair, ref):
     """On a real round of the fixture pair: every depth's union candidates hold the greedy DSpark chain's token
     (the corrected argmax for the chain's parent), at static shapes."""
