@@ -39,6 +39,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP = 4  # OpenAI accepts up to four stop sequences
 MAX_SEED = 2**63
+# Idle keep-alive connections are kept longer than clients keep them (httpx and the openai client: 5 s), so a client
+# never sends a request on a connection the server is closing at that moment.
+KEEP_ALIVE_S = 30
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the engine's bound
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROLES = ("system", "user", "assistant")
@@ -639,7 +642,8 @@ def _uvicorn_server(app: Starlette, host: str, port: int, *, grace_s: float, on_
                 ready(f"http://{host}:{bound}")
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
-                            timeout_graceful_shutdown=max(1.0, grace_s + 5.0), lifespan="off")
+                            timeout_graceful_shutdown=max(1.0, grace_s + 5.0), timeout_keep_alive=KEEP_ALIVE_S,
+                            lifespan="off")
     return _Server(config)
 
 
