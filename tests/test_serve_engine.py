@@ -241,16 +241,16 @@ def test_per_sequence_keys_draw_each_row_as_alone():
     t = jnp.array([0.0, 0.5, 1.0, 2.0])
     logits = 3 * jax.random.normal(jax.random.key(1), (4, 3, 16))
     batch = sampling.pick(logits, t, keys)
+    pick, chain = jax.jit(sampling.pick), jax.jit(sampling.speculative_chain)  # one program for every row
     for b in range(4):
-        assert (batch[b] == sampling.pick(logits[b : b + 1], t[b], keys[b])[0]).all()
+        assert (batch[b] == pick(logits[b : b + 1], t[b], keys[b])[0]).all()
     assert (batch[0] == sampling.first_argmax(logits[0])).all()  # temperature 0: greedy
     drafts = jax.random.randint(jax.random.key(5), (4, 3), 0, 16)
     draft_logits = 3 * jax.random.normal(jax.random.key(2), (4, 3, 16))
     target_logits = 3 * jax.random.normal(jax.random.key(4), (4, 4, 16))
     acc, nxt = sampling.speculative_chain(target_logits, draft_logits, drafts, t + 0.5, keys)
     for b in range(4):
-        one = sampling.speculative_chain(target_logits[b : b + 1], draft_logits[b : b + 1], drafts[b : b + 1],
-                                         t[b] + 0.5, keys[b])
+        one = chain(target_logits[b : b + 1], draft_logits[b : b + 1], drafts[b : b + 1], t[b] + 0.5, keys[b])
         assert (int(acc[b]), int(nxt[b])) == (int(one[0][0]), int(one[1][0]))
 
 
