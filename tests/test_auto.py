@@ -240,7 +240,7 @@ def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(rando
     target, drafter = random_pair
     run, args, state = _start(random_pair)
     assert int(state.extra.idle) > 0  # the first round is a probe
-    blk = adaptive.draft(target, drafter, state, plan=run.plan)
+    blk = jax.jit(lambda st: adaptive.draft(target, drafter, st, plan=run.plan))(state)  # one program, not op by op
 
     @functools.partial(jax.jit, static_argnames="plan")
     def builds_tree(st, *, plan):

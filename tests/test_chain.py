@@ -182,8 +182,8 @@ def test_markov_chain_modes_errors_and_one_device_program(ref, fixture_drafter):
     base = jnp.asarray(ref["b.base_logits"])
     hidden = jnp.asarray(ref["b.block_hidden"])
     x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
-    for mode in drafting.CHAIN_MODES:
-        chain = drafting.markov_chain(drafter, base, hidden, x0, mode=mode)
+    for mode in drafting.CHAIN_MODES:  # one program each, not op by op
+        chain = jax.jit(lambda b, h, x, m=mode: drafting.markov_chain(drafter, b, h, x, mode=m))(base, hidden, x0)
         np.testing.assert_array_equal(np.asarray(chain.tokens), ref["b.draft_tokens"], err_msg=mode)
         np.testing.assert_allclose(np.asarray(chain.logits), ref["b.corrected_logits"], rtol=1e-4, atol=1e-4)
     # auto: the scan on the CPU backend, the fixed point on accelerators
