@@ -162,14 +162,16 @@ def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, eng
 
     def sample(seed):  # sampled requests with seeds of every kind (the high half zero or not) share the pool
         r = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0.8, seed=seed)
-        return r.usage.completion_tokens
+        return r.choices[0].text, r.usage.completion_tokens
 
     x = jnp.ones(3)
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles(), concurrent.futures.ThreadPoolExecutor(CONCURRENT + 4) as pool:
-        sampled = pool.map(sample, (None, 7, 2**31 + 1, 2**40 + 3))
+        sampled = pool.map(sample, (7, None, 2**31 + 1, 2**40 + 3))
         answers = list(pool.map(send, jobs))
-        assert all(0 < n <= 12 for n in sampled)
+        sampled = list(sampled)
+        assert all(0 < n <= 12 for _, n in sampled)
+        assert sample(7) == sampled[0]  # a seeded request draws the same tokens alone as in the busy pool
         jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert any("jit(<lambda>)" in m for m in logged)
