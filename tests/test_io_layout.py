@@ -81,6 +81,7 @@ def test_check_pair_stored_table_shapes_and_models():
         check_pair(TARGET, TARGET)
 
 
+@pytest.mark.slow  # a subprocess on 8 CPU devices, like the other mesh checks
 def test_io_without_orbax_and_kv_cache_shardings_on_8_cpu_devices():
     """Importing sparkjax.io does not import orbax; the cache's own shardings split batch over data and kv heads over
     model."""
