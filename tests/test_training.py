@@ -213,7 +213,7 @@ def test_trainer_step_matches_a_plain_optax_step(target, drafter, tiny_data):
     close(info["lr"], lr0, exact)
     # Adam's first step moves each element by about lr0. The step and the reference are two compiled programs whose
     # float32 sums differ in order, which an element with a gradient near Adam's eps amplifies: each element within 1%
-    # of lr0, and each tensor within 1e-4 of lr0 on average (a weight decay of 0.01 would move it 2e-3 * lr0).
+    # of lr0, and each tensor within 1e-4 of lr0 on average (a weight decay of 0.01 moves it about 1e-3 * lr0).
     for a, b, p in zip(*map(jax.tree.leaves, (tr.state["params"], want, params0)), strict=True):
         diff = np.abs((np.asarray(a) - p) - (np.asarray(b) - p)) / lr0
         assert diff.max() <= 1e-2 and diff.mean() <= 1e-4, (diff.max(), diff.mean())
