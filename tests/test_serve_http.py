@@ -167,9 +167,9 @@ def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, eng
     x = jnp.ones(3)
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles(), concurrent.futures.ThreadPoolExecutor(CONCURRENT + 4) as pool:
-        sampled = pool.map(sample, (7, None, 2**31 + 1, 2**40 + 3))
+        pending = pool.map(sample, (7, None, 2**31 + 1, 2**40 + 3))  # submitted now, read after the jobs
         answers = list(pool.map(send, jobs))
-        sampled = list(sampled)
+        sampled = list(pending)
         assert all(0 < n <= 12 for _, n in sampled)
         assert sample(7) == sampled[0]  # a seeded request draws the same tokens alone as in the busy pool
         jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
