@@ -156,6 +156,32 @@ def naive_sparkling_tree(base_logits: np.ndarray, x_start: int, parent_feat: Cal
     return _heap_tree(children_of, d, budget, root=int(x_start))
 
 
+def seed_sparkling_tree(base_logits: np.ndarray, x_start: int, parent_feat: Callable[[int, int], np.ndarray],
+                        w2: np.ndarray, budget: int, top_c: int, max_fanout: int = 0) -> RefTree:
+    """The seed's SparklingTree (``tests/fixtures/seed_trees/README.md``): one candidate set ``U`` (the union of
+    every depth's top-``top_c`` base tokens and ``x_start``, ascending), a node with token ``p`` at level ``d``
+    has the children ``log_softmax_U(base_logits[d, U] + w2[U] @ parent_feat(d, p))``, its best ``k =
+    min(max_fanout or budget, budget, |U|)`` of them (the lower token id first among equal log-probs), keyed by
+    that rank; best-first by a heap. ``Tree.cands`` is the index into ``U``."""
+    base = np.asarray(base_logits, np.float32)
+    w2 = np.asarray(w2, np.float32)
+    d, v = base.shape
+    if top_c >= v:
+        union = np.arange(v)
+    else:
+        union = np.unique(np.concatenate([*(top_k(log_softmax(base[level]), top_c) for level in range(d)),
+                                          [int(x_start)]]))
+    k = min(max_fanout or budget, budget, len(union))
+
+    def children_of(level: int, token: int, _cand: int) -> list[Child]:
+        logp = log_softmax(base[level, union] + w2[union] @ np.asarray(parent_feat(level, token), np.float32))
+        order = top_k(logp, k)
+        ranked = _sorted_children(logp[order], np.arange(len(order)), union[order], order)
+        return [(lp, rank, tok, cand) for rank, (lp, _, tok, cand) in enumerate(ranked)]
+
+    return _heap_tree(children_of, d, budget, root=int(x_start))
+
+
 def _beam_levels(tables: np.ndarray, widths: Sequence[int]) -> list[tuple[np.float32, tuple[int, ...]]]:
     """Every kept ``(score, candidate-index path)``: at depth ``d + 1`` every extension of every kept depth-``d``
     prefix, sorted by (score descending, path ascending), the first ``widths[d]`` kept."""

@@ -27,6 +27,7 @@ Conventions
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -38,12 +39,16 @@ from sparkjax.errors import ArgumentError
 __all__ = [
     "Accepted", "Tree", "accept", "accept_walk", "auto_widths", "beam", "best_first", "build_ddtree",
     "build_sparkling_tree", "candidates", "chunked_top_k", "ddtree_tables", "even_widths", "layer_beam",
-    "markov_candidates", "markov_tables", "merge_candidates", "tree_positions", "vanilla_parent_feats", "visibility",
+    "markov_candidates", "markov_tables", "merge_candidates", "seed_best_first", "seed_candidates", "seed_fanout",
+    "tree_positions", "vanilla_parent_feats", "visibility",
 ]
 
 Normalization = Literal["exact", "fast"]
 CandidateMode = Literal["base", "corrected", "union"]
 CANDIDATE_MODES: tuple[str, ...] = ("base", "corrected", "union")  # see markov_candidates
+# the SparklingTree candidate modes: the per-depth ones above, or the seed's one union for every depth
+# (seed_best_first: its own normaliser and fanout)
+TREE_CANDIDATE_MODES: tuple[str, ...] = (*CANDIDATE_MODES, "seed")
 
 
 class Tree(NamedTuple):
@@ -140,6 +145,9 @@ def candidates(logits: jax.Array, top_c: int) -> tuple[jax.Array, jax.Array]:
     # full sort of the vocabulary on CPU (far slower at a real vocabulary).
     cand_tokens, cand_logp = jax.lax.optimization_barrier((cand_tokens.astype(jnp.int32), cand_logp))
     return cand_tokens, cand_logp
+
+
+_candidates = candidates  # for build_sparkling_tree, whose keyword ``candidates`` shadows the function
 
 
 def _lookup(keys: jax.Array, values: jax.Array, queries: jax.Array) -> jax.Array:
@@ -598,6 +606,89 @@ def accept_walk(parents: jax.Array, tokens: jax.Array, posterior: jax.Array, max
     return Accepted(indices=path, length=length, bonus=posterior[cur])
 
 
+# ============================================================================= the seed's SparklingTree
+
+def seed_candidates(base_logits: jax.Array, x_start: jax.Array | int, top_c: int) -> tuple[jax.Array, jax.Array]:
+    """The seed's one candidate set for every depth: the union of each depth's top-``top_c`` base tokens and
+    the root ``x_start``, as ascending token ids with duplicates marked invalid (no compaction, static shape).
+
+    ``base_logits``: [D, V]; ``top_c`` (static): ``C = min(top_c, V)``. Returns ``(tokens int32[U], valid
+    bool[U])`` with ``U = min(D C + 1, V)`` (the whole vocabulary, ``valid`` its membership, when the union could
+    cover it). Ordering by token id makes a row's lower-index tie-break the lower token id.
+    """
+    top_c = _check_int("top_c", top_c, 1)
+    _check_ndim(base_logits=(base_logits, "D, V"))
+    d, v = base_logits.shape
+    root = jnp.reshape(jnp.asarray(x_start, jnp.int32), (1,))
+    if min(top_c, v) >= v:
+        return jnp.arange(v, dtype=jnp.int32), jnp.ones((v,), bool)
+    pool = jnp.concatenate([candidates(base_logits, top_c)[0].reshape(-1), root])
+    if pool.shape[0] >= v:
+        return jnp.arange(v, dtype=jnp.int32), jnp.zeros((v,), bool).at[pool].set(True)
+    tokens = jnp.sort(pool)
+    return tokens, jnp.concatenate([jnp.ones((1,), bool), tokens[1:] != tokens[:-1]])
+
+
+def seed_fanout(budget: int, max_fanout: int, union: int) -> int:
+    """The seed's children per parent, ``min(max_fanout or budget, budget, U)`` (static; the invalid entries of a
+    padded union are ``-inf`` and never picked, which gives the ``|U|`` bound on device)."""
+    return min(max_fanout or budget, budget, union)
+
+
+def seed_best_first(base_logits: jax.Array, x_start: jax.Array | int,
+                    feats: Callable[[jax.Array, jax.Array], jax.Array], aux: jax.Array, w2: jax.Array, *,
+                    budget: int, top_c: int, max_fanout: int = 0) -> Tree:
+    """SparklingTree as the seed's own code builds it (``fixtures/seed_trees/README.md``, docs/design.md).
+
+    One candidate set for all depths (:func:`seed_candidates`); a node with token ``p`` at depth ``d`` has the
+    children ``c`` in it scored ``log_softmax_U(base_logits[d, U] + w2[U] . f_d(p))`` (normalised over the union
+    only), of which its best ``k`` (:func:`seed_fanout`) may enter; best-first over the path sums picks the
+    ``budget`` best prefixes. Only the rows the walk can reach are computed: a per-depth beam of ``budget``
+    parents (each row ``U`` wide), then the global merge, as :func:`best_first` (a child never outscores its
+    parent, so the beam holds every selected prefix).
+
+    ``feats(aux[d], parents int32[K]) -> float32[K, R]``: the parents' rank-R features at depth ``d + 1``'s row
+    (vanilla: ``W1[p]``; gated: the head's gated ``W1[p]``); ``aux``: [D, ...] per-depth inputs of ``feats`` (the
+    block's hidden state); ``w2``: [V, R]. Ties: the lower path of row ranks (rank: the place in the parent's row,
+    the lower token id first among equal log-probs). ``Tree.cands`` holds the token's index into the union.
+    """
+    budget = _check_int("budget", budget, 1)
+    max_fanout = _check_int("max_fanout", max_fanout, 0)
+    _check_ndim(base_logits=(base_logits, "D, V"), w2=(w2, "V, R"))
+    d, v = base_logits.shape
+    if w2.shape[0] != v:
+        raise ArgumentError(f"w2 must have shape [V={v}, R], got {tuple(w2.shape)}")
+    if jnp.shape(aux)[:1] != (d,):
+        raise ArgumentError(f"aux must have one row per depth ({d}), got shape {tuple(jnp.shape(aux))}")
+    union, valid = seed_candidates(base_logits, x_start, top_c)
+    u = union.shape[0]
+    k = seed_fanout(budget, max_fanout, u)
+    w2u = jnp.asarray(w2, jnp.float32)[union]  # [U, R]
+    base_u = jnp.where(valid[None, :], jnp.take(jnp.asarray(base_logits, jnp.float32), union, axis=1), -jnp.inf)
+    slots = jnp.arange(budget, dtype=jnp.int32)
+    init = (jnp.full((budget,), -jnp.inf, jnp.float32).at[0].set(0.0),
+            jnp.full((budget,), jnp.asarray(x_start, jnp.int32)))
+
+    def step(carry, xs):
+        scores, parents = carry
+        base_d, aux_d = xs
+        z = base_d[None, :] + jnp.asarray(feats(aux_d, parents), jnp.float32) @ w2u.T  # [K, U]
+        logp = jnp.minimum(z - jax.nn.logsumexp(z, axis=-1, keepdims=True), 0.0)
+        logp = jnp.where(logp == 0, 0.0, logp)  # -0.0 as +0.0 (see _expand)
+        top, rank_idx = jax.lax.top_k(logp, k)  # [K, k]: each parent's best k children, its row order
+        child = (scores[:, None] + top).reshape(-1)  # [K * k], key b * k + r: lexicographic in (slot, rank)
+        best, key = jax.lax.top_k(child, budget)
+        slot = jnp.sum(key[None, :] < key[:, None], axis=1, dtype=jnp.int32)  # back to lexicographic order
+        key = _lookup(slot, key, slots)
+        best = jax.lax.bitcast_convert_type(
+            _lookup(slot, jax.lax.bitcast_convert_type(best, jnp.int32), slots), jnp.float32)
+        uidx = rank_idx.reshape(-1)[key]
+        return (best, union[uidx]), (best, key // k, uidx)
+
+    _, (scores, parent_slot, uidx) = jax.lax.scan(step, init, (base_u, aux))
+    return _merge((scores, parent_slot, uidx), jnp.broadcast_to(union, (d, u)), budget)
+
+
 def build_ddtree(logits: jax.Array, budget: int) -> Tree:
     """Upstream DDTree on device: top-``min(budget, V)`` per depth, independent marginals, best-first."""
     budget = _check_int("budget", budget, 1)
@@ -606,16 +697,34 @@ def build_ddtree(logits: jax.Array, budget: int) -> Tree:
 
 
 def build_sparkling_tree(base_logits: jax.Array, x_start: jax.Array | int, w1: jax.Array, w2: jax.Array, *,
-                         budget: int, top_c: int, normalization: Normalization = "fast",
-                         widths: tuple[int, ...] | None = None) -> Tree:
-    """SparklingTree with a vanilla Markov head: candidates, Markov tables, then best-first
-    (``widths=None``) or :func:`beam` with the given width profile (which must sum to ``budget``)."""
+                         budget: int, top_c: int, candidates: str = "seed", max_fanout: int = 0,
+                         normalization: Normalization = "fast", widths: tuple[int, ...] | None = None) -> Tree:
+    """SparklingTree with a vanilla Markov head (``w1``, ``w2``: [V, R]).
+
+    ``candidates="seed"``: the seed's own tree (:func:`seed_best_first`: one union of every depth's top-``top_c``
+    base tokens, each row normalised over it, at most ``max_fanout`` children per parent, 0 = ``budget``).
+    ``candidates="base"``: sparkjax's per-depth base top-C with full-vocabulary normalisation
+    (:func:`markov_tables`, ``normalization``), then best-first (``widths=None``) or :func:`beam` with the given
+    width profile (which must sum to ``budget``)."""
     budget = _check_int("budget", budget, 1)
+    if candidates not in ("seed", "base"):
+        raise ArgumentError(f"candidates must be 'seed' or 'base', got {candidates!r}")
+    if candidates == "seed":
+        if widths is not None:
+            raise ArgumentError("widths: the seed's tree is best-first (candidates='seed' takes no width profile)")
+        _check_ndim(w1=(w1, "V, R"))
+        w1 = jnp.asarray(w1, jnp.float32)
+        d = jnp.shape(base_logits)[0]
+        return seed_best_first(base_logits, x_start, lambda _, p: w1[p], jnp.zeros((d, 1)), w2, budget=budget,
+                               top_c=top_c, max_fanout=max_fanout)
+    if max_fanout:
+        raise ArgumentError(f"max_fanout: only candidates='seed' limits the children per parent, got {max_fanout}")
     if widths is not None and sum(widths) != budget:
         raise ArgumentError(f"widths must sum to budget={budget}, got {widths!r} (sum {sum(widths)})")
-    cand_tokens, _ = candidates(base_logits, top_c)
+    cand_tokens, _ = _candidates(base_logits, top_c)
     feats = vanilla_parent_feats(w1, x_start, cand_tokens)
     tables = markov_tables(base_logits, cand_tokens, feats, w2, normalization)
     if widths is None:
         return best_first(tables, cand_tokens, budget)
     return beam(tables, cand_tokens, widths)
+

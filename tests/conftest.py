@@ -104,8 +104,8 @@ NEW_SHORT, NEW_LONG = 8, 24
 PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
 
 
-def make_random_pair(vocab=16, seed=0, markov=True, block=4):
-    """A tiny random target and DSpark drafter (vanilla Markov head, sharpened) that fit each other."""
+def make_random_pair(vocab=16, seed=0, markov=True, block=4, head="vanilla"):
+    """A tiny random target and DSpark drafter (a ``head`` Markov head, sharpened) that fit each other."""
     import dataclasses
 
     import jax
@@ -124,7 +124,7 @@ def make_random_pair(vocab=16, seed=0, markov=True, block=4):
     fields = {f.name: getattr(tcfg, f.name) for f in dataclasses.fields(Qwen3Config)}
     dcfg = DrafterConfig(**{**fields, "num_hidden_layers": 1, "tie_word_embeddings": False}, kind="dspark",
                          block_size=block, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_target_layers=3,
-                         markov_rank=4 if markov else 0, markov_head_type="vanilla" if markov else None)
+                         markov_rank=4 if markov else 0, markov_head_type=head if markov else None)
     drafter = Drafter(dcfg, rngs=nnx.Rngs(seed + 100))
     if markov:
         head = drafter.markov_head

@@ -25,8 +25,17 @@ def test_the_parser_round_trips_every_method_and_methods_know_what_they_need():
     assert not Tree("ddtree").needs_markov and Tree("sparklingtree-beam").needs_markov
     assert Tree("sparklingtree-beam", budget=8, widths=[4, 4]).widths == (4, 4)
     assert hash(Tree()) == hash(Tree("sparklingtree", 64))
-    pc = parse_method("pctree")
-    assert pc == PCTree() == PCTree("pctree", 32, k=4) and pc.label == "pctree@32" and pc.needs_markov
+    pc = parse_method("pctree")  # its budget depends on the drafter's depth (test_pctree)
+    assert pc == PCTree() == PCTree("pctree", None, k=4) and pc.label == "pctree" and pc.needs_markov
+    assert parse_method("pctree@32") == PCTree("pctree", 32) and PCTree(budget=32).label == "pctree@32"
+    # the seed's tree: a candidate mode and a fanout, in the label as well
+    seed = parse_method("sparklingtree@64:seed:fanout=16")
+    assert seed == Tree("sparklingtree", 64, candidates="seed", max_fanout=16)
+    assert seed.label == "sparklingtree@64:seed:fanout=16"
+    assert parse_method(seed.label) == seed and parse_method("sparklingtree", budget=16, candidates="seed").label == (
+        "sparklingtree@16:seed")
+    assert parse_method("sparklingtree@8:corrected") == Tree("sparklingtree", 8, candidates="corrected")
+    assert Tree("sparklingtree", 8).label == "sparklingtree@8" == parse_method("sparklingtree@8:union").label
     assert hash(Options()) == hash(Options("auto", "auto", 1, None, 128)) and Options() != Options(block_slots=16)
     assert parse_method("auto") == Auto() and "auto" in sparkjax.METHODS
     assert parse_method("auto@32") == Auto(sizes=(0, "chain", 8, 16, 32), budget=32)
@@ -57,6 +66,14 @@ def test_the_parser_round_trips_every_method_and_methods_know_what_they_need():
     (lambda: parse_method("pctree@1"), "budget"),
     (lambda: PCTree(widths=(4, 4)), "widths"),
     (lambda: Tree("pctree"), "kind"),
+    (lambda: Tree("sparklingtree", max_fanout=4), "max_fanout"),
+    (lambda: Tree("sparklingtree", candidates="seed", max_fanout=-1), "max_fanout"),
+    (lambda: Tree("sparklingtree-beam", candidates="seed"), "candidates"),
+    (lambda: Tree("ddtree", candidates="seed"), "candidates"),
+    (lambda: PCTree(candidates="seed"), "candidates"),
+    (lambda: parse_method("sparklingtree@8:bogus=1"), "method"),
+    (lambda: parse_method("sparklingtree@8:seed", candidates="seed"), "candidates"),
+    (lambda: parse_method("dspark", max_fanout=4), "max_fanout"),
     (lambda: Options(attention="flash"), "attention"),
     (lambda: Options(attention=[]), "attention"),
     (lambda: Options(chain_mode="jacobi"), "chain_mode"),

@@ -70,10 +70,29 @@ def test_pctree_plan_and_errors(random_pair):
     target, drafter = random_pair
     plan = parse_method("pctree@8").plan(target, drafter, False)
     assert plan.nodes == 7 and plan.depth == 4 and plan.method.k == 4 and plan.candidates == "union"
-    with pytest.raises(ArgumentError, match="^budget:.*k=2"):
+    # the default keeps what the beam holds: 1 + k x depth (17 here) when that is under 32
+    plan = parse_method("pctree").plan(target, drafter, False)
+    assert plan.nodes == 16 and plan.method.label == "pctree@17"
+    assert PCTree(k=2).nodes(drafter) == 8 and PCTree(k=16).nodes(drafter) == 31
+    with pytest.raises(ArgumentError, match=r"^budget: 10 nodes .* exceed the 9 the beam keeps .*k=2"):
         generate(target, drafter, [[1, 2]], method=PCTree(budget=10, k=2), max_new_tokens=4)
     z, cand = jnp.zeros((2, 3, 3)), jnp.zeros((2, 3), jnp.int32)
     with pytest.raises(ArgumentError, match="nodes"):
         tree.layer_beam(z, cand, 2, 5)
     with pytest.raises(ArgumentError, match="k must"):
         tree.layer_beam(z, cand, 0, 1)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_block7_pairs_with_defaults_equal_ar(head):
+    """A block-7 drafter (DeepSpec's released block size): pctree with its defaults, and the seed's SparklingTree
+    (its candidates and normaliser, the gated head's own features), equal ar greedily."""
+    from tests.conftest import PROMPTS3, make_random_pair
+
+    target, drafter = make_random_pair(vocab=32, seed=3, block=7, head=head)
+    assert drafter.config.markov_head_type == head and PCTree().nodes(drafter) == 28
+    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
+    for method in ("pctree", "sparklingtree@24:seed:fanout=6"):
+        out = generate(target, drafter, PROMPTS3, method=method, max_new_tokens=20)
+        assert out.tokens == ar, method
+        assert all(1 + sum(a) == len(t) for a, t in zip(out.acceptance_lengths, out.tokens, strict=True))

@@ -388,7 +388,8 @@ def test_build_under_transfer_guard():
 
     @jax.jit
     def build(base, x_start, w1, w2):
-        t = tree.build_sparkling_tree(base, x_start, w1, w2, budget=32, top_c=8, normalization="fast")
+        t = tree.build_sparkling_tree(base, x_start, w1, w2, budget=32, top_c=8, candidates="base",
+                                       normalization="fast")
         dd = tree.build_ddtree(base, 16)
         posterior = jnp.concatenate([jnp.maximum(t.tokens, 0), jnp.zeros((1,), jnp.int32)])  # some posterior
         acc = tree.accept(t.parents, t.tokens, posterior, max_depth=D_PAD)
@@ -472,7 +473,8 @@ def _bad_calls():
         ("max_depth", lambda: tree.visibility(jnp.zeros(4, jnp.int32), max_depth=0)),
         ("budget", lambda: tree.even_widths(0, 4)),
         ("depth", lambda: tree.even_widths(4, 0)),
-        ("widths", lambda: tree.build_sparkling_tree(base, 0, w2, w2, budget=5, top_c=4, widths=(1, 1, 1))),
+        ("widths", lambda: tree.build_sparkling_tree(base, 0, w2, w2, budget=5, top_c=4, candidates="base",
+                                                    widths=(1, 1, 1))),
         ("candidates", lambda: tree.markov_candidates(base, base, 8, "both")),
         ("union_k", lambda: tree.markov_candidates(base, base, 8, "union", union_k=9)),
         ("corrected_logits", lambda: tree.markov_candidates(base, base[:, :5], 8, "union")),
@@ -498,3 +500,81 @@ def test_tail_log_sum_exp_by_comparison_equals_the_scatter():
     want = tree._tail_lse_scatter(u, cands)
     np.testing.assert_array_equal(tree._tail_lse_compare(u, cands), want)
     assert np.all(np.asarray(want) < np.asarray(jax.nn.logsumexp(u, axis=-1)))
+
+
+SEED_FIXTURES = Path(__file__).parent / "fixtures" / "seed_trees"
+SEED_SETTINGS = ["b64_c128_f64", "b16_c128_f16", "b32_c64_f32", "b64_c512_f0"]  # b{budget}_c{top_c}_f{max_fanout}
+
+
+@functools.cache
+def seed_fixture() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """The seed's trees and the demo drafter's vanilla Markov head (``w1``, ``w2`` [V, R]) they were built with."""
+    from sparkjax import demo
+    from sparkjax.io.safetensors import SafetensorsFile
+
+    head = SafetensorsFile(demo.path() / "dspark_b16" / "model.safetensors")
+    w1, w2 = (head.get(f"markov_head.markov_{w}.weight").astype(np.float32) for w in ("w1", "w2"))
+    return load_file(str(SEED_FIXTURES / "seed_trees.safetensors")), w1, w2
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "top_c", "max_fanout"))
+def seed_trees(base, roots, w1, w2, *, budget, top_c, max_fanout):
+    build = functools.partial(tree.build_sparkling_tree, budget=budget, top_c=top_c, max_fanout=max_fanout)
+    return jax.vmap(build, in_axes=(0, 0, None, None))(base, roots, w1, w2)
+
+
+@pytest.mark.parametrize("setting", SEED_SETTINGS)
+def test_seed_trees_equal_the_seed_codes_own(setting):
+    """Every round of every setting: the same set of root-to-node token paths as the seed's own builder."""
+    fx, w1, w2 = seed_fixture()
+    budget, top_c, fanout = (int(x[1:]) for x in setting.split("_"))
+    base = fx["base_logits"].astype(np.float32)
+    t = to_np(seed_trees(base, fx["roots"].astype(np.int32), w1, w2, budget=budget, top_c=top_c,
+                         max_fanout=fanout))
+    want_tokens, want_parents = fx[f"{setting}.tokens"], fx[f"{setting}.parents"]
+    assert want_tokens.shape == (base.shape[0], budget)
+    for r in range(base.shape[0]):
+        row = tree.Tree(*(x[r] for x in t))
+        check_valid_tree(row, base.shape[1])
+        n = int((want_tokens[r] >= 0).sum())
+        mine = set(token_paths(row.tokens, row.parents, int(row.valid.sum())))
+        seed = set(token_paths(want_tokens[r], want_parents[r, 1:], n))
+        assert mine == seed, f"round {r}: {len(mine & seed) - 1} of {n} nodes in common"
+        # the fanout: no parent has more than k children
+        k = tree.seed_fanout(budget, fanout, base.shape[2])
+        assert np.bincount(row.parents[row.valid]).max() <= k
+
+
+SEED_DEPTH, SEED_BUDGET = 5, 24  # the seed-tree property pipeline's depth and budget
+
+
+@functools.partial(jax.jit, static_argnames=("max_fanout",))
+def seed_padded(base, x_start, w1, w2, max_fanout):
+    return tree.build_sparkling_tree(base, x_start, w1, w2, budget=SEED_BUDGET, top_c=C_MARKOV, max_fanout=max_fanout)
+
+
+@PROPERTY
+@given(
+    base=logit_matrices(max_depth=SEED_DEPTH, max_vocab=V_PAD),
+    seed=st.integers(0, 2**32 - 1),
+    fanout=st.sampled_from([0, 3]),
+    x_frac=st.floats(0, 1, exclude_max=True),
+)
+def test_seed_tree_properties(base, seed, fanout, x_frac):
+    """Random logits (ties included): a valid tree with the NumPy heap's prefixes; its scores are the union's."""
+    d, v = base.shape
+    rng = np.random.default_rng(seed)
+    w1 = np.zeros((V_PAD, R), np.float32)
+    w2 = np.zeros((V_PAD, R), np.float32)
+    w1[:v] = rng.normal(size=(v, R))
+    w2[:v] = rng.normal(size=(v, R)) * rng.uniform(0.1, 2.0)
+    x_start = int(x_frac * v)
+    padded = np.full((SEED_DEPTH, V_PAD), -np.inf, np.float32)
+    padded[:, :v] = np.concatenate([base, np.zeros((SEED_DEPTH - d, v), np.float32)]) if d < SEED_DEPTH else base
+    t = to_np(seed_padded(padded, x_start, w1, w2, fanout))
+    check_valid_tree(t, SEED_DEPTH)
+    want = ref.seed_sparkling_tree(padded[:, :v], x_start, lambda _d, p: w1[p], w2[:v], SEED_BUDGET, C_MARKOV, fanout)
+    assert int(t.valid.sum()) == int(want.valid.sum())
+    assert_same_prefixes(prefix_scores(t), prefix_scores(want))
+    k = min(fanout or SEED_BUDGET, SEED_BUDGET)
+    assert np.bincount(t.parents[t.valid]).max(initial=0) <= k

@@ -58,14 +58,16 @@ def random_inputs(rng: np.random.Generator, depth: int, vocab: int, rank: int, b
 
 
 def builders(depth: int, top_c: int, budget: int) -> dict:
-    """The device builds of one tree from ``(base, x_start, w1, w2)``: ddtree, exact, fast and beam-fast."""
+    """The device builds of one tree from ``(base, x_start, w1, w2)``: ddtree, exact, fast, beam-fast and seed
+    (the seed's union candidates and normaliser)."""
     def sparkling(normalization: str, beam: bool = False):
         widths = tree.even_widths(budget, depth) if beam else None
-        return lambda base, x, w1, w2: tree.build_sparkling_tree(base, x, w1, w2, budget=budget, top_c=top_c,
-                                                                 normalization=normalization, widths=widths)
+        return lambda base, x, w1, w2: tree.build_sparkling_tree(
+            base, x, w1, w2, budget=budget, top_c=top_c, candidates="base", normalization=normalization, widths=widths)
 
     return {"ddtree": lambda base, x, w1, w2: tree.build_ddtree(base, budget), "exact": sparkling("exact"),
-            "fast": sparkling("fast"), "beam-fast": sparkling("fast", True)}
+            "fast": sparkling("fast"), "beam-fast": sparkling("fast", True),
+            "seed": lambda base, x, w1, w2: tree.build_sparkling_tree(base, x, w1, w2, budget=budget, top_c=top_c)}
 
 
 @functools.partial(jax.jit, static_argnames=("top_c",))
@@ -97,6 +99,9 @@ def timing_rows(args, vocab: int, budget: int, rng) -> list[dict]:
         "host heap, same tables (b)": lambda: ref.ancestor_mask(ref.table_heap(tables_np, cands_np, budget).parents),
         "device bf-fast build": lambda: b["fast"](*dev),
         "device beam-fast build": lambda: b["beam-fast"](*dev),
+        "device seed build      (c)": lambda: b["seed"](*dev),
+        "host seed heap         (c)": lambda: ref.ancestor_mask(ref.seed_sparkling_tree(
+            base, x_start, lambda _d, p: w1[p], w2, budget, c).parents),
     }
     t0 = time.perf_counter()
     for name, fn in fns.items():
@@ -114,6 +119,7 @@ def timing_rows(args, vocab: int, budget: int, rng) -> list[dict]:
                  "exact": ratio("host naive exact heap  (a)", "device bf-exact build  (a)"),
                  "same_tables": ratio("host heap, same tables (b)", "device best_first, tables (b)"),
                  "ddtree": ratio("host DDTree heap", "device ddtree build"),
+                 "seed": ratio("host seed heap         (c)", "device seed build      (c)"),
                  "different_work": ratio("host naive exact heap  (a)", "device bf-fast build")})
     return rows
 
@@ -197,7 +203,8 @@ def table(rows: list[dict]) -> str:
         elif r["part"] == "ratios":
             lines.append(f"{r['vocab']:>7} {r['budget']:>4} | host/device (median, min): (a) exact "
                          f"{r['exact'][0]:.2f}x {r['exact'][1]:.2f}x; (b) same tables {r['same_tables'][0]:.2f}x "
-                         f"{r['same_tables'][1]:.2f}x; ddtree {r['ddtree'][0]:.2f}x {r['ddtree'][1]:.2f}x; "
+                         f"{r['same_tables'][1]:.2f}x; ddtree {r['ddtree'][0]:.2f}x {r['ddtree'][1]:.2f}x; (c) seed "
+                         f"{r['seed'][0]:.2f}x {r['seed'][1]:.2f}x; "
                          f"[different work {r['different_work'][0]:.1f}x {r['different_work'][1]:.1f}x]; compile "
                          f"{r['compile_s']:.1f} s")
         else:
@@ -229,7 +236,7 @@ def run(args, report) -> None:
                       f"{os.cpu_count()} CPU cores; host BLAS threads {threads} (OPENBLAS_NUM_THREADS=1 is steadier "
                       "on a loaded machine)",
                       f"# timing: D={args.depth}, C={args.top_c}, R={args.rank}; ms per build, interleaved; (a) "
-                      "exact and (b) same tables are same-work pairs; agreement: see --help"]
+                      "exact, (b) same tables and (c) seed are same-work pairs; agreement: see --help"]
     rng = np.random.default_rng(args.seed)
     if not args.skip_timing:
         for vocab in vocabs:

@@ -26,7 +26,9 @@ Array = jax.Array
 
 DEFAULT_BUDGET = 64  # tree nodes verified per round when no budget is given
 NORMALIZATIONS = ("fast", "exact")  # how the Markov tables are normalized (see sparkjax.tree.markov_tables)
-DEFAULT_CANDIDATES = "union"  # the Markov trees' candidates when none is given (see sparkjax.tree.markov_candidates)
+DEFAULT_CANDIDATES = "union"  # sparklingtree's candidates when none is given (docs/eval.md: chosen by measured tau)
+TABLE_CANDIDATES = "union"  # the default of the Markov trees built from per-depth tables (beam, pctree, auto's)
+SEED_TOP_C = 128  # candidates="seed": the top-C per depth of the seed's published run (its union is D * C + 1 wide)
 WIDTH_PROFILES = ("auto", "even")  # named beam profiles: sparkjax.tree.auto_widths, sparkjax.tree.even_widths
 DEFAULT_WIDTHS = "auto"  # the beam's profile when none is given
 
@@ -256,6 +258,7 @@ class Tree(Method):
     widths: tuple[int, ...] | str | None = None
     normalization: str = "fast"
     candidates: str | None = None  # None: the method's default (DEFAULT_CANDIDATES for Markov trees, base for ddtree)
+    max_fanout: int = 0  # candidates="seed": children per parent at most (0: the budget)
 
     def __post_init__(self):
         entry = _entry(self.kind, type(self), "kind")
@@ -263,16 +266,26 @@ class Tree(Method):
         if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
             raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
         cand = self.candidates
-        if cand is not None and (not isinstance(cand, str) or cand not in tree.CANDIDATE_MODES):
-            raise ArgumentError(f"candidates: expected one of {', '.join(tree.CANDIDATE_MODES)}, got {describe(cand)}")
+        if cand is not None and (not isinstance(cand, str) or cand not in tree.TREE_CANDIDATE_MODES):
+            raise ArgumentError(f"candidates: expected one of {', '.join(tree.TREE_CANDIDATE_MODES)}, "
+                                f"got {describe(cand)}")
         if cand not in (None, "base") and not entry.markov:
             raise ArgumentError(f"candidates: {cand!r} follows the Markov head; {self.kind!r} has none (use 'base')")
-        object.__setattr__(self, "candidates", cand if cand is not None else
-                           (DEFAULT_CANDIDATES if entry.markov else "base"))
-        budget = check_int("budget", self.budget, unit="number of tree nodes")
-        if budget > MAX_SLOTS:
-            raise ArgumentError(f"budget: {budget} nodes exceed {MAX_SLOTS} (node indices are int32 on device)")
-        object.__setattr__(self, "budget", budget)
+        if cand == "seed" and (beam or type(self) is not Tree):
+            raise ArgumentError(f"candidates: 'seed' is the seed's best-first tree; {self.kind!r} builds from "
+                                f"per-depth tables (use {', '.join(tree.CANDIDATE_MODES)})")
+        object.__setattr__(self, "candidates", cand if cand is not None else self.default_candidates)
+        if self.max_fanout != 0:
+            object.__setattr__(self, "max_fanout", check_int("max_fanout", self.max_fanout,
+                                                             unit="of children per parent"))
+            if self.candidates != "seed":
+                raise ArgumentError(f"max_fanout: only candidates='seed' limits the children per parent, "
+                                    f"not {self.candidates!r}")
+        if self.budget is not None or type(self) is not PCTree:  # pctree's default depends on the drafter
+            budget = check_int("budget", self.budget, unit="number of tree nodes")
+            if budget > MAX_SLOTS:
+                raise ArgumentError(f"budget: {budget} nodes exceed {MAX_SLOTS} (node indices are int32 on device)")
+            object.__setattr__(self, "budget", budget)
         if self.top_c is not None:
             object.__setattr__(self, "top_c", check_int("top_c", self.top_c))
         if self.widths is not None:
@@ -290,12 +303,25 @@ class Tree(Method):
 
     @property
     def label(self) -> str:
-        return f"{self.kind}@{self.budget}"
+        """``kind@budget``, then ``:candidates`` when not the kind's default and ``:fanout=K`` when set."""
+        out = self.kind if self.budget is None else f"{self.kind}@{self.budget}"
+        if self.candidates != self.default_candidates:
+            out += f":{self.candidates}"
+        return out + (f":fanout={self.max_fanout}" if self.max_fanout else "")
 
     @property
     def beam(self) -> bool:
         """Fixed nodes per depth (a beam) rather than best-first."""
         return _entry(self.kind).beam
+
+    @property
+    def default_candidates(self) -> str:
+        """The candidates when none is given: ``base`` without a Markov head, :data:`DEFAULT_CANDIDATES` for
+        ``sparklingtree``, :data:`TABLE_CANDIDATES` for the trees built from per-depth tables."""
+        entry = _entry(self.kind)
+        if not entry.markov:
+            return "base"
+        return TABLE_CANDIDATES if entry.beam or type(self) is not Tree else DEFAULT_CANDIDATES
 
     def nodes(self, drafter) -> int:
         return self.budget
@@ -304,11 +330,14 @@ class Tree(Method):
         check_drafter(target, drafter, self)
         depth = self.depth(drafter)
         budget, v = self.budget, target.config.vocab_size
-        c = min(min(v, max(budget, 32)) if self.top_c is None else self.top_c, v)
-        reachable = sum(c**k for k in range(1, depth + 1))
+        seed = self.candidates == "seed"
+        c = min((SEED_TOP_C if seed else max(budget, 32)) if self.top_c is None else self.top_c, v)
+        fanout = tree.seed_fanout(budget, self.max_fanout, min(depth * c + 1, v)) if seed else c
+        reachable = sum(fanout**k for k in range(1, depth + 1))
         if budget > reachable:
             raise ArgumentError(
-                f"budget: {budget} nodes exceed the reachable tree size {reachable} (top_c={c}, depth={depth})"
+                f"budget: {budget} nodes exceed the reachable tree size {reachable} "
+                f"({f'max_fanout={fanout}' if seed else f'top_c={c}'}, depth={depth})"
             )
         w = None
         if self.beam:
@@ -335,6 +364,16 @@ class Tree(Method):
 
     def build(self, drafter, x_start, blk, plan) -> tree.Tree:
         """The batched :class:`sparkjax.tree.Tree` of ``plan.nodes`` nodes (with its path scores)."""
+        if self.candidates == "seed":  # the seed's union and normaliser; only the rows the walk reaches
+            logits = drafting.aligned_logits(drafter, blk.logits).astype(jnp.float32)
+            hidden = blk.hidden[:, drafter.config.first_draft_slot :][:, : logits.shape[1]]
+
+            def one(lg, x, h):
+                return tree.seed_best_first(lg, x, lambda hd, p: drafting.markov_features(drafter, hd, p), h,
+                                            drafting.markov_w2(drafter), budget=plan.nodes, top_c=plan.top_c,
+                                            max_fanout=self.max_fanout)
+
+            return jax.vmap(one)(logits, x_start, hidden)
         tables, cand_tokens = self.tables(drafter, x_start, blk, plan)
         if self.beam:
             return jax.vmap(tree.beam, in_axes=(0, 0, None))(tables, cand_tokens, plan.widths)
@@ -377,7 +416,7 @@ class Tree(Method):
         return cls(name, cls.budget if budget is None else budget, top_c, widths, normalization)  # PCTree's too
 
 
-PCTREE_BUDGET = 32  # pctree's default N: nodes of the selected tree, the root included
+PCTREE_BUDGET = 32  # pctree's default N: nodes of the selected tree, the root included (at most what the beam keeps)
 PCTREE_K = 4  # pctree's default beam width per depth
 
 
@@ -385,27 +424,37 @@ PCTREE_K = 4  # pctree's default beam width per depth
 class PCTree(Tree):
     """PCTree (arXiv 2608.02123, :func:`sparkjax.tree.layer_beam`): ``sparklingtree``'s candidates and Markov
     tables, a beam of the ``k`` best (parent, child) extensions per depth, then the ``budget`` best kept nodes
-    *counting the root* (``pctree@32`` verifies 31 drafted nodes). Verified by the tree walk."""
+    *counting the root* (``pctree@32`` verifies 31 drafted nodes). Verified by the tree walk. ``budget=None``:
+    :data:`PCTREE_BUDGET`, or all the beam keeps (``1 + k * depth``) when that is fewer (a block-7 drafter)."""
 
     kind: str = "pctree"
-    budget: int = PCTREE_BUDGET
+    budget: int | None = None
     k: int = PCTREE_K
 
     def __post_init__(self):
         super().__post_init__()
-        if self.budget < 2:
+        if self.budget is not None and self.budget < 2:
             raise ArgumentError(f"budget: pctree's budget counts the root, so it needs at least 2 nodes, "
                                 f"got {self.budget}")
         object.__setattr__(self, "k", check_int("k", self.k, unit="of nodes kept per depth"))
 
+    def resolved(self, drafter) -> PCTree:
+        """This method with its budget set for ``drafter`` (the default: see the class)."""
+        if self.budget is not None:
+            return self
+        return dataclasses.replace(self, budget=min(PCTREE_BUDGET, 1 + self.k * self.depth(drafter)))
+
     def nodes(self, drafter) -> int:
-        return self.budget - 1
+        return self.resolved(drafter).budget - 1
 
     def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
+        check_drafter(target, drafter, self)
+        self = self.resolved(drafter)
         plan = super().plan(target, drafter, sampling, options)
         if plan.nodes > self.k * plan.depth:
             raise ArgumentError(f"budget: {self.budget} nodes (the root and {plan.nodes} drafted) exceed the "
-                                f"{self.k * plan.depth} nodes the beam keeps (k={self.k} x depth {plan.depth})")
+                                f"{1 + self.k * plan.depth} the beam keeps (the root and k={self.k} x depth "
+                                f"{plan.depth}); leave budget unset for pctree's default")
         return plan
 
     def build(self, drafter, x_start, blk, plan) -> tree.Tree:
@@ -505,7 +554,14 @@ class Auto(Method):
         """The candidate sets of the tree it builds (None without a tree size or before :meth:`resolve`)."""
         if not self.tree_sizes or self.tree is None:
             return None
-        return Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization).candidates
+        return self.largest_tree().candidates
+
+    def largest_tree(self) -> Tree:
+        """The tree built each round (its smaller sizes are prefixes): per-depth tables, whatever
+        ``sparklingtree``'s own default (auto's costs and memory were measured on those)."""
+        markov = _entry(self.tree).markov
+        return Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization,
+                    TABLE_CANDIDATES if markov else None)
 
     @classmethod
     def of(cls, method: Any, what: str) -> Auto:
@@ -601,7 +657,7 @@ class Auto(Method):
 
     def tree_plan(self, plan: Plan) -> Plan:
         """The plan of the largest tree (the one built each round)."""
-        return Plan(Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization), plan.depth,
+        return Plan(self.largest_tree(), plan.depth,
                     self.tree_sizes[-1], plan.sampling, plan.layer_ids, plan.options)
 
     def chain_plan(self, plan: Plan) -> Plan:
@@ -665,26 +721,41 @@ def _entry(name: Any, cls: type[Method] | None = None, arg: str = "method") -> _
 
 def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
                  widths: Sequence[int] | str | None = None, normalization: Any = "fast",
-                 candidates: Any = None) -> Method:
+                 candidates: Any = None, max_fanout: Any = None) -> Method:
     """The method object of ``method``: a :class:`Method` (returned as is; then the keyword options must
     be left unset), a name out of :data:`METHODS` (with the keyword options, which only the methods that
-    take them accept), or ``"name@budget"`` (a tree and its budget, as the eval labels them)."""
+    take them accept), or a tree's label ``"name@budget[:candidates][:fanout=K]"`` (as the eval labels them)."""
     if isinstance(method, Method):
-        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths), ("candidates", candidates)):
+        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths), ("candidates", candidates),
+                           ("max_fanout", max_fanout)):
             if value is not None:
                 raise ArgumentError(f"{arg}: given beside the method object {method!r}; set it on the object")
         return method
     name, at, text = method.partition("@") if isinstance(method, str) else (method, "", "")
     entry = _entry(name)
     if at:
+        text, *opts = text.split(":")
         if not (text.isascii() and text.isdigit()):
             raise ArgumentError(f"method: {method!r}: expected 'name@budget' with an integer budget")
         if budget is not None:
             raise ArgumentError(f"budget: given twice, in method={method!r} and as budget={budget!r}")
         budget = int(text)
+        for opt in opts:
+            key, eq, value = opt.partition("=")
+            arg, given = ("max_fanout", max_fanout) if eq else ("candidates", candidates)
+            if (eq and (key != "fanout" or not (value.isascii() and value.isdigit()))) or not opt:
+                raise ArgumentError(f"method: {method!r}: expected 'name@budget[:candidates][:fanout=K]', "
+                                    f"got the option {opt!r}")
+            if given is not None:
+                raise ArgumentError(f"{arg}: given twice, in method={method!r} and as {arg}={given!r}")
+            if eq:
+                max_fanout = int(value)
+            else:
+                candidates = opt
     out = entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
-    if candidates is not None:
-        if not isinstance(out, Tree):
-            raise ArgumentError(f"candidates: only the tree methods take a candidates option, not {name!r}")
-        out = dataclasses.replace(out, candidates=candidates)
+    for arg, value in (("candidates", candidates), ("max_fanout", max_fanout)):
+        if value is not None:
+            if not isinstance(out, Tree):
+                raise ArgumentError(f"{arg}: only the tree methods take a {arg} option, not {name!r}")
+            out = dataclasses.replace(out, **{arg: value})
     return out

@@ -103,11 +103,16 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
     if not methods or any(not m for m in methods):
         raise EvalError("--methods: empty method name")
     for m in methods:
-        if m not in core.METHODS:  # a plain name: budgets come from --budgets
-            raise EvalError(f"--methods: unknown method {m!r}; choose from {', '.join(core.METHODS)}")
+        name = m.partition("@")[0].partition(":")[0]
+        if name not in core.METHODS:  # a name (budgets from --budgets), name:options or a label name@budget[:options]
+            raise EvalError(f"--methods: unknown method {m!r}; choose from {', '.join(core.METHODS)} (a tree "
+                            "may add its options, as sparklingtree:seed or sparklingtree@64:seed:fanout=16)")
         if methods.count(m) > 1:
             raise EvalError(f"--methods: {m!r} is listed twice")
-    trees = [m for m in methods if m in core.TREE_METHODS]
+        if m != name and name not in core.TREE_METHODS:
+            raise EvalError(f"--methods: {m!r}: only the tree methods ({', '.join(core.TREE_METHODS)}) take a "
+                            "budget or options")
+    trees = [m for m in methods if "@" not in m and m.partition(":")[0] in core.TREE_METHODS]
     for flag, value in (("--budgets", cfg.budgets), ("--top-c", cfg.top_c)):
         if value is not None and not trees:
             given = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
@@ -116,6 +121,15 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
     _positive("--top-c", cfg.top_c, allow_none=True)
     budgets = cfg.budgets or DEFAULT_BUDGETS
     out = [MethodConfig(m, b, cfg.top_c) for m in methods for b in (budgets if m in trees else (None,))]
+    for mc in out:
+        try:
+            _ = mc.spec  # every option is checked before any work
+        except ArgumentError as e:
+            raise EvalError(f"--methods: {mc.method!r}: {e}") from None
+    labels = [mc.label for mc in out]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise EvalError(f"--methods: {dupes[0]} is run twice (a label and a name with --budgets name the same run)")
     notes = []
     if all(mc.speculative for mc in out):
         out.insert(0, MethodConfig(core.AR_LABEL))

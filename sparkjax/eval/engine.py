@@ -30,7 +30,11 @@ class MethodConfig:
 
     @functools.cached_property
     def spec(self) -> Method:
-        """The method object (:func:`sparkjax.engine.parse_method` of the name, budget and top-c)."""
+        """The method object (:func:`sparkjax.engine.parse_method` of the name or label, budget and top-c; a
+        ``name:options`` entry gets the budget as ``name@budget:options``)."""
+        name, colon, opts = self.method.partition(":")
+        if colon and "@" not in name and self.budget is not None:
+            return parse_method(f"{name}@{self.budget}:{opts}", top_c=self.top_c)
         return parse_method(self.method, budget=self.budget, top_c=self.top_c)
 
     @property
@@ -173,8 +177,8 @@ class Engine:
         core.raise_if_nonfinite(to_host(res.nonfinite)[:size])
         out, n = to_host(res.out)[:size], to_host(res.n)[:size]
         tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-        if res.accept_lens is None:  # ar: one token per step
-            return BatchOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
+        if res.accept_lens is None:  # ar: the prefill's token, then one token per step
+            return BatchOutput(tokens, [[1] * (len(t) - 1) for t in tokens], [[] for _ in tokens])
         lens_all, rounds = to_host(res.accept_lens)[:size], to_host(res.rounds)[:size]
         lens = [lens_all[b, : rounds[b]].tolist() for b in range(out.shape[0])]
         hits = to_host(res.depth_hits)[:size].tolist()
