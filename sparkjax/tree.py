@@ -675,15 +675,19 @@ def seed_best_first(base_logits: jax.Array, x_start: jax.Array | int,
         z = base_d[None, :] + jnp.asarray(feats(aux_d, parents), jnp.float32) @ w2u.T  # [K, U]
         logp = jnp.minimum(z - jax.nn.logsumexp(z, axis=-1, keepdims=True), 0.0)
         logp = jnp.where(logp == 0, 0.0, logp)  # -0.0 as +0.0 (see _expand)
-        top, rank_idx = jax.lax.top_k(logp, k)  # [K, k]: each parent's best k children, its row order
-        child = (scores[:, None] + top).reshape(-1)  # [K * k], key b * k + r: lexicographic in (slot, rank)
+        if k < budget:  # each parent's best k children first (its row order), then the best of all
+            top, rank_idx = jax.lax.top_k(logp, k)  # [K, k]
+        else:  # k == budget: a child ranked k or worse in its row is never in the top budget (k better siblings)
+            top, rank_idx = logp, jnp.broadcast_to(jnp.arange(u, dtype=jnp.int32), (budget, u))
+        width = top.shape[1]
+        child = (scores[:, None] + top).reshape(-1)  # key b * width + r: lexicographic in (slot, rank)
         best, key = jax.lax.top_k(child, budget)
         slot = jnp.sum(key[None, :] < key[:, None], axis=1, dtype=jnp.int32)  # back to lexicographic order
         key = _lookup(slot, key, slots)
         best = jax.lax.bitcast_convert_type(
             _lookup(slot, jax.lax.bitcast_convert_type(best, jnp.int32), slots), jnp.float32)
         uidx = rank_idx.reshape(-1)[key]
-        return (best, union[uidx]), (best, key // k, uidx)
+        return (best, union[uidx]), (best, key // width, uidx)
 
     _, (scores, parent_slot, uidx) = jax.lax.scan(step, init, (base_u, aux))
     return _merge((scores, parent_slot, uidx), jnp.broadcast_to(union, (d, u)), budget)

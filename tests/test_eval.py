@@ -121,6 +121,13 @@ def test_e2e_table_files_and_csv(e2e):
     assert "bundled demo pair" in e2e.stdout and "accept_rate@k" in e2e.stdout and "as ar" in e2e.stdout
     for label in ("ar", "sparklingtree@16"):
         assert re.search(rf"^all\s+{re.escape(label)}\s", e2e.stdout, re.M), label
+    # each method's warm-up: its wall time, the share spent compiling, the programs compiled (none when the
+    # persistent cache served them), in results.json and in the printed report
+    warm = e2e.js["setup"]["warmup"]
+    assert list(warm) == ["ar", "sparklingtree@16"] and "warm-up (compiling and a first run" in e2e.stdout
+    for label, w in warm.items():
+        assert w["seconds"] >= w["compile_seconds"] >= sum(p["seconds"] for p in w["programs"]) >= 0
+        assert re.search(rf"^  {re.escape(label)}\s+{w['seconds']:.1f} s  compile", e2e.stdout, re.M), label
     plots = {"acceptance_per_depth.png", "tau_speedup.png", "stage_time.png"}
     assert {p.name for p in e2e.out.iterdir()} == {"results.json", "results.csv", "notes.txt", *plots}
     assert (e2e.out / "notes.txt").read_text() == "keep me"  # the stale sweep plot is gone, the user's file kept
@@ -360,5 +367,6 @@ def test_subprocess_bad_input_and_help(capsys):
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0
     assert main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # the defaults the help states are the ones the harness uses
-    assert "(default: 16,32,64)" in text and "(default: 4; 0 = all)" in text and "(default: 64)" in text
+    assert "(default: 64, pctree at its own default)" in text and "(default: 4; 0 = all)" in text
+    assert "(default: ar,dspark,ddtree,sparklingtree,pctree,auto)" in text and "(default: 64)" in text
     assert "python_docs,stdlib_code,synthetic_math, the default" in text

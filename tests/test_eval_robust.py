@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 import sparkjax
-from sparkjax import demo
+from sparkjax import demo, engine
 from sparkjax.engine.state import Launch
 from sparkjax.errors import EvalError
 from sparkjax.eval import EvalConfig, config, harness, pair, plots, records, report, runner
@@ -230,7 +230,7 @@ def test_baseline_drafter_and_prompts_as_encoded(fake, tmp_path):
 def test_demo_defaults_and_missing_demo_assets(tmp_path, monkeypatch, capsys):
     cfg = EvalConfig()
     assert cfg.datasets == ("python_docs", "stdlib_code", "synthetic_math") and cfg.target is None
-    assert (cfg.max_samples, cfg.max_new_tokens, config.DEFAULT_BUDGETS) == (4, 64, (16, 32, 64))
+    assert (cfg.max_samples, cfg.max_new_tokens, config.DEFAULT_BUDGETS) == (4, 64, (64,))
     mcs = [MethodConfig(m) for m in ("ar", "dflash", "dspark")]
     r = pair.resolve_pair(cfg, mcs=mcs)
     assert r["default"] and (r["d_src"], r["b_src"]) == (str(demo.path("dspark_b16")), str(demo.path("dflash_b16")))
@@ -274,8 +274,23 @@ def test_outputs_raise_on_non_finite_logits():
     assert res.size_choices == [["ar", "t@16"]] and res.acceptance_lengths == [[1, 2]]  # auto's rounds named
 
 
-def test_every_default_method_has_its_own_stable_style():
+def test_default_methods_their_budgets_and_labels():
+    """The default run: one budget per tree, pctree at its own; --budgets sweeps every tree; labels and
+    name:options entries expand like names; a bad option or a run listed twice is one EvalError."""
     labels = [mc.label for mc in config.method_configs(EvalConfig())[0]]
+    assert labels == ["ar", "dspark", "ddtree@64", "sparklingtree@64", "pctree", "auto"]
+    cfg = EvalConfig(methods=("sparklingtree", "sparklingtree:seed", "ddtree@8", "pctree"), budgets=(16, 32))
+    assert [mc.label for mc in config.method_configs(config.normalized(cfg))[0]] == [
+        "ar", "sparklingtree@16", "sparklingtree@32", "sparklingtree@16:seed", "sparklingtree@32:seed", "ddtree@8",
+        "pctree@16", "pctree@32"]
+    for methods, match in ((("sparklingtree:bogus",), "candidates"), (("dspark@8",), "only the tree methods"),
+                           (("sparklingtree@64", "sparklingtree"), "run twice"), (("nope:seed",), "unknown method")):
+        with pytest.raises(EvalError, match=f"^--methods: .*{match}"):
+            config.method_configs(config.normalized(EvalConfig(methods=methods)))
+
+
+def test_every_method_has_its_own_stable_style():
+    labels = [mc.label for mc in config.method_configs(EvalConfig(methods=engine.METHODS, budgets=(16, 32, 64)))[0]]
     assert len({plots.method_style(lab)["color"] for lab in labels}) == len(labels) >= 12  # distinct colours
     assert plots.method_style("ar")["color"] != plots.method_style("sparklingtree-beam@32")["color"]
 

@@ -25,7 +25,7 @@ from sparkjax.errors import ArgumentError
 from sparkjax.io.atomic import atomic_file
 from sparkjax.nn.drafter import Drafter
 from sparkjax.nn.qwen3 import Qwen3
-from sparkjax.tree import CANDIDATE_MODES
+from sparkjax.tree import TREE_CANDIDATE_MODES
 
 from .timing import load_warning
 
@@ -76,17 +76,21 @@ def add_output(p, json_records: bool = True) -> None:
 
 
 def parse_label(label: str):
-    """The method of ``name[@budget][:option...]``; options: ``base`` / ``corrected`` / ``union`` (the tree's
-    candidates) or ``auto`` (the beam's widths), e.g. ``sparklingtree@64:union``."""
+    """The method of ``name[@budget][:option...]``; options: ``base`` / ``corrected`` / ``union`` / ``seed`` (the
+    tree's candidates), ``fanout=K`` (the seed's children per parent) or ``auto`` (the beam's widths), e.g.
+    ``sparklingtree@64:union``."""
     name, *opts = label.split(":")
     kw: dict[str, Any] = {}
     for o in opts:
-        if o in CANDIDATE_MODES:
+        if o in TREE_CANDIDATE_MODES:
             kw["candidates"] = o
         elif o == "auto":
             kw["widths"] = "auto"
+        elif o.startswith("fanout=") and o[7:].isascii() and o[7:].isdigit():
+            kw["max_fanout"] = int(o[7:])
         else:
-            raise ArgumentError(f"--methods: unknown tree option {o!r} in {label!r} (base, corrected, union, auto)")
+            raise ArgumentError(f"--methods: unknown tree option {o!r} in {label!r} (base, corrected, union, seed, "
+                                "fanout=K, auto)")
     return parse_method(name, **kw)
 
 

@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--budgets", default="16,64")
     p.add_argument("--methods", default="ar,dflash,dspark,ddtree,sparklingtree,sparklingtree-beam",
-                   help="names, name@budget, and tree options name[@budget]:base|corrected|union|auto")
+                   help="names, name@budget, and tree options name[@budget]:base|corrected|union|seed|fanout=K|auto")
     p.add_argument("--context", type=int, default=1024, help="cache slots S (the cache bucket)")
     p.add_argument("--tau", type=float, default=TAU, help="accepted tokens per round for the projected speedup")
     p.add_argument("--quick", action="store_true", help="real preset, batch 1: ar, dspark, sparklingtree@64")

@@ -11,7 +11,14 @@ from .. import _startup, engine
 from ..cli import OneLineParser
 from ..errors import EvalError, SparkjaxError
 from . import datasets as ds
-from .config import DEFAULT_BUDGETS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SAMPLES, DEFAULT_REPEATS, EvalConfig
+from .config import (
+    DEFAULT_BUDGETS,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_SAMPLES,
+    DEFAULT_METHODS,
+    DEFAULT_REPEATS,
+    EvalConfig,
+)
 from .harness import run
 from .pair import BASELINE_METHODS
 from .report import compare
@@ -70,13 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default: the checkpoint's own; float32 for the bundled demo pair)")
     g = p.add_argument_group("runs")
-    g.add_argument("--methods", default=engine.METHODS, metavar="LIST",
-                   help=f"comma-separated methods out of {','.join(engine.METHODS)} (default: all); ar is always run, "
-                        "as the speedup reference")
+    g.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="LIST",
+                   help=f"comma-separated methods out of {','.join(engine.METHODS)} (default: "
+                        f"{','.join(DEFAULT_METHODS)}); a tree may carry its budget and options as a label "
+                        "(sparklingtree@64:seed:fanout=16) or its options alone (sparklingtree:seed); ar is always "
+                        "run, as the speedup reference")
     g.add_argument("--budgets", metavar="LIST",
                    help=f"tree sizes (nodes per round) for {' / '.join(engine.TREE_METHODS)}; each tree method runs "
-                        f"once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}); an error with chain-only "
-                        "methods")
+                        f"once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}, pctree at its own "
+                        "default); an error with chain-only methods")
     g.add_argument("--top-c", type=int, metavar="C", help="candidates per depth of a tree (default: the engine's)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = lossless sampling")
     g.add_argument("--datasets", default=ds.DEFAULT, metavar="LIST",

@@ -12,7 +12,10 @@ from ..sharding import make_mesh
 from . import datasets as ds
 from .engine import MethodConfig
 
-DEFAULT_BUDGETS = (16, 32, 64)
+# The default run: the methods that tell the story, each tree at one budget (pctree at its own default);
+# --budgets sweeps every tree method, --methods picks any (docs/eval.md)
+DEFAULT_METHODS = ("ar", "dspark", "ddtree", "sparklingtree", "pctree", "auto")
+DEFAULT_BUDGETS = (64,)
 DEFAULT_MAX_SAMPLES = 4
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_REPEATS = 3
@@ -29,7 +32,7 @@ class EvalConfig:
     baseline_drafter: str | None = None
     tokenizer: str | None = None
     dtype: str | None = None
-    methods: tuple[str, ...] = core.METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     budgets: tuple[int, ...] | None = None
     top_c: int | None = None
     temperature: float = 0.0
@@ -119,8 +122,14 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
             raise EvalError(f"{flag}: {given} given, but none of --methods ({','.join(methods)}) builds a tree; "
                             f"{flag} applies only to {', '.join(core.TREE_METHODS)}")
     _positive("--top-c", cfg.top_c, allow_none=True)
-    budgets = cfg.budgets or DEFAULT_BUDGETS
-    out = [MethodConfig(m, b, cfg.top_c) for m in methods for b in (budgets if m in trees else (None,))]
+    def budgets(m: str) -> tuple[int | None, ...]:
+        if m not in trees:
+            return (None,)
+        if cfg.budgets:
+            return cfg.budgets
+        return (None,) if m.partition(":")[0] == "pctree" else DEFAULT_BUDGETS  # pctree's default fits its beam
+
+    out = [MethodConfig(m, b, cfg.top_c) for m in methods for b in budgets(m)]
     for mc in out:
         try:
             _ = mc.spec  # every option is checked before any work

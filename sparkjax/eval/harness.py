@@ -28,7 +28,7 @@ from .engine import Engine
 from .pair import DEMO_NOTE, Pair, load_pair, load_tok, param_dtype, resolve_pair
 from .records import Record, fill_batches, is_reference, make_record, prompt_pool, summarize, sweep_block, sweep_notes
 from .results import EvalResults, check_out
-from .runner import Interrupt, LoadMonitor, Stopped, protocol_text, sigint_flag, time_batch, warm_up
+from .runner import CompileLog, Interrupt, LoadMonitor, Stopped, protocol_text, sigint_flag, time_batch, warm_up
 
 _VERSIONED = ("sparkjax", "jax", "jaxlib", "flax", "numpy", "transformers", "tokenizers", "safetensors", "matplotlib",
               "tqdm", "ml_dtypes")
@@ -109,6 +109,7 @@ class _Run:
         self.t_start = time.perf_counter()
         self.loads = LoadMonitor()
         self.warmed: set = set()
+        self.warmup: dict[str, dict[str, Any]] = {}  # per method label: CompileLog.record of its warm-up
 
     def early_stop(self) -> None:  # a Ctrl-C before the first timed batch: nothing to keep
         if self.stop.requested:
@@ -158,6 +159,7 @@ class _Run:
                 n = len({(r.dataset, s.index) for r in done for s in r.samples})
                 notes.append(f"interrupted (Ctrl-C): the results cover the {n} sample(s) every method had finished")
         setup["timing"] = self.loads.block(cfg.repeats)
+        setup["warmup"] = self.warmup
         labels = [mc.label for mc in mcs]
         records = [] if pool is not None else done
         summary = summarize(records, labels, setup["depths"], list(selected), cfg.temperature)
@@ -239,8 +241,11 @@ class _Run:
             self.stop.check()
             bar.set_postfix_str(mc.label)
             key = eng.shape_key(mc, first)
-            if warm_up(eng, mc, first, seed=cfg.seed, stages=cfg.stage_samples != 0):
-                self.warmed.add((key, "stages"))
+            t0 = time.perf_counter()
+            with CompileLog() as log:
+                if warm_up(eng, mc, first, seed=cfg.seed, stages=cfg.stage_samples != 0):
+                    self.warmed.add((key, "stages"))
+            self.warmup[mc.label] = log.record(time.perf_counter() - t0)
             self.warmed.add(key)
         bar.close()
         self.loads.sample()

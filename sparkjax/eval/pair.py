@@ -43,7 +43,7 @@ def demo_dir(part: str) -> pathlib.Path:
 
 def uses_baseline(mc: MethodConfig) -> bool:
     """Whether ``mc`` runs with the baseline drafter when there is one."""
-    return mc.method in BASELINE_METHODS
+    return mc.method.partition("@")[0].partition(":")[0] in BASELINE_METHODS
 
 
 @dataclasses.dataclass

@@ -163,6 +163,27 @@ def _speed_cols(tok_width: int) -> list:
             ("speedup", "best", 7, lambda r: _times(r.speedup_best)), ("same", "as ar", 5, same)]
 
 
+def warmup_lines(warmup: dict | None, width: int = 6, shown: float = 0.5) -> list[str]:
+    """Each method's warm-up (before any timed run): wall seconds, the compile share and each program compiled,
+    those under ``shown`` seconds summed."""
+    if not warmup:
+        return []
+    total = sum(w["seconds"] for w in warmup.values())
+    comp = sum(w["compile_seconds"] for w in warmup.values())
+    lines = ["", f"warm-up (compiling and a first run of each method, before any timed run): {total:.1f} s, of which "
+                 f"{comp:.1f} s tracing and compiling (programs by backend compile seconds; a program the persistent "
+                 "cache served is not compiled)"]
+    for label, w in warmup.items():
+        big = [p for p in w["programs"] if p["seconds"] >= shown]
+        small = [p["seconds"] for p in w["programs"] if p["seconds"] < shown]
+        progs = ", ".join(f"{p['name']} {p['seconds']:.1f} s" for p in big)
+        if small:
+            progs += f"{', ' if progs else ''}{len(small)} more {sum(small):.1f} s"
+        lines.append(f"  {label:<{width}}  {w['seconds']:6.1f} s  compile {w['compile_seconds']:5.1f} s"
+                     f"{': ' + progs if progs else ''}")
+    return lines
+
+
 def format_table(results) -> str:
     """The summary as text: the main table, per-depth acceptance, definitions and notes."""
     lines = _header(results)
@@ -203,6 +224,7 @@ def format_table(results) -> str:
         for r in chosen:
             shares = "  ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(r.size_share.items(), key=lambda kv: -kv[1]))
             lines.append(f"{r.dataset:<{dw}}  {r.label:<{mw}}  {shares}")
+    lines += warmup_lines(results.setup.get("warmup"), mw)
     lines += ["", *_prose(
         "tau pooled = sum of acceptance lengths / rounds (DeepSpec); tau resp = mean of per-response means (DDTree); "
         "acceptance length = accepted drafts + 1. TPOT = decode time / output tokens, decode time = full run - "

@@ -113,6 +113,46 @@ class Timed:
     stage: dict[str, Any] | None = None
 
 
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_OPEN_LOGS: list[CompileLog] = []
+
+
+def _on_event(event: str, seconds: float, **kwargs) -> None:
+    if event in _COMPILE_EVENTS:
+        for log in _OPEN_LOGS:
+            log.seconds += seconds
+            if event == _COMPILE_EVENTS[-1]:
+                log.programs.append((str(kwargs.get("fun_name", "?")), float(seconds)))
+
+
+class CompileLog:
+    """What JAX compiled while it was open (its compile events): ``seconds`` spent tracing, lowering and
+    compiling, and ``programs``, the ``(name, backend compile seconds)`` of every XLA program compiled (a program
+    the persistent cache served is not compiled, so it is not listed)."""
+
+    _listening = False
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.programs: list[tuple[str, float]] = []
+
+    def __enter__(self) -> CompileLog:
+        if not CompileLog._listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            CompileLog._listening = True
+        _OPEN_LOGS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OPEN_LOGS.remove(self)
+
+    def record(self, wall_seconds: float) -> dict[str, Any]:
+        """The results.json entry of a warm-up: its wall time, the compile share and the programs, longest first."""
+        return {"seconds": wall_seconds, "compile_seconds": self.seconds,
+                "programs": [{"name": n, "seconds": s} for n, s in sorted(self.programs, key=lambda p: -p[1])]}
+
+
 def warm_up(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: int, stages: bool) -> bool:
     """Compiles and runs once everything :func:`time_batch` times for this shape; returns whether the
     instrumented mode got warm too (its stage functions compile only when the batch has a round)."""
