@@ -302,9 +302,10 @@ def test_greedy_auto_equals_ar(random_pair, ar_tokens, decide, batch):
     assert [len(c) for c in out.size_choices] == out.rounds
     assert sum(out.size_counts.values()) == sum(out.rounds)
     assert set(out.size_counts) <= set(m.table.labels)
-    for lens, sizes in zip(out.acceptance_lengths, out.size_choices, strict=True):
+    for lens, sizes, toks in zip(out.acceptance_lengths, out.size_choices, out.tokens, strict=True):
         for n, label in zip(lens, sizes, strict=True):
             assert n == 1 or label != "ar"  # a plain step commits exactly one token
+        assert 1 + sum(lens) == len(toks)  # each round counts what it committed (the last one cut at max_new)
 
 
 @pytest.mark.slow
@@ -456,8 +457,8 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
     clock = [0.0]
     calls = []
 
-    def fake(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
-        i = int(force)
+    def fake(graphdefs, states, start, force, max_new, eos, temperature, rounds, *, plan):
+        i, rounds = int(force), int(rounds)
         calls.append((i, rounds, int(start.extra.gap)))
         clock[0] += overhead + rounds * (int(start.extra.gap) if i == 0 else 1) * per_step[i]
         return start
@@ -470,8 +471,8 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
     assert timed == {(0, 1, costs.PROFILE_BURST), (1, costs.PROFILE_ROUNDS, 1), (2, costs.PROFILE_ROUNDS, 1)}
     assert sum(r == 0 for _, r, _ in calls) == sum(r > 0 for _, r, _ in calls)  # each timed call has its empty twin
 
-    def noisy(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
-        clock[0] += 1e-3 if rounds else 5e-3  # a busy machine: the empty call took longer than the whole one
+    def noisy(graphdefs, states, start, force, max_new, eos, temperature, rounds, *, plan):
+        clock[0] += 1e-3 if int(rounds) else 5e-3  # a busy machine: the empty call took longer than the whole one
         return start
 
     monkeypatch.setattr(costs, "forced_rounds", noisy)

@@ -170,10 +170,11 @@ def read_table(path: str | os.PathLike, key: tuple[tuple[str, Any], ...] | None 
     return table
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "rounds"))
-def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, *, plan, rounds):
-    """``rounds`` rounds of candidate ``force`` in a ``fori_loop``, each from ``start``'s lengths (the state is
-    carried, so nothing is dead code, but every round verifies at the same place in the cache)."""
+@functools.partial(jax.jit, static_argnames=("graphdefs", "plan"))
+def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, rounds, *, plan):
+    """``rounds`` (traced: one program times every count, none included) rounds of candidate ``force`` in a loop,
+    each from ``start``'s lengths (the state is carried, so nothing is dead code, but every round verifies at the
+    same place in the cache)."""
     target, drafter = merge_pair(graphdefs, states)
 
     def body(_, s):
@@ -235,7 +236,7 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
     def call(i: int, rounds: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(forced_rounds(graphdefs, states, burst if i == plain else start, jnp.int32(i), max_new,
-                                            eos, temp, plan=plan, rounds=rounds))
+                                            eos, temp, jnp.int32(rounds), plan=plan))
         return time.perf_counter() - t0
 
     def once(i: int) -> float:
