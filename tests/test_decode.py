@@ -49,7 +49,7 @@ def test_greedy_equals_ar_on_fixture_pair(pair, prompts3, ar3, method, budget):
     assert out.tokens == ar3
     for lens, toks in zip(out.acceptance_lengths, out.tokens, strict=True):
         assert 1 <= min(lens) and max(lens) <= drafter.config.num_drafts + 1
-        assert sum(lens) >= len(toks) - 1  # the prefill token plus what the rounds committed (last may overshoot)
+        assert 1 + sum(lens) == len(toks)  # the prefill's token plus what the rounds committed (the last one cut)
     if method in ("dspark", "sparklingtree", PCTree(k=2)) and budget != 1:
         assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
 
@@ -81,12 +81,18 @@ def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
     inside = [j for s, a in zip(starts, lens, strict=True) for j in range(s, min(s + a - 1, len(toks)))]
     choice = next(j for j in inside if toks.index(toks[j]) == j)
     eos = toks[choice]
-    ar = generate(target, None, prompts3, max_new_tokens=NEW, eos_token_ids=eos).tokens
+    ar_out = generate(target, None, prompts3, max_new_tokens=NEW, eos_token_ids=eos)
+    ar = ar_out.tokens
     assert ar[0] == toks[: choice + 1]
     assert ar == [t[: t.index(eos) + 1] if eos in t else t for t in ar3]
+    assert ar_out.acceptance_lengths == [[1] * (len(t) - 1) for t in ar]  # the prefill's token, then one a step
     for method, kw in (("sparklingtree", {"budget": 8}), ("dspark", {})):
         out = generate(target, drafter, prompts3, method=method, max_new_tokens=NEW, eos_token_ids=[eos], **kw)
         assert out.tokens == ar, method
+        # a round counts what it committed: the path cut at EOS (sequence 0's, inside a round) or at max_new
+        assert [1 + sum(lens) for lens in out.acceptance_lengths] == [len(t) for t in ar], method
+        for lens, hits in zip(out.acceptance_lengths, out.accepted_per_depth, strict=True):
+            assert hits == [sum(a > k + 1 for a in lens) for k in range(len(hits))], method  # depth k: count > k
 
 
 @SLOW
@@ -98,6 +104,9 @@ def test_batch_one_stream_and_instrumented(pair, prompts3, ar3):
     assert [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)] == ar3 and len(chunks) > 2
     inst = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW, instrument=True)
     assert inst.tokens == ar3
+    # each yield after the prefill's is one round's commit (none once a sequence is done): the per-round counts
+    assert [[len(c[b]) for c in chunks[1:] if c[b]] for b in range(3)] == inst.acceptance_lengths
+    assert [1 + sum(lens) for lens in inst.acceptance_lengths] == [len(t) for t in ar3]
     assert set(inst.stage_seconds) == {"draft", "tree", "verify", "commit"}
     assert all(v > 0 for v in inst.stage_seconds.values())
 
@@ -193,6 +202,7 @@ def test_sampling_is_lossless(random_pair, method, temperature):
         assert len(out.size_counts) >= 1 and sum(out.size_counts.values()) == sum(out.rounds)
     samples = np.array(out.tokens)
     assert samples.shape == (n, 3)
+    assert all(1 + sum(lens) == 3 for lens in out.acceptance_lengths)  # a round cut by max_new counts what it kept
     exact = _exact_joint(target, prompt, vocab, temperature)
     accepted = sum(a - 1 for lens in out.acceptance_lengths for a in lens)
     assert accepted > n // 10, "the drafter should be accepted sometimes, or the test checks nothing"

@@ -244,9 +244,10 @@ def test_valid_runs_return_sane_tokens(pair, ar_reference, lengths, data, method
     assert kind == "ok", out
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     max_new = int(max_new)
-    for toks in out.tokens:
+    for toks, lens in zip(out.tokens, out.acceptance_lengths, strict=True):
         assert 1 <= len(toks) <= max_new and all(0 <= t < VOCAB for t in toks)
         assert all(t not in eos_ids for t in toks[:-1])  # cut right after an EOS
+        assert 1 + sum(lens) == len(toks)  # the rounds count what they committed (cut at EOS or max_new)
     if temperature == 0:
         rows = [list(map(int, r)) for r in prompt_ids]
         assert out.tokens == ar_reference(rows, max_new, eos)

@@ -333,9 +333,13 @@ def test_auto_in_a_pool_decides_from_the_active_slots(random_pair, solo):
         with eng._cond:  # all four are admitted in the same visit
             reqs = [eng.submit(p, max_new_tokens=8, eos_token_ids=[]) for p in PROMPTS[1:5]]
         outs = [r.result(timeout=120) for r in reqs]
-        after = eng.metrics()["verify_sizes"]
+        m = eng.metrics()
+        after = m["verify_sizes"]
     finally:
         eng.close(grace_s=0)
+    # the rounds count what they committed (the drafted request's last round cut at max_new): each request's
+    # tokens are its prefill's one plus its rounds'
+    assert m["generated_tokens"] == NEW + 4 * 8 == m["accepted_tokens"] + 5
     assert 4 in widths and set(widths) <= {0, 1, 2, 4}
     assert after[labels[1]] == first[labels[1]]  # four active: plain steps only
     assert after[labels[0]] - first[labels[0]] == 4 * 7  # a plain step per slot per token after the first

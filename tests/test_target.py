@@ -74,7 +74,7 @@ def test_fixture_target_matches_upstream(fixture_target, ref):
     expected = ref["c.ar_output_ids"][0, prompt.shape[1]:].tolist()
     out = generate(fixture_target, None, prompt, method="ar", max_new_tokens=len(expected))
     assert out.tokens == [expected]
-    assert out.acceptance_lengths == [[1] * len(expected)]
+    assert out.acceptance_lengths == [[1] * (len(expected) - 1)]  # the prefill's token, then one per step
 
 
 def test_prefill_then_cached_steps_equal_full_forward(fixture_target):

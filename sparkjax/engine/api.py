@@ -184,10 +184,10 @@ def check_lengths(prompts: Prompts, max_new_tokens: int, max_positions: int, cac
 @dataclasses.dataclass
 class GenerateOutput:
     """What :func:`generate` returns (the fields are tabled in docs/api.md): per sequence the ``tokens`` (prompt
-    excluded, cut after EOS), the tokens each round committed, the rounds that accepted each depth;
-    ``stage_seconds`` when instrumented; ``size_choices`` (each round's candidate label, parallel to
-    ``acceptance_lengths``) and ``auto_memory`` (:class:`~sparkjax.engine.adaptive.AutoMemory`, host arrays)
-    for method ``auto`` only, else None.
+    excluded, cut after EOS), the tokens each round committed (``1 + sum == len(tokens)``: a round cut by EOS or
+    max_new counts what it kept), the rounds that accepted each depth; ``stage_seconds`` when instrumented;
+    ``size_choices`` (each round's candidate label, parallel to ``acceptance_lengths``) and ``auto_memory``
+    (:class:`~sparkjax.engine.adaptive.AutoMemory`, host arrays) for method ``auto`` only, else None.
     """
 
     tokens: list[list[int]]
@@ -227,8 +227,8 @@ def _outputs(res: Launch, stage_seconds: dict[str, float] | None = None) -> Gene
     """The host-side :class:`GenerateOutput` of a finished :class:`~sparkjax.engine.state.Launch`."""
     out, n = to_host(res.out), to_host(res.n)
     tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-    if res.accept_lens is None:
-        return GenerateOutput(tokens, [[1] * len(t) for t in tokens], [[] for _ in tokens])
+    if res.accept_lens is None:  # ar: the prefill's token, then one step per token, so len(t) - 1 rounds of 1
+        return GenerateOutput(tokens, [[1] * (len(t) - 1) for t in tokens], [[] for _ in tokens])
     accept_lens, rounds, depth_hits = to_host(res.accept_lens), to_host(res.rounds), to_host(res.depth_hits)
     lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
     choices, memory = getattr(res.extra, "choices", None), getattr(res.extra, "memory", None)

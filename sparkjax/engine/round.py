@@ -123,9 +123,12 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     cache = ver.cache.compact(start, idx, count)
     acc_feats = jnp.take_along_axis(ver.features, idx[..., None], axis=1)
     ctx = drafting.append_context(drafter, state.ctx, acc_feats, count)
+    # the round's counts are what it committed (``keep``, not the path's ``length``): a path cut at EOS or at
+    # max_new counts no token past the cut (nor the bonus), so 1 (the prefill's token) + sum(accept_lens) == n;
+    # depth_hits follow the count (depth k is reached when the round committed more than k tokens)
     r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
-    accept_lens = jax.vmap(lambda a, i, x: a.at[i].set(x, mode="drop"))(state.accept_lens, r, length)
-    hits = (jnp.arange(d)[None] < (length - 1)[:, None]) & active[:, None]
+    accept_lens = jax.vmap(lambda a, i, x: a.at[i].set(x, mode="drop"))(state.accept_lens, r, keep)
+    hits = (jnp.arange(d)[None] < (keep - 1)[:, None]) & active[:, None]
     return SpecState(
         cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,
         key=state.key, accept_lens=accept_lens, rounds=state.rounds + active.astype(jnp.int32),

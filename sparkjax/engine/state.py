@@ -115,7 +115,8 @@ class Verified:
 @dataclasses.dataclass(frozen=True)
 class Acceptance:
     """The accepted path of a round: ``indices`` ``[B, D + 1]`` verify rows (root first, -1 past the path),
-    ``length`` ``[B]`` tokens committed (accepted drafts + 1) and the ``bonus`` token ``[B]``."""
+    ``length`` ``[B]`` the path's tokens (accepted drafts + 1; the commit cuts it at EOS or max_new and counts
+    what it kept) and the ``bonus`` token ``[B]``."""
 
     indices: Array
     length: Array
