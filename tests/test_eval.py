@@ -163,6 +163,8 @@ def test_e2e_json_matches_independent_recounts(e2e):
         assert ids == outputs[name, "ar"] and 0 < len(ids) <= 8  # greedy: every method emits ar's tokens
     for r in records:
         assert len(r["run_seconds"]) == len(r["prefill_seconds"]) == 1 and r["run_spread"] is None
+        for s in r["samples"]:  # each round counts what it committed (ar's one a step; the last cut at 8 tokens)
+            assert 1 + sum(s["acceptance_lengths"]) == len(s["output_ids"]) == s["output_tokens"], r["label"]
         assert r["decode_seconds"] == (None if r["run_seconds"][0] <= r["prefill_seconds"][0]
                                        else pytest.approx(r["run_seconds"][0] - r["prefill_seconds"][0]))
     for row in js["summary"]:
