@@ -689,7 +689,7 @@ def seed_best_first(base_logits: jax.Array, x_start: jax.Array | int,
         uidx = rank_idx.reshape(-1)[key]
         return (best, union[uidx]), (best, key // width, uidx)
 
-    _, (scores, parent_slot, uidx) = jax.lax.scan(step, init, (base_u, aux))
+    _, (scores, parent_slot, uidx) = jax.lax.scan(step, init, (base_u, aux), unroll=True)  # no device loop
     return _merge((scores, parent_slot, uidx), jnp.broadcast_to(union, (d, u)), budget)
 
 
