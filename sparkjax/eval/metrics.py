@@ -1,6 +1,7 @@
 """Metric definitions, as pure functions over plain Python numbers (no JAX).
 
-Acceptance length (tau) = accepted drafts + 1: ``tau_pooled`` (DeepSpec's: over all rounds) and
+Acceptance length = the tokens a round committed (accepted drafts + 1, fewer in a round cut at EOS or the
+token limit); tau is its mean: ``tau_pooled`` (DeepSpec's: over all rounds) and
 ``tau_per_response`` (DDTree's: mean of per-response means). ``accept_rate@k``: the fraction of rounds that
 accepted at least k drafts. TPOT = decode seconds / output tokens; speedup = TPOT(ar) / TPOT(method). A decode
 time that is not positive is "not measured" (None), never 0.

@@ -227,9 +227,10 @@ def format_table(results) -> str:
     lines += warmup_lines(results.setup.get("warmup"), mw)
     lines += ["", *_prose(
         "tau pooled = sum of acceptance lengths / rounds (DeepSpec); tau resp = mean of per-response means (DDTree); "
-        "acceptance length = accepted drafts + 1. TPOT = decode time / output tokens, decode time = full run - "
-        "prefill-only run (median over the repetitions, methods interleaved A B A B; 'best': the same from the "
-        "fastest runs); tok/s = 1 / TPOT; speedup = TPOT(ar) / TPOT(method), same run; spread = (max - min) / median "
+        "acceptance length = the tokens a round committed (accepted drafts + 1, fewer in a round cut at EOS or "
+        "the token limit). TPOT = decode time / output tokens, decode time = full run - prefill-only run (median "
+        "over the repetitions, methods interleaved A B A B; 'best': the same from the fastest runs); tok/s = 1 / "
+        "TPOT; speedup = TPOT(ar) / TPOT(method), same run; spread = (max - min) / median "
         "of the full runs (median over batches). round ms = decode time / rounds (ar: per token) in the fused loop; "
         "stage times come from a separate, synced pass, so they add overhead. same as ar = fraction of outputs equal "
         "to ar's (greedy: 1.00)."), *[f"note: {n}" for n in results.notes]]
