@@ -276,7 +276,8 @@ def estimate_memory(target, drafter, plan: Plan | None, batch: int, prompt_width
     out["prefill"] += b * p * feats * 4
     t = plan.nodes + 1
     d, c, v = plan.depth, max(plan.top_c, 1), tc.vocab_size
-    tree_arrays = b * d * v * 4 * 2 + b * d * c * c * 4 * 2 + b * t * t + b * t * 16
+    rows = plan.nodes * min(d * c + 1, v) if plan.candidates == "seed" else c * c  # a depth's table rows x width
+    tree_arrays = b * d * v * 4 * 2 + b * d * rows * 4 * 2 + b * t * t + b * t * 16
     out["verify"] = tree_arrays + forward(t, feats) + b * t * v * 4 * 2
     return out
 
