@@ -111,7 +111,7 @@ def e2e(tmp_path_factory):
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = main(["--methods", "ar,sparklingtree", "--budgets", "16", "--max-samples", "1", "--max-new-tokens", "8",
-                   "--repeats", "1", "--no-progress", "--out", str(out)])
+                   "--repeats", "1", "--stage-samples", "1", "--no-progress", "--out", str(out)])
     return types.SimpleNamespace(rc=rc, out=out, stdout=buf.getvalue(),
                                  js=json.loads((out / "results.json").read_text()))
 

@@ -108,8 +108,8 @@ def test_fake_run_interleaves_summarizes_and_reuses_the_folder(fake, tmp_path, m
     (tmp_path / "my_notes.txt").write_text("keep me")
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 1.0, 1.0))
     rc, stdout = cli(*PAIR, "--methods", "dspark,sparklingtree", "--budgets", "16", "--datasets", "mbpp,mt-bench",
-                     "--max-samples", "2", "--max-new-tokens", "8", "--repeats", "3", "--no-plots", "--out",
-                     str(tmp_path))
+                     "--max-samples", "2", "--max-new-tokens", "8", "--repeats", "3", "--stage-samples", "1",
+                     "--no-plots", "--out", str(tmp_path))
     js = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, stdout
     labels = ["ar", "dspark", "sparklingtree@16"]

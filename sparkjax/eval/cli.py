@@ -104,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                    help="timed repetitions per batch and method, interleaved across methods; the table shows the "
                         f"median and the fastest (default: {DEFAULT_REPEATS})")
-    g.add_argument("--stage-samples", type=_count_or_all, default=1, metavar="N",
+    g.add_argument("--stage-samples", type=_count_or_all, default=0, metavar="N",
                    help="prompts per set (the first N with at least one round) that also get the separate, "
-                        "instrumented per-stage pass (default: 1; 0: none; 'all')")
+                        "instrumented per-stage pass, which compiles every stage of every method apart (default: 0, "
+                        "none; 'all')")
     g.add_argument("--mesh", metavar="DATAxMODEL", help="shard generation over a device mesh (default: one device)")
     g.add_argument("--fresh-auto", action="store_true", help="auto starts every batch from nothing, not its memory")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS ids")

@@ -43,7 +43,7 @@ class EvalConfig:
     batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
     repeats: int = DEFAULT_REPEATS
-    stage_samples: int | None = 1
+    stage_samples: int | None = 0  # the stage pass compiles each stage of each method apart: asked for, not default
     ignore_eos: bool = False
     out: str | None = None
     plots: bool = True
