@@ -5,7 +5,6 @@ loaded as JSON, and kept per process and per machine (:func:`table_for`; docs/au
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -23,7 +22,7 @@ from ..errors import ArgumentError, CostTableError, SparkjaxError
 from ..io.atomic import atomic_file
 from .adaptive import auto_inputs, auto_round
 from .checks import bucket, check_int, describe
-from .programs import merge_pair, spec_start, split_pair
+from .programs import merge_pair, program, spec_start, split_pair
 from .state import Plan
 
 if TYPE_CHECKING:
@@ -143,7 +142,8 @@ def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int, active: i
         ("decide", m.decide),
         ("candidates", tuple(m.labels())),
         ("top_c", int(plan.top_c)),
-        ("options", (attention, o.chain_mode, o.candidate_chain_passes, o.union_top_k, o.block_slots)),
+        ("options", (attention, o.chain_mode, o.candidate_chain_passes, o.union_top_k, o.block_slots)
+                    + (() if o.gpu_loop == "command_buffer" else (o.gpu_loop,))),  # the default keeps older keys
     )
 
 
@@ -170,7 +170,7 @@ def read_table(path: str | os.PathLike, key: tuple[tuple[str, Any], ...] | None 
     return table
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "plan"))
+@program(static_argnames=("graphdefs", "plan"))
 def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, rounds, *, plan):
     """``rounds`` (traced: one program times every count, none included) rounds of candidate ``force`` in a loop,
     each from ``start``'s lengths (the state is carried, so nothing is dead code, but every round verifies at the

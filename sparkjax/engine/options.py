@@ -13,13 +13,16 @@ from ..nn.layers import ATTENTION_IMPLS, BLOCK_SLOTS, attend
 from .checks import check_int, describe
 from .drafting import CHAIN_MODES
 
+GPU_LOOPS = ("command_buffer", "xla_default")
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The trace-time settings of a generation (the table is in docs/api.md), each checked on construction (an
     :class:`~sparkjax.errors.ArgumentError` naming it): ``attention`` (an ``impl`` of
     :func:`sparkjax.nn.layers.attend` or a hashable callable with its signature), ``chain_mode``,
-    ``candidate_chain_passes``, ``union_top_k`` (None: ``top_c // 4``) and ``block_slots``.
+    ``candidate_chain_passes``, ``union_top_k`` (None: ``top_c // 4``), ``block_slots`` and ``gpu_loop`` (how
+    XLA:GPU runs the programs' loops: :func:`~sparkjax.engine.programs.loop_compiler_options`).
     """
 
     attention: str | Callable = "auto"
@@ -27,6 +30,7 @@ class Options:
     candidate_chain_passes: int | None = 1
     union_top_k: int | None = None
     block_slots: int = BLOCK_SLOTS
+    gpu_loop: str = "command_buffer"
 
     def __post_init__(self):
         a = self.attention
@@ -41,6 +45,8 @@ class Options:
         if not isinstance(self.chain_mode, str) or self.chain_mode not in CHAIN_MODES:
             raise ArgumentError(f"chain_mode: expected one of {', '.join(CHAIN_MODES)}, "
                                 f"got {describe(self.chain_mode)}")
+        if not isinstance(self.gpu_loop, str) or self.gpu_loop not in GPU_LOOPS:
+            raise ArgumentError(f"gpu_loop: expected one of {', '.join(GPU_LOOPS)}, got {describe(self.gpu_loop)}")
         for name in ("candidate_chain_passes", "union_top_k"):
             value = getattr(self, name)
             if value is not None:

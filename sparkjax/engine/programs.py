@@ -3,11 +3,18 @@
 Every generation is one jitted ``jax.lax.while_loop`` over fixed-shape state. The speculative programs
 reach the method only through ``plan.method``'s hooks and take its ``inputs`` as a traced argument;
 :func:`spec_start` / :func:`spec_step` are the same prefill and round as separate jitted calls (``stream``).
+
+Every program here (and the serving pool's and auto's profiling programs) is a :func:`program`: compiled for a
+GPU, it gets :func:`loop_compiler_options`, which put its ``while`` loops and conditionals inside XLA:GPU command
+buffers (CUDA graphs) so the device runs them without copying a predicate to the host each iteration; on any
+other backend it is the plain ``jax.jit``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +22,76 @@ from flax import nnx
 
 from ..sampling import pick, split_keys
 from .drafting import append_context
-from .options import DEFAULT_OPTIONS
+from .options import DEFAULT_OPTIONS, Options
 from .placement import constrain, per_sequence
 from .round import expand, flag_nonfinite, hits_eos
 from .state import Plan, SpecState
+
+# XLA's default command-buffer types (debug_options_flags.cc) plus WHILE and CONDITIONAL: a loop or conditional
+# whose every thunk can be recorded becomes a CUDA-graph conditional node, evaluated on the device. The option takes
+# the whole list (a "+WHILE" form is refused by a per-program compile). XLA drops WHILE / CONDITIONAL by itself
+# where the CUDA runtime or driver is older than 12.3 (the loop then runs from the host, as with XLA's defaults).
+GPU_COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION", "WHILE",
+                            "CONDITIONAL")
+
+
+def loop_compiler_options(options: Options = DEFAULT_OPTIONS, backend: str | None = None) -> dict[str, Any] | None:
+    """The per-program XLA options of a program compiled for ``backend`` (default: ``jax.default_backend()``):
+    on a GPU with ``options.gpu_loop == "command_buffer"`` (the default), ``xla_gpu_enable_command_buffer`` with
+    :data:`GPU_COMMAND_BUFFER_TYPES`; None (XLA's defaults) on any other backend or with ``"xla_default"``. Per
+    program, through ``jax.jit(compiler_options=...)``: no process-wide flag."""
+    if options.gpu_loop != "command_buffer" or (backend or jax.default_backend()) != "gpu":
+        return None
+    return {"xla_gpu_enable_command_buffer": ",".join(GPU_COMMAND_BUFFER_TYPES)}
+
+
+def _options_of(kwargs: dict) -> Options:
+    """The :class:`Options` of a program call: its ``options`` argument, else its ``plan``'s, else the defaults."""
+    options = kwargs.get("options")
+    if options is None:
+        options = getattr(kwargs.get("plan"), "options", None)
+    return DEFAULT_OPTIONS if options is None else options
+
+
+def _traced(args, kwargs) -> bool:
+    """Whether a program is called inside another trace (``jax.jit``, ``eval_shape``): compiler options belong to
+    the outermost jit only."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+
+
+class Program:
+    """A jitted program (``jax.jit(fn, **jit_kwargs)``) compiled with :func:`loop_compiler_options` of the call's
+    options and the default backend (one ``jax.jit`` per distinct set of compiler options; called inside another
+    trace, the plain one): calls, ``lower`` and ``_cache_size`` behave as the jitted function's."""
+
+    def __init__(self, fn: Callable, **jit_kwargs):
+        self._fn, self._jit_kwargs, self._jits = fn, jit_kwargs, {}
+        functools.update_wrapper(self, fn)
+
+    def jitted(self, compiler_options: dict[str, Any] | None):
+        """The ``jax.jit`` of this program with ``compiler_options`` (None: XLA's defaults)."""
+        key = None if compiler_options is None else tuple(sorted(compiler_options.items()))
+        if key not in self._jits:
+            self._jits[key] = jax.jit(self._fn, **self._jit_kwargs, compiler_options=compiler_options)
+        return self._jits[key]
+
+    def _pick(self, args: tuple, kwargs: dict):
+        options = loop_compiler_options(_options_of(kwargs))
+        return self.jitted(None if options is None or _traced(args, kwargs) else options)
+
+    def __call__(self, *args, **kwargs):
+        return self._pick(args, kwargs)(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._pick(args, kwargs).lower(*args, **kwargs)
+
+    def _cache_size(self) -> int:
+        return sum(j._cache_size() for j in self._jits.values())
+
+
+def program(**jit_kwargs) -> Callable[[Callable], Program]:
+    """Decorator: ``fn`` as a :class:`Program` (``jit_kwargs`` as ``jax.jit``'s)."""
+    return lambda fn: Program(fn, **jit_kwargs)
 
 
 def split_pair(target, drafter):
@@ -46,7 +119,7 @@ def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, .
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh", "options"))
+@program(static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh", "options"))
 def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size,
                sampling=True, mesh=None, options=DEFAULT_OPTIONS):
     """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite)``.
@@ -142,7 +215,7 @@ def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, te
                              call=placed_call(target, drafter, plan, mesh))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@program(static_argnames=_STATIC)
 def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
                  buf_len, mesh=None):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
@@ -159,7 +232,7 @@ def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, 
             plan.method.results(state, plan))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@program(static_argnames=_STATIC)
 def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
                buf_len, mesh=None):
     """:func:`spec_prefill` as its own jitted call: the state before the first round."""
@@ -169,14 +242,14 @@ def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, ke
     return constrain(state, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "mesh"), donate_argnames=("state",))
+@program(static_argnames=("graphdefs", "plan", "mesh"), donate_argnames=("state",))
 def spec_step(graphdefs, states, state, max_new, eos, temperature, *, plan, mesh=None):
     """One round (``plan.method.round``) as its own jitted call (the state is donated)."""
     target, drafter = merge_pair(graphdefs, states)
     return constrain(placed_round(target, drafter, state, plan, max_new, eos, temperature, mesh), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "fn", "plan"))
+@program(static_argnames=("graphdefs", "fn", "plan"))
 def stage_call(graphdefs, states, args, *, fn, plan):
     """One stage of the round (``fn``, a :mod:`sparkjax.engine.round` stage or a method's own) as its own
     jitted call."""

@@ -12,14 +12,13 @@ free), :func:`pool_admit` (one prompt's prefill written into slot ``i``) and :fu
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ..cache import ContextCache, KVCache
-from ..engine.programs import merge_pair, prefill, spec_prefill
+from ..engine.programs import merge_pair, prefill, program, spec_prefill
 from ..engine.round import flag_nonfinite, hits_eos
 from ..engine.state import Plan, SpecState
 from ..sampling import pick, split_keys
@@ -145,7 +144,7 @@ def _models(graphdefs, states, target_only):
 _STATIC = ("graphdefs", "plan", "target_only", "cache_size", "buf_len", "sampling", "options")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("slots",))
+@program(static_argnames=_STATIC + ("slots",))
 def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache_size, buf_len, sampling, options):
     """The pool of ``slots`` free slots (every sequence done, nothing generated), a key per slot."""
     target, drafter = _models(graphdefs, states, target_only)
@@ -161,7 +160,7 @@ def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache
                                nonfinite=jnp.full((slots,), -1, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
+@program(static_argnames=_STATIC, donate_argnames=("pool",))
 def pool_admit(graphdefs, states, pool, slot, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan,
                target_only, cache_size, buf_len, sampling, options):
     """The prefill of one prompt (``tokens`` ``[1, P]``, ``lengths`` ``[1]``; ``max_new``, ``eos`` ``[E]``,
@@ -189,8 +188,8 @@ def _choice_counts(plan: Plan | None, state: SpecState, r0: Array) -> Array:
     return jnp.sum(onehot & live[..., None], axis=1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "plan", "target_only", "window", "sampling", "options"),
-                   donate_argnames=("pool",))
+@program(static_argnames=("graphdefs", "plan", "target_only", "window", "sampling", "options"),
+         donate_argnames=("pool",))
 def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temperature, seen, *, plan, target_only,
                window, sampling, options):
     """Frees the slots in ``stop`` ``[N]``, then runs up to ``rounds`` rounds (traced) of the slots ``rows``
