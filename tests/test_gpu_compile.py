@@ -1,5 +1,7 @@
-"""``python -m sparkjax.bench gpu-compile``: the GPU HLO checks on hand-made kernels (default suite), and the
-deviceless H200 compile itself (slow; needs the ``gpu-aot`` extra, skipped without it)."""
+"""``python -m sparkjax.bench gpu-compile``: the GPU HLO checks on hand-made kernels and thunk trees (default
+suite), and the deviceless H200 / H100 compiles themselves (slow; they need the ``gpu-aot`` extra and are skipped,
+saying so, without it: run them with a venv that has it, ``VENV/bin/python -m pytest -q -n0 -m slow
+tests/test_gpu_compile.py``)."""
 
 import importlib.util
 import json
@@ -8,10 +10,12 @@ import sys
 
 import pytest
 
-from sparkjax.bench import gpu, hlo
+from sparkjax.bench import gpu, hlo, loops
 from sparkjax.bench.__main__ import main
 from sparkjax.bench.common import child_env
-from sparkjax.errors import GpuCompileError
+from sparkjax.engine import programs
+from sparkjax.engine.options import Options
+from sparkjax.errors import ArgumentError, GpuCompileError
 
 
 def _k(shape):
@@ -64,6 +68,100 @@ def _plugin() -> bool:
         return False
 
 
+NO_PLUGIN = (f"the gpu-aot extra is not installed in {sys.executable} (no CUDA PJRT plugin, jax_plugins.xla_cuda12), "
+             f"so nothing can be compiled for a GPU here; install it in a separate venv: {gpu.GPU_AOT_HINT}")
+
+
+# A generation loop (gen) whose body holds a loop with no known trip count (chain), one with a known trip count
+# (fixed) and a conditional (pick); a small loop beside it. Thunk trees as XLA dumps them: with XLA's defaults
+# (the loops run from the host; the straight-line parts in command buffers) and with WHILE / CONDITIONAL command
+# buffers (the whole program one command buffer).
+LOOPS_HLO = """HloModule m, is_scheduled=true
+
+%c (p.0: s32[]) -> pred[] {
+  %p.0 = s32[] parameter(0)
+  ROOT %lt = pred[] compare(%p.0, %p.0), direction=LT
+}
+
+%b (p.1: s32[]) -> s32[] {
+  ROOT %p.1 = s32[] parameter(0)
+}
+
+%outer (p.2: s32[]) -> s32[] {
+  %p.2 = s32[] parameter(0)
+  %chain = s32[] while(%p.2), condition=%c, body=%b
+  %fixed = s32[] while(%chain), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %pick = s32[] conditional(%lt, %fixed, %fixed), true_computation=%b, false_computation=%b
+}
+
+ENTRY %main (x: s32[]) -> s32[] {
+  %x = s32[] parameter(0)
+  %small = s32[] while(%x), condition=%c, body=%b
+  ROOT %gen = s32[] while(%small), condition=%c, body=%outer
+}
+"""
+HOST_THUNKS = """000: kCommandBuffer [source       | next=003 (1)]
+    001: kCopy [source | sink] kCopy
+    002: kWhile [source | sink]
+condition:
+        020: kKernel [source | sink] wrapped_compare
+      body:
+        021: kKernel [source | sink] loop_add_fusion
+003: kWhile         [prev=000 (1) | sink        ]
+condition:
+    004: kKernel [source | sink] wrapped_compare
+  body:
+    005: kWhile [source | next=008 (1)]
+condition:
+        006: kKernel [source | sink] wrapped_compare
+      body:
+        007: kKernel [source | sink] loop_add_fusion
+    008: kWhile [prev=005 (1) | next=011 (1)]
+condition:
+        009: kKernel [source | sink] wrapped_compare
+      body:
+        010: kConditional [source | sink]
+    011: kConditional [prev=008 (1) | sink]
+"""
+DEVICE_THUNKS = "000: kCommandBuffer [source | sink] \n" + "\n".join(
+    "    " + line for line in HOST_THUNKS.splitlines()[1:])
+LOOPS_META = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {i}\n  }}\n'
+    f'  thunk_kind: "{kind}"\n}}\n'
+    for name, i, kind in (("small", 2, "kWhile"), ("gen", 3, "kWhile"), ("chain", 5, "kWhile"), ("fixed", 8, "kWhile"),
+                          ("inner_pick", 10, "kConditional"), ("pick", 11, "kConditional")))
+
+
+def test_loop_placement_from_the_thunk_tree():
+    host = loops.loop_placement(LOOPS_HLO, loops.CompiledThunks(HOST_THUNKS, loops.thunk_names(LOOPS_META), True))
+    # the largest top loop is the generation loop; from the host: its own predicate, chain's (at least once), the
+    # conditional inside fixed's 4 iterations and pick's; fixed itself is enqueued without a wait
+    assert host["loop_name"] == "gen" and host["loop"] == "host" and host["known_trip_count"] is None
+    assert host["host_round_trips_per_round"] == 1 + 1 + 4 + 1
+    assert host["host_control_flow"] == ["chain", "inner_pick", "pick"] and host["command_buffers"] == 1
+    device = loops.loop_placement(LOOPS_HLO, loops.CompiledThunks(DEVICE_THUNKS, loops.thunk_names(LOOPS_META), True))
+    assert device["loop"] == "command_buffer" and device["host_round_trips_per_round"] == 0
+    assert device["host_control_flow"] == []
+    known = LOOPS_HLO.replace("body=%outer", 'body=%outer, backend_config={"known_trip_count":{"n":"9"}}')
+    fixed = loops.loop_placement(known, loops.CompiledThunks(HOST_THUNKS, loops.thunk_names(LOOPS_META), True))
+    assert fixed["loop"] == "known_trip_count" and fixed["known_trip_count"] == 9
+    assert fixed["host_round_trips_per_round"] == 1 + 4 + 1  # no predicate of its own
+    with pytest.raises(ValueError, match="gen"):  # a dump without the loop's thunk is an error, not a guess
+        loops.loop_placement(LOOPS_HLO, loops.CompiledThunks(HOST_THUNKS, {}, True))
+
+
+def test_loop_compiler_options_only_for_a_gpu():
+    cb = programs.loop_compiler_options(Options(), "gpu")
+    assert cb == {"xla_gpu_enable_command_buffer":
+                  "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
+    assert programs.loop_compiler_options(Options(), "cpu") is None
+    assert programs.loop_compiler_options(Options(gpu_loop="xla_default"), "gpu") is None
+    with pytest.raises(ArgumentError, match="gpu_loop"):
+        Options(gpu_loop="device")
+    # on this CPU every program is the plain jax.jit, with no compiler options
+    assert programs.spec_program._pick((), {"plan": None}) is programs.spec_program.jitted(None)
+
+
 # In one process: the gpu-compile command, then the tiny drafter's block compiled for the H200, its rows attended
 # apart from the context and in its scratch.
 SCRIPT = """
@@ -101,7 +199,7 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_h200_compile(tmp_path):
     if not _plugin():
-        pytest.skip(f"no CUDA PJRT plugin in this environment: {gpu.GPU_AOT_HINT} (a separate venv)")
+        pytest.skip(NO_PLUGIN)
     out, hlo_dir = tmp_path / "rows.json", tmp_path / "hlo"
     res = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(hlo_dir)], capture_output=True, text=True,
                          timeout=2100, env=child_env(JAX_PLATFORMS="cpu"))
@@ -130,3 +228,55 @@ def test_h200_compile(tmp_path):
     both = json.loads(res.stdout.strip().splitlines()[-1])
     assert both["True"]["cudnn"] == both["False"]["cudnn"] == 2
     assert both["True"]["kernels"] < both["False"]["kernels"], both
+
+
+# In one process: gpu-compile on the tiny preset for every method's generation program and the serving visit (ar and
+# a tree: the visit's loop is the same around every method's round), with the engine's loop options, then a few of
+# them with XLA's default loop handling (the programs as they were compiled before the options existed).
+LOOP_SCRIPT = """
+import sys
+
+from sparkjax.bench.__main__ import main
+
+target, out = sys.argv[1], sys.argv[2]
+common = ["gpu-compile", "--preset", "tiny", "--cases", "1:128", "--attention", "auto", "--target", target]
+assert main([*common, "--methods", "ar,dflash,dspark,ddtree@16,sparklingtree@16,sparklingtree-beam@16,pctree,auto",
+             "--json", out + ".device.json"]) == 0
+assert main([*common, "--methods", "ar,sparklingtree@16", "--programs", "visit", "--json", out + ".visit.json"]) == 0
+assert main([*common, "--methods", "ar,sparklingtree@16", "--programs", "generate,visit", "--gpu-loop", "xla_default",
+             "--json", out + ".xla.json"]) == 0
+"""
+
+
+def _on_device(row: dict) -> bool:
+    """The check: the loop runs on the device or with a known trip count, and no round waits for the host."""
+    return row["loop"] in ("command_buffer", "known_trip_count") and row["host_round_trips_per_round"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["h200", "h100"])
+def test_every_loop_runs_on_the_device(tmp_path, target):
+    """Every method's generation loop and the serving visit's loop, compiled deviceless for an H200 and an H100 with
+    the engine's per-program options, run on the device (inside a command buffer) with no host round trip per
+    round; the same programs with XLA's default loop handling (what the engine compiled before) fail the check."""
+    if not _plugin():
+        pytest.skip(NO_PLUGIN)
+    out = str(tmp_path / "rows")
+    res = subprocess.run([sys.executable, "-c", LOOP_SCRIPT, target, out], capture_output=True, text=True,
+                         timeout=1500, env=child_env(JAX_PLATFORMS="cpu"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    device = json.loads((tmp_path / "rows.device.json").read_text())
+    visit = json.loads((tmp_path / "rows.visit.json").read_text())
+    xla = json.loads((tmp_path / "rows.xla.json").read_text())
+    assert [r["label"] for r in device] == ["ar", "dflash", "dspark", "ddtree@16", "sparklingtree@16",
+                                            "sparklingtree-beam@16", "pctree", "auto"]
+    assert [(r["program"], r["label"]) for r in visit] == [("visit", "ar"), ("visit", "sparklingtree@16")]
+    for r in device + visit:
+        assert "error" not in r and r["target"] == target and r["gpu_loop"] == "command_buffer", r
+        assert _on_device(r), (r["program"], r["label"], r["loop"], r["host_control_flow"])
+        assert r["loop"] == "command_buffer" and r["command_buffers"] >= 1
+    assert [(r["program"], r["label"]) for r in xla] == [(p, m) for p in ("generate", "visit")
+                                                         for m in ("ar", "sparklingtree@16")]
+    for r in xla:  # XLA's defaults: the host reads the loop's predicate back every round
+        assert "error" not in r and not _on_device(r), r
+        assert r["loop"] == "host" and r["host_round_trips_per_round"] == 1, r

@@ -185,6 +185,26 @@ def lower(method: Method, target, drafter, batch: int, prompt: int, context: int
     return spec_program.lower(graphdefs, states, *args, inputs, plan=plan, cache_size=context, buf_len=buf_len), plan
 
 
+def lower_visit(method: Method, target, drafter, batch: int, context: int, buf_len: int,
+                options: Options = DEFAULT_OPTIONS, eos_slots: int = 4):
+    """``(lowered serving visit, plan)``: the greedy :func:`~sparkjax.serve.slots.pool_visit` of a pool of ``batch``
+    slots, every slot in the visit (no gather), from abstract arguments (the pool from ``pool_init``'s shapes)."""
+    from sparkjax.serve.slots import pool_init, pool_visit
+
+    plan = method.plan(target, drafter, False, options)
+    target_only = plan is None
+    graphdefs, states = nnx.split(target) if target_only else split_pair(target, drafter)
+    inputs = method.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    static = dict(plan=plan, target_only=target_only, sampling=False, options=options)
+    pool = jax.eval_shape(lambda st, inp: pool_init(graphdefs, st, jax.random.key(0), inp, slots=batch,
+                                                     cache_size=context, buf_len=buf_len, **static), states, inputs)
+    sds, n = jax.ShapeDtypeStruct, (batch,)
+    window = min(buf_len, 8 * ((0 if plan is None else plan.depth) + 1) + 1)  # the engine's, 8 rounds a visit
+    return pool_visit.lower(graphdefs, states, pool, sds(n, jnp.bool_), sds((), jnp.int32), sds(n, jnp.int32),
+                            sds(n, jnp.int32), sds((batch, eos_slots), jnp.int32), sds(n, jnp.float32),
+                            sds(n, jnp.int32), window=window, **static), plan
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment and import path, for a child ``python -m sparkjax.bench``."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}

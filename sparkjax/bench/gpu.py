@@ -11,7 +11,10 @@ Every program is compiled by XLA:GPU for an H200 target description (``jax.exper
 + outputs + temporaries - aliased) and, for one iteration of the generation loop (``ar``: one decode step), the
 kernels, bytes and FLOPs (:mod:`sparkjax.bench.hlo`), the projection ``sum over kernels of max(bytes / 4.8 TB/s,
 FLOPs / 989.5 TFLOP/s) + --launch-us per kernel`` in AR steps, float32 tensors shaped like attention scores
-``[B, N, T, S]``, and kernels that copy, transpose or concatenate a layer's KV cache.
+``[B, N, T, S]``, and kernels that copy, transpose or concatenate a layer's KV cache. And where the program's loop
+runs (:mod:`sparkjax.bench.loops`): ``loop`` (``command_buffer``, ``known_trip_count`` or ``host``) and
+``host_round_trips_per_round``, read from the compiled program, with the engine's per-program loop options
+(``--gpu-loop command_buffer``) or XLA's defaults (``--gpu-loop xla_default``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from unittest import mock
 import jax
 from flax import nnx
 
-from sparkjax.engine.options import Options
+from sparkjax.engine.options import GPU_LOOPS, Options
 from sparkjax.errors import ArgumentError, GpuCompileError
 from sparkjax.nn.layers import ATTENTION_IMPLS
 
-from . import hlo
+from . import hlo, loops
 from .common import (
     TAU,
     WRITEUP_SPEEDUP,
@@ -45,13 +48,17 @@ from .common import (
     label_fields,
     log,
     lower,
+    lower_visit,
     names,
     parse_label,
     sizes,
+    write_text,
 )
 
 # An H200 SXM as XLA:GPU's target description (GpuTargetConfigProto text): the numbers of XLA's own spec
-# (xla/backends/gpu/target_config/specs/h200.txtpb), sm_90, cuDNN 9.10 and CUDA runtime 12.8.
+# (xla/backends/gpu/target_config/specs/h200.txtpb), sm_90, cuDNN 9.10, CUDA runtime 12.8 and its driver version
+# 13.0 (the driver must be given: XLA drops the WHILE / CONDITIONAL command buffers, and the traced CUBLAS / CUDNN /
+# CUSTOM_CALL ones, when min(runtime, driver) is below 12.3, and a description without one reads 0).
 H200 = {
     "name": "NVIDIA H200 141GB HBM3e", "core_count": 132, "fpus_per_core": 128, "clock_rate_ghz": 1.98,
     "memory_bandwidth": 4_800_000_000_000, "device_memory_size": 151_397_597_184, "l2_cache_size": 52_428_800,
@@ -59,10 +66,14 @@ H200 = {
     "threads_per_block_limit": 1024, "threads_per_warp": 32, "threads_per_core_limit": 2048,
     "registers_per_core_limit": 65536, "registers_per_block_limit": 65536, "block_dim_limit_x": 2147483647,
     "block_dim_limit_y": 65535, "block_dim_limit_z": 65535, "compute_capability": (9, 0),
-    "runtime_version": "12.8.0", "dnn_version": (9, 10, 0),
+    "runtime_version": "12.8.0", "driver_version": "13.0.0", "dnn_version": (9, 10, 0),
     "bf16_flops": 989.5e12,  # dense bf16 tensor-core peak (not part of XLA's description)
 }
-TARGETS = {"h200": H200}
+# An H100 SXM (xla/backends/gpu/target_config/specs/h100_sxm.txtpb): the H200's SM, 80 GB at 3.35 TB/s.
+H100 = {**H200, "name": "NVIDIA H100 80GB HBM3", "memory_bandwidth": 3_352_320_000_000,
+        "device_memory_size": 84_942_979_072}
+TARGETS = {"h200": H200, "h100": H100}
+
 LAUNCH_US = 2.0  # the default launch cost charged per kernel (see docs/benchmarks.md)
 GPU_AOT_HINT = 'pip install -e ".[gpu-aot]" (jax-cuda12-plugin / jax-cuda12-pjrt of this jax, nvidia-cudnn-cu12)'
 PROMPT = 16  # prompt width of the compiled programs
@@ -80,7 +91,8 @@ def target_config(spec: dict) -> str:
     info = [f"  {k}: {spec[k]}" for k in ints_] + [
         f"  clock_rate_ghz: {spec['clock_rate_ghz']}",
         f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
-        f'  name: "{spec["name"]}"', f'  runtime_version: "{spec["runtime_version"]}"',
+        f'  name: "{spec["name"]}"', f'  driver_version: "{spec["driver_version"]}"',
+        f'  runtime_version: "{spec["runtime_version"]}"',
         f'  dnn_version: "{".".join(map(str, dnn))}"']
     return "\n".join(["gpu_device_info {", *info, "}", 'platform_name: "CUDA"',
                       f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}",
@@ -122,10 +134,14 @@ def traced_as_gpu():
         yield
 
 
-def compile_program(preset: str, label: str, batch: int, context: int, options: Options, device=None):
-    """``(compiled, lower seconds, compile seconds)`` of the greedy generation program of ``label`` (``ar``: the
-    target alone; prompt :data:`PROMPT`, :data:`BUF_LEN` output slots) from abstract weights; with ``device`` (a
-    compile-only device) the weights are placed on it and the program is traced as a GPU process traces it."""
+def compile_program(preset: str, label: str, batch: int, context: int, options: Options, device=None,
+                    program: str = "generate"):
+    """``(compiled, lower seconds, compile seconds, thunks)`` of the greedy generation program of ``label``
+    (``ar``: the target alone; prompt :data:`PROMPT`, :data:`BUF_LEN` output slots), or with ``program="visit"``
+    of the serving pool's visit of ``batch`` slots, from abstract weights; with ``device`` (a compile-only device)
+    the weights are placed on it, the program is traced as a GPU process traces it (its per-program loop options,
+    :func:`~sparkjax.engine.programs.loop_compiler_options`, included) and ``thunks`` is XLA's thunk tree
+    (:func:`~sparkjax.bench.loops.compile_with_thunks`; None without a device)."""
     target, dspark, dflash = abstract_models(preset)
     method = parse_label(label)
     drafter = dspark if method.needs_markov else dflash
@@ -134,10 +150,16 @@ def compile_program(preset: str, label: str, batch: int, context: int, options: 
             nnx.update(model, placed(nnx.split(model)[1], device))
     t0 = time.perf_counter()
     with traced_as_gpu() if device is not None else contextlib.nullcontext():
-        lowered, _ = lower(method, target, drafter, batch, PROMPT, context, BUF_LEN, options)
+        if program == "visit":
+            lowered, _ = lower_visit(method, target, drafter, batch, context, BUF_LEN, options)
+        else:
+            lowered, _ = lower(method, target, drafter, batch, PROMPT, context, BUF_LEN, options)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, t1 - t0, time.perf_counter() - t1
+    if device is None:
+        compiled, thunks = lowered.compile(), None
+    else:
+        compiled, thunks = loops.compile_with_thunks(lowered)
+    return compiled, t1 - t0, time.perf_counter() - t1, thunks
 
 
 def kernel_seconds(k: hlo.Kernel, spec: dict) -> float:
@@ -181,6 +203,12 @@ def add_arguments(p) -> None:
     p.add_argument("--attention", default="einsum,dpa",
                    help=f"comma-separated attention paths ({', '.join(ATTENTION_IMPLS)}; auto: the GPU default)")
     p.add_argument("--target", default="h200", choices=tuple(TARGETS))
+    p.add_argument("--gpu-loop", default="command_buffer",
+                   help="comma-separated: command_buffer (the engine's per-program options: loops and conditionals "
+                        "in command buffers) and / or xla_default (XLA's default loop handling, for comparison)")
+    p.add_argument("--programs", default="generate",
+                   help="comma-separated: generate (each method's generation program) and / or visit (the serving "
+                        "pool's visit of B slots)")
     p.add_argument("--launch-us", type=float, default=LAUNCH_US,
                    help=f"launch cost charged per kernel in round_ar_steps (default {LAUNCH_US:g})")
     p.add_argument("--tau", type=float, default=TAU, help="accepted tokens per round for the projected speedup")
@@ -207,31 +235,40 @@ def labels(methods: str) -> list[str]:
 
 
 def fmt_table(rows: list[dict]) -> str:
-    head = (f"{'attention':9} {'B':>3} {'S':>5} {'method':18} {'kernels':>7} {'GB/round':>8} {'GFLOP':>7} "
-            f"{'round us':>8} {'xAR':>5} {'spd@tau':>7} {'f32 scores':>10} {'kv copies':>9} {'peak GiB':>8} "
-            f"{'fits':>4} {'compile':>7}")
+    head = (f"{'attention':9} {'loops':14} {'program':8} {'B':>3} {'S':>5} {'method':18} {'kernels':>7} "
+            f"{'GB/round':>8} {'GFLOP':>7} {'round us':>8} {'xAR':>5} {'spd@tau':>7} {'f32 scores':>10} "
+            f"{'kv copies':>9} {'peak GiB':>8} {'fits':>4} {'loop':16} {'host rt':>7} {'compile':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        lead = (f"{r['attention']:9} {r.get('gpu_loop', '-'):14} {r.get('program', 'generate'):8} {r['batch']:>3} "
+                f"{r['context']:>5} {r['label']:18}")
         if "error" in r:
-            lines.append(f"{r['attention']:9} {r['batch']:>3} {r['context']:>5} {r['label']:18} failed: {r['error']}")
+            lines.append(f"{lead} failed: {r['error']}")
             continue
         spd = f"{r['projected_speedup']:.2f}x" if r.get("projected_speedup") else "-"
         xar = f"{r['round_ar_steps']:.2f}" if r.get("round_ar_steps") is not None else "-"
         lines.append(
-            f"{r['attention']:9} {r['batch']:>3} {r['context']:>5} {r['label']:18} {r['kernels_per_round']:>7} "
-            f"{r['bytes_per_round'] / 1e9:>8.2f} {r['flops_per_round'] / 1e9:>7.0f} {r['round_us']:>8.0f} {xar:>5} "
-            f"{spd:>7} {str(r['f32_scores']):>10} {r['kv_copies']:>9} {r['peak_bytes'] / 2**30:>8.1f} "
-            f"{'yes' if r['fits'] else 'NO':>4} {r['compile_s']:>6.0f}s")
+            f"{lead} {r['kernels_per_round']:>7} {r['bytes_per_round'] / 1e9:>8.2f} {r['flops_per_round'] / 1e9:>7.0f} "
+            f"{r['round_us']:>8.0f} {xar:>5} {spd:>7} {str(r['f32_scores']):>10} {r['kv_copies']:>9} "
+            f"{r['peak_bytes'] / 2**30:>8.1f} {'yes' if r['fits'] else 'NO':>4} {r.get('loop', '-'):16} "
+            f"{r.get('host_round_trips_per_round', '-'):>7} {r['compile_s']:>6.0f}s")
     return "\n".join(lines)
+
+
+def choices(text: str, arg: str, allowed: tuple[str, ...]) -> list[str]:
+    out = names(text)
+    for x in out:
+        if x not in allowed:
+            raise ArgumentError(f"{arg}: unknown value {x!r}; expected one of {', '.join(allowed)}")
+    return out
 
 
 def run(a, report) -> None:
     configs(a.preset)
     todo, methods = cases(a), labels(a.methods)
-    attentions = names(a.attention)
-    for at in attentions:
-        if at not in ATTENTION_IMPLS:
-            raise ArgumentError(f"--attention: unknown path {at!r}; expected one of {', '.join(ATTENTION_IMPLS)}")
+    attentions = choices(a.attention, "--attention", ATTENTION_IMPLS)
+    gpu_loops = choices(a.gpu_loop, "--gpu-loop", GPU_LOOPS)
+    programs = choices(a.programs, "--programs", ("generate", "visit"))
     at_least(a.launch_us, "--launch-us", 0)
     spec = TARGETS[a.target]
     device = compile_device(a.target)
@@ -241,53 +278,74 @@ def run(a, report) -> None:
         f"# compiled by XLA:GPU for {getattr(device, 'device_kind', spec['name'])} (deviceless, jax "
         f"{jax.__version__}); nothing ran. Abstract bf16 weights, greedy programs, prompt {PROMPT}, "
         f"{BUF_LEN} output slots.",
-        f"# round = one iteration of the generation loop (ar: one decode step). round us = sum over kernels of "
-        f"max(bytes / {spec['memory_bandwidth'] / 1e12:g} TB/s, FLOPs / {spec['bf16_flops'] / 1e12:g} TFLOP/s) + "
-        f"{a.launch_us:g} us per kernel; xAR = round us / the ar step's at the same B and S; spd@tau = tau "
-        f"{a.tau} / xAR (the SparklingTree write-up: {WRITEUP_SPEEDUP}x).",
+        f"# round = one iteration of the generation loop (ar: one decode step; visit: of the serving visit's loop). "
+        f"round us = sum over kernels of max(bytes / {spec['memory_bandwidth'] / 1e12:g} TB/s, FLOPs / "
+        f"{spec['bf16_flops'] / 1e12:g} TFLOP/s) + {a.launch_us:g} us per kernel; xAR = round us / the ar step's "
+        f"at the same B and S; spd@tau = tau {a.tau} / xAR (the SparklingTree write-up: {WRITEUP_SPEEDUP}x).",
         "# f32 scores: a float32 [B, N, T, S]-shaped kernel result in the round; kv copies: kernels per round that "
         "only copy / transpose / concatenate at least one layer's KV cache. peak = args + out + temp - alias "
         f"(memory_analysis); fits: peak <= {spec['device_memory_size'] / 2**30:.0f} GiB.",
+        "# loops: command_buffer = the engine's per-program options (WHILE and CONDITIONAL command buffers), "
+        "xla_default = XLA's defaults. loop: where the loop runs, read from XLA's thunk tree and the optimised HLO "
+        "(command_buffer: on the device; known_trip_count: enqueued by the host without a wait; host: the host "
+        "reads the predicate back every iteration); host rt: device->host round trips per iteration, at least.",
         *("# " + line for line in describe(a.preset).splitlines())]
     complete = True
     for at in attentions:
-        for b, s in todo:
-            ar_us = None
-            for label in methods:
-                if time.perf_counter() > deadline:
-                    complete = False
-                    break
-                row = {**label_fields(label), "label": label, "batch": b, "context": s, "target": a.target,
-                       "attention": at, "preset": a.preset, "launch_us": a.launch_us, "projection": True}
-                try:
-                    compiled, lower_s, compile_s = compile_program(a.preset, label, b, s, Options(
-                        attention=at, chain_mode="auto"), device)
-                except (ArgumentError, GpuCompileError):
-                    raise
-                except Exception as e:  # a compile that fails is a result of this command: recorded, not hidden
-                    row["error"] = error_line(e)
-                    report.rows.append(row)
-                    log(f"  [{at} B={b} S={s}] {label} failed: {row['error']}")
-                    continue
-                text = compiled.as_text()
-                dump_hlo(a.dump_hlo, f"{a.target}_{at}_b{b}_s{s}_{label}", text)
-                row.update(sizes(compiled.memory_analysis()))
-                row["fits"] = row["peak_bytes"] <= spec["device_memory_size"]
-                row.update(analyse(text, a.preset, b, s, spec, a.launch_us))
-                row.update({"lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1)})
-                if label == "ar":
-                    ar_us = row["round_us"]
-                    row["round_ar_steps"] = 1.0
-                    row["ar_step_us"] = ar_us
-                elif ar_us:
-                    row["ar_step_us"] = ar_us
-                    row["round_ar_steps"] = row["round_us"] / ar_us
-                    row["projected_speedup"] = a.tau / row["round_ar_steps"]
-                    row.update({"tau": a.tau, "writeup_speedup": WRITEUP_SPEEDUP})
-                report.rows.append(row)
-                log(f"  [{at} B={b} S={s}] {label}: compiled in {compile_s:.0f}s, {row['kernels_per_round']} kernels, "
-                    f"{row['round_us']:.0f} us ({row.get('round_ar_steps') or 0:.2f} AR steps), peak "
-                    f"{row['peak_bytes'] / 2**30:.1f} GiB, f32 scores {row['f32_scores']}, "
-                    f"kv copies {row['kv_copies']}")
+        for gl in gpu_loops:
+            for prog in programs:
+                for b, s in todo:
+                    if not complete:
+                        break
+                    complete = _group(a, report, deadline, device, spec, methods, at, gl, prog, b, s)
     if not complete:
         report.footer.append(f"# stopped early by --timeout {a.timeout:g}s: the rows above are what was compiled")
+
+
+def _group(a, report, deadline, device, spec, methods, at, gl, prog, b, s) -> bool:
+    """The rows of every method at one attention path, loop mode, program and case (ar first: the AR step);
+    False when ``--timeout`` stopped it."""
+    ar_us = None
+    tag = f"[{at} {gl} {prog} B={b} S={s}]"
+    for label in methods:
+        if time.perf_counter() > deadline:
+            return False
+        row = {**label_fields(label), "label": label, "batch": b, "context": s, "target": a.target,
+               "attention": at, "gpu_loop": gl, "program": prog, "preset": a.preset, "launch_us": a.launch_us,
+               "projection": True}
+        try:
+            compiled, lower_s, compile_s, thunks = compile_program(
+                a.preset, label, b, s, Options(attention=at, chain_mode="auto", gpu_loop=gl), device, prog)
+        except (ArgumentError, GpuCompileError):
+            raise
+        except Exception as e:  # a compile that fails is a result of this command: recorded, not hidden
+            row["error"] = error_line(e)
+            report.rows.append(row)
+            log(f"  {tag} {label} failed: {row['error']}")
+            continue
+        text = compiled.as_text()
+        name = f"{a.target}_{at}_b{b}_s{s}_{label}" + ("" if gl == "command_buffer" else f"_{gl}") + (
+            "" if prog == "generate" else f"_{prog}")
+        dump_hlo(a.dump_hlo, name, text)
+        if a.dump_hlo:  # XLA's thunk tree after its passes, beside the HLO
+            write_text(os.path.join(a.dump_hlo, f"{name}.thunks.txt"), thunks.text)
+        row.update(sizes(compiled.memory_analysis()))
+        row["fits"] = row["peak_bytes"] <= spec["device_memory_size"]
+        row.update(analyse(text, a.preset, b, s, spec, a.launch_us))
+        row.update(loops.loop_placement(text, thunks))
+        row.update({"lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1)})
+        if label == "ar":
+            ar_us = row["round_us"]
+            row["round_ar_steps"] = 1.0
+            row["ar_step_us"] = ar_us
+        elif ar_us:
+            row["ar_step_us"] = ar_us
+            row["round_ar_steps"] = row["round_us"] / ar_us
+            row["projected_speedup"] = a.tau / row["round_ar_steps"]
+            row.update({"tau": a.tau, "writeup_speedup": WRITEUP_SPEEDUP})
+        report.rows.append(row)
+        log(f"  {tag} {label}: compiled in {compile_s:.0f}s, {row['kernels_per_round']} kernels, "
+            f"{row['round_us']:.0f} us ({row.get('round_ar_steps') or 0:.2f} AR steps), peak "
+            f"{row['peak_bytes'] / 2**30:.1f} GiB, f32 scores {row['f32_scores']}, kv copies {row['kv_copies']}, "
+            f"loop {row['loop']} ({row['host_round_trips_per_round']} host round trips per round)")
+    return True

@@ -130,7 +130,7 @@ def run(args, report) -> None:
         for b in batches:
             ar = None
             for m in ["ar", *labels]:
-                compiled, lower_s, compile_s = compile_program(preset, m, b, args.context, opts)
+                compiled, lower_s, compile_s, _ = compile_program(preset, m, b, args.context, opts)
                 text = compiled.as_text()
                 dump_hlo(args.dump_hlo, f"{preset}_b{b}_{m}", text)
                 t = hlo.count_hlo(text, loop_body=True)
