@@ -229,6 +229,10 @@ def test_text_stream_holds_back_and_cuts_at_stop_strings():
     assert s.push([1, 2]) == "b"  # "c" may start "dc"... held back (one char: len("dc") - 1)
     assert s.push([0, 3]) == "c"
     assert s.push([2, 5]) == "" and s.stopped and s.text == "bc"
+    assert s.kept == 1 and s.ids == [1, 2, 0, 3, 2]  # the ids end at the one that completed "dc"
+    # the first stop string completed wins, even one that begins later in the text
+    s = TextStream(_Letters(), stop=["bcdef", "d"])
+    assert s.push([1, 2, 3, 4, 5, 6]) == "bc" and s.kept == 3 and s.ids == [1, 2, 3]
     plain = TextStream(_Letters())
     assert plain.push([1, 2]) + plain.push([3]) + plain.finish() == "bcd"
     assert TextStream(None).push([1]) == ""

@@ -57,7 +57,8 @@ class Chunk:
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """A finished request (:meth:`Request.result`): every generated id (an EOS id that ended it included, as
-    :func:`sparkjax.generate` returns them), the text (cut before a stop string), ``finish_reason``,
+    :func:`sparkjax.generate` returns them; with a stop string, up to the id that completed it, none after), the
+    text (cut before a stop string), ``finish_reason``,
     ``prompt_tokens``, ``completion_tokens``, ``ttft_s`` (seconds from submit to the first token, None when
     none came), ``latency_s`` (submit to finish) and ``rounds`` (device rounds it ran)."""
 
@@ -120,16 +121,19 @@ class Request:
                 pass
 
     def _add_tokens(self, ids: list[int]) -> bool:
-        """Streams new ids; returns whether a stop string ended the request."""
+        """Streams new ids; returns whether a stop string ended the request (its ids then end at the one that
+        completed the stop string: the ones the device generated after it are dropped, never counted)."""
         if not ids or self.done:
             return False
         if self.first_token is None:
             self.first_token = time.perf_counter()
-        self._tokens.extend(ids)
         text = self._text.push(ids)
         if self._text.stopped:
+            ids = ids[: self._text.kept]
+            self._tokens.extend(ids)
             self._end("stop", ids, text)
         else:
+            self._tokens.extend(ids)
             self._push(Chunk(list(ids), text))
         return self._text.stopped
 
