@@ -178,6 +178,30 @@ def test_a_fault_in_the_device_loop_fails_in_flight_requests_and_the_engine_reco
     assert m["faults"] == 1 and m["requests"]["failed"] >= 2
 
 
+def test_auto_streams_at_every_visit_and_no_visit_runs_more_than_its_rounds(engines, solo):
+    """auto's plain steps run in bursts (one round of auto, many plain steps): a pool's visit stops a burst at its
+    ``rounds_per_visit`` rounds, so a stream gets new tokens at every host visit (with this table the random
+    pair's auto takes plain steps; one round per visit here), and its tokens are still the target's own."""
+    eng = engines("auto")
+    real, rounds = eng._visit_call, []
+
+    def visit(*args):
+        pool, v = real(*args)
+        rounds.append(int(v.rounds.max()))
+        return pool, v
+
+    eng._visit_call = visit
+    try:
+        chunks = list(eng.submit(PROMPTS[0], max_new_tokens=NEW, eos_token_ids=[]))
+    finally:
+        eng._visit_call = real
+    sizes = [len(c.token_ids) for c in chunks]
+    assert [t for c in chunks for t in c.token_ids] == solo("ar", PROMPTS[0], NEW)
+    assert max(rounds) <= eng.rounds_per_visit == 1, rounds
+    assert max(sizes) <= eng.rounds_per_visit * (eng.plan.depth + 1) and len(sizes) > NEW // (eng.plan.depth + 1)
+    assert eng.metrics()["verify_sizes"]["ar"] > 0  # plain steps, which ran in bursts before
+
+
 def test_bad_requests_and_a_full_queue(random_pair):
     target, drafter = random_pair
     # requests are checked on submit: this engine is never started and compiles nothing
@@ -347,6 +371,13 @@ def test_auto_in_a_pool_decides_from_the_active_slots(random_pair, solo):
     assert 4 in widths and set(widths) <= {0, 1, 2, 4}
     assert after[labels[1]] == first[labels[1]]  # four active: plain steps only
     assert after[labels[0]] - first[labels[0]] == 4 * 7  # a plain step per slot per token after the first
+    # vLLM's speculation counters: a draft is a drafted round (the chain's: depth tokens); accepted drafts are what
+    # the rounds committed past their one bonus token, counted per depth
+    spec, depth = m["spec_decode"], eng.plan.depth
+    assert spec["num_drafts"] == after[labels[1]] and spec["num_draft_tokens"] == depth * spec["num_drafts"]
+    per_pos = [spec["num_accepted_tokens_per_pos"][d] for d in range(depth)]
+    assert spec["num_accepted_tokens"] == sum(per_pos) == m["accepted_tokens"] - m["rounds"]
+    assert per_pos == sorted(per_pos, reverse=True)
     assert alone.token_ids == solo("ar", PROMPTS[0], NEW)
     for p, o in zip(PROMPTS[1:5], outs, strict=True):
         assert o.token_ids == solo("ar", p, 8)

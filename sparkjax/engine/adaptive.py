@@ -73,7 +73,8 @@ class AutoState:
     predicted accepted drafts); ``last`` ``[B, K]`` (the last draft's raw predictions); ``idle`` and ``gap`` (see
     the module docstring); ``force`` (a candidate every round takes; -1: the policy); ``seconds`` ``[K]`` (the
     table's round times; ``[A + 1, K]`` for a pool, by active count); for :func:`shadowing` methods the chain a
-    probe did not verify (``shadow`` ``[B, D]``), its output index, raw prediction and whether it is unscored.
+    probe did not verify (``shadow`` ``[B, D]``), its output index, raw prediction and whether it is unscored;
+    ``burst_cap`` (set by a serving pool's visit only): the most plain steps a burst may run.
     """
 
     choices: Array
@@ -88,6 +89,7 @@ class AutoState:
     shadow_at: Array | None = None
     shadow_pred: Array | None = None
     shadow_live: Array | None = None
+    burst_cap: Array | None = None  # the most plain steps one burst may run (None: no cap; a pool's host visit)
 
 
 def shadowing(m: Auto) -> bool:
@@ -596,6 +598,8 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     track = keeps_context(plan)  # auto_plain runs for decide="previous" only: drafts_can_pay
     if not track:  # no draft can pay: plain steps to the end, without the drafter's context
         steps = jnp.int32(st.choices.shape[1])
+    if st.burst_cap is not None:  # a serving pool's visit: no more plain steps than the visit has rounds left
+        steps = jnp.minimum(steps, jnp.maximum(st.burst_cap, 1))
     steps = jnp.where(run, steps, 0)  # ``run`` False: no step (the round drafts)
     chunk = plan.depth + 1  # the rows a drafted round's commit appends: the context cache has room for them
     feat_size = drafter.config.feature_size

@@ -270,7 +270,14 @@ class Engine:
         self._slot_max_new = np.ones(self.slots, np.int32)
         self._slot_eos = np.full((self.slots, self.eos_slots), -1, np.int32)
         self._slot_temp = np.zeros(self.slots, np.float32)
-        self._m = _Metrics(self.labels or (self.method.label,))
+        self._m = _Metrics(self.labels or (self.method.label,), 0 if self.plan is None else self.plan.depth)
+        # draft tokens a round of each label verifies (0: a plain step), for the speculation metrics
+        if self.labels:
+            sizes = self.plan.method.sizes
+            self._draft_nodes = np.asarray([0 if v == 0 else self.plan.depth if isinstance(v, str) else v
+                                            for v in sizes], np.int64)
+        else:
+            self._draft_nodes = None if self.plan is None else self.plan.nodes
 
     # ------------------------------------------------------------------------------------------ start / close
     def start(self) -> float:
@@ -402,7 +409,10 @@ class Engine:
         ``accepted_tokens`` (tokens the rounds committed) and ``tau`` (their ratio), ``verify_sizes`` (rounds
         per verification size: the method's label, or ``auto``'s candidates), ``queue_length``,
         ``active_slots``, ``slots``, ``ttft`` (``count``, ``sum``, ``buckets``: cumulative counts per upper
-        bound in seconds) and ``ttft_samples`` (the latest times to first token)."""
+        bound in seconds), ``ttft_samples`` (the latest times to first token) and ``spec_decode`` (None for
+        ``ar``; else vLLM's speculation counters: ``num_drafts`` drafted rounds, ``num_draft_tokens`` the draft
+        tokens they verified, ``num_accepted_tokens`` the draft tokens they accepted and
+        ``num_accepted_tokens_per_pos`` {position: drafted rounds that accepted a draft there})."""
         with self._cond:
             return {**self._m.snapshot(), "queue_length": len(self._waiting),
                     "active_slots": sum(r is not None for r in self._in_slot), "slots": self.slots,
@@ -502,6 +512,8 @@ class Engine:
 
     def _visit(self) -> None:
         with self._cond:
+            if self._abort:  # the grace period is over: no visit starts after it
+                return
             for i, r in enumerate(self._in_slot):  # cancelled requests leave their slots now
                 if r is not None and r._cancel:
                     self._release(i, running=True)
@@ -529,6 +541,16 @@ class Engine:
             counts = v.choices.sum(axis=0) if self.labels else [v.rounds.sum()]
             for label, count in zip(self._m.sizes, counts, strict=True):
                 self._m.sizes[label] += int(count)
+            if self._draft_nodes is not None:  # vLLM's speculation counters: a draft is a drafted round
+                if self.labels:
+                    self._m.drafts += int(counts[self._draft_nodes > 0].sum())
+                    self._m.draft_tokens += int((counts * self._draft_nodes).sum())
+                else:
+                    self._m.drafts += int(v.rounds.sum())
+                    self._m.draft_tokens += int(v.rounds.sum()) * self._draft_nodes
+                per_pos = v.hits.sum(axis=0)
+                self._m.accepted_drafts += int(per_pos.sum())
+                self._m.accepted_per_pos += per_pos.astype(np.int64)
         for i in occupied:
             req = self._in_slot[i]
             new = int(v.n[i] - self._seen[i])
@@ -595,10 +617,13 @@ class Histogram:
 class _Metrics:
     """The counters of :meth:`Engine.metrics`."""
 
-    def __init__(self, labels: tuple[str, ...]):
+    def __init__(self, labels: tuple[str, ...], depth: int):
         self.by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self.failed = self.submitted = self.prompt_tokens = self.generated = 0
         self.rounds = self.visits = self.accepted = self.faults = 0
+        self.drafts = self.draft_tokens = self.accepted_drafts = 0
+        self.accepted_per_pos = np.zeros((depth,), np.int64)
+        self.speculates = depth > 0
         self.sizes = dict.fromkeys(labels, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.ttft_samples: collections.deque[float] = collections.deque(maxlen=TTFT_SAMPLES)
@@ -618,6 +643,10 @@ class _Metrics:
             "visits": self.visits, "accepted_tokens": self.accepted,
             "tau": self.accepted / self.rounds if self.rounds else math.nan, "verify_sizes": dict(self.sizes),
             "faults": self.faults, "ttft": self.ttft.snapshot(), "ttft_samples": list(self.ttft_samples),
+            "spec_decode": None if not self.speculates else {
+                "num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
+                "num_accepted_tokens": self.accepted_drafts,
+                "num_accepted_tokens_per_pos": dict(enumerate(self.accepted_per_pos.tolist()))},
         }
 
 

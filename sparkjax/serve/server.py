@@ -581,6 +581,15 @@ def prometheus(engine_metrics: dict, stats: Stats) -> str:
             lines.append(f"# TYPE {name} {kind}")
             lines += [f'{name}{{{label}="{_label(k)}"}} {_fmt(v)}' if label else f"{name} {_fmt(v)}"
                       for k, v in series]
+    spec = m.get("spec_decode")
+    if spec is not None:  # vLLM's speculation counters, under our prefix (only for a method that drafts)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            name = f"sparkjax:spec_decode_{key}_total"
+            lines += [f"# TYPE {name} counter", f"{name} {_fmt(spec[key])}"]
+        name = "sparkjax:spec_decode_num_accepted_tokens_per_pos_total"
+        lines.append(f"# TYPE {name} counter")
+        lines += [f'{name}{{position="{pos}"}} {_fmt(n)}'
+                  for pos, n in sorted(spec["num_accepted_tokens_per_pos"].items())]
     lines += _histogram("sparkjax_time_to_first_token_seconds", m["ttft"])
     lines.append("# TYPE sparkjax_http_responses_total counter")
     lines += [f'sparkjax_http_responses_total{{path="{_label(path)}",code="{code}"}} {n}'

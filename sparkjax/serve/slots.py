@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..cache import ContextCache, KVCache
+from ..engine.adaptive import AutoState
 from ..engine.programs import merge_pair, prefill, program, spec_prefill
 from ..engine.round import flag_nonfinite, hits_eos
 from ..engine.state import Plan, SpecState
@@ -30,7 +31,8 @@ class Visit(NamedTuple):
     """What a host visit copies back: ``tokens`` ``[N, W]`` (slot b's tokens ``seen[b] .. seen[b] + W``; past
     ``n`` is padding), ``n0`` / ``n`` ``[N]`` its token counts before and after the rounds, ``done`` ``[N]``,
     ``rounds`` ``[N]`` rounds each slot ran, ``choices`` ``[N, K]`` how many of them verified each of the
-    method's ``labels()`` (``K = 0`` without labels) and ``nonfinite`` ``[N]``."""
+    method's ``labels()`` (``K = 0`` without labels), ``nonfinite`` ``[N]`` and ``hits`` ``[N, D]`` how many of
+    the rounds accepted a draft at depth d + 1 (position d: vLLM's accepted tokens per position)."""
 
     tokens: Array
     n0: Array
@@ -39,6 +41,7 @@ class Visit(NamedTuple):
     rounds: Array
     choices: Array
     nonfinite: Array
+    hits: Array
 
 
 def _put(pool: Array, row: Array, slot: Array, axis: int = 0) -> Array:
@@ -194,11 +197,13 @@ def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temper
                window, sampling, options):
     """Frees the slots in ``stop`` ``[N]``, then runs up to ``rounds`` rounds (traced) of the slots ``rows``
     ``[A]`` (distinct; every running slot among them, the others free) in one ``while_loop`` that ends early
-    once a slot that was running finishes. Returns ``(pool, Visit)``, the window of each slot's tokens starting
-    at ``seen`` ``[N]`` (the tokens the host has already read). Compiled once per A (``A = N``: no gather)."""
+    once a slot that was running finishes. No slot runs more than ``rounds`` rounds: ``auto``'s bursts of plain
+    steps (a round each) stop at what the visit has left (:attr:`AutoState.burst_cap`), so every host visit
+    streams new tokens. Returns ``(pool, Visit)``, the window of each slot's tokens starting at ``seen`` ``[N]``
+    (the tokens the host has already read). Compiled once per A (``A = N``: no gather)."""
     target, drafter = _models(graphdefs, states, target_only)
     pool = dataclasses.replace(pool, done=pool.done | stop)
-    n0, r0 = pool.n, pool.rounds
+    n0, r0, hits0 = pool.n, pool.rounds, pool.depth_hits
     packed = rows.shape[0] != pool.n.shape[0]
     per_slot = (max_new, eos, temperature)
     if packed:
@@ -206,24 +211,30 @@ def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temper
         pool = take_rows(pool, rows, plan)
         max_new, eos, temperature = (x if x.ndim == 0 else x[rows] for x in per_slot)
     running = ~pool.done
+    start = pool.rounds
+    capped = isinstance(pool.extra, AutoState)  # auto: a round may be a burst of plain steps
+
+    def with_cap(s, cap):
+        return dataclasses.replace(s, extra=dataclasses.replace(s.extra, burst_cap=cap)) if capped else s
 
     def cond(carry):
         i, s = carry
         return (i < rounds) & ~jnp.any(running & s.done) & jnp.any(~s.done)
 
     def body(carry):
-        i, s = carry
+        i, s = carry  # i: the most rounds a slot has run in this visit
         if target_only:
             s = ar_round(target, s, max_new, eos, temperature, sampling=sampling, attention=options.attend)
         else:
-            s = plan.method.round(target, drafter, s, plan, max_new, eos, temperature)
-        return i + 1, s
+            s = plan.method.round(target, drafter, with_cap(s, rounds - i), plan, max_new, eos, temperature)
+        return jnp.maximum(i + 1, jnp.max(s.rounds - start)), s
 
-    _, pool = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), pool))
+    _, pool = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), with_cap(pool, jnp.zeros((), jnp.int32))))
+    pool = with_cap(pool, None)
     if packed:
         pool = put_rows(full, pool, rows, plan)
     visit = Visit(_window(pool.out, seen, window), n0, pool.n, pool.done, pool.rounds - r0,
-                  _choice_counts(plan, pool, r0), pool.nonfinite)
+                  _choice_counts(plan, pool, r0), pool.nonfinite, pool.depth_hits - hits0)
     return pool, visit
 
 
