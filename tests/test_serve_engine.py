@@ -241,6 +241,36 @@ def test_bad_requests_and_a_full_queue(random_pair):
         none_waiting.submit([1, 2], max_new_tokens=4)
 
 
+def test_progress_lines_give_counts_and_the_time_left(caplog, monkeypatch):
+    """A start's phases (loading, profiling auto's points, compiling) log each step with its count and, from the
+    second step, the time left at the pace so far."""
+    from sparkjax import progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    caplog.set_level(logging.INFO, logger="sparkjax.test")
+    p = progress.Progress(logging.getLogger("sparkjax.test"), "compiling", 3, "program")
+    for name in ("a", "b", "c"):
+        p.begin(name)
+        now[0] += 10.0  # each step takes 10 s
+        p.end()
+    # steps of a kind: each estimated at its kind's mean once one of them has finished
+    p = progress.Progress(logging.getLogger("sparkjax.test"), "profiling", 3, "point", kinds=["x", "y", "y"])
+    for name, seconds in (("a", 2.0), ("b", 30.0), ("c", 30.0)):
+        p.begin(name)
+        now[0] += seconds
+        p.end()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["compiling: program 1 of 3 (a); the estimate follows the first",
+                     "compiling: program 2 of 3 (b); 10.0 s so far, about 20 s left",
+                     "compiling: program 3 of 3 (c); 20.0 s so far, about 10 s left",
+                     "compiling: 3 programs in 30.0 s",
+                     "profiling: point 1 of 3 (a); the estimate follows the first",
+                     "profiling: point 2 of 3 (b); 2.0 s so far, about 4 s left",
+                     "profiling: point 3 of 3 (c); 32.0 s so far, about 30 s left",
+                     "profiling: 3 points in 62.0 s"]
+
+
 class _Letters:
     """A tokenizer stand-in: id i decodes to chr(97 + i); id 0 is special (skipped)."""
 

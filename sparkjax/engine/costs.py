@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import statistics
 import time
@@ -20,6 +21,7 @@ import numpy as np
 from .. import cachedir
 from ..errors import ArgumentError, CostTableError, SparkjaxError
 from ..io.atomic import atomic_file
+from ..progress import Progress
 from .adaptive import auto_inputs, auto_round
 from .checks import bucket, check_int, describe
 from .programs import merge_pair, program, spec_start, split_pair
@@ -27,6 +29,8 @@ from .state import Plan
 
 if TYPE_CHECKING:
     from .methods import Auto
+
+log = logging.getLogger("sparkjax.auto")
 
 FORMAT = "sparkjax-cost-table"
 PROFILE_ROUNDS = 8  # rounds per timed call of profile_costs (inside one jitted loop, like a generation's)
@@ -279,7 +283,12 @@ def table_for(target, drafter, plan: Plan, batch: int, cache_size: int, active: 
             warnings.warn(f"ignoring a damaged cost table cache file, profiling again: {e}", stacklevel=3)
             table = None
     if table is None:
+        t0 = time.perf_counter()
+        log.info("profiling auto's round costs (batch %d%s, %d candidates)", batch,
+                 "" if active is None else f", {active} active", len(plan.method.labels()))
         table = profile(target, drafter, plan, batch_size=batch, cache_size=cache_size, active=active)
+        log.info("profiled in %.1f s: %s", time.perf_counter() - t0,
+                 ", ".join(f"{lab} {1e3 * t:.2f} ms" for lab, t in zip(table.labels, table.seconds, strict=True)))
         if path is not None:
             try:
                 table.save(path)
@@ -302,8 +311,11 @@ def pool_table_for(target, drafter, plan: Plan, slots: int, cache_size: int, cou
     counts = pool_counts(slots) if counts is None else tuple(counts)
     sizes = tuple(sizes or (slots,))
     tables = []
+    progress = Progress(log, "profiling auto's round costs", len(counts), "point")
     for a in counts:
         batch = min(s for s in sizes if s >= a)
+        progress.begin(f"{a} active of a batch of {batch}")
         tables.append(table_for(target, drafter, plan, batch, cache_size, None if a == batch else a))
+        progress.end()
     return PoolCostTable(slots, counts, tuple(tables))
 

@@ -124,26 +124,50 @@ def default_temperature(target_dir) -> float:
     return float(t) if isinstance(t, int | float) and not isinstance(t, bool) and 0 <= t <= 2 else 1.0
 
 
+def weight_bytes(folder) -> int:
+    """The bytes of a checkpoint folder's safetensors files (0 when it cannot be listed)."""
+    try:
+        return sum(e.stat().st_size for e in os.scandir(folder) if e.name.endswith(".safetensors") and e.is_file())
+    except OSError:
+        return 0
+
+
 def load(args):
-    """(target, drafter or None, tokenizer, target folder, pair description) of the flags."""
+    """(target, drafter or None, tokenizer, target folder, pair description) of the flags; each part is logged as
+    it loads (its size, and the time the rest should take at the target's pace)."""
     from sparkjax import demo
     from sparkjax.io.hf import load_drafter, load_target
+    from sparkjax.progress import Progress
     from sparkjax.text import load_tokenizer, quiet_transformers
 
     if args.target is None:
-        target_dir = demo.path("target")
+        target_dir, drafter_dir, tok_dir = demo.path("target"), None, demo.path("target")
         dtype = args.dtype or demo.COMPUTE_DTYPE
-        target = load_target(target_dir, dtype=dtype)
-        drafter = None if args.method == "ar" else load_drafter(demo.path("dspark_b16"), target=target, dtype=dtype)
-        with quiet_transformers():
-            tok = load_tokenizer(target_dir, what="demo target")
-        return target, drafter, tok, target_dir, f"the bundled demo pair ({demo.DEMO_DIR}: target + dspark_b16)"
-    target = load_target(args.target, dtype=args.dtype)
-    drafter = load_drafter(args.drafter, target=target, dtype=args.dtype) if args.drafter else None
+        if args.method != "ar":
+            drafter_dir = demo.path("dspark_b16")
+        what = f"the bundled demo pair ({demo.DEMO_DIR}: target + dspark_b16)"
+    else:
+        target_dir, drafter_dir, tok_dir, dtype = args.target, args.drafter, args.tokenizer or args.target, args.dtype
+        what = f"target {args.target}" + (f", drafter {args.drafter}" if args.drafter else ", no drafter")
+    sizes = {"target": weight_bytes(target_dir), "drafter": weight_bytes(drafter_dir) if drafter_dir else 0}
+    parts = ["target", *(["drafter"] if drafter_dir else []), "tokenizer"]
+    progress = Progress(log, "loading", len(parts), "part")
+    t0 = time.perf_counter()
+    progress.begin(f"the target, {sizes['target'] / 2**20:.1f} MiB from {target_dir}")
+    target = load_target(target_dir, dtype=dtype)
+    progress.end()
+    drafter = None
+    if drafter_dir:
+        pace = sizes["target"] / max(time.perf_counter() - t0, 1e-6)  # bytes per second
+        progress.begin(f"the drafter, {sizes['drafter'] / 2**20:.1f} MiB from {drafter_dir}; about "
+                       f"{sizes['drafter'] / max(pace, 1.0):.0f} s at the target's pace")
+        drafter = load_drafter(drafter_dir, target=target, dtype=dtype)
+        progress.end()
+    progress.begin(f"the tokenizer from {tok_dir}")
     with quiet_transformers():
-        tok = load_tokenizer(args.tokenizer or args.target)
-    return target, drafter, tok, args.target, f"target {args.target}" + (f", drafter {args.drafter}" if drafter
-                                                                        else ", no drafter")
+        tok = load_tokenizer(tok_dir, what="demo target") if args.target is None else load_tokenizer(tok_dir)
+    progress.end()
+    return target, drafter, tok, target_dir, what
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                  devices[0].platform, xla or "off")
         log.info("pair: %s; method %s; %d slots; default temperature %g", what, args.method, args.slots,
                  temperature)
+        if args.method == "auto":
+            log.info("auto: its round costs are read from the cache folder, or profiled now on this device (once; "
+                     "each point is logged)")
         engine = Engine(target, drafter, method=args.method, slots=args.slots, cache_size=args.cache_size,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         rounds_per_visit=args.rounds_per_visit, queue_limit=args.queue_limit, tokenizer=tok,

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
 import math
 import secrets
 import threading
@@ -31,8 +32,11 @@ from ..engine.methods import Method, parse_method
 from ..engine.options import check_options
 from ..engine.programs import split_pair
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError
+from ..progress import Progress
 from . import slots as programs
 from .text import TextStream
+
+log = logging.getLogger("sparkjax.serve")
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 DEFAULT_MAX_PROMPT = 256  # prompt tokens a request may have when neither it nor cache_size is given
@@ -296,15 +300,29 @@ class Engine:
         else:
             self._graphdefs, self._states = split_pair(self.target, self.drafter)
         self._device_inputs = None if self._inputs is None else jax.tree.map(jnp.asarray, self._inputs)
-        self._pool = self._fresh_pool()
-        for width in self.buckets:  # admit a dummy prompt of each bucket into slot 0, then free it
-            tokens = np.zeros((1, width), np.int32)
-            self._pool = self._admit_call(0, tokens, 1, 1, self.eos_row(None), 0.0, 0)
-        for hot in (False, True) if self.sampling else (False,):
-            for size in self.visit_sizes:
-                self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, hot, np.arange(size))
+        steps = [("the pool", None)]
+        steps += [(f"the prefill of a {w}-token prompt buffer", ("admit", w)) for w in self.buckets]
+        steps += [(f"the {'sampling' if hot else 'greedy'} visit loop at {size} slot{'s' * (size > 1)}",
+                   ("visit", hot, size)) for hot in ((False, True) if self.sampling else (False,))
+                  for size in self.visit_sizes]
+        steps += [("the token reader", ("read",))]
+        progress = Progress(log, "compiling and warming up", len(steps), "program",
+                            kinds=["pool" if step is None else step[0] for _, step in steps])
+        for what, step in steps:
+            progress.begin(what)
+            if step is None:
+                self._pool = self._fresh_pool()
+                jax.block_until_ready(self._pool)
+            elif step[0] == "admit":  # admit a dummy prompt of this bucket into slot 0, then free it
+                self._pool = self._admit_call(0, np.zeros((1, step[1]), np.int32), 1, 1, self.eos_row(None), 0.0, 0)
+                jax.block_until_ready(self._pool)
+            elif step[0] == "visit":
+                self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, step[1], np.arange(step[2]))
                 jax.block_until_ready(visit)
-        programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32), width=self.buf_len)
+            else:
+                jax.block_until_ready(programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32),
+                                                           width=self.buf_len))
+            progress.end()
         self._pool = self._fresh_pool()
         jax.block_until_ready(self._pool)
         self._compile_s = time.perf_counter() - t0
