@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -42,6 +43,7 @@ QUEUE = 32
 CONCURRENT = 24
 BODY_LIMIT = 4096
 METHOD = "sparklingtree@16"
+CLIENT_REQUESTS = sorted((pathlib.Path(__file__).parent / "fixtures" / "client_requests").glob("*.json"))
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +80,9 @@ def solo(pair):
     """The target's own greedy continuation of one prompt alone: ``solo(ids, max_new) -> token ids`` (one
     compiled program for every prompt and length)."""
 
-    def run(ids: list[int], max_new: int) -> list[int]:
+    def run(ids: list[int], max_new: int, eos=pair.eos_token_ids) -> list[int]:  # eos []: none (the same program)
         return sparkjax.generate(pair.target, None, [ids], method="ar", max_new_tokens=max_new, capacity=MAX_NEW,
-                                 prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids).tokens[0]
+                                 prompt_width=MAX_PROMPT, eos_token_ids=eos).tokens[0]
 
     return run
 
@@ -89,6 +91,17 @@ def expected(pair, tokens: list[int]) -> tuple[str, str, int]:
     """(text, finish_reason, completion_tokens) of a generation's token ids."""
     finish = "stop" if tokens and tokens[-1] in pair.eos_token_ids else "length"
     return pair.tokenizer.decode(tokens, skip_special_tokens=True), finish, len(tokens)
+
+
+def expected_stop(pair, tokens: list[int], stops: list[str]) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of a generation's token ids cut at its first stop string: the text
+    before it, and the tokens up to and including the one that completed it."""
+    for k in range(1, len(tokens) + 1):
+        text = pair.tokenizer.decode(tokens[:k], skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[: min(hits)], "stop", k
+    return expected(pair, tokens)
 
 
 def got(r) -> tuple[str, str, int]:
@@ -289,6 +302,16 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"prompt": "x", "top_p": 0.5}, "/v1/completions", 400, "top_p", "unsupported"),
     ({"prompt": "x", "frobnicate": True}, "/v1/completions", 400, "frobnicate", "unsupported field"),
     ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "one prompt"),
+    # what cannot be honoured is refused, never ignored
+    ({"prompt": "x", "logprobs": 0}, "/v1/completions", 400, "logprobs", "unsupported value 0"),
+    ({"prompt": "x", "n": True}, "/v1/completions", 400, "n", "unsupported value true"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "/v1/completions", 400, "response_format", "text"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "/v1/completions", 400, "ignore_eos", "boolean"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "every": True}}, "/v1/completions",
+     400, "stream_options", "continuous_usage_stats"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "/v1/chat/completions", 400, "messages[0].name",
+     "string"),
+    (b'{"prompt": "\\ud800", "max_tokens": 4}', "/v1/completions", 400, "prompt", "not valid Unicode"),
     (b'{"prompt": "' + b"x" * BODY_LIMIT + b'"}', "/v1/completions", 413, None, f"{BODY_LIMIT} bytes"),
 ]
 
@@ -299,6 +322,154 @@ def test_a_bad_request_gets_its_4xx_and_an_error_body(live, body, path, status, 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def _errors_logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_malformed_bodies_get_400_never_500_and_log_no_traceback(pair, engine, caplog):
+    """The hostile bodies of issue 42 (100,000 levels of nesting, a lone surrogate sent as a JSON escape), other
+    text UTF-8 cannot encode, and a tokenizer that fails: each a 400 naming the field, nothing logged. Through the
+    app in-process (its body limit is the server default's, 1 MiB; nothing reaches the engine)."""
+    from starlette.testclient import TestClient
+
+    class Broken:  # a tokenizer that cannot take the text it is given
+        chat_template = None
+
+        def __call__(self, text, **kw):
+            raise ValueError(f"cannot tokenize {text!r}")
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases = [  # (tokenizer, path, raw body, param, words)
+        (None, "/v1/completions", b'{"prompt": ' + deep + b', "max_tokens": 4}', None, "nested deeper than 64"),
+        (None, "/v1/completions", b'{"prompt": "x", "stop": ' + b"[" * 70 + b"]" * 70 + b"}", "stop",
+         "nested deeper than 64"),
+        (None, "/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 4}', "prompt", "not valid Unicode"),
+        (None, "/v1/completions", b'{"prompt": "x", "stop": ["a\\udfff"]}', "stop[0]", "not valid Unicode"),
+        (None, "/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": '
+         b'"\\udc00"}]}]}', "messages[0].content[0].text", "not valid Unicode"),
+        (Broken(), "/v1/completions", b'{"prompt": "hi"}', "prompt", "cannot be encoded (ValueError"),
+        (Broken(), "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}', "messages",
+         "cannot be encoded (ValueError"),
+    ]
+    caplog.set_level(logging.WARNING)
+    apps = {}
+    for tok, path, raw, param, words in cases:
+        if id(tok) not in apps:
+            apps[id(tok)] = TestClient(create_app(engine, tokenizer=tok or pair.tokenizer, model=MODEL),
+                                       raise_server_exceptions=False)
+        r = apps[id(tok)].post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (raw[:60], r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error", err
+    assert _errors_logged(caplog) == []
+
+
+def _stream(live, body, path="/v1/completions") -> tuple[int, list]:
+    """POSTs a streaming request: (status, its events: each data line's JSON, "[DONE]" as is; a refusal: [body])."""
+    with httpx.stream("POST", live.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, [r.json()]
+        events = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    return 200, [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def _streamed(events) -> tuple[str, str, list[dict]]:
+    """(text, finish_reason, the chunks with choices) of a completions or chat stream's events."""
+    chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+    part = [c["choices"][0] for c in chunks]
+    text = "".join(p.get("text") or (p.get("delta") or {}).get("content") or "" for p in part)
+    return text, part[-1]["finish_reason"], chunks
+
+
+ISSUE_STOP = {"prompt": "Question: What is 2 + 3?\nAnswer:", "max_tokens": 32, "temperature": 0, "stop": ["\n"]}
+
+
+def test_a_stop_string_counts_the_tokens_up_to_the_one_that_completed_it(pair, engine, live, solo):
+    """Issue 42's example: the text ends before the stop string, and usage counts the generated tokens up to and
+    including the one that completed it, never the ones the device generated after it in the same visit (the
+    same in a stream, with the usage in every chunk, and in the Engine)."""
+    ids = encode_text(pair.tokenizer, ISSUE_STOP["prompt"])
+    ref = solo(ids, 32)
+    want = expected_stop(pair, ref, ["\n"])
+    assert want[1] == "stop" and want[2] < len(ref)  # the example does stop, with tokens after it
+    r = _post(live, ISSUE_STOP)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert (c["text"], c["finish_reason"], r.json()["usage"]["completion_tokens"]) == want
+
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    status, events = _stream(live, {**ISSUE_STOP, "stream": True, "stream_options": opts})
+    text, finish, chunks = _streamed(events)
+    assert status == 200 and (text, finish) == want[:2] and events[-1] == "[DONE]"
+    assert all(ch["usage"]["completion_tokens"] <= want[2] for ch in chunks)  # usage in every chunk
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == want[2]
+
+    out = engine.submit(ids, max_new_tokens=32, eos_token_ids=pair.eos_token_ids, stop=["\n"]).result(timeout=120)
+    assert (out.text, out.finish_reason, out.completion_tokens) == want and out.token_ids == ref[: want[2]]
+
+
+@pytest.mark.parametrize("path", CLIENT_REQUESTS, ids=[p.stem for p in CLIENT_REQUESTS])
+def test_recorded_client_requests(pair, live, solo, path, caplog):
+    """The bodies guidellm and lm-eval send (tests/fixtures/client_requests/README.md), replayed as they are."""
+    body = json.loads(path.read_text())
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if body.get("echo"):  # lm-eval's loglikelihood: logprobs and echo are not served yet, and say so
+        r = _post(live, body, path=route)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("echo", "logprobs"), r.text
+        return
+    if body.get("stream"):  # guidellm: ignore_eos, the usage in every chunk, then a usage chunk
+        n = body.get("max_tokens") or body["max_completion_tokens"]
+        status, events = _stream(live, body, route)
+        assert status == 200, events
+        text, finish, chunks = _streamed(events)
+        counts = [ch["usage"]["completion_tokens"] for ch in chunks]
+        assert counts == sorted(counts) and counts[-1] == n and finish == "length"
+        assert all(ch["usage"]["total_tokens"] == ch["usage"]["prompt_tokens"] + ch["usage"]["completion_tokens"]
+                   for ch in chunks)
+        assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == n
+        assert events[-1] == "[DONE]"
+        return
+    # lm-eval's generate_until: greedy, cut at the first of its stop strings
+    ids = body["prompt"][0] if route == "/v1/completions" else pair.encode_chat(body["messages"][0]["content"])
+    want = expected_stop(pair, solo(ids, body["max_tokens"]), body["stop"])
+    r = _post(live, body, path=route)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert (c.get("text", (c.get("message") or {}).get("content")), c["finish_reason"],
+            r.json()["usage"]["completion_tokens"]) == want
+    assert _errors_logged(caplog) == []
+
+
+def test_developer_role_names_response_format_and_ignore_eos(pair, live, client, solo, monkeypatch):
+    q = questions()[0]
+    system = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": q}]
+    developer = [{**system[0], "role": "developer"}, system[1]]
+    a, b = (client.chat.completions.create(model=MODEL, messages=m, max_tokens=6, temperature=0,
+                                           response_format={"type": "text"}) for m in (system, developer))
+    ids = encode_text(pair.tokenizer, render_messages(pair.tokenizer, system))
+    assert got(a) == got(b) == expected(pair, solo(ids, 6))  # developer is system
+
+    seen = []  # the chat template receives each message's name (this one ignores it)
+    real = pair.tokenizer.apply_chat_template
+    monkeypatch.setattr(pair.tokenizer, "apply_chat_template", lambda msgs, **kw: seen.append(msgs) or real(msgs, **kw))
+    named = [{**system[0], "name": "rules"}, {**system[1], "name": "ada"}]
+    assert got(client.chat.completions.create(model=MODEL, messages=named, max_tokens=6, temperature=0)) == got(a)
+    assert [m.get("name") for m in seen[-1]] == ["rules", "ada"]
+    monkeypatch.undo()
+
+    # ignore_eos: past the EOS id to max_tokens, the target's greedy tokens with no EOS id
+    prompt = "Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer:"
+    ids = encode_text(pair.tokenizer, prompt)
+    plain, past = solo(ids, 32), solo(ids, 32, [])
+    assert plain[-1] in pair.eos_token_ids and len(plain) < 32  # it would stop at EOS
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == \
+        (pair.tokenizer.decode(past, skip_special_tokens=True), "length", 32)
 
 
 def test_keys_routes_and_a_full_queue(pair, live, engine, client):
@@ -381,6 +552,57 @@ def test_after_everything_the_server_still_answers(pair, live, engine, client, s
     # the only 5xx responses are the two injected engine faults
     assert codes["200"] > CONCURRENT and sum(n for c, n in codes.items() if c.startswith("5")) == codes["500"] == 2
     assert int(series["sparkjax_http_time_to_first_token_seconds_count"]) > CONCURRENT
+    # vLLM's speculation counters under our prefix: every round of this method is a draft of 16 nodes; a round
+    # commits its accepted drafts and one more token; position d counts the rounds that accepted d + 1 drafts
+    drafts = int(series["sparkjax:spec_decode_num_drafts_total"])
+    accepted = int(series["sparkjax:spec_decode_num_accepted_tokens_total"])
+    per_pos = [int(series[f'sparkjax:spec_decode_num_accepted_tokens_per_pos_total{{position="{d}"}}'])
+               for d in range(engine.plan.depth)]
+    assert drafts == int(series["sparkjax_rounds_total"]) > 0
+    assert int(series["sparkjax:spec_decode_num_draft_tokens_total"]) == 16 * drafts
+    assert accepted == sum(per_pos) == int(series["sparkjax_accepted_tokens_total"]) - drafts
+    assert per_pos == sorted(per_pos, reverse=True) and 0 < per_pos[0] <= drafts
+    assert not any(k.startswith("sparkjax:spec") and "position" in k and k not in
+                   {f'sparkjax:spec_decode_num_accepted_tokens_per_pos_total{{position="{d}"}}'
+                    for d in range(engine.plan.depth)} for k in series)
+
+
+def test_shutdown_gives_a_queued_stream_503_and_starts_no_visit_after_the_grace_period(pair, live, engine, solo):
+    """The last test on the live server: it drains it. A stream still queued when the grace period ends gets a 503
+    JSON error (no first token yet: an HTTP status, even though it asked to stream); one already streaming ends
+    with an error event; no host visit starts after the grace period; the engine's thread ends."""
+    real, late = engine._visit_call, []
+
+    def visit(*args):  # records visits that start after the grace period
+        late.append(engine._abort)
+        return real(*args)
+
+    ids = pair.encode_chat(questions()[0])
+    with Gate(engine) as gate:  # nothing advances but for the rounds let through
+        busy = [engine.submit(ids, max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[]) for _ in range(SLOTS - 1)]
+        _wait(lambda: engine.metrics()["active_slots"] == SLOTS - 1, what="the busy slots")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            # a prompt whose greedy continuation runs past one round without EOS
+            prompt = next(q for q in questions() if len(solo(encode_text(pair.tokenizer, q), MAX_NEW)) == MAX_NEW)
+            body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
+            running = pool.submit(_stream, live, body)
+            _wait(lambda: engine.metrics()["active_slots"] == SLOTS, what="the streaming request admitted")
+            gate.steps = 1  # one round: its first tokens are out
+            _wait(lambda: any(r is not None and r.first_token for r in engine._in_slot if r not in busy),
+                  what="the first tokens")
+            queued = pool.submit(_stream, live, {**body, "prompt": "import os\n"})
+            _wait(lambda: engine.metrics()["queue_length"] == 1, what="the queued request")
+            live.grace_s = 0.5
+            gate.real = visit  # the gate's visits go through the recorder
+            live.stop()
+            status, events = queued.result(timeout=120)
+            assert status == 503 and events[0]["error"]["code"] == "cancelled", events
+            assert "shutting down" in events[0]["error"]["message"]
+            status, events = running.result(timeout=120)
+            assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert not engine._thread.is_alive() and all(r.done for r in busy)
+    assert late and True not in late[:-1]  # at most the visit running when the grace period ended; none after it
+    engine._visit_call = real
 
 
 # --- the command line ---------------------------------------------------------------------------------------------

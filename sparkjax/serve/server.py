@@ -37,22 +37,27 @@ log = logging.getLogger("sparkjax.serve")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
-MAX_STOP = 4  # OpenAI accepts up to four stop sequences
+MAX_STOP = 16  # stop sequences per request (OpenAI takes 4; lm-eval's completions add the EOS string to a task's)
 MAX_SEED = 2**63
+MAX_JSON_DEPTH = 64  # nesting levels a request body may have (arrays and objects)
 # Idle keep-alive connections are kept longer than clients keep them (httpx and the openai client: 5 s), so a client
 # never sends a request on a connection the server is closing at that moment.
 KEEP_ALIVE_S = 30
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the engine's bound
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-ROLES = ("system", "user", "assistant")
+# message roles, as the chat template sees them
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 HEARTBEAT_S = 2.0  # an idle stream sends an SSE comment this often: proxies keep it open, a gone client is seen
 
-# fields accepted only at the value that changes nothing (what OpenAI does by default)
-NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False,
-           "logprobs": None, "top_logprobs": None, "suffix": None, "logit_bias": None, "n": 1,
-           "parallel_tool_calls": None, "tools": None, "tool_choice": None, "response_format": None}
-COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user", *NEUTRAL}
+# fields accepted only at the value that changes nothing (what OpenAI does by default); a null is always accepted
+NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1, "echo": False,
+           "logprobs": None, "top_logprobs": None, "suffix": None, "logit_bias": None, "tools": None,
+           "tool_choice": None, "parallel_tool_calls": None}
+TOOL_CHOICES = ("none", "auto")  # without tools, either calls none
+COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user", "ignore_eos",
+          "response_format", *NEUTRAL}
 FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # the engine's argument names, as the API calls them (an engine ArgumentError names the former)
 API_NAMES = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt", "temperature": "temperature", "seed": "seed",
              "stop": "stop"}
@@ -126,26 +131,98 @@ def _stop(body: dict) -> list[str] | None:
     return items or None
 
 
+def _is_neutral(name: str, v: Any, neutral: Any) -> bool:
+    """Whether ``v`` asks for nothing beyond the default: the neutral value itself (a boolean for a boolean, a
+    number for a number), or for a field whose default is null: false or an empty string, array or object (and for
+    ``tool_choice`` "none" or "auto", for ``parallel_tool_calls`` any boolean: without tools they call none)."""
+    if v is None:
+        return True
+    if name == "tool_choice" and v in TOOL_CHOICES:
+        return True
+    if name == "parallel_tool_calls":
+        return isinstance(v, bool)
+    if isinstance(neutral, bool):
+        return v is neutral
+    if neutral is None:
+        return v is False or (isinstance(v, str | list | dict) and not v)
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == neutral
+
+
 def _check_fields(body: dict, kind: str) -> None:
     for name in body:
         if name not in FIELDS[kind]:
             raise bad(name, "unsupported field", code="unsupported_field")
     for name, neutral in NEUTRAL.items():
         v = body.get(name)
-        if name in body and v is not None and v != neutral and not (neutral is None and v in (False, [], {})):
-            raise bad(name, f"unsupported value {json.dumps(v)} (only {json.dumps(neutral)} is supported)",
-                      code="unsupported_value")
-    if "user" in body and not isinstance(body["user"], str | type(None)):
-        raise bad("user", f"expected a string, got {_kind(body['user'])}")
-    if not isinstance(body.get("stream", False), bool | type(None)):
-        raise bad("stream", f"expected a boolean, got {_kind(body['stream'])}")
+        if not _is_neutral(name, v, neutral):
+            only = "null or false" if neutral is None else json.dumps(neutral)
+            raise bad(name, f"unsupported value {_short(v)} (only {only} is supported)", code="unsupported_value")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", f'unsupported value {_short(fmt)} (only {{"type": "text"}} is supported: this '
+                  f'server has no JSON mode)', code="unsupported_value")
+    for name in ("user",):
+        if name in body and not isinstance(body[name], str | type(None)):
+            raise bad(name, f"expected a string, got {_kind(body[name])}")
+    for name in ("stream", "ignore_eos"):
+        if not isinstance(body.get(name, False), bool | type(None)):
+            raise bad(name, f"expected a boolean, got {_kind(body[name])}")
     opts = body.get("stream_options")
     if opts is not None:
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"} \
-                or not isinstance(opts.get("include_usage", False), bool):
-            raise bad("stream_options", 'expected {"include_usage": true|false}')
+        if not isinstance(opts, dict) or set(opts) - set(STREAM_OPTIONS) \
+                or not all(isinstance(v, bool | type(None)) for v in opts.values()):
+            raise bad("stream_options", 'expected {"include_usage": true|false, "continuous_usage_stats": '
+                                        'true|false}')
         if not body.get("stream"):
             raise bad("stream_options", "only allowed with stream: true")
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_body(data: Any) -> None:
+    """Refuses a parsed body nested deeper than :data:`MAX_JSON_DEPTH` levels, or holding a string that is not
+    Unicode text (a lone surrogate such as ``"\\ud800"``: JSON's escapes allow it, UTF-8 cannot encode it); the
+    400 names the field. Iterative, so any depth the parser produced is safe."""
+    stack: list[tuple[Any, int, tuple]] = [(data, 1, ())]
+    while stack:
+        v, depth, path = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise bad(_path(path[:1]) if path else None, f"nested deeper than {MAX_JSON_DEPTH} levels",
+                          code="invalid_json")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend((x, depth + 1, (*path, k)) for k, x in items)
+            if isinstance(v, dict):
+                stack.extend((k, depth, (*path, k)) for k in v)  # keys are strings too
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(_path(path) or None, f"not valid Unicode text: {e.reason} ({v[e.start:e.end]!a} at "
+                          f"character {e.start})", code="invalid_text") from None
+
+
+def _path(path: tuple) -> str:
+    """``("messages", 0, "content")`` as ``messages[0].content``."""
+    out = ""
+    for k in path:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out
+
+
+def _encode(what: str, fn: Callable[[], list[int]]) -> list[int]:
+    """``fn()``'s ids; any failure of the tokenizer or the template is the client's 400 naming ``what``."""
+    try:
+        return fn()
+    except APIError:
+        raise
+    except SparkjaxError as e:  # a template that does not render, a tokenizer without one
+        raise bad(what, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - text the tokenizer or the chat template cannot take
+        raise bad(what, f"cannot be encoded ({type(e).__name__}: {e})", code="invalid_text") from None
 
 
 def _prompt_ids(body: dict, tokenizer, vocab: int | None) -> list[int]:
@@ -155,7 +232,7 @@ def _prompt_ids(body: dict, tokenizer, vocab: int | None) -> list[int]:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
         p = p[0]  # one prompt in an array
     if isinstance(p, str):
-        ids = encode_text(tokenizer, p)
+        ids = _encode("prompt", lambda: encode_text(tokenizer, p))
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         ids = list(p)
         if vocab is not None and not all(0 <= t < vocab for t in ids):
@@ -191,27 +268,39 @@ def render_messages(tokenizer, messages: list[dict]) -> str:
             from None
 
 
-def _chat_ids(body: dict, tokenizer) -> list[int]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages", f"expected a non-empty array of messages, got {_kind(msgs)}")
+def chat_turns(messages: Any) -> list[dict]:
+    """The checked ``messages`` as the chat template receives them: ``role`` (``developer`` as ``system``),
+    ``content`` (text parts joined) and, when given, ``name``."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", f"expected a non-empty array of messages, got {_kind(messages)}")
     turns = []
-    for i, m in enumerate(msgs):
+    for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", f"expected an object, got {_kind(m)}")
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise bad(f"messages[{i}].{sorted(extra)[0]}", "unsupported field", code="unsupported_field")
-        if m.get("role") not in ROLES:
-            raise bad(f"messages[{i}].role", f"expected one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))}")
-        turns.append({"role": m["role"], "content": _message_text(i, m.get("content"))})
-    try:
-        if len(turns) == 1 and turns[0]["role"] == "user":
-            ids = encode_chat(tokenizer, turns[0]["content"])
-        else:
-            ids = encode_text(tokenizer, render_messages(tokenizer, turns))
-    except SparkjaxError as e:
-        raise bad("messages", str(e)) from None
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise bad(f"messages[{i}].role", f"expected one of {', '.join(ROLES)}, got {_short(role)}")
+        turn = {"role": ROLES[role], "content": _message_text(i, m.get("content"))}
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise bad(f"messages[{i}].name", f"expected a string, got {_kind(m['name'])}")
+            turn["name"] = m["name"]
+        turns.append(turn)
+    return turns
+
+
+def _chat_ids(body: dict, tokenizer) -> list[int]:
+    turns = chat_turns(body.get("messages"))
+
+    def encode() -> list[int]:
+        if len(turns) == 1 and set(turns[0]) == {"role", "content"} and turns[0]["role"] == "user":
+            return encode_chat(tokenizer, turns[0]["content"])
+        return encode_text(tokenizer, render_messages(tokenizer, turns))
+
+    ids = _encode("messages", encode)
     if not ids:
         raise bad("messages", "encode to no tokens")
     return ids
@@ -228,7 +317,9 @@ class Parsed:
     seed: int | None
     stop: list[str] | None
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a last chunk with the usage
+    continuous_usage: bool = False  # the usage so far in every chunk (vLLM's continuous_usage_stats)
+    ignore_eos: bool = False  # generate past EOS ids, to max_tokens or a stop string
 
 
 # --- the app ------------------------------------------------------------------------------------------------------
@@ -291,8 +382,12 @@ class Server:
             data = json.loads(bytes(body), parse_constant=no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad(None, f"the body is not valid JSON ({e})", code="invalid_json") from None
+        except RecursionError:  # far deeper than MAX_JSON_DEPTH
+            raise bad(None, f"the body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") \
+                from None
         if not isinstance(data, dict):
             raise bad(None, f"the body must be a JSON object, got {_kind(data)}", code="invalid_json")
+        check_body(data)
         return data
 
     def parse(self, body: dict, kind: str) -> Parsed:
@@ -319,8 +414,22 @@ class Server:
         if len(ids) > self.engine.max_prompt_tokens:
             raise bad("prompt" if kind == "completions" else "messages", f"{len(ids)} tokens, more than the server's "
                       f"limit of {self.engine.max_prompt_tokens} prompt tokens", code="context_length_exceeded")
+        opts = body.get("stream_options") or {}
         return Parsed(kind, ids, max_tokens, temperature, seed, stop, bool(body.get("stream")),
-                      bool((body.get("stream_options") or {}).get("include_usage")))
+                      bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")),
+                      bool(body.get("ignore_eos")))
+
+    def parse_request(self, body: dict, kind: str) -> Parsed:
+        """:meth:`parse`, with any failure other than a refusal turned into a 400 (a client's mistake the checks
+        did not foresee is still the client's: no 500, no traceback in the log)."""
+        try:
+            return self.parse(body, kind)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.debug("request refused: %s: %s", type(e).__name__, e)  # the client's: no traceback
+            raise bad(None, f"the request could not be parsed ({type(e).__name__}: {e})",
+                      code="invalid_request") from None
 
     def submit(self, p: Parsed):
         if self.draining:
@@ -328,7 +437,7 @@ class Server:
                            code="shutting_down")
         try:
             return self.engine.submit(p.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                      seed=p.seed, eos_token_ids=self.eos, stop=p.stop)
+                                      seed=p.seed, eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop)
         except QueueFullError as e:
             raise APIError(429, f"the request queue is full: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
@@ -360,7 +469,7 @@ class Server:
 
     async def generate(self, request: Request, kind: str) -> Response:
         self.check_key(request)
-        p = self.parse(await self.read_json(request), kind)
+        p = self.parse_request(await self.read_json(request), kind)
         t0 = time.perf_counter()
         req = self.submit(p)
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, req))
@@ -375,6 +484,9 @@ class Server:
                 raise _failure(e) from None
             req.cancel()
             raise
+        if first.finish_reason == "cancelled":  # before its first token (shutdown, the grace period): a status
+            watcher.cancel()
+            raise _cancelled(self.draining)
         self.stats.ttft.add(time.perf_counter() - t0)
         if p.stream:
             return _SSE(self.events(p, rid, created, first, chunks, req, watcher), media_type="text/event-stream",
@@ -404,12 +516,15 @@ class Server:
         obj = "text_completion" if p.kind == "completions" else "chat.completion.chunk"
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
 
+        n_out, finish, c = 0, None, first
+
         def event(delta: str | None, finish: str | None, role: bool = False) -> str:
             part = {"text": delta or ""} if p.kind == "completions" else \
                 {"delta": {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})}
-            return _sse({**head, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": finish}]})
+            usage = {"usage": _usage(len(p.prompt_ids), n_out)} if p.continuous_usage else {}
+            return _sse({**head, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": finish}],
+                         **usage})
 
-        n_out, finish, c = 0, None, first
         try:
             if p.kind == "chat":
                 yield event(None, None, role=True)
