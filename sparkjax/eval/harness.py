@@ -7,6 +7,7 @@ drafter, refuses what cannot fit in memory, times every batch with every method 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -99,6 +100,9 @@ def _select(cfg: EvalConfig, sets, tok, tok_src: str, vocab: int, max_pos: int, 
 
 def _listed(items: list[str], most: int) -> str:
     return ", ".join(items[:most]) + (", ..." if len(items) > most else "")
+
+
+WARMUP_THREADS = max(1, min(4, os.cpu_count() or 1))  # methods compiled at once during the warm-up
 
 
 class _Run:
@@ -236,18 +240,46 @@ class _Run:
         """Warms every method up on the first batch, then times every set's batches in order."""
         cfg, mcs = self.cfg, self.mcs
         first = [ids for _, _, ids in next(iter(selected.values()))[: cfg.batch_size]]
-        bar = tqdm(self.units, desc="warm-up (compiling)", unit="method", disable=not self.progress, leave=False)
-        for eng, mc in bar:
-            self.stop.check()
-            bar.set_postfix_str(mc.label)
-            key = eng.shape_key(mc, first)
+        stages = cfg.stage_samples != 0
+
+        def warm(eng, mc):  # (shape key, whether the stage functions got warm, the warm-up's record)
             t0 = time.perf_counter()
             with CompileLog() as log:
-                if warm_up(eng, mc, first, seed=cfg.seed, stages=cfg.stage_samples != 0):
-                    self.warmed.add((key, "stages"))
-            self.warmup[mc.label] = log.record(time.perf_counter() - t0)
-            self.warmed.add(key)
+                staged = warm_up(eng, mc, first, seed=cfg.seed, stages=stages)
+            return eng.shape_key(mc, first), staged, log.record(time.perf_counter() - t0)
+
+        # Compiling is most of the warm-up and XLA compiles one program per thread: the methods warm up
+        # WARMUP_THREADS at a time. auto profiles its candidates' costs while it warms up, so it runs alone.
+        alone = [u for u in self.units if isinstance(u[1].spec, core.Auto)]
+        together = [u for u in self.units if u not in alone]
+        done: dict[str, tuple] = {}
+        bar = tqdm(total=len(self.units), desc="warm-up (compiling)", unit="method", disable=not self.progress,
+                   leave=False)
+        self.stop.check()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
+            futures = {pool.submit(warm, eng, mc): mc for eng, mc in together}
+            try:
+                for fut in concurrent.futures.as_completed(futures):
+                    done[futures[fut].label] = fut.result()
+                    bar.set_postfix_str(futures[fut].label)
+                    bar.update(1)
+                    self.stop.check()
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()  # the ones not started; those running finish
+                raise
+        for eng, mc in alone:
+            self.stop.check()
+            bar.set_postfix_str(mc.label)
+            done[mc.label] = warm(eng, mc)
+            bar.update(1)
         bar.close()
+        for _, mc in self.units:  # in the methods' order
+            key, staged, record = done[mc.label]
+            if staged:
+                self.warmed.add((key, "stages"))
+            self.warmed.add(key)
+            self.warmup[mc.label] = record
         self.loads.sample()
         batch_no = 0
         for name, rows in selected.items():

@@ -32,6 +32,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -115,21 +116,27 @@ class Timed:
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
-_OPEN_LOGS: list[CompileLog] = []
+_OPEN = threading.local()  # per thread: its open CompileLogs (JAX reports a compile in the thread that runs it)
+
+
+def _open_logs() -> list[CompileLog]:
+    if not hasattr(_OPEN, "logs"):
+        _OPEN.logs = []
+    return _OPEN.logs
 
 
 def _on_event(event: str, seconds: float, **kwargs) -> None:
     if event in _COMPILE_EVENTS:
-        for log in _OPEN_LOGS:
+        for log in _open_logs():
             log.seconds += seconds
             if event == _COMPILE_EVENTS[-1]:
                 log.programs.append((str(kwargs.get("fun_name", "?")), float(seconds)))
 
 
 class CompileLog:
-    """What JAX compiled while it was open (its compile events): ``seconds`` spent tracing, lowering and
-    compiling, and ``programs``, the ``(name, backend compile seconds)`` of every XLA program compiled (a program
-    the persistent cache served is not compiled, so it is not listed)."""
+    """What JAX compiled in this thread while it was open (its compile events): ``seconds`` spent tracing,
+    lowering and compiling, and ``programs``, the ``(name, backend compile seconds)`` of every XLA program
+    compiled (a program the persistent cache served is not compiled, so it is not listed)."""
 
     _listening = False
 
@@ -141,11 +148,11 @@ class CompileLog:
         if not CompileLog._listening:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
             CompileLog._listening = True
-        _OPEN_LOGS.append(self)
+        _open_logs().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _OPEN_LOGS.remove(self)
+        _open_logs().remove(self)
 
     def record(self, wall_seconds: float) -> dict[str, Any]:
         """The results.json entry of a warm-up: its wall time, the compile share and the programs, longest first."""
