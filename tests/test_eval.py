@@ -125,6 +125,8 @@ def test_e2e_table_files_and_csv(e2e):
     # persistent cache served them), in results.json and in the printed report
     warm = e2e.js["setup"]["warmup"]
     assert list(warm) == ["ar", "sparklingtree@16"] and "warm-up (compiling and a first run" in e2e.stdout
+    wall, each = e2e.js["setup"]["warmup_wall"]["seconds"], [w["seconds"] for w in warm.values()]
+    assert max(each) <= wall <= sum(each) + 1.0  # the methods warmed up side by side, each within the whole
     for label, w in warm.items():
         assert w["seconds"] >= w["compile_seconds"] >= sum(p["seconds"] for p in w["programs"]) >= 0
         assert re.search(rf"^  {re.escape(label)}\s+{w['seconds']:.1f} s  compile", e2e.stdout, re.M), label

@@ -114,6 +114,7 @@ class _Run:
         self.loads = LoadMonitor()
         self.warmed: set = set()
         self.warmup: dict[str, dict[str, Any]] = {}  # per method label: CompileLog.record of its warm-up
+        self.warmup_wall: dict[str, Any] | None = None  # the whole warm-up's wall seconds, methods compiled at once
 
     def early_stop(self) -> None:  # a Ctrl-C before the first timed batch: nothing to keep
         if self.stop.requested:
@@ -164,6 +165,7 @@ class _Run:
                 notes.append(f"interrupted (Ctrl-C): the results cover the {n} sample(s) every method had finished")
         setup["timing"] = self.loads.block(cfg.repeats)
         setup["warmup"] = self.warmup
+        setup["warmup_wall"] = self.warmup_wall
         labels = [mc.label for mc in mcs]
         records = [] if pool is not None else done
         summary = summarize(records, labels, setup["depths"], list(selected), cfg.temperature)
@@ -256,6 +258,7 @@ class _Run:
         bar = tqdm(total=len(self.units), desc="warm-up (compiling)", unit="method", disable=not self.progress,
                    leave=False)
         self.stop.check()
+        t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
             futures = {pool.submit(warm, eng, mc): mc for eng, mc in together}
             try:
@@ -274,6 +277,7 @@ class _Run:
             done[mc.label] = warm(eng, mc)
             bar.update(1)
         bar.close()
+        self.warmup_wall = {"seconds": time.perf_counter() - t0, "threads": WARMUP_THREADS}
         for _, mc in self.units:  # in the methods' order
             key, staged, record = done[mc.label]
             if staged:

@@ -163,16 +163,16 @@ def _speed_cols(tok_width: int) -> list:
             ("speedup", "best", 7, lambda r: _times(r.speedup_best)), ("same", "as ar", 5, same)]
 
 
-def warmup_lines(warmup: dict | None, width: int = 6, shown: float = 0.5) -> list[str]:
-    """Each method's warm-up (before any timed run): wall seconds, the compile share and each program compiled,
-    those under ``shown`` seconds summed."""
+def warmup_lines(warmup: dict | None, width: int = 6, shown: float = 0.5, wall: dict | None = None) -> list[str]:
+    """The warm-up (before any timed run): its wall time (``wall``: methods compiled several at a time), then per
+    method its own wall seconds, the compile share and each program compiled, those under ``shown`` s summed."""
     if not warmup:
         return []
-    total = sum(w["seconds"] for w in warmup.values())
     comp = sum(w["compile_seconds"] for w in warmup.values())
-    lines = ["", f"warm-up (compiling and a first run of each method, before any timed run): {total:.1f} s, of which "
-                 f"{comp:.1f} s tracing and compiling (programs by backend compile seconds; a program the persistent "
-                 "cache served is not compiled)"]
+    took = "" if not wall else f"{wall['seconds']:.1f} s wall, {wall['threads']} methods at a time; "
+    lines = ["", f"warm-up (compiling and a first run of each method, before any timed run): {took}{comp:.1f} s "
+                 "tracing and compiling in all (programs by backend compile seconds; a program the persistent cache "
+                 "served is not compiled)"]
     for label, w in warmup.items():
         big = [p for p in w["programs"] if p["seconds"] >= shown]
         small = [p["seconds"] for p in w["programs"] if p["seconds"] < shown]
@@ -224,7 +224,7 @@ def format_table(results) -> str:
         for r in chosen:
             shares = "  ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(r.size_share.items(), key=lambda kv: -kv[1]))
             lines.append(f"{r.dataset:<{dw}}  {r.label:<{mw}}  {shares}")
-    lines += warmup_lines(results.setup.get("warmup"), mw)
+    lines += warmup_lines(results.setup.get("warmup"), mw, wall=results.setup.get("warmup_wall"))
     lines += ["", *_prose(
         "tau pooled = sum of acceptance lengths / rounds (DeepSpec); tau resp = mean of per-response means (DDTree); "
         "acceptance length = the tokens a round committed (accepted drafts + 1, fewer in a round cut at EOS or "
