@@ -13,6 +13,7 @@ other backend it is the plain ``jax.jit``.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -65,15 +66,22 @@ class Program:
     trace, the plain one): calls, ``lower`` and ``_cache_size`` behave as the jitted function's."""
 
     def __init__(self, fn: Callable, **jit_kwargs):
-        self._fn, self._jit_kwargs, self._jits = fn, jit_kwargs, {}
+        self._fn, self._jit_kwargs = fn, jit_kwargs
+        self._jits = {None: jax.jit(fn, **jit_kwargs)}  # the plain jit, made here: threads share it
+        self._lock = threading.Lock()
         functools.update_wrapper(self, fn)
 
     def jitted(self, compiler_options: dict[str, Any] | None):
-        """The ``jax.jit`` of this program with ``compiler_options`` (None: XLA's defaults)."""
+        """The ``jax.jit`` of this program with ``compiler_options`` (None: XLA's defaults); one per set of
+        options, shared by every thread."""
         key = None if compiler_options is None else tuple(sorted(compiler_options.items()))
-        if key not in self._jits:
-            self._jits[key] = jax.jit(self._fn, **self._jit_kwargs, compiler_options=compiler_options)
-        return self._jits[key]
+        jitted = self._jits.get(key)
+        if jitted is None:
+            with self._lock:
+                if key not in self._jits:
+                    self._jits[key] = jax.jit(self._fn, **self._jit_kwargs, compiler_options=compiler_options)
+                jitted = self._jits[key]
+        return jitted
 
     def _pick(self, args: tuple, kwargs: dict):
         options = loop_compiler_options(_options_of(kwargs))
