@@ -4,10 +4,15 @@
 
 Keys and temperatures come either as one for the whole batch (a single key, a scalar) or one per sequence (a key
 array ``[B]``, a temperature ``[B]``); row b's numbers then come from key b alone, whatever the other rows.
+
+Where a temperature is taken, a :class:`Sampling` (temperature, top-p, top-k: each a scalar or one per sequence) may
+be given instead: the target's distribution is then :func:`process`'s, in the order temperature, top-k, top-p (as
+vLLM and Hugging Face apply them), and both the plain sampler and speculative acceptance use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -60,9 +65,37 @@ def uniform(key: Array, shape: tuple[int, ...], dtype=jnp.float32) -> Array:
     return _draw(jax.random.uniform, key, tuple(shape), dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """What the target's tokens are drawn from, all traced (a new value does not recompile): ``temperature``
+    (float32, 0 = greedy), ``top_p`` (float32 in (0, 1], 1 = off) and ``top_k`` (int32 >= 0, 0 = off), each a
+    scalar or one per sequence ``[B]``. Greedy rows ignore top-p and top-k."""
+
+    temperature: Array
+    top_p: Array
+    top_k: Array
+
+    @classmethod
+    def of(cls, temperature=0.0, top_p=1.0, top_k=0) -> Sampling:
+        """Device values (float32, float32, int32) of the three."""
+        return cls(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+                   jnp.asarray(top_k, jnp.int32))
+
+
+def temperature_of(params: Sampling | Array | float) -> Array | float:
+    """The temperature of a :class:`Sampling`, or ``params`` itself (a temperature)."""
+    return params.temperature if isinstance(params, Sampling) else params
+
+
 def per_row(value: Array | float, ndim: int) -> Array:
     """A scalar, or a per-sequence ``[B]`` value shaped ``[B, 1, ...]`` to broadcast against ``ndim`` axes."""
     v = jnp.asarray(value, jnp.float32)
+    return v if v.ndim == 0 else v.reshape(v.shape + (1,) * (ndim - 1))
+
+
+def _rows(value: Array | int, ndim: int) -> Array:
+    v = jnp.asarray(value, jnp.int32)
     return v if v.ndim == 0 else v.reshape(v.shape + (1,) * (ndim - 1))
 
 
@@ -72,36 +105,80 @@ def categorical(key: Array, logits: Array) -> Array:
     return first_argmax(gumbel(key, logits.shape, logits.dtype) + logits, axis=-1)
 
 
-def pick(logits: Array, temperature: Array | float, key: Array | None) -> Array:
-    """Greedy argmax when ``key`` is None or ``temperature == 0``, else a sample at that temperature
-    (``temperature`` a scalar or one per sequence ``[B]``; ``key`` one key or one per sequence)."""
+def truncate(scaled: Array, top_p: Array | float, top_k: Array | int) -> Array:
+    """Top-k, then top-p, of tempered logits ``scaled`` ``[..., V]``: the logits kept, ``-inf`` elsewhere
+    (``top_p``, ``top_k`` scalars or per sequence, broadcast as :func:`per_row`). Top-k keeps the k largest
+    logits, and every logit equal to the k-th (``top_k`` 0 or >= V: all); top-p then keeps, of the top-k
+    distribution renormalised, the smallest set of largest probabilities whose mass reaches ``top_p``, and every
+    token tied with the least of them (``top_p`` >= 1: all). The kept set depends on the values only, never on
+    how a sort orders ties. One descending sort of the vocabulary per row."""
+    v = scaled.shape[-1]
+    p = per_row(top_p, scaled.ndim)
+    k = _rows(top_k, scaled.ndim)
+    srt = -jnp.sort(-scaled, axis=-1)  # descending
+    k = jnp.where((k > 0) & (k < v), k, v)
+    kth = jnp.take_along_axis(srt, jnp.broadcast_to(k - 1, srt.shape[:-1] + (1,)), axis=-1)  # [..., 1]
+    srt = jnp.where(srt >= kth, srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the larger ones (the first token: 0 < top_p)
+    keep = (before < p) | (p >= 1.0)
+    cut = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled >= jnp.maximum(kth, cut), scaled, -jnp.inf)
+
+
+def process(logits: Array, params: Sampling | Array | float) -> Array:
+    """The target's sampling logits ``[..., V]`` (float32): ``logits / T`` (greedy rows: ``logits``), then
+    :func:`truncate` when ``params`` is a :class:`Sampling`, run only when some sampled row has top-p < 1 or
+    top-k > 0 (a ``lax.cond``: top-p and top-k off cost no sort). ``softmax`` of it is the distribution the
+    plain sampler draws from and speculative acceptance verifies against."""
+    logits = logits.astype(jnp.float32)
+    t = per_row(temperature_of(params), logits.ndim)
+    scaled = logits / jnp.where(t > 0, t, 1.0)
+    if not isinstance(params, Sampling):
+        return scaled
+    hot = jnp.asarray(params.temperature) > 0  # greedy rows ignore top-p and top-k: scalar or [B]
+    top_p = jnp.where(hot, jnp.asarray(params.top_p, jnp.float32), 1.0)
+    top_k = jnp.where(hot, jnp.asarray(params.top_k, jnp.int32), 0)
+    return jax.lax.cond(jnp.any((top_p < 1.0) | (top_k > 0)), lambda x: truncate(x, top_p, top_k), lambda x: x,
+                        scaled)
+
+
+def pick(logits: Array, temperature: Sampling | Array | float, key: Array | None) -> Array:
+    """Greedy argmax when ``key`` is None or ``temperature == 0``, else a sample from ``softmax(process(logits,
+    temperature))`` (``temperature`` a scalar or one per sequence ``[B]``, or a :class:`Sampling`; ``key`` one
+    key or one per sequence)."""
     logits = logits.astype(jnp.float32)
     greedy = first_argmax(logits, axis=-1)
     if key is None:
         return greedy
-    t = per_row(temperature, logits.ndim)
-    sampled = categorical(key, logits / jnp.where(t > 0, t, 1.0))
+    t = per_row(temperature_of(temperature), logits.ndim)
+    sampled = categorical(key, process(logits, temperature))
     return jnp.where(t[..., 0] > 0 if t.ndim else t > 0, sampled, greedy)
 
 
-def posterior(logits: Array, temperature: Array | float, key: Array | None) -> Array:
+def posterior(logits: Array, temperature: Sampling | Array | float, key: Array | None) -> Array:
     """The target's token at each node ``[B, N]`` from logits ``[B, N, V]`` (independent draws per node)."""
     return pick(logits, temperature, key)
 
 
 def speculative_chain(
-    target_logits: Array, draft_logits: Array, drafts: Array, temperature: Array | float, key: Array
+    target_logits: Array, draft_logits: Array, drafts: Array, temperature: Sampling | Array | float, key: Array
 ) -> tuple[Array, Array]:
     """Speculative sampling of a chain: accept draft k with probability ``min(1, p_k(d_k) / q_k(d_k))``, at
     the first rejection draw from ``normalize(max(p_k - q_k, 0))``, else a bonus from ``p``.
 
-    ``target_logits`` ``[B, n + 1, V]``: row k is the target at the node before draft k; ``draft_logits``
-    ``[B, n, V]`` the logits whose ``softmax(. / T)`` the drafts ``[B, n]`` were drawn from. Returns
-    ``(accepted [B], next_token [B])``.
+    ``target_logits`` ``[B, n + 1, V]``: row k is the target at the node before draft k, ``p`` its processed
+    distribution ``softmax(process(., temperature))`` (top-p / top-k included: what ``ar`` draws from);
+    ``draft_logits`` ``[B, n, V]`` the logits whose ``softmax(. / T)`` the drafts ``[B, n]`` were drawn from
+    (``q``: the drafter samples at the temperature alone). Returns ``(accepted [B], next_token [B])``.
     """
     b, n = drafts.shape
-    t = jnp.maximum(per_row(temperature, 3), 1e-6)
-    p = jax.nn.softmax(target_logits.astype(jnp.float32) / t, axis=-1)
+    t = jnp.maximum(per_row(temperature_of(temperature), 3), 1e-6)
+    if isinstance(temperature, Sampling):
+        temperature = dataclasses.replace(temperature, temperature=t if t.ndim == 0 else t[:, 0, 0])
+    else:
+        temperature = t
+    p = jax.nn.softmax(process(target_logits, temperature), axis=-1)
     q = jax.nn.softmax(draft_logits.astype(jnp.float32) / t, axis=-1)
     k_accept, k_resid = split_keys(key, 2)
     p_d = jnp.take_along_axis(p[:, :n], drafts[..., None], axis=-1)[..., 0]

@@ -58,6 +58,8 @@ BAD = [
     *_cases("budget", [1e30, 1e6, 10**30, 2**31, float("inf"), float("nan")], method="sparklingtree"),
     *_cases("temperature", [1e39, np.float64(1e39), 1e300, float("inf"), float("nan"), -0.5, 1e-45, 2e4, True,
                             "1.0", None, 10**400]),
+    *_cases("top_p", [0, 0.0, -0.1, 1.01, float("nan"), float("inf"), True, "0.9", None], temperature=1.0),
+    *_cases("top_k", [-1, 2.0, 1.5, True, "4", None], temperature=1.0),
     *_cases("cache_size", ["64", 10.5, 64.0], words=TYPE),
     *_cases("prompt_width", [3.0, "16"], words=TYPE),
     *_cases("capacity", ["x", 4.0], words=TYPE),

@@ -149,15 +149,34 @@ def test_options_change_the_program_not_the_tokens(pair, prompts3, ar3):
     assert spec_program._cache_size() == before + 1
 
 
-def _exact_joint(target, prompt, vocab, temperature):
-    """The target's exact distribution of the first three generated tokens [V, V, V]."""
+def _processed(probs, top_p=1.0, top_k=0):
+    """``probs`` [..., V] after top-k, then top-p (float64, written apart from sparkjax.sampling): the k likeliest
+    kept (ties with the k-th too), renormalised; then the smallest set of likeliest ones whose mass reaches
+    ``top_p`` (ties with the least of them too), renormalised."""
+    probs = np.asarray(probs, np.float64)
+    srt = -np.sort(-probs, axis=-1)
+    if 0 < top_k < probs.shape[-1]:
+        probs = np.where(probs >= srt[..., top_k - 1 : top_k], probs, 0.0)
+        probs = probs / probs.sum(-1, keepdims=True)
+        srt = -np.sort(-probs, axis=-1)
+    if top_p < 1:
+        before = np.cumsum(srt, axis=-1) - srt
+        cut = np.min(np.where(before < top_p, srt, np.inf), axis=-1, keepdims=True)
+        probs = np.where(probs >= cut, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdims=True)
+    return probs
+
+
+def _exact_joint(target, prompt, vocab, temperature, top_p=1.0, top_k=0):
+    """The target's exact distribution of the first three generated tokens [V, V, V] (at ``temperature``, then
+    top-k, then top-p)."""
     p = np.asarray(prompt, np.int32)
     grid = np.array(list(itertools.product(range(vocab), repeat=2)), np.int32)  # [V^2, 2]
     seqs = np.concatenate([np.broadcast_to(p, (len(grid), len(p))), grid], axis=1)
     pos = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
     logits = np.asarray(jit_call(target, jnp.asarray(seqs), jnp.asarray(pos)).logits, np.float64) / temperature
     probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
+    probs = _processed(probs / probs.sum(-1, keepdims=True), top_p, top_k)
     n = len(p)
     p1 = probs[0, n - 1]  # [V]
     p2 = probs[:: vocab, n].reshape(vocab, vocab)  # rows: x1 (x2 arbitrary in grid) -> p(x2 | x1)
@@ -184,12 +203,21 @@ def _auto(decide: str):
     return Auto(sizes=(0, "chain", 2, 6), decide=decide, table=CostTable(labels, (1.0, 1.0, 1.05, 1.1)))
 
 
+# top-p / top-k: one tree method and one chain method by default (the programs of the plain case: the three
+# values are traced), every other method in the slow run
+TOP = [("sparklingtree", 1.0, 0.8, 6), ("dspark", 0.7, 0.9, 4)]
+SLOW_TOP = [(m, 1.0, 0.85, 5) for m in ("ddtree", "dflash", "sparklingtree-beam", "pctree", "auto-draft",
+                                        "auto-previous")]
+
+
 @pytest.mark.parametrize(
-    "method,temperature", [("sparklingtree", 1.0)] + [pytest.param(m, t, marks=SLOW) for m, t in (
-        ("dspark", 0.6), ("auto-draft", 1.0), ("ddtree", 1.0), ("dspark", 1.0), ("dflash", 1.0),
-        ("sparklingtree-beam", 1.0), ("pctree", 1.0), ("auto-previous", 1.0))]
+    "method,temperature,top_p,top_k", [("sparklingtree", 1.0, 1.0, 0)] + TOP + [
+        pytest.param(m, t, 1.0, 0, marks=SLOW) for m, t in (
+            ("dspark", 0.6), ("auto-draft", 1.0), ("ddtree", 1.0), ("dspark", 1.0), ("dflash", 1.0),
+            ("sparklingtree-beam", 1.0), ("pctree", 1.0), ("auto-previous", 1.0))] + [
+        pytest.param(*case, marks=SLOW) for case in SLOW_TOP]
 )
-def test_sampling_is_lossless(random_pair, method, temperature):
+def test_sampling_is_lossless(random_pair, method, temperature, top_p, top_k):
     target, drafter = random_pair
     vocab = target.config.vocab_size
     prompt = [3, 1, 4, 1, 5]
@@ -197,13 +225,16 @@ def test_sampling_is_lossless(random_pair, method, temperature):
     kw = {"budget": 7 if method == "pctree" else 6} if method in TREES else {}
     spec = _auto(method.partition("-")[2]) if method.startswith("auto") else method
     out = generate(target, drafter, [prompt] * n, method=spec, max_new_tokens=3, temperature=temperature,
-                   seed=11, **kw)
+                   top_p=top_p, top_k=top_k, seed=11, **kw)
     if method.startswith("auto"):
         assert len(out.size_counts) >= 1 and sum(out.size_counts.values()) == sum(out.rounds)
     samples = np.array(out.tokens)
     assert samples.shape == (n, 3)
     assert all(1 + sum(lens) == 3 for lens in out.acceptance_lengths)  # a round cut by max_new counts what it kept
-    exact = _exact_joint(target, prompt, vocab, temperature)
+    exact = _exact_joint(target, prompt, vocab, temperature, top_p, top_k)
+    if top_p < 1 or top_k:
+        assert (exact == 0).any(), "top-p / top-k should cut tokens here, or the case checks nothing"
+        assert exact[samples[:, 0], samples[:, 1], samples[:, 2]].min() > 0  # no sample outside the kept sets
     accepted = sum(a - 1 for lens in out.acceptance_lengths for a in lens)
     assert accepted > n // 10, "the drafter should be accepted sometimes, or the test checks nothing"
     counts12 = np.zeros((vocab, vocab))
@@ -213,6 +244,33 @@ def test_sampling_is_lossless(random_pair, method, temperature):
     # false failure rate: two tests at 2e-4 each
     assert _chi2_pvalue(counts12, exact.sum(2)) > 2e-4
     assert _chi2_pvalue(counts23, exact.sum(0)) > 2e-4
+
+
+def test_processed_distribution_top_k_then_top_p():
+    from sparkjax.sampling import Sampling, process, truncate
+
+    kept = lambda logits, p, k: np.isfinite(np.asarray(truncate(jnp.log(jnp.asarray(logits)), p, k))).tolist()  # noqa
+    probs = [0.4, 0.3, 0.2, 0.1]
+    assert kept(probs, 1.0, 0) == [True] * 4  # both off
+    assert kept(probs, 1.0, 2) == [True, True, False, False]  # top-k keeps k
+    assert kept(probs, 1.0, 4) == kept(probs, 1.0, 9) == [True] * 4  # k >= V: all
+    assert kept(probs, 0.3, 0) == [True, False, False, False]  # the first token alone reaches 0.3
+    assert kept(probs, 0.41, 0) == [True, True, False, False]  # the smallest prefix whose mass reaches p
+    assert kept(probs, 0.7, 0) == [True, True, False, False]  # 0.4 + 0.3 reaches 0.7 exactly
+    assert kept(probs, 0.75, 0) == [True, True, True, False]
+    assert kept([0.4, 0.2, 0.2, 0.2], 1.0, 2) == [True] * 4  # ties with the k-th are kept
+    assert kept([0.4, 0.2, 0.2, 0.2], 0.5, 0) == [True] * 4  # ties with the least kept one too
+    assert kept([0.25] * 4, 0.1, 1) == [True] * 4
+    # top-p applies to the top-k distribution renormalised: of [0.4, 0.3] (4/7, 3/7), 0.5 keeps the first alone
+    assert kept([0.3, 0.4, 0.2, 0.1], 0.5, 2) == [False, True, False, False]
+    assert kept([0.3, 0.4, 0.2, 0.1], 0.6, 2) == [True, True, False, False]
+    # per sequence, after the temperature; greedy rows and rows with both off are untouched
+    logits = jnp.log(jnp.asarray([probs] * 4))
+    s = Sampling.of(jnp.asarray([1.0, 0.5, 0.0, 2.0]), jnp.asarray([0.5, 1.0, 0.1, 1.0]), jnp.asarray([0, 3, 1, 0]))
+    got = np.asarray(jax.nn.softmax(jax.jit(process)(logits, s), axis=-1))
+    want = np.array([[4 / 7, 3 / 7, 0, 0], np.array([16, 9, 4, 0]) / 29, probs, np.sqrt(probs) / np.sqrt(probs).sum()])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_processed(np.asarray(probs), 0.5, 0), [4 / 7, 3 / 7, 0, 0])  # the tests' reference
 
 
 def test_sampling_is_seeded(random_pair):

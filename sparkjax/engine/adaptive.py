@@ -350,7 +350,7 @@ def chain_probs(drafter, x_start: Array, blk: drafting.DraftBlock, prop: Proposa
         hidden = blk.hidden[:, drafter.config.first_draft_slot:]
         conf = drafting.confidence(drafter, hidden, drafting.chain_prev(x_start, prop.tokens))
         return jax.nn.sigmoid(conf.astype(jnp.float32))
-    t = sampling.per_row(temperature, prop.draft_logits.ndim)
+    t = sampling.per_row(sampling.temperature_of(temperature), prop.draft_logits.ndim)
     logp = jax.nn.log_softmax(prop.draft_logits / jnp.where(t > 0, t, 1.0), axis=-1)
     return jnp.exp(jnp.take_along_axis(logp, prop.tokens[..., None], axis=-1)[..., 0])
 

@@ -19,9 +19,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import cachedir
+from .. import cachedir, sampling
 from ..errors import ArgumentError, NumericalError
-from .checks import MAX_SLOTS, bucket, check_int, check_models, check_temperature, describe, is_int
+from .checks import (MAX_SLOTS, bucket, check_int, check_models, check_temperature, check_top_k, check_top_p, describe,
+                     is_int)
 from .costs import CostTable, cost_key, profile, read_table
 from .methods import Auto, Method, parse_method
 from .options import Options, check_options
@@ -376,6 +377,8 @@ class Run:
     mesh: Any = None
     options: Options = Options()
     inputs: Any = None
+    top_p: float = 1.0
+    top_k: int = 0
 
     def device_inputs(self) -> Any:
         """:attr:`inputs` on device (replicated over the mesh when there is one)."""
@@ -390,8 +393,8 @@ class Run:
     def device_args(self) -> DeviceArgs:
         """The run's traced inputs, on device (placed on the mesh when there is one)."""
         args = DeviceArgs(jnp.asarray(self.prompts.tokens), jnp.asarray(self.prompts.lengths),
-                          jnp.int32(self.max_new_tokens), jnp.asarray(self.eos), jnp.float32(self.temperature),
-                          _key(self.seed))
+                          jnp.int32(self.max_new_tokens), jnp.asarray(self.eos),
+                          sampling.Sampling.of(self.temperature, self.top_p, self.top_k), _key(self.seed))
         return place_args(args, self.mesh)
 
     def split(self, target, drafter=None):
@@ -405,8 +408,8 @@ class Run:
 
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
-             normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, seed=0,
-             cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None, options=None) -> Run:
+             normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, top_p=1.0,
+             top_k=0, seed=0, cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None, options=None) -> Run:
     """Validates every argument of :func:`generate` and returns the :class:`Run` (the first call turns on the
     persistent compilation cache)."""
     check_models(target, drafter)
@@ -424,6 +427,7 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     prompts = prepare_prompts(prompt_ids, cfg.vocab_size, prompt_width)
     eos = eos_array(eos_token_ids, cfg.vocab_size)
     temperature = check_temperature(temperature)
+    top_p, top_k = check_top_p(top_p), check_top_k(top_k)
     plan = method.plan(target, drafter, temperature > 0, options)
     mesh = check_mesh(mesh, target, drafter if plan is not None else None, prompts.batch)
     size = check_lengths(prompts, max_new_tokens, cfg.max_position_embeddings, cache_size, plan)
@@ -434,20 +438,23 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     if plan is not None:
         plan = method.bind(plan, **kw)
     inputs = method.inputs(plan, **kw, memory=auto_memory)
-    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, options, inputs)
+    return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, options, inputs,
+               top_p, top_k)
 
 
 def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget: int | None = None,
              top_c: int | None = None, widths: Sequence[int] | str | None = None, normalization: str = "fast",
              candidates: str | None = None, max_new_tokens: int = 128, eos_token_ids: int | Sequence[int] | None = None,
-             temperature: float = 0.0, seed: int = 0, cache_size: int | None = None, prompt_width: int | None = None,
-             capacity: int | None = None, instrument: bool = False, mesh: Any = None,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             cache_size: int | None = None, prompt_width: int | None = None, capacity: int | None = None, instrument: bool = False, mesh: Any = None,
              auto_memory: AutoMemory | None = None, options: Options | None = None) -> GenerateOutput:
     """Generates continuations of ``prompt_ids`` with ``method`` (a name, ``name@budget`` or a method object);
     the arguments are tabled in docs/api.md.
 
-    Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method), else lossless
-    sampling seeded by ``seed``. One jitted program with no host sync; ``instrument=True`` instead runs each
+    Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method; ``top_p`` and ``top_k``
+    ignored), else lossless sampling seeded by ``seed`` from the target's distribution at ``temperature``, then
+    top-k (``top_k`` > 0), then top-p (``top_p`` < 1) (:func:`sparkjax.sampling.process`): every method's tokens
+    follow ``ar``'s distribution. One jitted program with no host sync; ``instrument=True`` instead runs each
     stage of the same round as its own jitted call and times it. Shapes decide recompilation: prompts are padded
     to a power of two (or ``prompt_width``), the cache has ``cache_size`` slots (:func:`required_cache_size`),
     the output buffer ``capacity`` tokens (default ``max_new_tokens``, which is otherwise traced). ``auto``
@@ -463,8 +470,8 @@ def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Meth
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
     kw = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
               candidates=candidates, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-              temperature=temperature, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
-              capacity=capacity, mesh=mesh, auto_memory=auto_memory, options=options)
+              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, cache_size=cache_size,
+              prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory, options=options)
     run = validate(target, drafter, prompt_ids, **kw)
     if instrument:
         if run.plan is None:
@@ -488,8 +495,8 @@ def launch(target, drafter=None, prompt_ids: Any = None, **kwargs) -> Launch:
 def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "sparklingtree",
            budget: int | None = None, top_c: int | None = None, widths: Sequence[int] | str | None = None,
            normalization: str = "fast", candidates: str | None = None, max_new_tokens: int = 128,
-           eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0, seed: int = 0,
-           cache_size: int | None = None, mesh: Any = None, auto_memory: AutoMemory | None = None,
+           eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+           top_k: int = 0, seed: int = 0, cache_size: int | None = None, mesh: Any = None, auto_memory: AutoMemory | None = None,
            options: Options | None = None):
     """Like :func:`generate` (speculative methods only), but yields each round's new tokens: a list per
     sequence (possibly empty); the concatenated yields equal ``generate(...).tokens``. One jitted call and one
@@ -502,8 +509,8 @@ def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
         raise ArgumentError(f"method: stream() runs speculative rounds; {spec.name!r} has none (use generate() for "
                             "the target alone)")
     run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
-                   eos_token_ids=eos_token_ids, temperature=temperature, seed=seed, cache_size=cache_size,
-                   mesh=mesh, auto_memory=auto_memory, options=options)
+                   eos_token_ids=eos_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                   cache_size=cache_size, mesh=mesh, auto_memory=auto_memory, options=options)
     return _stream_rounds(target, drafter, run)
 
 

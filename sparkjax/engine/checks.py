@@ -119,3 +119,24 @@ def check_temperature(temperature: float) -> float:
         raise ArgumentError(f"temperature: {t!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (or 0 for greedy): "
                             "logits / temperature would overflow or underflow in float32")
     return t
+
+
+def check_top_p(top_p: float) -> float:
+    """A real number in ``(0, 1]`` (1: off): top-p sampling keeps the smallest set of likeliest tokens whose
+    probability reaches it."""
+    if isinstance(top_p, bool | np.bool_) or not isinstance(top_p, int | float | np.integer | np.floating):
+        raise ArgumentError(f"top_p: expected a real number in (0, 1], got {describe(top_p)}")
+    try:
+        p = float(top_p)
+    except OverflowError:
+        raise ArgumentError(f"top_p: must be in (0, 1] (1 = off), got {top_p!r}") from None
+    if not 0 < p <= 1:  # NaN fails too
+        raise ArgumentError(f"top_p: must be in (0, 1] (1 = off), got {top_p!r}")
+    return p
+
+
+def check_top_k(top_k: int) -> int:
+    """An int ``>= 0`` (0: off): top-k sampling keeps the k likeliest tokens."""
+    if not is_int(top_k) or int(top_k) < 0:
+        raise ArgumentError(f"top_k: expected an int >= 0 (0 = off), got {describe(top_k)}")
+    return min(int(top_k), 2**31 - 1)

@@ -209,7 +209,8 @@ class Chain(Method):
 
     def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
         b, d = x_start.shape[0], plan.depth
-        k, temp = (key, temperature) if plan.sampling else (None, 0.0)
+        # the drafts are drawn at the temperature alone (speculative_chain's q); top-p / top-k shape only p
+        k, temp = (key, sampling.temperature_of(temperature)) if plan.sampling else (None, 0.0)
         if self.needs_markov:
             chain = drafting.markov_chain(drafter, blk.logits, blk.hidden, x_start, temp, k,
                                           mode=plan.options.chain_mode)
@@ -229,7 +230,7 @@ class Chain(Method):
         n_acc, nxt = sampling.speculative_chain(ver.logits, prop.draft_logits, prop.tokens, temperature, key)
         j = jnp.arange(plan.depth + 1, dtype=jnp.int32)
         acc = Acceptance(jnp.where(j[None] <= n_acc[:, None], j[None], -1), n_acc + 1, nxt)
-        t = jnp.asarray(temperature)
+        t = jnp.asarray(sampling.temperature_of(temperature))
         if t.ndim == 0:
             return acc
         # a temperature per sequence: the greedy ones take the greedy walk (exactly the target's tokens)

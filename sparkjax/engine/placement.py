@@ -135,7 +135,7 @@ def place_args(args: Any, mesh: Mesh | None) -> Any:
     fields = []
     for name, x in zip(args._fields, args, strict=True):
         spec = batch_spec(x, rules) if name in ("tokens", "lengths") else PartitionSpec()
-        fields.append(put(x, NamedSharding(mesh, spec)))
+        fields.append(jax.tree.map(lambda leaf, spec=spec: put(leaf, NamedSharding(mesh, spec)), x))  # temperature: a Sampling
     return type(args)(*fields)
 
 

@@ -60,7 +60,7 @@ class DeviceArgs(NamedTuple):
     lengths: Array  # [B] int32 prompt lengths
     max_new: Array  # int32 scalar: tokens to generate (traced, so it does not recompile)
     eos: Array  # [E] int32 EOS ids (-1: none)
-    temperature: Array  # float32 scalar, 0 = greedy
+    temperature: Any  # sampling.Sampling of scalars: temperature (0 = greedy), top_p, top_k
     key: Array  # PRNG key
 
 
