@@ -173,18 +173,23 @@ def test_concurrent_requests_joining_at_different_times_are_each_exact(pair, eng
         text = "".join(p.delta.content or "" if kind == "chat" else p.text for p in parts)
         return text, parts[-1].finish_reason, None
 
-    def sample(seed):  # sampled requests with seeds of every kind (the high half zero or not) share the pool
-        r = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0.8, seed=seed)
+    def sample(seed, top_p=None, top_k=None):  # sampled requests with seeds of every kind (the high half zero or
+        # not) share the pool; top_p / top_k are traced per slot: they compile nothing
+        extra = {} if top_k is None else {"extra_body": {"top_k": top_k}}
+        r = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0.8, seed=seed,
+                                      top_p=top_p, **extra)
         return r.choices[0].text, r.usage.completion_tokens
 
     x = jnp.ones(3)
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles(), concurrent.futures.ThreadPoolExecutor(CONCURRENT + 4) as pool:
-        pending = pool.map(sample, (7, None, 2**31 + 1, 2**40 + 3))  # submitted now, read after the jobs
+        pending = pool.map(sample, (7, None, 2**31 + 1, 2**40 + 3, 5, 6), (None,) * 4 + (0.5, None),
+                           (None,) * 4 + (3, 0))  # submitted now, read after the jobs
         answers = list(pool.map(send, jobs))
         sampled = list(pending)
         assert all(0 < n <= 12 for _, n in sampled)
         assert sample(7) == sampled[0]  # a seeded request draws the same tokens alone as in the busy pool
+        assert sample(5, 0.5, 3) == sampled[4]  # and so does one with top-p and top-k
         jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert any("jit(<lambda>)" in m for m in logged)
@@ -299,7 +304,11 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"prompt": "x", "model": "gpt-4"}, "/v1/completions", 404, "model", "gpt-4"),
     ({"prompt": "x", "temperature": 2.5}, "/v1/completions", 400, "temperature", "[0, 2]"),
     ({"prompt": "x", "n": 2}, "/v1/completions", 400, "n", "only 1"),
-    ({"prompt": "x", "top_p": 0.5}, "/v1/completions", 400, "top_p", "unsupported"),
+    ({"prompt": "x", "top_p": 0}, "/v1/completions", 400, "top_p", "(0, 1]"),
+    ({"prompt": "x", "top_p": 1.5}, "/v1/completions", 400, "top_p", "(0, 1]"),
+    ({"prompt": "x", "top_p": "0.9"}, "/v1/completions", 400, "top_p", "number"),
+    ({"prompt": "x", "top_k": -2}, "/v1/completions", 400, "top_k", "at least -1"),
+    ({"prompt": "x", "top_k": 2.5}, "/v1/completions", 400, "top_k", "integer"),
     ({"prompt": "x", "frobnicate": True}, "/v1/completions", 400, "frobnicate", "unsupported field"),
     ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "one prompt"),
     # what cannot be honoured is refused, never ignored

@@ -27,12 +27,14 @@ from flax import nnx
 
 from .. import cachedir
 from ..engine.api import _key, check_seed, eos_array
-from ..engine.checks import MAX_SLOTS, bucket, check_int, check_models, check_temperature, describe, is_int
+from ..engine.checks import (MAX_SLOTS, bucket, check_int, check_models, check_temperature, check_top_k, check_top_p,
+                             describe, is_int)
 from ..engine.methods import Method, parse_method
 from ..engine.options import check_options
 from ..engine.programs import split_pair
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError
 from ..progress import Progress
+from ..sampling import Sampling
 from . import slots as programs
 from .text import TextStream
 
@@ -82,11 +84,12 @@ class Request:
     flight raises :class:`~sparkjax.errors.EngineFailure` from the iterator and from :meth:`result`."""
 
     def __init__(self, engine: Engine, rid: int, prompt: list[int], max_new_tokens: int, temperature: float,
-                 seed: int, eos: np.ndarray, stop: tuple[str, ...]):
+                 seed: int, eos: np.ndarray, stop: tuple[str, ...], top_p: float = 1.0, top_k: int = 0):
         self.id = rid
         self.prompt_ids = prompt
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.top_p, self.top_k = top_p, top_k
         self.seed = seed
         self.eos = eos
         self._engine = engine
@@ -274,6 +277,8 @@ class Engine:
         self._slot_max_new = np.ones(self.slots, np.int32)
         self._slot_eos = np.full((self.slots, self.eos_slots), -1, np.int32)
         self._slot_temp = np.zeros(self.slots, np.float32)
+        self._slot_top_p = np.ones(self.slots, np.float32)
+        self._slot_top_k = np.zeros(self.slots, np.int32)
         self._m = _Metrics(self.labels or (self.method.label,), 0 if self.plan is None else self.plan.depth)
         # draft tokens a round of each label verifies (0: a plain step), for the speculation metrics
         if self.labels:
@@ -366,8 +371,9 @@ class Engine:
         return row
 
     def submit(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
-               eos_token_ids: Any = None, stop: Any = None) -> Request:
-        """Validates a request and queues it; returns its :class:`Request`. ArgumentError naming the argument
+               eos_token_ids: Any = None, stop: Any = None, top_p: float = 1.0, top_k: int = 0) -> Request:
+        """Validates a request and queues it; returns its :class:`Request`. ``top_p`` (1: off) and ``top_k``
+        (0: off) apply after the temperature, as in :func:`sparkjax.generate`, and stay lossless. ArgumentError naming the argument
         for bad input; :class:`~sparkjax.errors.QueueFullError` when ``queue_limit`` requests are waiting;
         :class:`~sparkjax.errors.EngineClosedError` after :meth:`close`."""
         prompt = self._check_prompt(prompt_ids)
@@ -377,6 +383,7 @@ class Engine:
             raise ArgumentError(f"max_new_tokens: {int(max_new_tokens)} is outside [1, {self.max_new_tokens}] "
                                 f"(this engine's limit)")
         temperature = check_temperature(temperature)
+        top_p, top_k = check_top_p(top_p), check_top_k(top_k)
         if temperature > 0 and not self.sampling:
             raise ArgumentError("temperature: this engine serves greedy requests only (built with sampling=False)")
         seed = secrets.randbits(63) if seed is None else check_seed(seed)
@@ -388,7 +395,8 @@ class Engine:
             if len(self._waiting) >= self.queue_limit:
                 raise QueueFullError(f"engine: {len(self._waiting)} requests are waiting (queue_limit="
                                      f"{self.queue_limit}); try again later")
-            req = Request(self, next(self._ids), prompt, int(max_new_tokens), temperature, seed, eos, stops)
+            req = Request(self, next(self._ids), prompt, int(max_new_tokens), temperature, seed, eos, stops, top_p,
+                          top_k)
             self._waiting.append(req)
             self._m.submitted += 1
             self._cond.notify_all()
@@ -454,16 +462,18 @@ class Engine:
         return {**out, "cache_size": self.cache_size, "buf_len": self.buf_len} if sizes else out
 
     def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
-                    temperature: float, seed: int):
+                    temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0):
         return programs.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
                                    jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
-                                   jnp.float32(temperature), _key(seed), self._device_inputs, **self._static())
+                                   Sampling.of(temperature, top_p, top_k), _key(seed), self._device_inputs,
+                                   **self._static())
 
     def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
         return programs.pool_visit(
             self._graphdefs, self._states, self._pool, jnp.asarray(stop), jnp.int32(rounds),
             jnp.asarray(rows, jnp.int32), jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos),
-            jnp.asarray(self._slot_temp), jnp.asarray(self._seen), window=self.window,
+            Sampling.of(self._slot_temp, self._slot_top_p, self._slot_top_k), jnp.asarray(self._seen),
+            window=self.window,
             **self._static(sampling, sizes=False))
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -521,12 +531,14 @@ class Engine:
             tokens = np.zeros((1, width), np.int32)
             tokens[0, : len(ids)] = ids
             self._pool = self._admit_call(slot, tokens, len(ids), req.max_new_tokens, req.eos, req.temperature,
-                                          req.seed)
+                                          req.seed, req.top_p, req.top_k)
             self._seen[slot] = 0
             self._stop[slot] = False
             self._slot_max_new[slot] = req.max_new_tokens
             self._slot_eos[slot] = req.eos
             self._slot_temp[slot] = req.temperature
+            self._slot_top_p[slot] = req.top_p
+            self._slot_top_k[slot] = req.top_k
 
     def _visit(self) -> None:
         with self._cond:

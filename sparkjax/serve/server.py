@@ -50,17 +50,17 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 HEARTBEAT_S = 2.0  # an idle stream sends an SSE comment this often: proxies keep it open, a gone client is seen
 
 # fields accepted only at the value that changes nothing (what OpenAI does by default); a null is always accepted
-NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1, "echo": False,
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1, "echo": False,
            "logprobs": None, "top_logprobs": None, "suffix": None, "logit_bias": None, "tools": None,
            "tool_choice": None, "parallel_tool_calls": None}
 TOOL_CHOICES = ("none", "auto")  # without tools, either calls none
-COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user", "ignore_eos",
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user", "ignore_eos",
           "response_format", *NEUTRAL}
 FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # the engine's argument names, as the API calls them (an engine ArgumentError names the former)
 API_NAMES = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt", "temperature": "temperature", "seed": "seed",
-             "stop": "stop"}
+             "stop": "stop", "top_p": "top_p", "top_k": "top_k"}
 
 
 class APIError(Exception):
@@ -115,6 +115,23 @@ def _temperature(body: dict, default: float) -> float:
     if not 0 <= v <= TEMPERATURE_MAX:
         raise bad("temperature", f"must be in [0, {TEMPERATURE_MAX:g}], got {v}")
     return float(v)
+
+
+def _top_p(body: dict) -> float:
+    v = body.get("top_p")
+    if v is None:
+        return 1.0
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad("top_p", f"expected a number in (0, 1], got {_kind(v)}")
+    if not 0 < v <= 1:
+        raise bad("top_p", f"must be in (0, 1] (1 = off), got {v}")
+    return float(v)
+
+
+def _top_k(body: dict) -> int:
+    """vLLM's ``top_k``: 0 or -1 (vLLM's older default) is off."""
+    v = _integer(body, "top_k", 0, minimum=-1, maximum=2**31 - 1)
+    return max(v, 0)
 
 
 def _stop(body: dict) -> list[str] | None:
@@ -320,6 +337,8 @@ class Parsed:
     include_usage: bool  # a last chunk with the usage
     continuous_usage: bool = False  # the usage so far in every chunk (vLLM's continuous_usage_stats)
     ignore_eos: bool = False  # generate past EOS ids, to max_tokens or a stop string
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
 
 
 # --- the app ------------------------------------------------------------------------------------------------------
@@ -407,6 +426,7 @@ class Server:
             name = "max_completion_tokens"
         max_tokens = _integer(body, name, default, minimum=1, maximum=limit, limit_what=" (the server's limit)")
         temperature = _temperature(body, self.default_temperature)
+        top_p, top_k = _top_p(body), _top_k(body)
         seed = _integer(body, "seed", None, minimum=0, maximum=MAX_SEED - 1)
         stop = _stop(body)
         ids = _prompt_ids(body, self.tokenizer, self.vocab) if kind == "completions" else \
@@ -417,7 +437,7 @@ class Server:
         opts = body.get("stream_options") or {}
         return Parsed(kind, ids, max_tokens, temperature, seed, stop, bool(body.get("stream")),
                       bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")),
-                      bool(body.get("ignore_eos")))
+                      bool(body.get("ignore_eos")), top_p, top_k)
 
     def parse_request(self, body: dict, kind: str) -> Parsed:
         """:meth:`parse`, with any failure other than a refusal turned into a 400 (a client's mistake the checks
@@ -437,7 +457,8 @@ class Server:
                            code="shutting_down")
         try:
             return self.engine.submit(p.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                      seed=p.seed, eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop)
+                                      seed=p.seed, eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop,
+                                      top_p=p.top_p, top_k=p.top_k)
         except QueueFullError as e:
             raise APIError(429, f"the request queue is full: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None

@@ -6,7 +6,8 @@ and commits nothing. Each program compiles once per shape, the pool donated: :fu
 free), :func:`pool_admit` (one prompt's prefill written into slot ``i``) and :func:`pool_visit` (up to
 ``rounds`` rounds of the slots ``rows``, gathered by :func:`take_rows` and put back by :func:`put_rows`, in a
 ``while_loop`` that ends once a running sequence finishes; one program per number of rows). Per-slot values
-(``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]``) are traced inputs.
+(``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]`` or a :class:`~sparkjax.sampling.Sampling` of
+``[N]`` arrays: temperature, top-p, top-k) are traced inputs.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temper
     if packed:
         full = pool
         pool = take_rows(pool, rows, plan)
-        max_new, eos, temperature = (x if x.ndim == 0 else x[rows] for x in per_slot)
+        max_new, eos, temperature = (jax.tree.map(lambda x: x if x.ndim == 0 else x[rows], v) for v in per_slot)
     running = ~pool.done
     start = pool.rounds
     capped = isinstance(pool.extra, AutoState)  # auto: a round may be a burst of plain steps
