@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default); an error with chain-only methods")
     g.add_argument("--top-c", type=int, metavar="C", help="candidates per depth of a tree (default: the engine's)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = lossless sampling")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="top-p when sampling, in (0, 1] (default 1: off); after top-k, lossless under every method")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="top-k when sampling, >= 0 (default 0: off); after the temperature, lossless")
     g.add_argument("--datasets", default=ds.DEFAULT, metavar="LIST",
                    help=f"comma-separated bundled sets (the demo's {','.join(ds.DEMO_SETS)}, the default; and, in a "
                         f"source checkout, {','.join(ds.EVAL_SETS)} from ./eval/datasets or ${ds.ENV_VAR}) and/or "

@@ -7,6 +7,7 @@ import dataclasses
 
 from .. import engine as core
 from ..engine.api import check_temperature
+from ..engine.checks import check_top_k, check_top_p
 from ..errors import ArgumentError, EvalError
 from ..sharding import make_mesh
 from . import datasets as ds
@@ -36,6 +37,8 @@ class EvalConfig:
     budgets: tuple[int, ...] | None = None
     top_c: int | None = None
     temperature: float = 0.0
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
     datasets: tuple[str, ...] = ds.DEFAULT
     max_samples: int | None = DEFAULT_MAX_SAMPLES
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -169,6 +172,11 @@ def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[EvalConfig
         check_temperature(cfg.temperature)
     except ArgumentError as e:
         raise EvalError(f"--temperature: {e}") from None
+    for flag, check, value in (("--top-p", check_top_p, cfg.top_p), ("--top-k", check_top_k, cfg.top_k)):
+        try:
+            check(value)
+        except ArgumentError as e:
+            raise EvalError(f"{flag}: {e}") from None
     _positive("--max-samples", cfg.max_samples, allow_none=True)
     _positive("--max-new-tokens", cfg.max_new_tokens)
     _positive("--batch-size", cfg.batch_size)

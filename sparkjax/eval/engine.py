@@ -15,6 +15,7 @@ import jax
 
 from .. import engine as core
 from ..engine.api import check_temperature
+from ..engine.checks import check_top_k, check_top_p
 from ..engine.methods import Method, parse_method
 from ..engine.placement import axis_size, check_mesh, place_model, to_host
 from ..errors import EvalError
@@ -76,10 +77,12 @@ class Engine:
     path = "fixed-shape"  # recorded in results.json: every batch shares one prompt width, cache and capacity
 
     def __init__(self, target, drafter, *, eos: list[int], temperature: float, max_new_tokens: int,
-                 cache_size: int, prompt_width: int, mesh=None, carry_auto: bool = True):
+                 cache_size: int, prompt_width: int, mesh=None, carry_auto: bool = True, top_p: float = 1.0,
+                 top_k: int = 0):
         self.target, self.drafter, self.eos_ids = target, drafter, list(eos)
         self.mesh = mesh  # a jax.sharding.Mesh (data x model) or None: one device
         self.temperature = check_temperature(temperature)
+        self.top_p, self.top_k = check_top_p(top_p), check_top_k(top_k)
         self.max_new_tokens, self.cache_size = int(max_new_tokens), int(cache_size)
         self.prompt_width = int(prompt_width)
         if mesh is not None:  # place the weights once, not per launch
@@ -132,7 +135,8 @@ class Engine:
 
     def _kwargs(self, mc: MethodConfig, max_new: int, seed: int) -> dict[str, Any]:
         return dict(method=mc.spec, max_new_tokens=max_new, eos_token_ids=self.eos_ids or None,
-                    temperature=self.temperature, seed=seed, cache_size=self.cache_size,
+                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
+                    cache_size=self.cache_size,
                     prompt_width=self.prompt_width, capacity=self.max_new_tokens, mesh=self.mesh)
 
     def _padded(self, batch: list[list[int]]) -> list[list[int]]:

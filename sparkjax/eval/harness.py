@@ -198,7 +198,8 @@ class _Run:
             if id(model) not in by_drafter:
                 by_drafter[id(model)] = Engine(pair.target, model, eos=eos, temperature=cfg.temperature,
                                                max_new_tokens=cfg.max_new_tokens, cache_size=1, prompt_width=width,
-                                               mesh=mesh, carry_auto=not cfg.fresh_auto)
+                                               mesh=mesh, carry_auto=not cfg.fresh_auto, top_p=cfg.top_p,
+                                               top_k=cfg.top_k)
             engines[mc], self.roles[mc] = by_drafter[id(model)], (d_dir, role)
         plans = [engines[mc].plan(mc) for mc in self.mcs]  # validates budget / top_c against the pair
         cache = core.required_cache_size(longest, cfg.max_new_tokens, plans, prompt_width=width)
