@@ -627,15 +627,15 @@ def test_auto_checks_against_the_pair(random_pair):
 def test_eval_describes_every_default_method(random_pair):
     """The eval's per-method record (results.json) for every method it runs by default, auto included: the
     tree options resolve (auto reports the candidates of the tree it builds; chains have none)."""
-    from sparkjax.eval.config import DEFAULT_BUDGETS
+    from sparkjax.eval.config import EvalConfig, method_configs
     from sparkjax.eval.engine import Engine, MethodConfig
 
     target, drafter = random_pair
     eng = Engine(target, drafter, eos=[], temperature=0.0, max_new_tokens=8, cache_size=256, prompt_width=64)
     seen = {}
-    for name in sparkjax.engine.METHODS:
-        budget = DEFAULT_BUDGETS[0] if name in sparkjax.engine.TREE_METHODS else None
-        seen[name] = eng.describe(MethodConfig(name, budget))
+    for mc in method_configs(EvalConfig(methods=sparkjax.engine.METHODS))[0]:  # the eval's own budgets
+        seen[mc.method] = eng.describe(mc)
+    assert set(seen) == set(sparkjax.engine.METHODS) and seen["pctree"]["nodes"] == 16  # 1 + k x depth 4, the root
     assert eng.plan(MethodConfig("auto")).candidates == "union"
     assert seen["auto"]["nodes"] == max(Auto().sizes[2:])
     assert eng.plan(MethodConfig("dspark")).candidates is None and seen["ddtree"]["candidates"] == "base"
