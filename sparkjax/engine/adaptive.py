@@ -48,6 +48,7 @@ import numpy as np
 from .. import sampling, tree
 from ..errors import ArgumentError
 from . import drafting
+from . import logprobs as lps
 from .checks import describe
 from .round import COMMIT, TREE, VERIFY, commit, draft, flag_nonfinite, hits_eos, stage, verify, with_draft_context
 from .state import Acceptance, Plan, Proposal, SpecState
@@ -443,14 +444,17 @@ def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos,
     active = ~state.done
     step = active.astype(jnp.int32)
     rows = jnp.arange(b)
-    out_buf = state.out.at[rows, jnp.where(active, state.n, state.out.shape[1])].set(bonus, mode="drop")
+    col = jnp.where(active, state.n, state.out.shape[1])
+    out_buf = state.out.at[rows, col].set(bonus, mode="drop")
+    lp = lps.record(state.logprobs, logits[:, 0], bonus, col, temperature)
     n = state.n + step
     done = state.done | (active & (hits_eos(bonus, eos) | (n >= max_new)))
     r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
     new = dataclasses.replace(
         state, cache=out.cache.with_lengths(start + step), x_start=jnp.where(active, bonus, state.x_start),
         out=out_buf, n=n, done=done, accept_lens=state.accept_lens.at[rows, r].set(1, mode="drop"),
-        rounds=state.rounds + step, nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1))
+        rounds=state.rounds + step, nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1),
+        logprobs=lp)
     return new, jnp.concatenate(out.hidden, axis=-1) if features else None, step, bonus
 
 
@@ -480,7 +484,7 @@ def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temp
                                                 t.mask[:, : v + 1, : v + 1], None)
     ver = verify(target, drafter, state, prop, plan=sub)
     acc = sub.method.accept(prop, ver, temperature, key, plan=sub)
-    return commit(drafter, state, ver, acc, max_new, eos, plan=plan), acc
+    return commit(drafter, state, ver, acc, max_new, eos, plan=plan, temperature=temperature), acc
 
 
 def _realised(m: Auto, k: Array, acc: Acceptance) -> tuple[Array, Array]:

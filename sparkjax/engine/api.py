@@ -24,6 +24,7 @@ from ..errors import ArgumentError, NumericalError
 from .checks import (MAX_SLOTS, bucket, check_int, check_models, check_temperature, check_top_k, check_top_p, describe,
                      is_int)
 from .costs import CostTable, cost_key, profile, read_table
+from .logprobs import check_logprobs
 from .methods import Auto, Method, parse_method
 from .options import Options, check_options
 from .placement import check_mesh, place_args, place_state, put, to_host
@@ -188,7 +189,10 @@ class GenerateOutput:
     excluded, cut after EOS), the tokens each round committed (``1 + sum == len(tokens)``: a round cut by EOS or
     max_new counts what it kept), the rounds that accepted each depth; ``stage_seconds`` when instrumented;
     ``size_choices`` (each round's candidate label, parallel to ``acceptance_lengths``) and ``auto_memory``
-    (:class:`~sparkjax.engine.adaptive.AutoMemory`, host arrays) for method ``auto`` only, else None.
+    (:class:`~sparkjax.engine.adaptive.AutoMemory`, host arrays) for method ``auto`` only, else None; with
+    ``logprobs=N``, ``token_logprobs`` (per sequence, the log-probability of each token in ``tokens``) and
+    ``top_logprobs`` (per sequence and token, the N likeliest ``(token id, log-probability)``, most likely first;
+    empty lists for N = 0), else None.
     """
 
     tokens: list[list[int]]
@@ -197,6 +201,8 @@ class GenerateOutput:
     stage_seconds: dict[str, float] | None = None
     size_choices: list[list[str]] | None = None
     auto_memory: AutoMemory | None = None
+    token_logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
     @property
     def rounds(self) -> list[int]:
@@ -224,12 +230,26 @@ def raise_if_nonfinite(nonfinite: Any) -> None:
                          "Check the target's weights for NaN/Inf or use a wider dtype (float32)")
 
 
+def host_logprobs(lp, n) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+    """``(token_logprobs, top_logprobs)`` of a :class:`~sparkjax.engine.logprobs.Logprobs` (device or host
+    arrays), the first ``n[b]`` positions of each sequence."""
+    chosen, ids, values = (to_host(x) for x in (lp.chosen, lp.ids, lp.values))
+    token = [chosen[b, : n[b]].tolist() for b in range(chosen.shape[0])]
+    top = [[list(zip(ids[b, i].tolist(), values[b, i].tolist(), strict=True)) for i in range(n[b])]
+           for b in range(chosen.shape[0])]
+    return token, top
+
+
 def _outputs(res: Launch, stage_seconds: dict[str, float] | None = None) -> GenerateOutput:
     """The host-side :class:`GenerateOutput` of a finished :class:`~sparkjax.engine.state.Launch`."""
     out, n = to_host(res.out), to_host(res.n)
     tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
+    token_lp = top_lp = None
+    if res.logprobs is not None:
+        token_lp, top_lp = host_logprobs(res.logprobs, n)
     if res.accept_lens is None:  # ar: the prefill's token, then one step per token, so len(t) - 1 rounds of 1
-        return GenerateOutput(tokens, [[1] * (len(t) - 1) for t in tokens], [[] for _ in tokens])
+        return GenerateOutput(tokens, [[1] * (len(t) - 1) for t in tokens], [[] for _ in tokens],
+                              token_logprobs=token_lp, top_logprobs=top_lp)
     accept_lens, rounds, depth_hits = to_host(res.accept_lens), to_host(res.rounds), to_host(res.depth_hits)
     lens = [accept_lens[b, : rounds[b]].tolist() for b in range(out.shape[0])]
     choices, memory = getattr(res.extra, "choices", None), getattr(res.extra, "memory", None)
@@ -239,7 +259,7 @@ def _outputs(res: Launch, stage_seconds: dict[str, float] | None = None) -> Gene
         sizes = [[res.labels[int(i)] for i in choices[b, : rounds[b]]] for b in range(out.shape[0])]
     if memory is not None:
         memory = jax.tree.map(to_host, memory)
-    return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds, sizes, memory)
+    return GenerateOutput(tokens, lens, depth_hits.tolist(), stage_seconds, sizes, memory, token_lp, top_lp)
 
 
 def _itemsize(model) -> int:
@@ -379,6 +399,7 @@ class Run:
     inputs: Any = None
     top_p: float = 1.0
     top_k: int = 0
+    logprobs: int | None = None
 
     def device_inputs(self) -> Any:
         """:attr:`inputs` on device (replicated over the mesh when there is one)."""
@@ -409,7 +430,8 @@ class Run:
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
              normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, top_p=1.0,
-             top_k=0, seed=0, cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None, options=None) -> Run:
+             top_k=0, seed=0, cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None, options=None,
+             logprobs=None) -> Run:
     """Validates every argument of :func:`generate` and returns the :class:`Run` (the first call turns on the
     persistent compilation cache)."""
     check_models(target, drafter)
@@ -428,7 +450,10 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     eos = eos_array(eos_token_ids, cfg.vocab_size)
     temperature = check_temperature(temperature)
     top_p, top_k = check_top_p(top_p), check_top_k(top_k)
+    logprobs = check_logprobs(logprobs)
     plan = method.plan(target, drafter, temperature > 0, options)
+    if plan is not None and logprobs is not None:
+        plan = dataclasses.replace(plan, logprobs=logprobs)
     mesh = check_mesh(mesh, target, drafter if plan is not None else None, prompts.batch)
     size = check_lengths(prompts, max_new_tokens, cfg.max_position_embeddings, cache_size, plan)
     buf_len = _buf_len(max_new_tokens, capacity, plan)
@@ -439,7 +464,7 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
         plan = method.bind(plan, **kw)
     inputs = method.inputs(plan, **kw, memory=auto_memory)
     return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, options, inputs,
-               top_p, top_k)
+               top_p, top_k, logprobs)
 
 
 def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget: int | None = None,
@@ -447,7 +472,8 @@ def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Meth
              candidates: str | None = None, max_new_tokens: int = 128, eos_token_ids: int | Sequence[int] | None = None,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              cache_size: int | None = None, prompt_width: int | None = None, capacity: int | None = None, instrument: bool = False, mesh: Any = None,
-             auto_memory: AutoMemory | None = None, options: Options | None = None) -> GenerateOutput:
+             auto_memory: AutoMemory | None = None, options: Options | None = None,
+             logprobs: int | None = None) -> GenerateOutput:
     """Generates continuations of ``prompt_ids`` with ``method`` (a name, ``name@budget`` or a method object);
     the arguments are tabled in docs/api.md.
 
@@ -465,13 +491,19 @@ def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Meth
     :class:`~sparkjax.errors.IncompatiblePairError`). Non-finite target logits raise :class:`NumericalError`
     naming the first such round and sequence. ``mesh`` (axes ``("data", "model")``,
     :mod:`sparkjax.engine.placement`), ``auto_memory`` and ``options`` never change the tokens.
+
+    ``logprobs`` (None, or 0..20; static: part of the program) also returns each token's log-probability under the
+    target and the ``logprobs`` likeliest alternatives (:mod:`sparkjax.engine.logprobs`), from the logits the
+    prefill, the verify pass or the one-token step already computed: the raw logits' log-softmax when greedy, the
+    distribution sampled from (after temperature, top-k and top-p) when sampling. The same whichever method.
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
     kw = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
               candidates=candidates, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, cache_size=cache_size,
-              prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory, options=options)
+              prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory, options=options,
+              logprobs=logprobs)
     run = validate(target, drafter, prompt_ids, **kw)
     if instrument:
         if run.plan is None:
@@ -556,7 +588,7 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
         state = plan.method.round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
     raise_if_nonfinite(to_host(state.nonfinite))
     res = Launch(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite,
-                 plan.method.results(state, plan), plan, plan.method.labels())
+                 plan.method.results(state, plan), plan, plan.method.labels(), state.logprobs)
     return _outputs(res, stage_seconds=times)
 
 

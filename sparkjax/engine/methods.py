@@ -139,7 +139,7 @@ class Method:
         graphdefs, states = run.split(target, drafter)
         res = programs.spec_program(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
                                     cache_size=run.cache_size, buf_len=run.buf_len, mesh=run.mesh)
-        return Launch(*res, plan=run.plan, labels=run.plan.method.labels())
+        return Launch(*res[:7], plan=run.plan, labels=run.plan.method.labels(), logprobs=res[7])
 
     @classmethod
     def from_options(cls, name: str, *, budget: Any, top_c: Any, widths: Any, normalization: Any) -> Method:
@@ -171,10 +171,10 @@ class AR(Method):
 
     def launch(self, run, target, drafter) -> Launch:
         gdef, state = run.split(target)
-        out, n, bad = programs.ar_program(gdef, state, *run.device_args(), buf_len=run.buf_len,
-                                          cache_size=run.cache_size, sampling=run.temperature > 0, mesh=run.mesh,
-                                          options=run.options)
-        return Launch(out, n, None, None, None, bad)
+        out, n, bad, lp = programs.ar_program(gdef, state, *run.device_args(), buf_len=run.buf_len,
+                                              cache_size=run.cache_size, sampling=run.temperature > 0, mesh=run.mesh,
+                                              options=run.options, logprobs=run.logprobs)
+        return Launch(out, n, None, None, None, bad, logprobs=lp)
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> AR:
@@ -659,10 +659,11 @@ class Auto(Method):
     def tree_plan(self, plan: Plan) -> Plan:
         """The plan of the largest tree (the one built each round)."""
         return Plan(self.largest_tree(), plan.depth,
-                    self.tree_sizes[-1], plan.sampling, plan.layer_ids, plan.options)
+                    self.tree_sizes[-1], plan.sampling, plan.layer_ids, plan.options, plan.logprobs)
 
     def chain_plan(self, plan: Plan) -> Plan:
-        return Plan(Chain(self.chain), plan.depth, plan.depth, plan.sampling, plan.layer_ids, plan.options)
+        return Plan(Chain(self.chain), plan.depth, plan.depth, plan.sampling, plan.layer_ids, plan.options,
+                    plan.logprobs)
 
     @classmethod
     def from_options(cls, name, *, budget, top_c, widths, normalization) -> Auto:

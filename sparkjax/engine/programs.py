@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..sampling import pick, split_keys
+from . import logprobs as lps
 from .drafting import append_context
 from .options import DEFAULT_OPTIONS, Options
 from .placement import constrain, per_sequence
@@ -127,12 +128,14 @@ def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, .
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 
-@program(static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh", "options"))
+@program(static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh", "options", "logprobs"))
 def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size,
-               sampling=True, mesh=None, options=DEFAULT_OPTIONS):
-    """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite)``.
-    Static: ``sampling`` (False: a plain argmax loop with no key splitting), ``mesh`` (the carried state is
-    pinned to its shardings) and ``options`` (:class:`~sparkjax.engine.options.Options`)."""
+               sampling=True, mesh=None, options=DEFAULT_OPTIONS, logprobs=None):
+    """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite,
+    logprobs)``. Static: ``sampling`` (False: a plain argmax loop with no key splitting), ``mesh`` (the carried
+    state is pinned to its shardings), ``options`` (:class:`~sparkjax.engine.options.Options`) and ``logprobs``
+    (None: none computed, the carry as without it; else the alternatives per token,
+    :mod:`~sparkjax.engine.logprobs`)."""
     model = nnx.merge(graphdef, state)
     attention = options.attend
     b = tokens.shape[0]
@@ -146,12 +149,14 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
     n = jnp.ones((b,), jnp.int32)
     done = hits_eos(first, eos) | (n >= max_new)
     bad = flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
+    lp = None if logprobs is None else lps.record(lps.empty(b, buf_len, logprobs), logits, first,
+                                                  jnp.zeros((b,), jnp.int32), temperature)
 
     def cond(carry):
         return ~jnp.all(carry[3])
 
     def body(carry):
-        cache, out, n, done, key, bad = carry
+        cache, out, n, done, key, bad, lp = carry
         cur = jnp.take_along_axis(out, (n - 1)[:, None], axis=1)
         step = model(cur, cache.lengths[:, None], cache=cache, attention=attention)
         cache = step.cache.with_lengths(cache.lengths + (~done).astype(jnp.int32))
@@ -162,13 +167,14 @@ def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key,
         bad = flag_nonfinite(bad, step.logits, ~done, n)  # step n makes token n + 1
         write = jnp.where(done, buf_len, n)  # out of range -> dropped
         out = jax.vmap(lambda o, w, x: o.at[w].set(x, mode="drop"))(out, write, nxt)  # batch-local on a mesh
+        lp = lps.record(lp, step.logits[:, 0], nxt, write, temperature)
         n = n + (~done).astype(jnp.int32)
         done = done | hits_eos(nxt, eos) | (n >= max_new)
-        return constrain((cache, out, n, done, key, bad), mesh)
+        return constrain((cache, out, n, done, key, bad, lp), mesh)
 
-    carry = constrain((cache, out, n, done, key, bad), mesh)
-    _, out, n, _, _, bad = jax.lax.while_loop(cond, body, carry)
-    return out, n, bad
+    carry = constrain((cache, out, n, done, key, bad, lp), mesh)
+    _, out, n, _, _, bad, lp = jax.lax.while_loop(cond, body, carry)
+    return out, n, bad, lp
 
 
 def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan: Plan,
@@ -188,13 +194,15 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
     out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
     n = jnp.ones((b,), jnp.int32)
     done = hits_eos(first, eos) | (n >= max_new)
+    lp = None if plan.logprobs is None else lps.record(lps.empty(b, buf_len, plan.logprobs), logits, first,
+                                                       jnp.zeros((b,), jnp.int32), temperature)
     return SpecState(
         cache=cache, ctx=ctx, x_start=first, out=out, n=n, done=done, key=key,
         accept_lens=jnp.zeros((b, buf_len), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
         nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
                                  jnp.zeros((b,), jnp.int32)),
-        extra=method.init_state(plan, b, buf_len, inputs),
+        extra=method.init_state(plan, b, buf_len, inputs), logprobs=lp,
     )
 
 
@@ -227,7 +235,8 @@ def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, te
 def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
                  buf_len, mesh=None):
     """Prefill, then speculative rounds in one ``while_loop``. Returns ``(out, n, accept_lens, rounds,
-    depth_hits, nonfinite, extra)`` (``extra``: the method's ``results``); ``mesh``: see :func:`placed_call`."""
+    depth_hits, nonfinite, extra, logprobs)`` (``extra``: the method's ``results``; ``logprobs`` None unless
+    ``plan.logprobs`` is set); ``mesh``: see :func:`placed_call`."""
     target, drafter = merge_pair(graphdefs, states)
     state = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
                          buf_len)
@@ -237,7 +246,7 @@ def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, 
         constrain(state, mesh),
     )
     return (state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite,
-            plan.method.results(state, plan))
+            plan.method.results(state, plan), state.logprobs)
 
 
 @program(static_argnames=_STATIC)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from .. import sampling, tree
 from . import drafting
+from . import logprobs as lps
 from .state import Acceptance, Plan, Proposal, SpecState, Verified
 
 Array = jax.Array
@@ -99,8 +100,11 @@ def walk(prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Acce
     return Acceptance(acc.indices, acc.length, acc.bonus)
 
 
-def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, eos, *, plan: Plan) -> SpecState:
-    """Writes the accepted tokens, compacts the target cache and extends the drafter context."""
+def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, eos, *, plan: Plan,
+           temperature=0.0) -> SpecState:
+    """Writes the accepted tokens, compacts the target cache and extends the drafter context. With
+    ``plan.logprobs`` set, also each written token's log-probabilities (token j of the path is scored on the
+    verify row of path node j, its parent; ``temperature``: the round's sampling parameters)."""
     d = plan.depth
     start = state.cache.lengths
     length, bonus = acc.length, acc.bonus
@@ -117,6 +121,9 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     cols = jnp.where(j < keep[:, None], state.n[:, None] + j, state.out.shape[1])
     # per-sequence writes vmapped over the batch (a batching dimension XLA keeps local to each data shard)
     out = jax.vmap(lambda o, c, e: o.at[c].set(e, mode="drop"))(state.out, cols, emitted)
+    lp = state.logprobs
+    if lp is not None:
+        lp = lps.record(lp, jnp.take_along_axis(ver.logits, idx[..., None], axis=1), emitted, cols, temperature)
     n = state.n + keep
     done = state.done | (active & ((first_eos < length) | (n >= max_new)))
     count = jnp.where(active, length, 0)
@@ -134,6 +141,7 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
         key=state.key, accept_lens=accept_lens, rounds=state.rounds + active.astype(jnp.int32),
         depth_hits=state.depth_hits + hits.astype(jnp.int32),
         nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, state.rounds + 1), extra=state.extra,
+        logprobs=lp,
     )
 
 
@@ -143,7 +151,7 @@ def accept_and_commit(target, drafter, state: SpecState, prop: Proposal, ver: Ve
     """The round's last stage: the method's :meth:`~sparkjax.engine.methods.Method.accept` picks a path,
     then :func:`commit` writes it."""
     acc = plan.method.accept(prop, ver, temperature, key, plan=plan)
-    return commit(drafter, state, ver, acc, max_new, eos, plan=plan)
+    return commit(drafter, state, ver, acc, max_new, eos, plan=plan, temperature=temperature)
 
 
 Call = Callable[..., object]

@@ -26,6 +26,7 @@ class Plan:
     sampling: bool = False
     layer_ids: tuple[int, ...] = ()
     options: Options = DEFAULT_OPTIONS
+    logprobs: int | None = None  # alternatives recorded per token (None: no log-probabilities computed)
 
     @property
     def top_c(self) -> int:
@@ -84,6 +85,7 @@ class SpecState:
     depth_hits: Array
     nonfinite: Array  # [B] int32: first round with non-finite target logits (0 = prefill), -1 if none
     extra: Any = None  # the method's own carried state (Method.init_state; None for most methods)
+    logprobs: Any = None  # engine.logprobs.Logprobs [B, L(, N)] parallel to out, or None (not asked for)
 
 
 @jax.tree_util.register_dataclass
@@ -137,9 +139,10 @@ class Launch:
     extra: Any = None
     plan: Plan | None = None
     labels: tuple[str, ...] = ()
+    logprobs: Any = None
 
 
 jax.tree_util.register_dataclass(
-    Launch, data_fields=["out", "n", "accept_lens", "rounds", "depth_hits", "nonfinite", "extra"],
+    Launch, data_fields=["out", "n", "accept_lens", "rounds", "depth_hits", "nonfinite", "extra", "logprobs"],
     meta_fields=["plan", "labels"],
 )
