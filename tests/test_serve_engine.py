@@ -247,20 +247,20 @@ def test_progress_lines_give_counts_and_the_time_left(caplog, monkeypatch):
     from sparkjax import progress
 
     now = [0.0]
-    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
     caplog.set_level(logging.INFO, logger="sparkjax.test")
-    p = progress.Progress(logging.getLogger("sparkjax.test"), "compiling", 3, "program")
+    p = progress.Progress(logging.getLogger("sparkjax.test"), "compiling", 3, "program", clock=lambda: now[0])
     for name in ("a", "b", "c"):
         p.begin(name)
         now[0] += 10.0  # each step takes 10 s
         p.end()
     # steps of a kind: each estimated at its kind's mean once one of them has finished
-    p = progress.Progress(logging.getLogger("sparkjax.test"), "profiling", 3, "point", kinds=["x", "y", "y"])
+    p = progress.Progress(logging.getLogger("sparkjax.test"), "profiling", 3, "point", kinds=["x", "y", "y"],
+                          clock=lambda: now[0])
     for name, seconds in (("a", 2.0), ("b", 30.0), ("c", 30.0)):
         p.begin(name)
         now[0] += seconds
         p.end()
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "sparkjax.test"]  # not other tests' threads
     assert lines == ["compiling: program 1 of 3 (a); the estimate follows the first",
                      "compiling: program 2 of 3 (b); 10.0 s so far, about 20 s left",
                      "compiling: program 3 of 3 (c); 20.0 s so far, about 10 s left",
