@@ -241,7 +241,7 @@ def test_bad_requests_and_a_full_queue(random_pair):
         none_waiting.submit([1, 2], max_new_tokens=4)
 
 
-def test_progress_lines_give_counts_and_the_time_left(caplog, monkeypatch):
+def test_progress_lines_give_counts_and_the_time_left(caplog):
     """A start's phases (loading, profiling auto's points, compiling) log each step with its count and, from the
     second step, the time left at the pace so far."""
     from sparkjax import progress
