@@ -103,3 +103,30 @@ def test_sampled_logprobs_are_the_processed_distribution(random_pair, method):
 def test_bad_logprobs(pair, bad):
     with pytest.raises(ArgumentError, match="logprobs"):
         generate(pair[0], None, PROMPTS3, max_new_tokens=NEW_SHORT, logprobs=bad)
+
+
+@pytest.mark.parametrize("method", ["ar", "sparklingtree@8"])
+def test_serving_engine_returns_the_same_logprobs(pair, ar_out, method):
+    from sparkjax.serve import Engine
+
+    target, drafter = pair
+    eng = Engine(target, None if method == "ar" else drafter, method=method, slots=2, max_prompt_tokens=16,
+                 max_new_tokens=NEW_SHORT, sampling=False, visit_sizes=(2,), max_logprobs=TOP, rounds_per_visit=2)
+    try:
+        reqs = [eng.submit(p, max_new_tokens=NEW_SHORT, logprobs=n) for p, n in zip(PROMPTS3, (TOP, 1, None),
+                                                                                      strict=True)]
+        res = [r.result(timeout=300) for r in reqs]
+        assert [r.token_ids for r in res] == ar_out.tokens
+        for b, (r, n) in enumerate(zip(res, (TOP, 1, None), strict=True)):
+            if n is None:
+                assert r.logprobs is None
+                continue
+            assert [t.token_id for t in r.logprobs] == r.token_ids
+            np.testing.assert_allclose([t.logprob for t in r.logprobs], ar_out.token_logprobs[b], atol=1e-4)
+            for t, ref in zip(r.logprobs, ar_out.top_logprobs[b], strict=True):
+                assert [i for i, _ in t.top] == [i for i, _ in ref[:n]]
+                np.testing.assert_allclose([v for _, v in t.top], [v for _, v in ref[:n]], atol=1e-4)
+        with pytest.raises(ArgumentError, match="logprobs"):
+            eng.submit(PROMPTS3[0], max_new_tokens=2, logprobs=TOP + 1)
+    finally:
+        eng.close()

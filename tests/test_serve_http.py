@@ -25,6 +25,7 @@ from collections import Counter
 import httpx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 
@@ -55,7 +56,8 @@ def pair():
 def engine(pair):
     eng = Engine(pair.target, pair.dspark, method=METHOD, slots=SLOTS,
                  max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, queue_limit=QUEUE, tokenizer=pair.tokenizer,
-                 eos_token_ids=pair.eos_token_ids, visit_sizes=(SLOTS,))  # packed visits: tests/test_serve_engine
+                 eos_token_ids=pair.eos_token_ids, visit_sizes=(SLOTS,),  # packed visits: tests/test_serve_engine
+                 max_logprobs=5)
     eng.start()
     yield eng
     eng.close(grace_s=0)
@@ -312,7 +314,15 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"prompt": "x", "frobnicate": True}, "/v1/completions", 400, "frobnicate", "unsupported field"),
     ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "one prompt"),
     # what cannot be honoured is refused, never ignored
-    ({"prompt": "x", "logprobs": 0}, "/v1/completions", 400, "logprobs", "unsupported value 0"),
+    ({"prompt": "x", "logprobs": 6}, "/v1/completions", 400, "logprobs", "at most 5"),
+    ({"prompt": "x", "logprobs": True}, "/v1/completions", 400, "logprobs", "integer"),
+    ({"prompt": "x", "top_logprobs": 2}, "/v1/completions", 400, "top_logprobs", "chat field"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "/v1/chat/completions", 400,
+     "top_logprobs", "logprobs: true"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6}, "/v1/chat/completions",
+     400, "top_logprobs", "--max-logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "/v1/chat/completions", 400, "logprobs",
+     "boolean"),
     ({"prompt": "x", "n": True}, "/v1/completions", 400, "n", "unsupported value true"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "/v1/completions", 400, "response_format", "text"),
     ({"prompt": "x", "ignore_eos": "yes"}, "/v1/completions", 400, "ignore_eos", "boolean"),
@@ -673,3 +683,52 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_logprobs_in_the_completions_and_chat_formats(pair, live):
+    """Completions ``logprobs: N`` and chat ``logprobs`` / ``top_logprobs`` in OpenAI's formats, plain and streamed,
+    with the values ``generate(logprobs=...)`` gives for the same prompt (the target's log-softmax)."""
+    prompt = "def read_lines(path):\n"
+    ids = encode_text(pair.tokenizer, prompt)
+    ref = sparkjax.generate(pair.target, None, [ids], method="ar", max_new_tokens=8, capacity=MAX_NEW,
+                            prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids, logprobs=5)
+    toks, lps, tops = ref.tokens[0], ref.token_logprobs[0], ref.top_logprobs[0]
+    r = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert lp["tokens"] == [pair.tokenizer.decode([t]) for t in toks]
+    np.testing.assert_allclose(lp["token_logprobs"], lps, atol=1e-4)
+    assert [len(d) for d in lp["top_logprobs"]] == [2] * len(toks)
+    for d, top in zip(lp["top_logprobs"], tops, strict=True):
+        np.testing.assert_allclose(sorted(d.values(), reverse=True), [v for _, v in top[:2]], atol=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    r0 = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0}).json()["choices"][0]
+    assert r0["logprobs"]["top_logprobs"] == [{}] * len(toks)
+    np.testing.assert_allclose(r0["logprobs"]["token_logprobs"], lps, atol=1e-4)
+    assert _post(live, {"prompt": prompt, "max_tokens": 2}).json()["choices"][0]["logprobs"] is None
+
+    # streamed: every token's logprobs, once, in the chunks that carry it
+    with httpx.stream("POST", live.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [v for e in events for ch in e["choices"] if ch["logprobs"] for v in ch["logprobs"]["token_logprobs"]]
+    np.testing.assert_allclose(streamed, lps, atol=1e-4)
+
+    msgs = [{"role": "user", "content": "Say something."}]
+    chat_ids = pair.encode_chat("Say something.")
+    cref = sparkjax.generate(pair.target, None, [chat_ids], method="ar", max_new_tokens=6, capacity=MAX_NEW,
+                             prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids, logprobs=5)
+    r = _post(live, {"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+              path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [pair.tokenizer.decode([t]) for t in cref.tokens[0]]
+    np.testing.assert_allclose([e["logprob"] for e in content], cref.token_logprobs[0], atol=1e-4)
+    for e, top in zip(content, cref.top_logprobs[0], strict=True):
+        assert e["bytes"] == list(e["token"].encode())
+        assert [t["token"] for t in e["top_logprobs"]] == [pair.tokenizer.decode([i]) for i, _ in top[:3]]
+        np.testing.assert_allclose([t["logprob"] for t in e["top_logprobs"]], [v for _, v in top[:3]], atol=1e-4)
+    r = _post(live, {"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True},
+              path="/v1/chat/completions").json()["choices"][0]["logprobs"]["content"]
+    assert all(e["top_logprobs"] == [] for e in r)

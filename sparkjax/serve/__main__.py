@@ -51,6 +51,10 @@ def parser() -> OneLineParser:
     e = p.add_argument_group("engine")
     e.add_argument("--method", default="auto", help="decoding method: auto (default), ar, or any sparkjax method")
     e.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+    e.add_argument("--max-logprobs", type=int, default=5,
+                   help="log-probability alternatives every slot computes per token, 0-20, or -1 for none (default "
+                        "5: completions' bound; chat's top_logprobs up to this). One setting for the pool, so no "
+                        "program is added per request")
     e.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt admitted (engine default)")
     e.add_argument("--max-new-tokens", type=int, metavar="N", help="largest max_tokens a request may ask for")
     e.add_argument("--cache-size", type=int, metavar="S", help="KV cache slots per sequence (engine default)")
@@ -206,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(target, drafter, method=args.method, slots=args.slots, cache_size=args.cache_size,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         rounds_per_visit=args.rounds_per_visit, queue_limit=args.queue_limit, tokenizer=tok,
-                        eos_token_ids=eos, sampling=not args.no_sampling, visit_sizes=args.visit_sizes)
+                        eos_token_ids=eos, sampling=not args.no_sampling, visit_sizes=args.visit_sizes,
+                        max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
         compile_s = engine.start()
         log.info("compiled and warmed up in %.1f s (max prompt %d tokens, max new tokens %d, queue limit %d)",
                  compile_s, engine.max_prompt_tokens, engine.max_new_tokens, args.queue_limit)

@@ -29,6 +29,7 @@ from .. import cachedir
 from ..engine.api import _key, check_seed, eos_array
 from ..engine.checks import (MAX_SLOTS, bucket, check_int, check_models, check_temperature, check_top_k, check_top_p,
                              describe, is_int)
+from ..engine.logprobs import check_logprobs
 from ..engine.methods import Method, parse_method
 from ..engine.options import check_options
 from ..engine.programs import split_pair
@@ -51,6 +52,17 @@ _PENDING = object()  # a chunk that may still come
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target and its ``top`` likeliest alternatives ``(id,
+    log-probability)``, most likely first (:mod:`sparkjax.engine.logprobs`: the raw logits' log-softmax when
+    greedy, the distribution sampled from when sampling)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass(frozen=True)
 class Chunk:
     """A piece of a request's stream: new ``token_ids``, the new ``text`` (empty without a tokenizer) and,
     on the last chunk only, its ``finish_reason`` (``stop``, ``length`` or ``cancelled``)."""
@@ -58,6 +70,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # per token id, when the request asked for logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +89,7 @@ class Completion:
     ttft_s: float | None
     latency_s: float
     rounds: int
+    logprobs: list[TokenLogprob] | None = None  # parallel to token_ids, when the request asked for logprobs
 
 
 class Request:
@@ -84,8 +98,11 @@ class Request:
     flight raises :class:`~sparkjax.errors.EngineFailure` from the iterator and from :meth:`result`."""
 
     def __init__(self, engine: Engine, rid: int, prompt: list[int], max_new_tokens: int, temperature: float,
-                 seed: int, eos: np.ndarray, stop: tuple[str, ...], top_p: float = 1.0, top_k: int = 0):
+                 seed: int, eos: np.ndarray, stop: tuple[str, ...], top_p: float = 1.0, top_k: int = 0,
+                 logprobs: int | None = None):
         self.id = rid
+        self.logprobs = logprobs
+        self._logprobs: list[TokenLogprob] = []
         self.prompt_ids = prompt
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -127,9 +144,10 @@ class Request:
             except RuntimeError:  # that event loop is closed: its reader is gone
                 pass
 
-    def _add_tokens(self, ids: list[int]) -> bool:
-        """Streams new ids; returns whether a stop string ended the request (its ids then end at the one that
-        completed the stop string: the ones the device generated after it are dropped, never counted)."""
+    def _add_tokens(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> bool:
+        """Streams new ids (and their ``logprobs`` when the request asked for them); returns whether a stop string
+        ended the request (its ids then end at the one that completed the stop string: the ones the device
+        generated after it are dropped, never counted)."""
         if not ids or self.done:
             return False
         if self.first_token is None:
@@ -137,16 +155,21 @@ class Request:
         text = self._text.push(ids)
         if self._text.stopped:
             ids = ids[: self._text.kept]
-            self._tokens.extend(ids)
-            self._end("stop", ids, text)
+        lps = None if self.logprobs is None else list(logprobs or [])[: len(ids)]
+        self._tokens.extend(ids)
+        if lps is not None:
+            self._logprobs.extend(lps)
+        if self._text.stopped:
+            self._end("stop", ids, text, lps)
         else:
-            self._tokens.extend(ids)
-            self._push(Chunk(list(ids), text))
+            self._push(Chunk(list(ids), text, None, lps))
         return self._text.stopped
 
-    def _end(self, reason: str, ids: Sequence[int] = (), text: str = "") -> None:
+    def _end(self, reason: str, ids: Sequence[int] = (), text: str = "", logprobs=None) -> None:
         if not self.done:
-            self._push(Chunk(list(ids), text + self._text.finish(), reason))
+            if logprobs is None and self.logprobs is not None:
+                logprobs = []
+            self._push(Chunk(list(ids), text + self._text.finish(), reason, logprobs))
 
     # ------------------------------------------------------------------ the caller's side
     @property
@@ -206,7 +229,8 @@ class Request:
             raise self._error
         ttft = None if self.first_token is None else self.first_token - self.submitted
         return Completion(list(self._tokens), self._text.text, self._finish, len(self.prompt_ids),
-                          len(self._tokens), ttft, self.finished - self.submitted, self.rounds)
+                          len(self._tokens), ttft, self.finished - self.submitted, self.rounds,
+                          None if self.logprobs is None else list(self._logprobs))
 
 
 class Engine:
@@ -221,7 +245,9 @@ class Engine:
     ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`;
     ``sampling``: whether requests may sample (False compiles only the greedy programs); ``visit_sizes``: the
     batch sizes a visit runs the active slots at, padded with free ones (default: 1, the powers of 4 up to
-    ``slots / 4``, and ``slots``; a program each). Greedy requests get exactly :func:`sparkjax.generate`'s
+    ``slots / 4``, and ``slots``; a program each); ``max_logprobs``: None (no log-probabilities, the programs
+    as without them) or 0..20, the alternatives every slot's programs compute for each token (one static
+    setting for the pool: a request asking for fewer is sliced on the host, so no program is added). Greedy requests get exactly :func:`sparkjax.generate`'s
     tokens for their prompt alone, whatever shares the pool; a sampled request draws from its own key (its
     seed), so with a fixed method it gets the same tokens alone and in a busy pool.
     """
@@ -230,7 +256,7 @@ class Engine:
                  cache_size: int | None = None, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, rounds_per_visit: int = 8, queue_limit: int = 64,
                  tokenizer: Any = None, eos_token_ids: int | Sequence[int] | None = None, options: Any = None,
-                 sampling: bool = True, visit_sizes: Sequence[int] | None = None):
+                 sampling: bool = True, visit_sizes: Sequence[int] | None = None, max_logprobs: int | None = None):
         check_models(target, drafter)
         if not isinstance(sampling, bool):
             raise ArgumentError(f"sampling: expected True or False, got {describe(sampling)}")
@@ -248,6 +274,9 @@ class Engine:
         self.eos = eos_array(eos_token_ids, cfg.vocab_size)
         self.eos_slots = max(MIN_EOS_SLOTS, len(self.eos))
         self.plan = self.method.plan(target, drafter, False, self.options)
+        self.max_logprobs = check_logprobs(max_logprobs, "max_logprobs")
+        if self.plan is not None and self.max_logprobs is not None:
+            self.plan = dataclasses.replace(self.plan, logprobs=self.max_logprobs)
         scratch, depth = (1, 0) if self.plan is None else (self.plan.scratch, self.plan.depth)
         self.cache_size, self.max_prompt_tokens, self.max_new_tokens = _limits(
             cache_size, max_prompt_tokens, max_new_tokens, scratch, cfg.max_position_embeddings)
@@ -327,6 +356,9 @@ class Engine:
             else:
                 jax.block_until_ready(programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32),
                                                            width=self.buf_len))
+                if self._pool.logprobs is not None:
+                    jax.block_until_ready(programs.read_tokens(self._pool.logprobs, jnp.zeros((self.slots,), jnp.int32),
+                                                               width=self.buf_len))
             progress.end()
         self._pool = self._fresh_pool()
         jax.block_until_ready(self._pool)
@@ -371,7 +403,8 @@ class Engine:
         return row
 
     def submit(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
-               eos_token_ids: Any = None, stop: Any = None, top_p: float = 1.0, top_k: int = 0) -> Request:
+               eos_token_ids: Any = None, stop: Any = None, top_p: float = 1.0, top_k: int = 0,
+               logprobs: int | None = None) -> Request:
         """Validates a request and queues it; returns its :class:`Request`. ``top_p`` (1: off) and ``top_k``
         (0: off) apply after the temperature, as in :func:`sparkjax.generate`, and stay lossless. ArgumentError naming the argument
         for bad input; :class:`~sparkjax.errors.QueueFullError` when ``queue_limit`` requests are waiting;
@@ -384,6 +417,11 @@ class Engine:
                                 f"(this engine's limit)")
         temperature = check_temperature(temperature)
         top_p, top_k = check_top_p(top_p), check_top_k(top_k)
+        if logprobs is not None:
+            if self.max_logprobs is None:
+                raise ArgumentError("logprobs: this engine computes no log-probabilities (built with "
+                                    "max_logprobs=None)")
+            logprobs = check_logprobs(logprobs, maximum=self.max_logprobs)
         if temperature > 0 and not self.sampling:
             raise ArgumentError("temperature: this engine serves greedy requests only (built with sampling=False)")
         seed = secrets.randbits(63) if seed is None else check_seed(seed)
@@ -396,7 +434,7 @@ class Engine:
                 raise QueueFullError(f"engine: {len(self._waiting)} requests are waiting (queue_limit="
                                      f"{self.queue_limit}); try again later")
             req = Request(self, next(self._ids), prompt, int(max_new_tokens), temperature, seed, eos, stops, top_p,
-                          top_k)
+                          top_k, logprobs)
             self._waiting.append(req)
             self._m.submitted += 1
             self._cond.notify_all()
@@ -451,7 +489,11 @@ class Engine:
 
     def _fresh_pool(self):
         return programs.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
-                                  **self._static(), slots=self.slots)
+                                  **self._static(), slots=self.slots, **self._ar_logprobs())
+
+    def _ar_logprobs(self) -> dict[str, Any]:
+        """``ar``'s pool programs take the logprobs setting as their own static argument (no plan)."""
+        return {"logprobs": self.max_logprobs} if self._target_only and self.max_logprobs is not None else {}
 
     def _static(self, sampling: bool | None = None, *, sizes: bool = True) -> dict[str, Any]:
         """The programs' static arguments (``sizes``: with the cache and buffer sizes); ``sampling`` None: the
@@ -466,7 +508,7 @@ class Engine:
         return programs.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
                                    jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
                                    Sampling.of(temperature, top_p, top_k), _key(seed), self._device_inputs,
-                                   **self._static())
+                                   **self._static(), **self._ar_logprobs())
 
     def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
         return programs.pool_visit(
@@ -560,10 +602,12 @@ class Engine:
         rows = np.asarray(sorted(occupied + free[: size - len(occupied)]), np.int32)
         self._pool, visit = self._visit_call(stop, self.rounds_per_visit if occupied else 0, hot, rows)
         v = jax.device_get(visit)
-        rest = None
+        rest = rest_lp = None
         if (v.n - self._seen > self.window).any():  # more new tokens than the window holds: read the rest
-            rest = np.asarray(programs.read_tokens(self._pool.out, jnp.asarray(self._seen + self.window),
-                                                   width=self.buf_len))
+            start = jnp.asarray(self._seen + self.window)
+            rest = np.asarray(programs.read_tokens(self._pool.out, start, width=self.buf_len))
+            if v.logprobs is not None:
+                rest_lp = jax.device_get(programs.read_tokens(self._pool.logprobs, start, width=self.buf_len))
         with self._cond:
             self._m.visits += 1
             self._m.rounds += int(v.rounds.sum())
@@ -587,6 +631,8 @@ class Engine:
             ids = v.tokens[i, : min(new, self.window)].tolist()
             if new > self.window:
                 ids += rest[i, : new - self.window].tolist()
+            lps = None if req.logprobs is None else _token_logprobs(ids, v.logprobs, rest_lp, i, self.window,
+                                                                    req.logprobs)
             self._seen[i] = v.n[i]
             req.rounds += int(v.rounds[i])
             if v.nonfinite[i] >= 0:
@@ -594,7 +640,7 @@ class Engine:
                 self._fail(req, EngineFailure(
                     f"engine: the target's logits are not finite (NaN or Inf) in round {int(v.nonfinite[i])} of "
                     f"request {req.id}; its tokens would be garbage"))
-            elif req._add_tokens(ids) or v.done[i]:  # a stop string, an EOS id or the length
+            elif req._add_tokens(ids, lps) or v.done[i]:  # a stop string, an EOS id or the length
                 self._release(i, running=not v.done[i])
                 eos = req._tokens and req._tokens[-1] in req.eos[req.eos >= 0]
                 self._finish(req, "stop" if req._text.stopped or eos else "length")
@@ -623,6 +669,17 @@ class Engine:
         for r in lost:
             self._fail(r, failure)
         self._pool = self._fresh_pool()
+
+
+def _token_logprobs(ids: list[int], window, rest, i: int, width: int, top: int) -> list[TokenLogprob]:
+    """Slot ``i``'s :class:`TokenLogprob` s of its new ``ids`` from a visit's window (and the rest past it), with
+    ``top`` of the pool's alternatives."""
+    out = []
+    for j, tok in enumerate(ids):
+        src, k = (window, j) if j < width else (rest, j - width)
+        ids_row, vals_row = src.ids[i, k, :top].tolist(), src.values[i, k, :top].tolist()
+        out.append(TokenLogprob(int(tok), float(src.chosen[i, k]), list(zip(ids_row, vals_row, strict=True))))
+    return out
 
 
 class Histogram:

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
+from ..engine.logprobs import MAX_LOGPROBS
 from ..text import encode_chat, encode_text
 from .engine import Histogram
 
@@ -39,6 +40,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP = 16  # stop sequences per request (OpenAI takes 4; lm-eval's completions add the EOS string to a task's)
 MAX_SEED = 2**63
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for completions' logprobs (chat's top_logprobs: MAX_LOGPROBS, 20)
 MAX_JSON_DEPTH = 64  # nesting levels a request body may have (arrays and objects)
 # Idle keep-alive connections are kept longer than clients keep them (httpx and the openai client: 5 s), so a client
 # never sends a request on a connection the server is closing at that moment.
@@ -51,10 +53,10 @@ HEARTBEAT_S = 2.0  # an idle stream sends an SSE comment this often: proxies kee
 
 # fields accepted only at the value that changes nothing (what OpenAI does by default); a null is always accepted
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1, "echo": False,
-           "logprobs": None, "top_logprobs": None, "suffix": None, "logit_bias": None, "tools": None,
+           "suffix": None, "logit_bias": None, "tools": None,
            "tool_choice": None, "parallel_tool_calls": None}
 TOOL_CHOICES = ("none", "auto")  # without tools, either calls none
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user", "ignore_eos",
+COMMON = {"model", "logprobs", "top_logprobs", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user", "ignore_eos",
           "response_format", *NEUTRAL}
 FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
@@ -339,6 +341,7 @@ class Parsed:
     ignore_eos: bool = False  # generate past EOS ids, to max_tokens or a stop string
     top_p: float = 1.0  # 1: off
     top_k: int = 0  # 0: off
+    logprobs: int | None = None  # the alternatives per token asked for (None: no logprobs)
 
 
 # --- the app ------------------------------------------------------------------------------------------------------
@@ -437,7 +440,60 @@ class Server:
         opts = body.get("stream_options") or {}
         return Parsed(kind, ids, max_tokens, temperature, seed, stop, bool(body.get("stream")),
                       bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")),
-                      bool(body.get("ignore_eos")), top_p, top_k)
+                      bool(body.get("ignore_eos")), top_p, top_k, self._logprobs(body, kind))
+
+    def _logprobs(self, body: dict, kind: str) -> int | None:
+        """The alternatives per token a request asks for: completions ``logprobs`` 0..5, chat ``logprobs`` true
+        with ``top_logprobs`` 0..20 (at most the pool's ``max_logprobs``); None when it asks for none."""
+        limit = getattr(self.engine, "max_logprobs", None)
+        if kind == "completions":
+            if body.get("top_logprobs") is not None:
+                raise bad("top_logprobs", "a chat field: completions take logprobs (an integer 0-5)")
+            if body.get("logprobs") is None:
+                return None
+            n = _integer(body, "logprobs", None, minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+            name = "logprobs"
+        else:
+            on, top = body.get("logprobs"), body.get("top_logprobs")
+            if not isinstance(on, bool | type(None)):
+                raise bad("logprobs", f"expected a boolean, got {_kind(on)}")
+            if not on:
+                if top is not None:
+                    raise bad("top_logprobs", "only allowed with logprobs: true")
+                return None
+            n = _integer(body, "top_logprobs", 0, minimum=0, maximum=MAX_LOGPROBS)
+            name = "top_logprobs"
+        if limit is None:
+            raise bad("logprobs", "this server computes no log-probabilities (started with --max-logprobs off)",
+                      code="unsupported_value")
+        if n > limit:
+            raise bad(name, f"{n} is more than this server's --max-logprobs ({limit})")
+        return n
+
+    def _token_text(self, i: int) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode([i])
+
+    def logprobs_body(self, p: Parsed, lps: list, offset: int = 0) -> dict | None:
+        """The ``logprobs`` object of a choice (or of a streamed chunk) for ``lps`` (engine ``TokenLogprob`` s) in
+        OpenAI's completions or chat format; ``offset``: the text's characters before these tokens."""
+        if p.logprobs is None:
+            return None
+        if p.kind == "completions":
+            tokens = [self._token_text(t.token_id) for t in lps]
+            offsets = []
+            for tok in tokens:
+                offsets.append(offset)
+                offset += len(tok)
+            return {"tokens": tokens, "token_logprobs": [_finite(t.logprob) for t in lps],
+                    "top_logprobs": [{self._token_text(i): _finite(v) for i, v in t.top} for t in lps],
+                    "text_offset": offsets}
+
+        def entry(i: int, v: float) -> dict:
+            tok = self._token_text(i)
+            return {"token": tok, "logprob": _finite(v), "bytes": list(tok.encode("utf-8", "surrogatepass"))}
+
+        return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                            for t in lps]}
 
     def parse_request(self, body: dict, kind: str) -> Parsed:
         """:meth:`parse`, with any failure other than a refusal turned into a 400 (a client's mistake the checks
@@ -456,9 +512,10 @@ class Server:
             raise APIError(503, "the server is shutting down and admits no new request", type="server_error",
                            code="shutting_down")
         try:
+            kw = {} if p.logprobs is None else {"logprobs": p.logprobs}
             return self.engine.submit(p.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
                                       seed=p.seed, eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop,
-                                      top_p=p.top_p, top_k=p.top_k)
+                                      top_p=p.top_p, top_k=p.top_k, **kw)
         except QueueFullError as e:
             raise APIError(429, f"the request queue is full: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
@@ -528,8 +585,9 @@ class Server:
         text = "".join(c.text for c in pieces)
         obj, out = ("text_completion", {"text": text}) if kind == "completions" else \
             ("chat.completion", {"message": {"role": "assistant", "content": text}})
+        lps = self.logprobs_body(p, [t for c in pieces for t in (c.logprobs or [])])
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model,
-                             "choices": [{"index": 0, **out, "logprobs": None, "finish_reason": finish}],
+                             "choices": [{"index": 0, **out, "logprobs": lps, "finish_reason": finish}],
                              "usage": _usage(len(p.prompt_ids), sum(len(c.token_ids) for c in pieces))})
 
     async def events(self, p: Parsed, rid: str, created: int, first, chunks: AsyncIterator, req,
@@ -537,13 +595,14 @@ class Server:
         obj = "text_completion" if p.kind == "completions" else "chat.completion.chunk"
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
 
-        n_out, finish, c = 0, None, first
+        n_out, finish, c, offset = 0, None, first, 0
 
-        def event(delta: str | None, finish: str | None, role: bool = False) -> str:
+        def event(delta: str | None, finish: str | None, role: bool = False, lps=None) -> str:
             part = {"text": delta or ""} if p.kind == "completions" else \
                 {"delta": {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})}
             usage = {"usage": _usage(len(p.prompt_ids), n_out)} if p.continuous_usage else {}
-            return _sse({**head, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": finish}],
+            body = None if lps is None else self.logprobs_body(p, lps, offset)
+            return _sse({**head, "choices": [{"index": 0, **part, "logprobs": body, "finish_reason": finish}],
                          **usage})
 
         try:
@@ -555,8 +614,10 @@ class Server:
                 if finish == "cancelled":
                     yield _sse(_cancelled(self.draining).body())
                     break
-                if c.text:
-                    yield event(c.text, None)
+                if c.text or (p.logprobs is not None and c.logprobs):  # a token's logprobs go with its chunk
+                    yield event(c.text, None, lps=c.logprobs if p.logprobs is not None else None)
+                    offset += sum(len(self._token_text(t.token_id)) for t in c.logprobs or []) \
+                        if p.kind == "completions" and p.logprobs is not None else 0
                 if finish is not None:
                     yield event(None, finish)
                     if p.include_usage:
@@ -594,6 +655,11 @@ class _SSE(StreamingResponse):
         finally:
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
+
+
+def _finite(v: float) -> float:
+    """A log-probability JSON can carry: -inf (a token top-k / top-p removed) as -9999.0, vLLM's stand-in."""
+    return v if math.isfinite(v) else -9999.0
 
 
 def _sse(obj: dict) -> str:

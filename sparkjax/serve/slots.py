@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..cache import ContextCache, KVCache
+from ..engine import logprobs as lps
 from ..engine.adaptive import AutoState
 from ..engine.programs import merge_pair, prefill, program, spec_prefill
 from ..engine.round import flag_nonfinite, hits_eos
@@ -43,6 +44,7 @@ class Visit(NamedTuple):
     choices: Array
     nonfinite: Array
     hits: Array
+    logprobs: lps.Logprobs | None = None  # the window's log-probabilities (a pool with logprobs), else None
 
 
 def _put(pool: Array, row: Array, slot: Array, axis: int = 0) -> Array:
@@ -59,7 +61,7 @@ def _put_kv(pool: KVCache | ContextCache | None, row, slot: Array):
 
 
 _PER_ROW = ("x_start", "out", "n", "done", "accept_lens", "rounds", "depth_hits", "nonfinite")
-_ROWS = ("cache", "ctx", "key", *_PER_ROW)
+_ROWS = ("cache", "ctx", "key", "logprobs", *_PER_ROW)
 
 
 def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) -> SpecState:
@@ -67,6 +69,7 @@ def write_slot(pool: SpecState, row: SpecState, slot: Array, plan: Plan | None) 
     single key stays the pool's); the method's carried state is merged by its
     :meth:`~sparkjax.engine.methods.Method.admit_state`."""
     per_row = {f: _put(getattr(pool, f), getattr(row, f), slot) for f in _PER_ROW}
+    per_row["logprobs"] = jax.tree.map(lambda p, r: _put(p, r, slot), pool.logprobs, row.logprobs)
     key = pool.key if pool.key.ndim == 0 else _put(pool.key, row.key.reshape(1), slot)
     extra = pool.extra if plan is None else plan.method.admit_state(plan, pool.extra, row.extra, slot)
     return dataclasses.replace(pool, cache=_put_kv(pool.cache, row.cache, slot),
@@ -89,7 +92,7 @@ def put_rows(pool: SpecState, sub: SpecState, rows: Array, plan: Plan | None) ->
 
 
 def ar_start(target, tokens, lengths, max_new, eos, temperature, key, *, cache_size: int, buf_len: int,
-             sampling: bool, attention) -> SpecState:
+             sampling: bool, attention, logprobs: int | None = None) -> SpecState:
     """The ``ar`` prefill of :func:`~sparkjax.engine.programs.ar_program` as a :class:`SpecState` (no drafter
     context, no rounds recorded): the first token is ``x_start`` and ``out[:, 0]``."""
     b = tokens.shape[0]
@@ -100,11 +103,12 @@ def ar_start(target, tokens, lengths, max_new, eos, temperature, key, *, cache_s
     first = pick(logits, temperature, sub)
     n = jnp.ones((b,), jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
+    lp = None if logprobs is None else lps.record(lps.empty(b, buf_len, logprobs), logits, first, zeros, temperature)
     return SpecState(
         cache=cache, ctx=None, x_start=first, out=jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first), n=n,
         done=hits_eos(first, eos) | (n >= max_new), key=key, accept_lens=jnp.zeros((b, 1), jnp.int32), rounds=zeros,
         depth_hits=jnp.zeros((b, 0), jnp.int32),
-        nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool), zeros))
+        nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool), zeros), logprobs=lp)
 
 
 def ar_round(target, state: SpecState, max_new, eos, temperature, *, sampling: bool, attention) -> SpecState:
@@ -122,17 +126,18 @@ def ar_round(target, state: SpecState, max_new, eos, temperature, *, sampling: b
     bad = flag_nonfinite(state.nonfinite, step.logits, ~done, n)
     write = jnp.where(done, state.out.shape[1], n)
     out = jax.vmap(lambda o, w, x: o.at[w].set(x, mode="drop"))(state.out, write, nxt)
+    lp = lps.record(state.logprobs, step.logits[:, 0], nxt, write, temperature)
     n = n + (~done).astype(jnp.int32)
     return dataclasses.replace(state, cache=cache, x_start=jnp.where(done, state.x_start, nxt), out=out, n=n,
                                done=done | hits_eos(nxt, eos) | (n >= max_new), key=key,
-                               rounds=state.rounds + (~done).astype(jnp.int32), nonfinite=bad)
+                               rounds=state.rounds + (~done).astype(jnp.int32), nonfinite=bad, logprobs=lp)
 
 
 def _start_row(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, target_only,
-               cache_size, buf_len, sampling, attention) -> SpecState:
-    if target_only:
+               cache_size, buf_len, sampling, attention, logprobs=None) -> SpecState:
+    if target_only:  # ar's pool has no plan: ``logprobs`` is its setting (a speculative pool's is plan.logprobs)
         return ar_start(target, tokens, lengths, max_new, eos, temperature, key, cache_size=cache_size,
-                        buf_len=buf_len, sampling=sampling, attention=attention)
+                        buf_len=buf_len, sampling=sampling, attention=attention, logprobs=logprobs)
     return spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
                         buf_len)
 
@@ -148,9 +153,11 @@ def _models(graphdefs, states, target_only):
 _STATIC = ("graphdefs", "plan", "target_only", "cache_size", "buf_len", "sampling", "options")
 
 
-@program(static_argnames=_STATIC + ("slots",))
-def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache_size, buf_len, sampling, options):
-    """The pool of ``slots`` free slots (every sequence done, nothing generated), a key per slot."""
+@program(static_argnames=_STATIC + ("slots", "logprobs"))
+def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache_size, buf_len, sampling, options,
+              logprobs=None):
+    """The pool of ``slots`` free slots (every sequence done, nothing generated), a key per slot (``logprobs``:
+    ``ar``'s pool's alternatives per token, None: no log-probabilities; a speculative pool's are ``plan``'s)."""
     target, drafter = _models(graphdefs, states, target_only)
     key = jax.random.split(key, slots)  # a key per slot
     tokens = jnp.zeros((slots, 1), jnp.int32)
@@ -158,15 +165,15 @@ def pool_init(graphdefs, states, key, inputs, *, plan, target_only, slots, cache
     state = _start_row(target, drafter, tokens, lengths, jnp.ones((slots,), jnp.int32),
                        jnp.full((slots, 1), -1, jnp.int32), jnp.float32(0.0), key, inputs, plan=plan,
                        target_only=target_only, cache_size=cache_size, buf_len=buf_len, sampling=sampling,
-                       attention=options.attend)
+                       attention=options.attend, logprobs=logprobs)
     zeros = jnp.zeros((slots,), jnp.int32)
     return dataclasses.replace(state, n=zeros, done=jnp.ones((slots,), bool), rounds=zeros,
                                nonfinite=jnp.full((slots,), -1, jnp.int32))
 
 
-@program(static_argnames=_STATIC, donate_argnames=("pool",))
+@program(static_argnames=_STATIC + ("logprobs",), donate_argnames=("pool",))
 def pool_admit(graphdefs, states, pool, slot, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan,
-               target_only, cache_size, buf_len, sampling, options):
+               target_only, cache_size, buf_len, sampling, options, logprobs=None):
     """The prefill of one prompt (``tokens`` ``[1, P]``, ``lengths`` ``[1]``; ``max_new``, ``eos`` ``[E]``,
     ``temperature`` and ``key`` its own, the key as a per-sequence key ``[1]``) written into slot ``slot`` of
     ``pool`` (donated)."""
@@ -174,7 +181,7 @@ def pool_admit(graphdefs, states, pool, slot, tokens, lengths, max_new, eos, tem
     key = key.reshape(1)  # a per-sequence key: the row's draws depend on its key alone
     row = _start_row(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan=plan,
                      target_only=target_only, cache_size=cache_size, buf_len=buf_len, sampling=sampling,
-                     attention=options.attend)
+                     attention=options.attend, logprobs=logprobs)
     return write_slot(pool, row, slot, plan)
 
 
@@ -235,14 +242,20 @@ def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temper
     if packed:
         pool = put_rows(full, pool, rows, plan)
     visit = Visit(_window(pool.out, seen, window), n0, pool.n, pool.done, pool.rounds - r0,
-                  _choice_counts(plan, pool, r0), pool.nonfinite, pool.depth_hits - hits0)
+                  _choice_counts(plan, pool, r0), pool.nonfinite, pool.depth_hits - hits0,
+                  _window(pool.logprobs, seen, window))
     return pool, visit
 
 
-def _window(out: Array, start: Array, width: int) -> Array:
-    """``out[b, start[b] .. start[b] + width]`` (clipped)."""
-    cols = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], out.shape[1] - 1)
-    return jnp.take_along_axis(out, cols, axis=1)
+def _window(out, start: Array, width: int):
+    """``out[b, start[b] .. start[b] + width]`` (clipped) of an array ``[N, L, ...]``, or of each array of a
+    pytree (None: None)."""
+
+    def one(x):
+        cols = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], x.shape[1] - 1)
+        return jnp.take_along_axis(x, cols.reshape(cols.shape + (1,) * (x.ndim - 2)), axis=1)
+
+    return jax.tree.map(one, out)
 
 
 read_tokens = jax.jit(_window, static_argnames=("width",))  # the rest of a visit that outgrew its window
