@@ -21,8 +21,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import cachedir, sampling
 from ..errors import ArgumentError, NumericalError
-from .checks import (MAX_SLOTS, bucket, check_int, check_models, check_temperature, check_top_k, check_top_p, describe,
-                     is_int)
+from .checks import (
+    MAX_SLOTS,
+    bucket,
+    check_int,
+    check_models,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+    describe,
+    is_int,
+)
 from .costs import CostTable, cost_key, profile, read_table
 from .logprobs import check_logprobs
 from .methods import Auto, Method, parse_method
@@ -430,8 +439,8 @@ class Run:
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
              normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, top_p=1.0,
-             top_k=0, seed=0, cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None, options=None,
-             logprobs=None) -> Run:
+             top_k=0, seed=0, cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None,
+             options=None, logprobs=None) -> Run:
     """Validates every argument of :func:`generate` and returns the :class:`Run` (the first call turns on the
     persistent compilation cache)."""
     check_models(target, drafter)
@@ -471,7 +480,8 @@ def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Meth
              top_c: int | None = None, widths: Sequence[int] | str | None = None, normalization: str = "fast",
              candidates: str | None = None, max_new_tokens: int = 128, eos_token_ids: int | Sequence[int] | None = None,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             cache_size: int | None = None, prompt_width: int | None = None, capacity: int | None = None, instrument: bool = False, mesh: Any = None,
+             cache_size: int | None = None, prompt_width: int | None = None, capacity: int | None = None,
+             instrument: bool = False, mesh: Any = None,
              auto_memory: AutoMemory | None = None, options: Options | None = None,
              logprobs: int | None = None) -> GenerateOutput:
     """Generates continuations of ``prompt_ids`` with ``method`` (a name, ``name@budget`` or a method object);
@@ -528,8 +538,8 @@ def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
            budget: int | None = None, top_c: int | None = None, widths: Sequence[int] | str | None = None,
            normalization: str = "fast", candidates: str | None = None, max_new_tokens: int = 128,
            eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-           top_k: int = 0, seed: int = 0, cache_size: int | None = None, mesh: Any = None, auto_memory: AutoMemory | None = None,
-           options: Options | None = None):
+           top_k: int = 0, seed: int = 0, cache_size: int | None = None, mesh: Any = None,
+           auto_memory: AutoMemory | None = None, options: Options | None = None):
     """Like :func:`generate` (speculative methods only), but yields each round's new tokens: a list per
     sequence (possibly empty); the concatenated yields equal ``generate(...).tokens``. One jitted call and one
     host sync per round. The arguments are validated before the generator is returned; a round whose target

@@ -135,7 +135,8 @@ def place_args(args: Any, mesh: Mesh | None) -> Any:
     fields = []
     for name, x in zip(args._fields, args, strict=True):
         spec = batch_spec(x, rules) if name in ("tokens", "lengths") else PartitionSpec()
-        fields.append(jax.tree.map(lambda leaf, spec=spec: put(leaf, NamedSharding(mesh, spec)), x))  # temperature: a Sampling
+        # (the temperature field holds a sampling.Sampling: each of its leaves replicated)
+        fields.append(jax.tree.map(lambda leaf, spec=spec: put(leaf, NamedSharding(mesh, spec)), x))
     return type(args)(*fields)
 
 

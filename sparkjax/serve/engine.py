@@ -27,8 +27,17 @@ from flax import nnx
 
 from .. import cachedir
 from ..engine.api import _key, check_seed, eos_array
-from ..engine.checks import (MAX_SLOTS, bucket, check_int, check_models, check_temperature, check_top_k, check_top_p,
-                             describe, is_int)
+from ..engine.checks import (
+    MAX_SLOTS,
+    bucket,
+    check_int,
+    check_models,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+    describe,
+    is_int,
+)
 from ..engine.logprobs import check_logprobs
 from ..engine.methods import Method, parse_method
 from ..engine.options import check_options
@@ -247,9 +256,10 @@ class Engine:
     batch sizes a visit runs the active slots at, padded with free ones (default: 1, the powers of 4 up to
     ``slots / 4``, and ``slots``; a program each); ``max_logprobs``: None (no log-probabilities, the programs
     as without them) or 0..20, the alternatives every slot's programs compute for each token (one static
-    setting for the pool: a request asking for fewer is sliced on the host, so no program is added). Greedy requests get exactly :func:`sparkjax.generate`'s
-    tokens for their prompt alone, whatever shares the pool; a sampled request draws from its own key (its
-    seed), so with a fixed method it gets the same tokens alone and in a busy pool.
+    setting for the pool: a request asking for fewer is sliced on the host, so no program is added). Greedy
+    requests get exactly :func:`sparkjax.generate`'s tokens for their prompt alone, whatever shares the pool; a
+    sampled request draws from its own key (its seed), so with a fixed method it gets the same tokens alone and in a
+    busy pool.
     """
 
     def __init__(self, target, drafter=None, *, method: str | Method = "auto", slots: int = 8,
@@ -406,9 +416,9 @@ class Engine:
                eos_token_ids: Any = None, stop: Any = None, top_p: float = 1.0, top_k: int = 0,
                logprobs: int | None = None) -> Request:
         """Validates a request and queues it; returns its :class:`Request`. ``top_p`` (1: off) and ``top_k``
-        (0: off) apply after the temperature, as in :func:`sparkjax.generate`, and stay lossless. ArgumentError naming the argument
-        for bad input; :class:`~sparkjax.errors.QueueFullError` when ``queue_limit`` requests are waiting;
-        :class:`~sparkjax.errors.EngineClosedError` after :meth:`close`."""
+        (0: off) apply after the temperature, as in :func:`sparkjax.generate`, and stay lossless. ArgumentError
+        naming the argument for bad input; :class:`~sparkjax.errors.QueueFullError` when ``queue_limit`` requests
+        are waiting; :class:`~sparkjax.errors.EngineClosedError` after :meth:`close`."""
         prompt = self._check_prompt(prompt_ids)
         if not is_int(max_new_tokens):
             raise ArgumentError(f"max_new_tokens: expected an integer, got {describe(max_new_tokens)}")

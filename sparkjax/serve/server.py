@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
 from ..engine.logprobs import MAX_LOGPROBS
+from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
 from ..text import encode_chat, encode_text
 from .engine import Histogram
 
@@ -56,8 +56,8 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1, 
            "suffix": None, "logit_bias": None, "tools": None,
            "tool_choice": None, "parallel_tool_calls": None}
 TOOL_CHOICES = ("none", "auto")  # without tools, either calls none
-COMMON = {"model", "logprobs", "top_logprobs", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user", "ignore_eos",
-          "response_format", *NEUTRAL}
+COMMON = {"model", "logprobs", "top_logprobs", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+          "stream_options", "user", "ignore_eos", "response_format", *NEUTRAL}
 FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # the engine's argument names, as the API calls them (an engine ArgumentError names the former)
