@@ -174,10 +174,11 @@ def speculative_chain(
     """
     b, n = drafts.shape
     t = jnp.maximum(per_row(temperature_of(temperature), 3), 1e-6)
+    clipped = t if t.ndim == 0 else t[:, 0, 0]  # back to a scalar or one per row, as process takes it
     if isinstance(temperature, Sampling):
-        temperature = dataclasses.replace(temperature, temperature=t if t.ndim == 0 else t[:, 0, 0])
+        temperature = dataclasses.replace(temperature, temperature=clipped)
     else:
-        temperature = t
+        temperature = clipped
     p = jax.nn.softmax(process(target_logits, temperature), axis=-1)
     q = jax.nn.softmax(draft_logits.astype(jnp.float32) / t, axis=-1)
     k_accept, k_resid = split_keys(key, 2)
