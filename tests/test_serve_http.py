@@ -324,6 +324,11 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "/v1/chat/completions", 400, "logprobs",
      "boolean"),
     ({"prompt": "x", "n": True}, "/v1/completions", 400, "n", "unsupported value true"),
+    ({"prompt": "x", "echo": True, "stream": True}, "/v1/completions", 400, "echo", "stream"),
+    ({"prompt": "x", "echo": "yes"}, "/v1/completions", 400, "echo", "boolean"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "/v1/chat/completions", 400, "echo",
+     "chat has no echo"),
+    ({"prompt": "x", "echo": True, "max_tokens": -1}, "/v1/completions", 400, "max_tokens", "at least 0"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "/v1/completions", 400, "response_format", "text"),
     ({"prompt": "x", "ignore_eos": "yes"}, "/v1/completions", 400, "ignore_eos", "boolean"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "every": True}}, "/v1/completions",
@@ -436,9 +441,24 @@ def test_recorded_client_requests(pair, live, solo, path, caplog):
     """The bodies guidellm and lm-eval send (tests/fixtures/client_requests/README.md), replayed as they are."""
     body = json.loads(path.read_text())
     route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    if body.get("echo"):  # lm-eval's loglikelihood: logprobs and echo are not served yet, and say so
+    if body.get("echo"):  # lm-eval's loglikelihood: the prompt's logprobs (echo), then one generated token
+        ids = body["prompt"][0]
         r = _post(live, body, path=route)
-        assert r.status_code == 400 and r.json()["error"]["param"] in ("echo", "logprobs"), r.text
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        lp, n = c["logprobs"], len(ids) + body["max_tokens"]
+        assert [len(lp[k]) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")] == [n] * 4
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["tokens"][: len(ids)] == [pair.tokenizer.decode([t]) for t in ids]
+        assert all(len(d) == body["logprobs"] for d in lp["top_logprobs"][1:])
+        gen = solo(ids, body["max_tokens"])
+        ref = _reference_logprobs(pair, ids + gen)
+        np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[j, t] for j, t in enumerate((ids + gen)[1:])],
+                                   atol=1e-4)
+        assert c["text"] == pair.tokenizer.decode(ids) + pair.tokenizer.decode(gen, skip_special_tokens=True)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        assert r.json()["usage"]["completion_tokens"] == len(gen)
+        assert _errors_logged(caplog) == []
         return
     if body.get("stream"):  # guidellm: ignore_eos, the usage in every chunk, then a usage chunk
         n = body.get("max_tokens") or body["max_completion_tokens"]
@@ -732,3 +752,40 @@ def test_logprobs_in_the_completions_and_chat_formats(pair, live):
     r = _post(live, {"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True},
               path="/v1/chat/completions").json()["choices"][0]["logprobs"]["content"]
     assert all(e["top_logprobs"] == [] for e in r)
+
+
+def _reference_logprobs(pair, ids: list[int]) -> np.ndarray:
+    """The target's own log-softmax over ``ids`` (one forward pass, no generate): row j scores token j + 1."""
+    logits = pair.target(jnp.asarray([ids]), jnp.arange(len(ids), dtype=jnp.int32)[None]).logits[0]
+    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+
+
+def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing(pair, live):
+    """Completions ``echo`` with ``logprobs``: the prompt's tokens and their log-probabilities under the target (the
+    first null), equal to the target's log-softmax; ``max_tokens: 0`` scores only; ``echo`` alone echoes the
+    prompt's text before the completion."""
+    prompt = "def read_lines(path):\n"
+    ids = encode_text(pair.tokenizer, prompt)
+    ref = _reference_logprobs(pair, ids)
+    r = _post(live, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    c = body["choices"][0]
+    assert c["text"] == prompt and c["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    lp = c["logprobs"]
+    assert lp["tokens"] == [pair.tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
+    for j, d in enumerate(lp["top_logprobs"][1:]):
+        want = {pair.tokenizer.decode([int(i)]): ref[j, i] for i in np.argsort(-ref[j])[:3]}
+        assert list(d) == list(want)
+        np.testing.assert_allclose(list(d.values()), list(want.values()), atol=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+    plain = _post(live, {"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]
+    r = _post(live, {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt + plain, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = _post(live, {"prompt": prompt, "max_tokens": 0, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt, r.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -304,6 +305,8 @@ class Engine:
         # scheduler state (under self._cond)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
+        # prompts to score (ids, top, future): run by the scheduler thread between visits
+        self._scoring: collections.deque[tuple[list[int], int, concurrent.futures.Future]] = collections.deque()
         self._in_slot: list[Request | None] = [None] * self.slots
         self._seen = np.zeros(self.slots, np.int32)
         self._stop = np.zeros(self.slots, bool)
@@ -452,6 +455,55 @@ class Engine:
             self.start()
         return req
 
+    def score(self, prompt_ids: Any, logprobs: int = 0) -> concurrent.futures.Future:
+        """Scores a prompt's own tokens under the target (prompt log-probabilities, OpenAI's ``echo`` with
+        ``logprobs``): a future of a list parallel to the prompt's ids, None for the first id (nothing predicts it),
+        then a :class:`TokenLogprob` per id with its ``logprobs`` likeliest alternatives, from the raw logits'
+        log-softmax (greedy semantics, whatever a request samples with). One target-only forward pass over the
+        prompt, run by the scheduler thread between visits (so device work stays serialised); its program is one
+        per prompt bucket, compiled at the first prompt of that bucket and shared by every later one, apart from
+        the pool's programs. ArgumentError for a bad prompt or ``logprobs``; EngineClosedError after
+        :meth:`close`."""
+        prompt = self._check_prompt(prompt_ids)
+        if self.max_logprobs is None:
+            raise ArgumentError("logprobs: this engine computes no log-probabilities (built with max_logprobs=None)")
+        top = check_logprobs(logprobs, maximum=self.max_logprobs)
+        top = 0 if top is None else top
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("engine: closed, not admitting requests")
+            self._scoring.append((prompt, top, future))
+            self._cond.notify_all()
+        if self._thread is None:
+            self.start()
+        return future
+
+    def _score_waiting(self) -> None:
+        """Runs every queued :meth:`score` (the scheduler thread)."""
+        while True:
+            with self._cond:
+                if not self._scoring:
+                    return
+                ids, top, future = self._scoring.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                width = next(w for w in self.buckets if w >= len(ids))
+                tokens = np.zeros((1, width), np.int32)
+                tokens[0, : len(ids)] = ids
+                graphdef, state = (self._graphdefs, self._states) if self._target_only else \
+                    (self._graphdefs[0], self._states[0])
+                got = jax.device_get(programs.score_prompt(graphdef, state, jnp.asarray(tokens),
+                                                           top=self.max_logprobs, options=self.options))
+                out: list[TokenLogprob | None] = [None]
+                for j in range(len(ids) - 1):  # row j scores token j + 1
+                    alts = list(zip(got.ids[0, j, :top].tolist(), got.values[0, j, :top].tolist(), strict=True))
+                    out.append(TokenLogprob(ids[j + 1], float(got.chosen[0, j]), alts))
+                future.set_result(out)
+            except Exception as e:  # noqa: BLE001 - the caller's failure, the pool is untouched
+                future.set_exception(EngineFailure(f"engine: scoring the prompt failed ({type(e).__name__}: {e})"))
+
     def _check_prompt(self, prompt_ids: Any) -> list[int]:
         if isinstance(prompt_ids, np.ndarray | jax.Array):
             arr = np.asarray(prompt_ids)
@@ -536,6 +588,7 @@ class Engine:
     def _loop(self) -> None:
         while self._wait_for_work():
             try:
+                self._score_waiting()
                 self._admit_waiting()
                 self._visit()
             except Exception as e:  # noqa: BLE001 - any failure of the device loop fails the requests in flight
@@ -550,9 +603,9 @@ class Engine:
             while True:
                 self._drop_cancelled_waiting()
                 occupied = any(r is not None for r in self._in_slot)
-                if self._abort or (self._closing and not occupied and not self._waiting):
+                if self._abort or (self._closing and not occupied and not self._waiting and not self._scoring):
                     return False
-                if occupied or (self._waiting and None in self._in_slot):
+                if occupied or self._scoring or (self._waiting and None in self._in_slot):
                     return True
                 self._cond.wait()
 
@@ -564,10 +617,15 @@ class Engine:
     def _cancel_all(self) -> None:
         with self._cond:
             pending = list(self._waiting) + [r for r in self._in_slot if r is not None]
+            scoring = list(self._scoring)
+            self._scoring.clear()
             self._waiting.clear()
             self._in_slot = [None] * self.slots
         for r in pending:
             self._finish(r, "cancelled")
+        for _, _, future in scoring:
+            if not future.done():
+                future.set_exception(EngineClosedError("engine: closed before the prompt was scored"))
 
     def _admit_waiting(self) -> None:
         while True:

@@ -52,12 +52,12 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 HEARTBEAT_S = 2.0  # an idle stream sends an SSE comment this often: proxies keep it open, a gone client is seen
 
 # fields accepted only at the value that changes nothing (what OpenAI does by default); a null is always accepted
-NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1, "echo": False,
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1,
            "suffix": None, "logit_bias": None, "tools": None,
            "tool_choice": None, "parallel_tool_calls": None}
 TOOL_CHOICES = ("none", "auto")  # without tools, either calls none
 COMMON = {"model", "logprobs", "top_logprobs", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "stream_options", "user", "ignore_eos", "response_format", *NEUTRAL}
+          "stream_options", "user", "ignore_eos", "response_format", "echo", *NEUTRAL}
 FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # the engine's argument names, as the API calls them (an engine ArgumentError names the former)
@@ -342,6 +342,8 @@ class Parsed:
     top_p: float = 1.0  # 1: off
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # the alternatives per token asked for (None: no logprobs)
+    echo: bool = False  # completions: the prompt before the completion (with logprobs: the prompt's scored too)
+    prompt_text: str = ""  # the prompt as echoed (a string prompt as given, token ids decoded)
 
 
 # --- the app ------------------------------------------------------------------------------------------------------
@@ -427,7 +429,9 @@ class Server:
             if body.get("max_tokens") is not None:
                 raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
             name = "max_completion_tokens"
-        max_tokens = _integer(body, name, default, minimum=1, maximum=limit, limit_what=" (the server's limit)")
+        echo = self._echo(body, kind)
+        max_tokens = _integer(body, name, default, minimum=0 if echo else 1, maximum=limit,
+                              limit_what=" (the server's limit)")
         temperature = _temperature(body, self.default_temperature)
         top_p, top_k = _top_p(body), _top_k(body)
         seed = _integer(body, "seed", None, minimum=0, maximum=MAX_SEED - 1)
@@ -440,7 +444,29 @@ class Server:
         opts = body.get("stream_options") or {}
         return Parsed(kind, ids, max_tokens, temperature, seed, stop, bool(body.get("stream")),
                       bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")),
-                      bool(body.get("ignore_eos")), top_p, top_k, self._logprobs(body, kind))
+                      bool(body.get("ignore_eos")), top_p, top_k, self._logprobs(body, kind), echo,
+                      self._prompt_text(body, ids) if echo else "")
+
+    @staticmethod
+    def _echo(body: dict, kind: str) -> bool:
+        """Completions ``echo`` (a boolean; not with ``stream``)."""
+        v = body.get("echo")
+        if v is None or v is False:
+            return False
+        if kind != "completions":
+            raise bad("echo", "a completions field: chat has no echo", code="unsupported_field")
+        if not isinstance(v, bool):
+            raise bad("echo", f"expected a boolean, got {_kind(v)}")
+        if body.get("stream"):
+            raise bad("echo", "not supported with stream: true (ask without streaming)", code="unsupported_value")
+        return True
+
+    def _prompt_text(self, body: dict, ids: list[int]) -> str:
+        p = body["prompt"]
+        p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list) else p
+        if isinstance(p, str):
+            return p
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     def _logprobs(self, body: dict, kind: str) -> int | None:
         """The alternatives per token a request asks for: completions ``logprobs`` 0..5, chat ``logprobs`` true
@@ -495,6 +521,41 @@ class Server:
         return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
                             for t in lps]}
 
+    def prompt_logprobs_body(self, p: Parsed, scored: list, generated: dict | None) -> dict:
+        """Completions ``logprobs`` with ``echo``: the prompt's tokens (the first one's logprob and alternatives
+        null) and then ``generated``'s (:meth:`logprobs_body` of the completion, its offsets after the prompt)."""
+        tokens = [self._token_text(i) for i in p.prompt_ids]
+        offsets, offset = [], 0
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        body = {"tokens": tokens,
+                "token_logprobs": [None if t is None else _finite(t.logprob) for t in scored],
+                "top_logprobs": [None if t is None else {self._token_text(i): _finite(v) for i, v in t.top}
+                                 for t in scored],
+                "text_offset": offsets}
+        if generated is not None:
+            shift = len(p.prompt_text)
+            for k in ("tokens", "token_logprobs", "top_logprobs"):
+                body[k] += generated[k]
+            body["text_offset"] += [o + shift for o in generated["text_offset"]]
+        return body
+
+    async def score_prompt(self, p: Parsed) -> list:
+        """The prompt's :meth:`Engine.score` (awaited; the engine's thread runs it between visits)."""
+        try:
+            future = self.engine.score(p.prompt_ids, p.logprobs)
+        except EngineClosedError as e:
+            raise APIError(503, f"the engine admits no new request: {e}", type="server_error",
+                           code="shutting_down") from None
+        try:
+            return await asyncio.wrap_future(future)
+        except EngineClosedError as e:
+            raise APIError(503, f"the engine closed before scoring the prompt: {e}", type="server_error",
+                           code="shutting_down") from None
+        except EngineFailure as e:
+            raise _failure(e) from None
+
     def parse_request(self, body: dict, kind: str) -> Parsed:
         """:meth:`parse`, with any failure other than a refusal turned into a 400 (a client's mistake the checks
         did not foresee is still the client's: no 500, no traceback in the log)."""
@@ -507,10 +568,13 @@ class Server:
             raise bad(None, f"the request could not be parsed ({type(e).__name__}: {e})",
                       code="invalid_request") from None
 
-    def submit(self, p: Parsed):
+    def _admitting(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down and admits no new request", type="server_error",
                            code="shutting_down")
+
+    def submit(self, p: Parsed):
+        self._admitting()
         try:
             kw = {} if p.logprobs is None else {"logprobs": p.logprobs}
             return self.engine.submit(p.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
@@ -549,10 +613,18 @@ class Server:
         self.check_key(request)
         p = self.parse_request(await self.read_json(request), kind)
         t0 = time.perf_counter()
-        req = self.submit(p)
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, req))
+        self._admitting()
+        scored = await self.score_prompt(p) if p.echo and p.logprobs is not None else None
         rid = ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        if p.echo and p.max_tokens == 0:  # the prompt alone: nothing generated
+            lps = None if scored is None else self.prompt_logprobs_body(p, scored, None)
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model,
+                                 "choices": [{"index": 0, "text": p.prompt_text, "logprobs": lps,
+                                              "finish_reason": "length"}],
+                                 "usage": _usage(len(p.prompt_ids), 0)})
+        req = self.submit(p)
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, req))
         chunks = aiter(req)
         try:
             first = await anext(chunks)
@@ -583,9 +655,13 @@ class Server:
         if finish == "cancelled":
             raise _cancelled(self.draining)
         text = "".join(c.text for c in pieces)
+        if p.echo:
+            text = p.prompt_text + text
         obj, out = ("text_completion", {"text": text}) if kind == "completions" else \
             ("chat.completion", {"message": {"role": "assistant", "content": text}})
         lps = self.logprobs_body(p, [t for c in pieces for t in (c.logprobs or [])])
+        if scored is not None:
+            lps = self.prompt_logprobs_body(p, scored, lps)
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model,
                              "choices": [{"index": 0, **out, "logprobs": lps, "finish_reason": finish}],
                              "usage": _usage(len(p.prompt_ids), sum(len(c.token_ids) for c in pieces))})

@@ -261,5 +261,23 @@ def _window(out, start: Array, width: int):
 read_tokens = jax.jit(_window, static_argnames=("width",))  # the rest of a visit that outgrew its window
 
 
+@program(static_argnames=("graphdef", "top", "options"))
+def score_prompt(graphdef, state, tokens, *, top, options):
+    """The target's scores of a prompt's own tokens (``tokens`` ``[B, W]``, padded at the end): one forward pass
+    of the target alone (no cache, no drafter, nothing of the pool), row r scoring token r + 1 under the raw
+    logits' log-softmax (greedy semantics: no temperature, top-p or top-k) with the ``top`` likeliest
+    alternatives; a :class:`~sparkjax.engine.logprobs.Logprobs` of ``[B, W]`` (the last row, and rows past the
+    prompt, score padding: the caller drops them). One program per prompt width and ``top``, shared by every
+    request."""
+    from flax import nnx
+
+    model = nnx.merge(graphdef, state)
+    b, w = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    logits = model(tokens, positions, attention=options.attend).logits
+    following = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    return lps.score(logits, following, jnp.float32(0.0), top)
+
+
 __all__ = ["Visit", "ar_round", "ar_start", "pool_admit", "pool_init", "pool_visit", "put_rows", "read_tokens",
-           "take_rows", "write_slot"]
+           "score_prompt", "take_rows", "write_slot"]
