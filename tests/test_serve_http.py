@@ -305,7 +305,10 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "/v1/completions", 400, "max_tokens", f"at most {MAX_NEW}"),
     ({"prompt": "x", "model": "gpt-4"}, "/v1/completions", 404, "model", "gpt-4"),
     ({"prompt": "x", "temperature": 2.5}, "/v1/completions", 400, "temperature", "[0, 2]"),
-    ({"prompt": "x", "n": 2}, "/v1/completions", 400, "n", "only 1"),
+    ({"prompt": "x", "n": 9}, "/v1/completions", 400, "n", "at most 8 (the server's --max-n)"),
+    ({"prompt": "x", "n": 0}, "/v1/completions", 400, "n", "at least 1"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "/v1/completions", 400, "best_of", "equal to n (2)"),
+    ({"prompt": "x", "best_of": 2}, "/v1/completions", 400, "best_of", "equal to n (1)"),
     ({"prompt": "x", "top_p": 0}, "/v1/completions", 400, "top_p", "(0, 1]"),
     ({"prompt": "x", "top_p": 1.5}, "/v1/completions", 400, "top_p", "(0, 1]"),
     ({"prompt": "x", "top_p": "0.9"}, "/v1/completions", 400, "top_p", "number"),
@@ -323,7 +326,7 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
      400, "top_logprobs", "--max-logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "/v1/chat/completions", 400, "logprobs",
      "boolean"),
-    ({"prompt": "x", "n": True}, "/v1/completions", 400, "n", "unsupported value true"),
+    ({"prompt": "x", "n": True}, "/v1/completions", 400, "n", "expected an integer, got a boolean"),
     ({"prompt": "x", "echo": True, "stream": True}, "/v1/completions", 400, "echo", "stream"),
     ({"prompt": "x", "echo": "yes"}, "/v1/completions", 400, "echo", "boolean"),
     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "/v1/chat/completions", 400, "echo",
@@ -606,6 +609,128 @@ def test_after_everything_the_server_still_answers(pair, live, engine, client, s
                     for d in range(engine.plan.depth)} for k in series)
 
 
+def test_logprobs_in_the_completions_and_chat_formats(pair, live):
+    """Completions ``logprobs: N`` and chat ``logprobs`` / ``top_logprobs`` in OpenAI's formats, plain and streamed,
+    with the values ``generate(logprobs=...)`` gives for the same prompt (the target's log-softmax)."""
+    prompt = "def read_lines(path):\n"
+    ids = encode_text(pair.tokenizer, prompt)
+    ref = sparkjax.generate(pair.target, None, [ids], method="ar", max_new_tokens=8, capacity=MAX_NEW,
+                            prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids, logprobs=5)
+    toks, lps, tops = ref.tokens[0], ref.token_logprobs[0], ref.top_logprobs[0]
+    r = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert lp["tokens"] == [pair.tokenizer.decode([t]) for t in toks]
+    np.testing.assert_allclose(lp["token_logprobs"], lps, atol=1e-4)
+    assert [len(d) for d in lp["top_logprobs"]] == [2] * len(toks)
+    for d, top in zip(lp["top_logprobs"], tops, strict=True):
+        np.testing.assert_allclose(sorted(d.values(), reverse=True), [v for _, v in top[:2]], atol=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    r0 = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0}).json()["choices"][0]
+    assert r0["logprobs"]["top_logprobs"] == [{}] * len(toks)
+    np.testing.assert_allclose(r0["logprobs"]["token_logprobs"], lps, atol=1e-4)
+    assert _post(live, {"prompt": prompt, "max_tokens": 2}).json()["choices"][0]["logprobs"] is None
+
+    # streamed: every token's logprobs, once, in the chunks that carry it
+    with httpx.stream("POST", live.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [v for e in events for ch in e["choices"] if ch["logprobs"] for v in ch["logprobs"]["token_logprobs"]]
+    np.testing.assert_allclose(streamed, lps, atol=1e-4)
+
+    msgs = [{"role": "user", "content": "Say something."}]
+    chat_ids = pair.encode_chat("Say something.")
+    cref = sparkjax.generate(pair.target, None, [chat_ids], method="ar", max_new_tokens=6, capacity=MAX_NEW,
+                             prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids, logprobs=5)
+    r = _post(live, {"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+              path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [pair.tokenizer.decode([t]) for t in cref.tokens[0]]
+    np.testing.assert_allclose([e["logprob"] for e in content], cref.token_logprobs[0], atol=1e-4)
+    for e, top in zip(content, cref.top_logprobs[0], strict=True):
+        assert e["bytes"] == list(e["token"].encode())
+        assert [t["token"] for t in e["top_logprobs"]] == [pair.tokenizer.decode([i]) for i, _ in top[:3]]
+        np.testing.assert_allclose([t["logprob"] for t in e["top_logprobs"]], [v for _, v in top[:3]], atol=1e-4)
+    r = _post(live, {"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True},
+              path="/v1/chat/completions").json()["choices"][0]["logprobs"]["content"]
+    assert all(e["top_logprobs"] == [] for e in r)
+
+
+def _reference_logprobs(pair, ids: list[int]) -> np.ndarray:
+    """The target's own log-softmax over ``ids`` (one forward pass, no generate): row j scores token j + 1."""
+    logits = pair.target(jnp.asarray([ids]), jnp.arange(len(ids), dtype=jnp.int32)[None]).logits[0]
+    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+
+
+def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing(pair, live):
+    """Completions ``echo`` with ``logprobs``: the prompt's tokens and their log-probabilities under the target (the
+    first null), equal to the target's log-softmax; ``max_tokens: 0`` scores only; ``echo`` alone echoes the
+    prompt's text before the completion."""
+    prompt = "def read_lines(path):\n"
+    ids = encode_text(pair.tokenizer, prompt)
+    ref = _reference_logprobs(pair, ids)
+    r = _post(live, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    c = body["choices"][0]
+    assert c["text"] == prompt and c["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    lp = c["logprobs"]
+    assert lp["tokens"] == [pair.tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
+    for j, d in enumerate(lp["top_logprobs"][1:]):
+        want = {pair.tokenizer.decode([int(i)]): ref[j, i] for i in np.argsort(-ref[j])[:3]}
+        assert list(d) == list(want)
+        np.testing.assert_allclose(list(d.values()), list(want.values()), atol=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+    plain = _post(live, {"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]
+    r = _post(live, {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt + plain, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = _post(live, {"prompt": prompt, "max_tokens": 0, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt, r.text
+
+
+def test_n_choices_greedy_identical_seeded_distinct_and_reproducible(pair, live, solo):
+    """``n`` choices with indices 0..n-1; greedy they are identical (the target's own tokens); with a seed choice i
+    draws from a seed derived from the request's and i: distinct choices, the same again for the same seed; usage
+    counts the prompt once and every choice's tokens; a stream names each chunk's choice."""
+    prompt = "def read_lines(path):\n"
+    ids = encode_text(pair.tokenizer, prompt)
+    want = expected(pair, solo(ids, 8))
+    r = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "n": 3, "best_of": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all((c["text"], c["finish_reason"]) == want[:2] for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 3 * want[2],
+                             "total_tokens": len(ids) + 3 * want[2]}
+
+    seeded = {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}
+    a, b = (_post(live, seeded).json() for _ in range(2))
+    texts = [c["text"] for c in a["choices"]]
+    assert texts == [c["text"] for c in b["choices"]] and texts[0] != texts[1], texts
+    one = _post(live, {**seeded, "n": 1}).json()["choices"][0]["text"]
+    assert one == texts[0]  # choice 0 keeps the request's seed
+
+    status, events = _stream(live, {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6,
+                                    "temperature": 0, "n": 2, "stream": True,
+                                    "stream_options": {"include_usage": True}}, "/v1/chat/completions")
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    by_index = {i: "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks
+                           if ch["choices"][0]["index"] == i) for i in (0, 1)}
+    ref = expected(pair, solo(pair.encode_chat("Say something."), 6))
+    assert by_index == {0: ref[0], 1: ref[0]}
+    assert sorted(ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]) == \
+        [ref[1]] * 2
+    assert events[-2]["usage"]["completion_tokens"] == 2 * ref[2]
+
+
 def test_shutdown_gives_a_queued_stream_503_and_starts_no_visit_after_the_grace_period(pair, live, engine, solo):
     """The last test on the live server: it drains it. A stream still queued when the grace period ends gets a 503
     JSON error (no first token yet: an HTTP status, even though it asked to stream); one already streaming ends
@@ -703,89 +828,3 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def test_logprobs_in_the_completions_and_chat_formats(pair, live):
-    """Completions ``logprobs: N`` and chat ``logprobs`` / ``top_logprobs`` in OpenAI's formats, plain and streamed,
-    with the values ``generate(logprobs=...)`` gives for the same prompt (the target's log-softmax)."""
-    prompt = "def read_lines(path):\n"
-    ids = encode_text(pair.tokenizer, prompt)
-    ref = sparkjax.generate(pair.target, None, [ids], method="ar", max_new_tokens=8, capacity=MAX_NEW,
-                            prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids, logprobs=5)
-    toks, lps, tops = ref.tokens[0], ref.token_logprobs[0], ref.top_logprobs[0]
-    r = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2})
-    assert r.status_code == 200, r.text
-    c = r.json()["choices"][0]
-    lp = c["logprobs"]
-    assert lp["tokens"] == [pair.tokenizer.decode([t]) for t in toks]
-    np.testing.assert_allclose(lp["token_logprobs"], lps, atol=1e-4)
-    assert [len(d) for d in lp["top_logprobs"]] == [2] * len(toks)
-    for d, top in zip(lp["top_logprobs"], tops, strict=True):
-        np.testing.assert_allclose(sorted(d.values(), reverse=True), [v for _, v in top[:2]], atol=1e-4)
-    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    r0 = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0}).json()["choices"][0]
-    assert r0["logprobs"]["top_logprobs"] == [{}] * len(toks)
-    np.testing.assert_allclose(r0["logprobs"]["token_logprobs"], lps, atol=1e-4)
-    assert _post(live, {"prompt": prompt, "max_tokens": 2}).json()["choices"][0]["logprobs"] is None
-
-    # streamed: every token's logprobs, once, in the chunks that carry it
-    with httpx.stream("POST", live.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                      json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "stream": True}) as s:
-        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    streamed = [v for e in events for ch in e["choices"] if ch["logprobs"] for v in ch["logprobs"]["token_logprobs"]]
-    np.testing.assert_allclose(streamed, lps, atol=1e-4)
-
-    msgs = [{"role": "user", "content": "Say something."}]
-    chat_ids = pair.encode_chat("Say something.")
-    cref = sparkjax.generate(pair.target, None, [chat_ids], method="ar", max_new_tokens=6, capacity=MAX_NEW,
-                             prompt_width=MAX_PROMPT, eos_token_ids=pair.eos_token_ids, logprobs=5)
-    r = _post(live, {"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3},
-              path="/v1/chat/completions")
-    assert r.status_code == 200, r.text
-    content = r.json()["choices"][0]["logprobs"]["content"]
-    assert [e["token"] for e in content] == [pair.tokenizer.decode([t]) for t in cref.tokens[0]]
-    np.testing.assert_allclose([e["logprob"] for e in content], cref.token_logprobs[0], atol=1e-4)
-    for e, top in zip(content, cref.top_logprobs[0], strict=True):
-        assert e["bytes"] == list(e["token"].encode())
-        assert [t["token"] for t in e["top_logprobs"]] == [pair.tokenizer.decode([i]) for i, _ in top[:3]]
-        np.testing.assert_allclose([t["logprob"] for t in e["top_logprobs"]], [v for _, v in top[:3]], atol=1e-4)
-    r = _post(live, {"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True},
-              path="/v1/chat/completions").json()["choices"][0]["logprobs"]["content"]
-    assert all(e["top_logprobs"] == [] for e in r)
-
-
-def _reference_logprobs(pair, ids: list[int]) -> np.ndarray:
-    """The target's own log-softmax over ``ids`` (one forward pass, no generate): row j scores token j + 1."""
-    logits = pair.target(jnp.asarray([ids]), jnp.arange(len(ids), dtype=jnp.int32)[None]).logits[0]
-    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
-
-
-def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing(pair, live):
-    """Completions ``echo`` with ``logprobs``: the prompt's tokens and their log-probabilities under the target (the
-    first null), equal to the target's log-softmax; ``max_tokens: 0`` scores only; ``echo`` alone echoes the
-    prompt's text before the completion."""
-    prompt = "def read_lines(path):\n"
-    ids = encode_text(pair.tokenizer, prompt)
-    ref = _reference_logprobs(pair, ids)
-    r = _post(live, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    c = body["choices"][0]
-    assert c["text"] == prompt and c["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
-    lp = c["logprobs"]
-    assert lp["tokens"] == [pair.tokenizer.decode([t]) for t in ids]
-    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
-    for j, d in enumerate(lp["top_logprobs"][1:]):
-        want = {pair.tokenizer.decode([int(i)]): ref[j, i] for i in np.argsort(-ref[j])[:3]}
-        assert list(d) == list(want)
-        np.testing.assert_allclose(list(d.values()), list(want.values()), atol=1e-4)
-    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-
-    plain = _post(live, {"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]
-    r = _post(live, {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True})
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt + plain, r.text
-    assert r.json()["choices"][0]["logprobs"] is None
-    r = _post(live, {"prompt": prompt, "max_tokens": 0, "echo": True})
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt, r.text

@@ -74,6 +74,8 @@ def parser() -> OneLineParser:
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
     h.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="larger request bodies get 413 (default 1 MiB)")
+    h.add_argument("--max-n", type=int, default=8, metavar="N",
+                   help="the largest n (choices per request) a request may ask for (default 8)")
     h.add_argument("--grace-s", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests may take to finish (default 30)")
     h.add_argument("--temperature", type=float, default=None,
@@ -86,7 +88,7 @@ def parser() -> OneLineParser:
 def check_args(args) -> str | None:
     """Refuses bad flags before any model is loaded; returns the API key (None: no key)."""
     for flag in ("slots", "rounds_per_visit", "queue_limit", "max_body_bytes", "max_prompt_tokens", "max_new_tokens",
-                 "cache_size"):
+                 "cache_size", "max_n"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ArgumentError(f"--{flag.replace('_', '-')}: expected at least 1, got {v}")
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model_name or (DEMO_MODEL if args.target is None else os.path.basename(
             os.path.normpath(args.target)))
         app = create_app(engine, tokenizer=tok, model=model, eos_token_ids=eos, api_key=key,
-                         max_body_bytes=args.max_body_bytes, default_temperature=temperature)
+                         max_body_bytes=args.max_body_bytes, default_temperature=temperature, max_n=args.max_n)
         if not is_loopback(args.host) and key is None:
             log.warning("binding %s without an API key: anyone who can reach this address can use the server "
                         "(pass --api-key or set $%s)", args.host, API_KEY_ENV)

@@ -40,6 +40,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP = 16  # stop sequences per request (OpenAI takes 4; lm-eval's completions add the EOS string to a task's)
 MAX_SEED = 2**63
+DEFAULT_MAX_N = 8  # choices per request (--max-n)
+SEED_STEP = 0x9E3779B97F4A7C15  # choice i's seed: (seed + i * SEED_STEP) mod 2**63 (choice 0: the request's seed)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for completions' logprobs (chat's top_logprobs: MAX_LOGPROBS, 20)
 MAX_JSON_DEPTH = 64  # nesting levels a request body may have (arrays and objects)
 # Idle keep-alive connections are kept longer than clients keep them (httpx and the openai client: 5 s), so a client
@@ -52,12 +54,12 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 HEARTBEAT_S = 2.0  # an idle stream sends an SSE comment this often: proxies keep it open, a gone client is seen
 
 # fields accepted only at the value that changes nothing (what OpenAI does by default); a null is always accepted
-NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "n": 1,
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0,
            "suffix": None, "logit_bias": None, "tools": None,
            "tool_choice": None, "parallel_tool_calls": None}
 TOOL_CHOICES = ("none", "auto")  # without tools, either calls none
 COMMON = {"model", "logprobs", "top_logprobs", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "stream_options", "user", "ignore_eos", "response_format", "echo", *NEUTRAL}
+          "stream_options", "user", "ignore_eos", "response_format", "echo", "n", "best_of", *NEUTRAL}
 FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # the engine's argument names, as the API calls them (an engine ArgumentError names the former)
@@ -342,6 +344,7 @@ class Parsed:
     top_p: float = 1.0  # 1: off
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # the alternatives per token asked for (None: no logprobs)
+    n: int = 1  # choices
     echo: bool = False  # completions: the prompt before the completion (with logprobs: the prompt's scored too)
     prompt_text: str = ""  # the prompt as echoed (a string prompt as given, token ids decoded)
 
@@ -362,7 +365,10 @@ class Server:
 
     def __init__(self, engine, *, tokenizer, model: str, eos_token_ids: Sequence[int] | None = None,
                  api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 default_temperature: float = 1.0, vocab_size: int | None = None):
+                 default_temperature: float = 1.0, vocab_size: int | None = None, max_n: int = DEFAULT_MAX_N):
+        if isinstance(max_n, bool) or not isinstance(max_n, int) or max_n < 1:
+            raise ArgumentError(f"max_n: expected a positive integer, got {max_n!r}")
+        self.max_n = max_n
         if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
             raise ArgumentError(f"max_body_bytes: expected a positive integer, got {max_body_bytes!r}")
         if api_key is not None and not (isinstance(api_key, str) and api_key):
@@ -444,8 +450,17 @@ class Server:
         opts = body.get("stream_options") or {}
         return Parsed(kind, ids, max_tokens, temperature, seed, stop, bool(body.get("stream")),
                       bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")),
-                      bool(body.get("ignore_eos")), top_p, top_k, self._logprobs(body, kind), echo,
+                      bool(body.get("ignore_eos")), top_p, top_k, self._logprobs(body, kind), self._n(body), echo,
                       self._prompt_text(body, ids) if echo else "")
+
+    def _n(self, body: dict) -> int:
+        """``n`` choices (1..max_n); ``best_of`` null or equal to ``n`` (no choice is generated and dropped)."""
+        n = _integer(body, "n", 1, minimum=1, maximum=self.max_n, limit_what=" (the server's --max-n)")
+        best = body.get("best_of")
+        if best is not None and (isinstance(best, bool) or not isinstance(best, int | float) or best != n):
+            raise bad("best_of", f"only null or equal to n ({n}) is supported, got {_short(best)}",
+                      code="unsupported_value")
+        return n
 
     @staticmethod
     def _echo(body: dict, kind: str) -> bool:
@@ -573,12 +588,25 @@ class Server:
             raise APIError(503, "the server is shutting down and admits no new request", type="server_error",
                            code="shutting_down")
 
-    def submit(self, p: Parsed):
+    def submit_all(self, p: Parsed) -> Choices:
+        """The request's ``n`` engine requests (choice i with :func:`choice_seed`); a refusal of any cancels the
+        ones already queued."""
+        reqs = []
+        try:
+            for i in range(p.n):
+                reqs.append(self.submit(p, None if p.seed is None else choice_seed(p.seed, i)))
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+        return Choices(reqs)
+
+    def submit(self, p: Parsed, seed: int | None = None):
         self._admitting()
         try:
             kw = {} if p.logprobs is None else {"logprobs": p.logprobs}
             return self.engine.submit(p.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                      seed=p.seed, eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop,
+                                      seed=seed, eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop,
                                       top_p=p.top_p, top_k=p.top_k, **kw)
         except QueueFullError as e:
             raise APIError(429, f"the request queue is full: {e}; retry later", type="rate_limit_error",
@@ -620,100 +648,130 @@ class Server:
         if p.echo and p.max_tokens == 0:  # the prompt alone: nothing generated
             lps = None if scored is None else self.prompt_logprobs_body(p, scored, None)
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model,
-                                 "choices": [{"index": 0, "text": p.prompt_text, "logprobs": lps,
-                                              "finish_reason": "length"}],
+                                 "choices": [{"index": i, "text": p.prompt_text, "logprobs": lps,
+                                              "finish_reason": "length"} for i in range(p.n)],
                                  "usage": _usage(len(p.prompt_ids), 0)})
-        req = self.submit(p)
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, req))
-        chunks = aiter(req)
+        group = self.submit_all(p)
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, group))
+        chunks = [aiter(r) for r in group.reqs]
         try:
-            first = await anext(chunks)
+            firsts = await asyncio.gather(*(anext(c) for c in chunks))
         except BaseException as e:
             watcher.cancel()
+            group.cancel()
             if isinstance(e, EngineFailure):
                 raise _failure(e) from None
-            req.cancel()
             raise
-        if first.finish_reason == "cancelled":  # before its first token (shutdown, the grace period): a status
+        if any(f.finish_reason == "cancelled" for f in firsts):  # before a first token (shutdown, grace): a status
             watcher.cancel()
+            group.cancel()
             raise _cancelled(self.draining)
         self.stats.ttft.add(time.perf_counter() - t0)
         if p.stream:
-            return _SSE(self.events(p, rid, created, first, chunks, req, watcher), media_type="text/event-stream",
+            return _SSE(self.events(p, rid, created, firsts, chunks, group, watcher), media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        pieces = [first]
-        try:
+
+        async def collect(first, it) -> list:
+            pieces = [first]
             while pieces[-1].finish_reason is None:
-                pieces.append(await anext(chunks))
+                pieces.append(await anext(it))
+            return pieces
+
+        try:
+            results = await asyncio.gather(*(collect(f, c) for f, c in zip(firsts, chunks, strict=True)))
         except EngineFailure as e:
             raise _failure(e) from None
         finally:
             watcher.cancel()
-            if pieces[-1].finish_reason is None:
-                req.cancel()
-        finish = pieces[-1].finish_reason
-        if finish == "cancelled":
+            group.cancel()  # nothing for the finished ones
+        if any(pieces[-1].finish_reason == "cancelled" for pieces in results):
             raise _cancelled(self.draining)
-        text = "".join(c.text for c in pieces)
-        if p.echo:
-            text = p.prompt_text + text
-        obj, out = ("text_completion", {"text": text}) if kind == "completions" else \
-            ("chat.completion", {"message": {"role": "assistant", "content": text}})
-        lps = self.logprobs_body(p, [t for c in pieces for t in (c.logprobs or [])])
-        if scored is not None:
-            lps = self.prompt_logprobs_body(p, scored, lps)
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model,
-                             "choices": [{"index": 0, **out, "logprobs": lps, "finish_reason": finish}],
-                             "usage": _usage(len(p.prompt_ids), sum(len(c.token_ids) for c in pieces))})
+        choices = []
+        for i, pieces in enumerate(results):
+            text = "".join(c.text for c in pieces)
+            if p.echo:
+                text = p.prompt_text + text
+            out = {"text": text} if kind == "completions" else {"message": {"role": "assistant", "content": text}}
+            lps = self.logprobs_body(p, [t for c in pieces for t in (c.logprobs or [])])
+            if scored is not None:
+                lps = self.prompt_logprobs_body(p, scored, lps)
+            choices.append({"index": i, **out, "logprobs": lps, "finish_reason": pieces[-1].finish_reason})
+        obj = "text_completion" if kind == "completions" else "chat.completion"
+        n_out = sum(len(c.token_ids) for pieces in results for c in pieces)
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": choices,
+                             "usage": _usage(len(p.prompt_ids), n_out)})
 
-    async def events(self, p: Parsed, rid: str, created: int, first, chunks: AsyncIterator, req,
-                     watcher) -> AsyncIterator[str]:
+    async def events(self, p: Parsed, rid: str, created: int, firsts: list, chunks: list[AsyncIterator],
+                     group: Choices, watcher) -> AsyncIterator[str]:
+        """The SSE events of ``p.n`` choices: each chunk names its choice ``index``; the choices' chunks
+        interleave as they come; the usage (when asked for) sums the choices' tokens."""
         obj = "text_completion" if p.kind == "completions" else "chat.completion.chunk"
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
+        n = len(chunks)
+        n_out, offset, finished = [0] * n, [0] * n, [False] * n
 
-        n_out, finish, c, offset = 0, None, first, 0
-
-        def event(delta: str | None, finish: str | None, role: bool = False, lps=None) -> str:
+        def event(i: int, delta: str | None, finish: str | None, role: bool = False, lps=None) -> str:
             part = {"text": delta or ""} if p.kind == "completions" else \
                 {"delta": {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})}
-            usage = {"usage": _usage(len(p.prompt_ids), n_out)} if p.continuous_usage else {}
-            body = None if lps is None else self.logprobs_body(p, lps, offset)
-            return _sse({**head, "choices": [{"index": 0, **part, "logprobs": body, "finish_reason": finish}],
+            usage = {"usage": _usage(len(p.prompt_ids), sum(n_out))} if p.continuous_usage else {}
+            body = None if lps is None else self.logprobs_body(p, lps, offset[i])
+            return _sse({**head, "choices": [{"index": i, **part, "logprobs": body, "finish_reason": finish}],
                          **usage})
 
+        def on_chunk(i: int, c) -> list[str]:
+            """The events of choice i's chunk c (None: a cancellation ends the stream)."""
+            out = []
+            n_out[i] += len(c.token_ids)
+            if c.finish_reason == "cancelled":
+                return None
+            if c.text or (p.logprobs is not None and c.logprobs):  # a token's logprobs go with its chunk
+                out.append(event(i, c.text, None, lps=c.logprobs if p.logprobs is not None else None))
+                offset[i] += sum(len(self._token_text(t.token_id)) for t in c.logprobs or []) \
+                    if p.kind == "completions" and p.logprobs is not None else 0
+            if c.finish_reason is not None:
+                finished[i] = True
+                out.append(event(i, None, c.finish_reason))
+            return out
+
+        pending: dict = {}
         try:
             if p.kind == "chat":
-                yield event(None, None, role=True)
-            while True:
-                n_out += len(c.token_ids)
-                finish = c.finish_reason
-                if finish == "cancelled":
-                    yield _sse(_cancelled(self.draining).body())
+                for i in range(n):
+                    yield event(i, None, None, role=True)
+            ready, cancelled = list(enumerate(firsts)), False
+            while not cancelled:
+                for i, c in ready:
+                    events = on_chunk(i, c)
+                    if events is None:
+                        yield _sse(_cancelled(self.draining).body())
+                        cancelled = True
+                        break
+                    for e in events:
+                        yield e
+                    if not finished[i]:
+                        pending[asyncio.ensure_future(anext(chunks[i]))] = i
+                if cancelled:
                     break
-                if c.text or (p.logprobs is not None and c.logprobs):  # a token's logprobs go with its chunk
-                    yield event(c.text, None, lps=c.logprobs if p.logprobs is not None else None)
-                    offset += sum(len(self._token_text(t.token_id)) for t in c.logprobs or []) \
-                        if p.kind == "completions" and p.logprobs is not None else 0
-                if finish is not None:
-                    yield event(None, finish)
+                if not pending:
                     if p.include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(len(p.prompt_ids), n_out)})
+                        yield _sse({**head, "choices": [], "usage": _usage(len(p.prompt_ids), sum(n_out))})
                     break
-                nxt = asyncio.ensure_future(anext(chunks))
-                while not nxt.done():
-                    await asyncio.wait({nxt, watcher}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
-                    if watcher.done() and not nxt.done():  # the client left: its request is cancelled
-                        nxt.cancel()
-                        return
-                    if not nxt.done():
-                        yield ": keep-alive\n\n"  # a comment: clients skip it; a write to a closed socket fails
-                c = nxt.result()
+                done, _ = await asyncio.wait({*pending, watcher}, timeout=HEARTBEAT_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                done.discard(watcher)
+                if watcher.done() and not done:  # the client left: its requests are cancelled
+                    return
+                if not done:
+                    yield ": keep-alive\n\n"  # a comment: clients skip it; a write to a closed socket fails
+                ready = [(pending.pop(f), f.result()) for f in done]
         except EngineFailure as e:
             yield _sse(_failure(e).body())
         finally:
+            for f in pending:
+                f.cancel()
             watcher.cancel()
-            if finish is None:
-                req.cancel()
+            if not all(finished):
+                group.cancel()
         yield "data: [DONE]\n\n"
 
 
@@ -757,6 +815,23 @@ def _cancelled(draining: bool) -> APIError:
     return APIError(503, f"{why}; the request was not completed", type="server_error", code="cancelled")
 
 
+def choice_seed(seed: int, i: int) -> int:
+    """Choice ``i``'s seed of a request with ``seed``: ``(seed + i * SEED_STEP) mod 2**63`` (choice 0 keeps the
+    request's seed, so ``n: 1`` is unchanged)."""
+    return (seed + i * SEED_STEP) % MAX_SEED
+
+
+class Choices:
+    """The engine requests of one HTTP request's choices, cancelled together."""
+
+    def __init__(self, reqs: list):
+        self.reqs = reqs
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            r.cancel()
+
+
 async def _cancel_on_disconnect(request: Request, req) -> None:
     """Cancels ``req`` when the client disconnects (the body has been read: the next message is the disconnect)."""
     while True:
@@ -768,17 +843,18 @@ async def _cancel_on_disconnect(request: Request, req) -> None:
 
 def create_app(engine, *, tokenizer, model: str = "sparkjax", eos_token_ids: Sequence[int] | None = None,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               default_temperature: float = 1.0) -> Starlette:
+               default_temperature: float = 1.0, max_n: int = DEFAULT_MAX_N) -> Starlette:
     """The Starlette app serving a started ``engine`` (:class:`sparkjax.serve.Engine`) as ``model``.
 
     ``tokenizer`` encodes prompts and chat messages; ``eos_token_ids`` (the pair's, :func:`sparkjax.text.eos_ids`)
     end every generation; ``api_key`` (None: none) is then required as ``Authorization: Bearer KEY`` on every
     ``/v1/*`` request (``/health`` and ``/metrics`` stay open); bodies over ``max_body_bytes`` get a 413;
-    ``default_temperature`` applies when a request gives none (OpenAI's default is 1). ``app.state.server`` is
+    ``default_temperature`` applies when a request gives none (OpenAI's default is 1); ``max_n``: the largest ``n``
+    (choices) a request may ask for. ``app.state.server`` is
     the :class:`Server` (its ``draining`` flag refuses new requests with a 503)."""
     server = Server(engine, tokenizer=tokenizer, model=model, eos_token_ids=eos_token_ids, api_key=api_key,
                     max_body_bytes=max_body_bytes, default_temperature=default_temperature,
-                    vocab_size=getattr(engine, "vocab_size", None))
+                    vocab_size=getattr(engine, "vocab_size", None), max_n=max_n)
 
     def route(path: str, fn: Callable, method: str) -> Route:
         async def endpoint(request: Request) -> Response:
