@@ -130,16 +130,16 @@ def arguments(draw):
 @contextlib.contextmanager
 def stubbed_programs():
     def ar(gdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size, sampling, mesh=None,
-           options=None):
+           options=None, logprobs=None):
         b = tokens.shape[0]
-        return jnp.zeros((b, buf_len), jnp.int32), jnp.ones((b,), jnp.int32), jnp.full((b,), -1, jnp.int32)
+        return jnp.zeros((b, buf_len), jnp.int32), jnp.ones((b,), jnp.int32), jnp.full((b,), -1, jnp.int32), None
 
     def spec(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
              buf_len, mesh=None):
         b = tokens.shape[0]
         z = jnp.zeros((b,), jnp.int32)
         return (jnp.zeros((b, buf_len), jnp.int32), z + 1, jnp.zeros((b, buf_len), jnp.int32), z,
-                jnp.zeros((b, plan.depth), jnp.int32), z - 1, None)
+                jnp.zeros((b, plan.depth), jnp.int32), z - 1, None, None)
 
     def table(target, drafter, plan, batch, cache_size):  # auto: no profiling
         labels = plan.method.labels()
