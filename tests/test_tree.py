@@ -142,6 +142,16 @@ def check_valid_tree(t, max_depth: int, tables=None, cand_tokens=None) -> None:
             assert scores[i] == np.float32(parent_score + tables[d, row, cands[i]])
 
 
+def random_head(seed: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random vanilla Markov head ``(w1, w2)`` [V_PAD, R] for a vocabulary of ``v`` (zero rows past it)."""
+    rng = np.random.default_rng(seed)
+    w1 = np.zeros((V_PAD, R), np.float32)
+    w2 = np.zeros((V_PAD, R), np.float32)
+    w1[:v] = rng.normal(size=(v, R))
+    w2[:v] = rng.normal(size=(v, R)) * rng.uniform(0.1, 2.0)
+    return w1, w2
+
+
 def padded_logits(x: np.ndarray) -> np.ndarray:
     """[D, V] -> [D_PAD, V_PAD]: vocabulary padded with -inf, depth rows with zeros (masked later)."""
     out = np.zeros((D_PAD, V_PAD), np.float32)
@@ -315,11 +325,7 @@ def test_ddtree_properties(logits, budget):
 )
 def test_sparkling_properties(base, seed, budget, x_frac):
     d, v = base.shape
-    rng = np.random.default_rng(seed)
-    w1 = np.zeros((V_PAD, R), np.float32)
-    w2 = np.zeros((V_PAD, R), np.float32)
-    w1[:v] = rng.normal(size=(v, R))
-    w2[:v] = rng.normal(size=(v, R)) * rng.uniform(0.1, 2.0)
+    w1, w2 = random_head(seed, v)
     x_start = int(x_frac * v)
     args = (padded_logits(base), x_start, w1, w2, d)
     t, tables, tokens = to_np(sparkling_padded(*args, budget=M_MARKOV, top_c=C_MARKOV, normalization="exact"))
@@ -563,11 +569,7 @@ def seed_padded(base, x_start, w1, w2, max_fanout):
 def test_seed_tree_properties(base, seed, fanout, x_frac):
     """Random logits (ties included): a valid tree with the NumPy heap's prefixes; its scores are the union's."""
     d, v = base.shape
-    rng = np.random.default_rng(seed)
-    w1 = np.zeros((V_PAD, R), np.float32)
-    w2 = np.zeros((V_PAD, R), np.float32)
-    w1[:v] = rng.normal(size=(v, R))
-    w2[:v] = rng.normal(size=(v, R)) * rng.uniform(0.1, 2.0)
+    w1, w2 = random_head(seed, v)
     x_start = int(x_frac * v)
     padded = np.full((SEED_DEPTH, V_PAD), -np.inf, np.float32)
     padded[:, :v] = np.concatenate([base, np.zeros((SEED_DEPTH - d, v), np.float32)]) if d < SEED_DEPTH else base
