@@ -236,7 +236,9 @@ def test_sampling_is_lossless(random_pair, method, temperature, top_p, top_k):
         assert (exact == 0).any(), "top-p / top-k should cut tokens here, or the case checks nothing"
         assert exact[samples[:, 0], samples[:, 1], samples[:, 2]].min() > 0  # no sample outside the kept sets
     accepted = sum(a - 1 for lens in out.acceptance_lengths for a in lens)
-    assert accepted > n // 10, "the drafter should be accepted sometimes, or the test checks nothing"
+    # a truncated target is further from the random drafter (the beam with top-p 0.85 / top-k 5: 520 accepted)
+    floor = n // 10 if top_p == 1 and not top_k else n // 20
+    assert accepted > floor, "the drafter should be accepted sometimes, or the test checks nothing"
     counts12 = np.zeros((vocab, vocab))
     np.add.at(counts12, (samples[:, 0], samples[:, 1]), 1)
     counts23 = np.zeros((vocab, vocab))
