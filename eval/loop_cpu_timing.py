@@ -1,5 +1,5 @@
-"""The CPU cost of the GPU loop options (issue 45): ar and sparklingtree@16 on the demo pair, run through the
-program as b02feb9 jitted it (a plain jax.jit), as the engine runs it now (programs.Program: on a CPU the plain
+"""The CPU cost of the GPU loop options: ar and sparklingtree@16 on the demo pair, run through the
+program as a plain jax.jit, as the engine runs it now (programs.Program: on a CPU the plain
 jax.jit, no compiler options) and with the GPU loop options forced onto XLA:CPU; interleaved repetitions in one
 process (sparkjax.bench.timing), after checking that the three optimised XLA:CPU programs are the same text.
 
@@ -21,7 +21,7 @@ NEW = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 gpu_opts = programs.loop_compiler_options(sparkjax.Options(), backend="gpu")
 names = {"ar": "ar_program", "sparklingtree@16": "spec_program"}
 orig = {n: getattr(programs, n) for n in names.values()}
-variants_of = {n: {"before (plain jax.jit, b02feb9)": jax.jit(p.__wrapped__, **p._jit_kwargs),
+variants_of = {n: {"plain jax.jit": jax.jit(p.__wrapped__, **p._jit_kwargs),
                    "after (Program, CPU: no options)": p,
                    "GPU loop options on XLA:CPU": p.jitted(gpu_opts)} for n, p in orig.items()}
 print(f"# python eval/loop_cpu_timing.py {reps} {NEW}: jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -65,7 +65,7 @@ for method, prog_name in names.items():
     tokens[method] = next(iter(toks.values()))
     n_tok = sum(len(t) for t in tokens[method])
     stats = interleave(variants, reps)
-    base = stats["before (plain jax.jit, b02feb9)"].median
+    base = stats["plain jax.jit"].median
     for v, st in stats.items():
         rows.append((method, v, st, n_tok, st.median / base))
 assert tokens["sparklingtree@16"] == tokens["ar"], "sparklingtree@16's greedy tokens differ from ar's"

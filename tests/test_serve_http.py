@@ -356,7 +356,7 @@ def _errors_logged(caplog) -> list[str]:
 
 
 def test_malformed_bodies_get_400_never_500_and_log_no_traceback(pair, engine, caplog):
-    """The hostile bodies of issue 42 (100,000 levels of nesting, a lone surrogate sent as a JSON escape), other
+    """Hostile bodies (100,000 levels of nesting, a lone surrogate sent as a JSON escape), other
     text UTF-8 cannot encode, and a tokenizer that fails: each a 400 naming the field, nothing logged. Through the
     app in-process (its body limit is the server default's, 1 MiB; nothing reaches the engine)."""
     from starlette.testclient import TestClient
@@ -416,9 +416,9 @@ ISSUE_STOP = {"prompt": "Question: What is 2 + 3?\nAnswer:", "max_tokens": 32, "
 
 
 def test_a_stop_string_counts_the_tokens_up_to_the_one_that_completed_it(pair, engine, live, solo):
-    """Issue 42's example: the text ends before the stop string, and usage counts the generated tokens up to and
-    including the one that completed it, never the ones the device generated after it in the same visit (the
-    same in a stream, with the usage in every chunk, and in the Engine)."""
+    """A stop string right after the prompt: the text ends before the stop string, and usage counts the
+    generated tokens up to and including the one that completed it, never the ones the device generated after it
+    in the same visit (the same in a stream, with the usage in every chunk, and in the Engine)."""
     ids = encode_text(pair.tokenizer, ISSUE_STOP["prompt"])
     ref = solo(ids, 32)
     want = expected_stop(pair, ref, ["\n"])
