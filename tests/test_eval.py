@@ -374,6 +374,7 @@ def test_subprocess_bad_input_and_help(capsys):
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0
     assert main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # the defaults the help states are the ones the harness uses
-    assert "(default: 64, pctree at its own default)" in text and "(default: 4; 0 = all)" in text
+    budgets = "(default: each tree's own, 64 nodes; pctree 32 with the root, or what its beam keeps)"
+    assert budgets in text and "(default: 4; 0 = all)" in text
     assert "(default: ar,dspark,ddtree,sparklingtree,pctree,auto)" in text and "(default: 64)" in text
     assert "python_docs,stdlib_code,synthetic_math, the default" in text

@@ -233,7 +233,7 @@ def test_baseline_drafter_and_prompts_as_encoded(fake, tmp_path):
 def test_demo_defaults_and_missing_demo_assets(tmp_path, monkeypatch, capsys):
     cfg = EvalConfig()
     assert cfg.datasets == ("python_docs", "stdlib_code", "synthetic_math") and cfg.target is None
-    assert (cfg.max_samples, cfg.max_new_tokens, config.DEFAULT_BUDGETS) == (4, 64, (64,))
+    assert (cfg.max_samples, cfg.max_new_tokens, cfg.budgets) == (4, 64, None)
     mcs = [MethodConfig(m) for m in ("ar", "dflash", "dspark")]
     r = pair.resolve_pair(cfg, mcs=mcs)
     assert r["default"] and (r["d_src"], r["b_src"]) == (str(demo.path("dspark_b16")), str(demo.path("dflash_b16")))

@@ -35,6 +35,8 @@ def test_the_parser_round_trips_every_method_and_methods_know_what_they_need():
     assert parse_method(seed.label) == seed and parse_method("sparklingtree", budget=16, candidates="seed").label == (
         "sparklingtree@16:seed")
     assert parse_method("sparklingtree@8:corrected") == Tree("sparklingtree", 8, candidates="corrected")
+    assert parse_method("sparklingtree:seed") == Tree("sparklingtree", candidates="seed")  # the default budget
+    assert parse_method("sparklingtree:seed", budget=16).label == "sparklingtree@16:seed"
     assert Tree("sparklingtree", 8).label == "sparklingtree@8" == parse_method("sparklingtree@8:union").label
     assert hash(Options()) == hash(Options("auto", "auto", 1, None, 128)) and Options() != Options(block_slots=16)
     assert parse_method("auto") == Auto() and "auto" in sparkjax.METHODS

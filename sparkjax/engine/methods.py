@@ -726,34 +726,34 @@ def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
                  candidates: Any = None, max_fanout: Any = None) -> Method:
     """The method object of ``method``: a :class:`Method` (returned as is; then the keyword options must
     be left unset), a name out of :data:`METHODS` (with the keyword options, which only the methods that
-    take them accept), or a tree's label ``"name@budget[:candidates][:fanout=K]"`` (as the eval labels them)."""
+    take them accept), or a tree's label ``"name[@budget][:candidates][:fanout=K]"`` (as the eval labels them)."""
     if isinstance(method, Method):
         for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths), ("candidates", candidates),
                            ("max_fanout", max_fanout)):
             if value is not None:
                 raise ArgumentError(f"{arg}: given beside the method object {method!r}; set it on the object")
         return method
-    name, at, text = method.partition("@") if isinstance(method, str) else (method, "", "")
+    head, *opts = method.split(":") if isinstance(method, str) else (method,)
+    name, at, text = head.partition("@") if isinstance(head, str) else (head, "", "")
     entry = _entry(name)
     if at:
-        text, *opts = text.split(":")
         if not (text.isascii() and text.isdigit()):
             raise ArgumentError(f"method: {method!r}: expected 'name@budget' with an integer budget")
         if budget is not None:
             raise ArgumentError(f"budget: given twice, in method={method!r} and as budget={budget!r}")
         budget = int(text)
-        for opt in opts:
-            key, eq, value = opt.partition("=")
-            arg, given = ("max_fanout", max_fanout) if eq else ("candidates", candidates)
-            if (eq and (key != "fanout" or not (value.isascii() and value.isdigit()))) or not opt:
-                raise ArgumentError(f"method: {method!r}: expected 'name@budget[:candidates][:fanout=K]', "
-                                    f"got the option {opt!r}")
-            if given is not None:
-                raise ArgumentError(f"{arg}: given twice, in method={method!r} and as {arg}={given!r}")
-            if eq:
-                max_fanout = int(value)
-            else:
-                candidates = opt
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        arg, given = ("max_fanout", max_fanout) if eq else ("candidates", candidates)
+        if (eq and (key != "fanout" or not (value.isascii() and value.isdigit()))) or not opt:
+            raise ArgumentError(f"method: {method!r}: expected 'name[@budget][:candidates][:fanout=K]', "
+                                f"got the option {opt!r}")
+        if given is not None:
+            raise ArgumentError(f"{arg}: given twice, in method={method!r} and as {arg}={given!r}")
+        if eq:
+            max_fanout = int(value)
+        else:
+            candidates = opt
     out = entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
     for arg, value in (("candidates", candidates), ("max_fanout", max_fanout)):
         if value is not None:

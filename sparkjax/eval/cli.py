@@ -12,7 +12,6 @@ from ..cli import OneLineParser
 from ..errors import EvalError, SparkjaxError
 from . import datasets as ds
 from .config import (
-    DEFAULT_BUDGETS,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_SAMPLES,
     DEFAULT_METHODS,
@@ -84,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "run, as the speedup reference")
     g.add_argument("--budgets", metavar="LIST",
                    help=f"tree sizes (nodes per round) for {' / '.join(engine.TREE_METHODS)}; each tree method runs "
-                        f"once per budget (default: {','.join(map(str, DEFAULT_BUDGETS))}, pctree at its own "
-                        "default); an error with chain-only methods")
+                        "once per budget (default: each tree's own, 64 nodes; pctree 32 with the root, or what its "
+                        "beam keeps); an error with chain-only methods")
     g.add_argument("--top-c", type=int, metavar="C", help="candidates per depth of a tree (default: the engine's)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = lossless sampling")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",

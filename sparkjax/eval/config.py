@@ -13,10 +13,9 @@ from ..sharding import make_mesh
 from . import datasets as ds
 from .engine import MethodConfig
 
-# The default run: the methods that tell the story, each tree at one budget (pctree at its own default);
-# --budgets sweeps every tree method, --methods picks any (docs/eval.md)
+# The default run: the methods that tell the story, each tree at its own default budget (64 nodes; pctree 32 with
+# the root, or what its beam keeps); --budgets sweeps every tree method, --methods picks any (docs/eval.md)
 DEFAULT_METHODS = ("ar", "dspark", "ddtree", "sparklingtree", "pctree", "auto")
-DEFAULT_BUDGETS = (64,)
 DEFAULT_MAX_SAMPLES = 4
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_REPEATS = 3
@@ -125,14 +124,8 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
             raise EvalError(f"{flag}: {given} given, but none of --methods ({','.join(methods)}) builds a tree; "
                             f"{flag} applies only to {', '.join(core.TREE_METHODS)}")
     _positive("--top-c", cfg.top_c, allow_none=True)
-    def budgets(m: str) -> tuple[int | None, ...]:
-        if m not in trees:
-            return (None,)
-        if cfg.budgets:
-            return cfg.budgets
-        return (None,) if m.partition(":")[0] == "pctree" else DEFAULT_BUDGETS  # pctree's default fits its beam
-
-    out = [MethodConfig(m, b, cfg.top_c) for m in methods for b in budgets(m)]
+    sweep = cfg.budgets or (None,)  # None: the method's own default budget
+    out = [MethodConfig(m, b, cfg.top_c) for m in methods for b in (sweep if m in trees else (None,))]
     for mc in out:
         try:
             _ = mc.spec  # every option is checked before any work

@@ -31,11 +31,7 @@ class MethodConfig:
 
     @functools.cached_property
     def spec(self) -> Method:
-        """The method object (:func:`sparkjax.engine.parse_method` of the name or label, budget and top-c; a
-        ``name:options`` entry gets the budget as ``name@budget:options``)."""
-        name, colon, opts = self.method.partition(":")
-        if colon and "@" not in name and self.budget is not None:
-            return parse_method(f"{name}@{self.budget}:{opts}", top_c=self.top_c)
+        """The method object (:func:`sparkjax.engine.parse_method` of the name or label, budget and top-c)."""
         return parse_method(self.method, budget=self.budget, top_c=self.top_c)
 
     @property
