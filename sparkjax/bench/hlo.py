@@ -526,21 +526,22 @@ class HloCounter:
                                             self.only_moves(ins)))
         return tally
 
-    def generation_loop(self) -> Instr:
-        """The ``while`` (in the entry, or a ``call`` from it) with no known trip count and the
-        largest body: the generation loop."""
+    def generation_loop(self, any_trip_count: bool = False) -> Instr:
+        """The ``while`` (in the entry, or a ``call`` from it) with no known trip count (or any, with
+        ``any_trip_count``) and the largest body: the generation loop."""
         found: list[Instr] = []
 
         def visit(name):
             for ins in self.comps[name].instrs:
-                if ins.op == "while" and self.trip_count(ins) is None:
+                if ins.op == "while" and (any_trip_count or self.trip_count(ins) is None):
                     found.append(ins)
                 elif ins.op == "call":
                     visit(ins.attr_comp("to_apply"))
 
         visit(self.entry)
         if not found:
-            raise ValueError("no while loop without a known trip count at the top of the program")
+            raise ValueError("no while loop" + ("" if any_trip_count else " without a known trip count")
+                             + " at the top of the program")
         return max(found, key=lambda w: len(self.comps[w.attr_comp("body")].instrs))
 
     def count_loop_body(self) -> Tally:

@@ -110,19 +110,7 @@ def compile_with_thunks(lowered, compiler_options: dict | None = None):
 def top_loop(counter: hlo.HloCounter) -> hlo.Instr:
     """The ``while`` in the entry computation (or a ``call`` from it) with the largest body: the generation loop
     (the serving visit's loop), whatever its trip count."""
-    found: list[hlo.Instr] = []
-
-    def visit(name):
-        for ins in counter.comps[name].instrs:
-            if ins.op == "while":
-                found.append(ins)
-            elif ins.op == "call":
-                visit(ins.attr_comp("to_apply"))
-
-    visit(counter.entry)
-    if not found:
-        raise ValueError("no while loop at the top of the program")
-    return max(found, key=lambda w: len(counter.comps[w.attr_comp("body")].instrs))
+    return counter.generation_loop(any_trip_count=True)
 
 
 def loop_placement(hlo_text: str, thunks: CompiledThunks) -> dict:
