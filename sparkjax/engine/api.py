@@ -26,6 +26,7 @@ from .checks import (
     bucket,
     check_int,
     check_models,
+    check_seed,
     check_temperature,
     check_top_k,
     check_top_p,
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
 
 Array = jax.Array
 
-MAX_SEED = 2**63  # seeds are Python / numpy ints in [0, MAX_SEED)
-
 
 @dataclasses.dataclass(frozen=True)
 class Prompts:
@@ -59,16 +58,6 @@ class Prompts:
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]
-
-
-def check_seed(seed: Any) -> int:
-    """A seed is an int (Python or numpy, not a bool) in ``[0, 2**63)``."""
-    if not is_int(seed):
-        raise ArgumentError(f"seed: expected an integer in [0, 2**63), got {describe(seed)}")
-    s = int(seed)
-    if not 0 <= s < MAX_SEED:
-        raise ArgumentError(f"seed: {s} is outside [0, 2**63)")
-    return s
 
 
 def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) -> Prompts:

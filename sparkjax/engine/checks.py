@@ -19,6 +19,7 @@ from ..pairing import check_pair
 MAX_SLOTS = 2**30  # cache slots, prompt width and output capacity are int32 positions on device
 MIN_TEMPERATURE = 1e-6  # a positive temperature below this overflows logits / T in float32
 MAX_TEMPERATURE = 1e4  # above this every distribution is uniform to float32 precision
+MAX_SEED = 2**63  # seeds are int64 on the device: Python / numpy ints in [0, MAX_SEED)
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -58,6 +59,16 @@ def check_int(name: str, value: Any, *, minimum: int = 1, maximum: int | None = 
     if maximum is not None and v > maximum:
         raise ArgumentError(f"{name}: must be <= {maximum}, got {v}")
     return v
+
+
+def check_seed(seed: Any) -> int:
+    """A seed is an int (Python or numpy, not a bool) in ``[0, 2**63)``."""
+    if not is_int(seed):
+        raise ArgumentError(f"seed: expected an integer in [0, 2**63), got {describe(seed)}")
+    s = int(seed)
+    if not 0 <= s < MAX_SEED:
+        raise ArgumentError(f"seed: {s} is outside [0, 2**63)")
+    return s
 
 
 def check_int_list(name: str, values: Any) -> tuple[int, ...]:

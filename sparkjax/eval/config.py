@@ -7,7 +7,7 @@ import dataclasses
 
 from .. import engine as core
 from ..engine.api import check_temperature
-from ..engine.checks import check_top_k, check_top_p
+from ..engine.checks import check_seed, check_top_k, check_top_p
 from ..errors import ArgumentError, EvalError
 from ..sharding import make_mesh
 from . import datasets as ds
@@ -19,7 +19,6 @@ DEFAULT_METHODS = ("ar", "dspark", "ddtree", "sparklingtree", "pctree", "auto")
 DEFAULT_MAX_SAMPLES = 4
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_REPEATS = 3
-MAX_SEED = 2**63  # seeds are int64 on the device: [0, 2**63)
 
 
 @dataclasses.dataclass
@@ -178,8 +177,10 @@ def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[EvalConfig
                         "give one of them (--batch-sizes runs the batch-size sweep; --batch-size batches the "
                         "per-set run)")
     _positive("--repeats", cfg.repeats)
-    if not _is_int(cfg.seed) or not 0 <= cfg.seed < MAX_SEED:
-        raise EvalError(f"--seed: expected an integer in [0, 2**63), got {cfg.seed!r}")
+    try:
+        check_seed(cfg.seed)
+    except ArgumentError as e:
+        raise EvalError(f"--seed: {e}") from None
     _positive("--stage-samples", cfg.stage_samples, allow_none=True, allow_zero=True)
     if not cfg.datasets:
         raise EvalError("--datasets: no prompt set given")

@@ -20,11 +20,12 @@ import jax
 from tqdm.auto import tqdm
 
 from .. import engine as core
+from ..engine.checks import MAX_SEED
 from ..errors import EvalError, TokenizerError
 from ..text import encode_prompt, eos_ids
 from . import datasets as ds
 from . import metrics
-from .config import MAX_SEED, EvalConfig, eval_mesh, validate
+from .config import EvalConfig, eval_mesh, validate
 from .engine import Engine
 from .pair import DEMO_NOTE, Pair, load_pair, load_tok, param_dtype, resolve_pair
 from .records import Record, fill_batches, is_reference, make_record, prompt_pool, summarize, sweep_block, sweep_notes

@@ -27,12 +27,13 @@ import numpy as np
 from flax import nnx
 
 from .. import cachedir
-from ..engine.api import _key, check_seed, eos_array
+from ..engine.api import _key, eos_array
 from ..engine.checks import (
     MAX_SLOTS,
     bucket,
     check_int,
     check_models,
+    check_seed,
     check_temperature,
     check_top_k,
     check_top_p,

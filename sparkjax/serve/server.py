@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..engine.checks import MAX_SEED
 from ..engine.logprobs import MAX_LOGPROBS
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
 from ..text import encode_chat, encode_text
@@ -39,7 +40,6 @@ log = logging.getLogger("sparkjax.serve")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP = 16  # stop sequences per request (OpenAI takes 4; lm-eval's completions add the EOS string to a task's)
-MAX_SEED = 2**63
 DEFAULT_MAX_N = 8  # choices per request (--max-n)
 SEED_STEP = 0x9E3779B97F4A7C15  # choice i's seed: (seed + i * SEED_STEP) mod 2**63 (choice 0: the request's seed)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for completions' logprobs (chat's top_logprobs: MAX_LOGPROBS, 20)
