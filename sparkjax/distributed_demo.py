@@ -21,47 +21,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from . import engine
-from .config import DrafterConfig, Qwen3Config
 from .io.atomic import atomic_file
-from .nn.drafter import Drafter
-from .nn.qwen3 import Qwen3
 from .sharding import make_mesh
+from .testing import random_pair
 from .training import OptimConfig, Trainer
 
 DEFAULT_METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam", "auto")
 
 
-def tiny_pair(seed: int = 0, vocab: int = 32, heads: int = 8, kv_heads: int = 8):
-    """A random Qwen3 target (sharpened embeddings: greedy choices far from ties) and a DSpark drafter whose
-    heads and KV heads divide 8; the drafter's Markov head is the target's own bigram map, so drafts are often
-    accepted."""
-    tcfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-                       max_position_embeddings=512, tie_word_embeddings=False)
-    target = Qwen3(tcfg, rngs=nnx.Rngs(seed))
-    nnx.update(target, jax.tree.map(lambda x: x * 8.0, nnx.state(target.embed_tokens, nnx.Param)))
-    fields = {f.name: getattr(tcfg, f.name) for f in dataclasses.fields(Qwen3Config)}
-    dcfg = DrafterConfig(**{**fields, "num_hidden_layers": 1}, kind="dspark",
-                         block_size=4, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_target_layers=3,
-                         markov_rank=vocab, markov_head_type="vanilla")
-    drafter = Drafter(dcfg, rngs=nnx.Rngs(seed + 100))
-    ids = jnp.arange(vocab, dtype=jnp.int32)[:, None]
-    logits = nnx.jit(lambda model, ids: model(ids, jnp.zeros_like(ids)).logits)(target, ids)
-    bigram = jnp.argmax(logits[:, 0], axis=-1)  # [V]: prev -> next
-    head = drafter.markov_head
-    head.markov_w1.weight[...] = jnp.eye(vocab, dtype=head.markov_w1.weight.dtype)
-    head.markov_w2.weight[...] = 30.0 * jax.nn.one_hot(bigram, vocab, dtype=head.markov_w2.weight.dtype).T
-    return target, drafter
+# The demo's pair: 8-wide heads (heads and KV heads that divide 8 shard over a model axis of up to 8), its Markov head
+# the target's own bigram map, so drafts are often accepted. tiny_pair(seed, heads=..., kv_heads=...) varies the heads.
+tiny_pair = functools.partial(random_pair, vocab=32, hidden=64, heads=8, kv_heads=8, max_positions=512, tied=False,
+                              bigram=True)
 
 
 def tiny_prompts(batch: int, vocab: int = 32, seed: int = 1) -> list[list[int]]:

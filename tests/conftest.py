@@ -104,38 +104,12 @@ NEW_SHORT, NEW_LONG = 8, 24
 PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
 
 
-def make_random_pair(vocab=16, seed=0, markov=True, block=4, head="vanilla"):
-    """A tiny random target and DSpark drafter (a ``head`` Markov head, sharpened) that fit each other."""
-    import dataclasses
-
-    import jax
-    from flax import nnx
-
-    from sparkjax.config import DrafterConfig, Qwen3Config
-    from sparkjax.nn.drafter import Drafter
-    from sparkjax.nn.qwen3 import Qwen3
-
-    tcfg = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                       tie_word_embeddings=True)
-    target = Qwen3(tcfg, rngs=nnx.Rngs(seed))
-    # sharpen the random target so its distributions are far from uniform
-    nnx.update(target, jax.tree.map(lambda x: x * 8.0, nnx.state(target.embed_tokens, nnx.Param)))
-    fields = {f.name: getattr(tcfg, f.name) for f in dataclasses.fields(Qwen3Config)}
-    dcfg = DrafterConfig(**{**fields, "num_hidden_layers": 1, "tie_word_embeddings": False}, kind="dspark",
-                         block_size=block, target_layer_ids=(0, 1), mask_token_id=vocab - 1, num_target_layers=3,
-                         markov_rank=4 if markov else 0, markov_head_type=head if markov else None)
-    drafter = Drafter(dcfg, rngs=nnx.Rngs(seed + 100))
-    if markov:
-        head = drafter.markov_head
-        nnx.update(head, jax.tree.map(lambda x: x * 30.0, nnx.state(head, nnx.Param)))
-    return target, drafter
-
-
 @pytest.fixture(scope="session")
 def random_pair():
-    """The session's random pair (:func:`make_random_pair` with its defaults)."""
-    return make_random_pair()
+    """The session's random pair (:func:`sparkjax.testing.random_pair` with its defaults)."""
+    from sparkjax import testing
+
+    return testing.random_pair()
 
 
 # The short drafter training run the training tests resume, damage and export: train/recipes/tiny.json for

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import sparkjax
-from sparkjax import tree
+from sparkjax import testing, tree
 from sparkjax.engine import Auto, CostTable, adaptive, costs, generate, launch, load_cost_table, policy, profile_costs
 from sparkjax.engine.api import validate
 from sparkjax.engine.programs import spec_program, spec_start, split_pair
 from sparkjax.errors import ArgumentError, CostTableError, SparkjaxError
-from tests.conftest import NEW_LONG, PROMPTS3, make_random_pair
+from tests.conftest import NEW_LONG, PROMPTS3
 
 SIZES = (0, "chain", 2, 6, 16)
 NEW = NEW_LONG
@@ -606,7 +606,7 @@ def test_bad_auto_options_name_the_argument(kw, words):
 
 def test_auto_checks_against_the_pair(random_pair):
     target, drafter = random_pair
-    plain = make_random_pair(markov=False)[1]
+    plain = testing.random_pair(markov=None)[1]
     for call, words in (
         (lambda: generate(target, None, PROMPTS3, method="auto"), "drafter: method 'auto' needs a drafter"),
         # 16 ** 4 + ... reachable, but not with top_c=2

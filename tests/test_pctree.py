@@ -87,9 +87,10 @@ def test_pctree_plan_and_errors(random_pair):
 def test_block7_pairs_with_defaults_equal_ar(head):
     """A block-7 drafter (DeepSpec's released block size): pctree with its defaults, and the seed's SparklingTree
     (its candidates and normaliser, the gated head's own features), equal ar greedily."""
-    from tests.conftest import PROMPTS3, make_random_pair
+    from sparkjax.testing import random_pair
+    from tests.conftest import PROMPTS3
 
-    target, drafter = make_random_pair(vocab=32, seed=3, block=7, head=head)
+    target, drafter = random_pair(3, vocab=32, block=7, markov=head)
     assert drafter.config.markov_head_type == head and PCTree().nodes(drafter) == 28
     ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
     for method in ("pctree", "sparklingtree@24:seed:fanout=6"):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparkjax import testing
 from sparkjax.config import DrafterConfig, Qwen3Config
 from sparkjax.demo import DEMO_DIR as DEMO
 from sparkjax.engine.methods import TREE_METHODS, Method, parse_method
@@ -166,8 +167,7 @@ def abstract_models(preset: str) -> tuple[Qwen3, Drafter, Drafter]:
 def random_pair(preset: str, seed: int = 0) -> tuple[Qwen3, Drafter]:
     """The preset's target and DSpark drafter with random bf16 weights on the default device."""
     t, ds, _, _ = configs(preset)
-    return (Qwen3(t, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16), Drafter(ds, rngs=nnx.Rngs(seed + 1),
-                                                                       dtype=jnp.bfloat16))
+    return testing.random_pair(seed, configs=(t, ds), sharpen=False, dtype=jnp.bfloat16, drafter_seed=seed + 1)
 
 
 def lower(method: Method, target, drafter, batch: int, prompt: int, context: int, buf_len: int,
