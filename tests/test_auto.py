@@ -420,16 +420,16 @@ def test_bad_auto_memory_names_the_argument(random_pair):
 
 
 @pytest.mark.slow
-def test_eval_engine_carries_auto_memory_per_chain(random_pair, ar_tokens, monkeypatch):
-    """The eval's engine keeps the memory of each chain (batch size, repetition) of method auto, and none without
+def test_eval_runner_carries_auto_memory_per_chain(random_pair, ar_tokens, monkeypatch):
+    """The eval's pair runner keeps the memory of each chain (batch size, repetition) of method auto, and none without
     carry_auto or for other methods; its default auto takes the table for its shape (here a hand-made one)."""
-    from sparkjax.eval.engine import Engine, MethodConfig
+    from sparkjax.eval.engine import MethodConfig, PairRunner
 
     target, drafter = random_pair
     monkeypatch.setattr(costs, "profile", lambda t, d, plan, **kw: _table(random_pair, plan.method.sizes,
                                                                            BASE[: len(plan.method.sizes)]))
     kw = dict(eos=[], temperature=0.0, max_new_tokens=6, cache_size=64, prompt_width=8)
-    eng = Engine(target, drafter, **kw)
+    eng = PairRunner(target, drafter, **kw)
     mc = MethodConfig("auto", 16)
     assert eng.memory(mc, 1, 0) is None
     res = eng.launch(mc, PROMPTS3[:1], 0)
@@ -439,7 +439,7 @@ def test_eval_engine_carries_auto_memory_per_chain(random_pair, ar_tokens, monke
     assert out.tokens == [t[:6] for t in ar_tokens(PROMPTS3[:1])]
     eng.remember(MethodConfig("dspark"), 1, 0, eng.launch(MethodConfig("dspark"), PROMPTS3[:1], 0))
     assert eng.memory(MethodConfig("dspark"), 1, 0) is None
-    fresh = Engine(target, drafter, carry_auto=False, **kw)
+    fresh = PairRunner(target, drafter, carry_auto=False, **kw)
     fresh.remember(mc, 1, 0, res)
     assert fresh.memory(mc, 1, 0) is None
 
@@ -628,10 +628,10 @@ def test_eval_describes_every_default_method(random_pair):
     """The eval's per-method record (results.json) for every method it runs by default, auto included: the
     tree options resolve (auto reports the candidates of the tree it builds; chains have none)."""
     from sparkjax.eval.config import EvalConfig, method_configs
-    from sparkjax.eval.engine import Engine, MethodConfig
+    from sparkjax.eval.engine import MethodConfig, PairRunner
 
     target, drafter = random_pair
-    eng = Engine(target, drafter, eos=[], temperature=0.0, max_new_tokens=8, cache_size=256, prompt_width=64)
+    eng = PairRunner(target, drafter, eos=[], temperature=0.0, max_new_tokens=8, cache_size=256, prompt_width=64)
     seen = {}
     for mc in method_configs(EvalConfig(methods=sparkjax.engine.METHODS))[0]:  # the eval's own budgets
         seen[mc.method] = eng.describe(mc)

@@ -30,7 +30,7 @@ from sparkjax.engine.state import Launch
 from sparkjax.errors import EvalError
 from sparkjax.eval import EvalConfig, config, harness, pair, plots, records, report, runner
 from sparkjax.eval.cli import main
-from sparkjax.eval.engine import BatchOutput, Engine, MethodConfig
+from sparkjax.eval.engine import BatchOutput, MethodConfig, PairRunner
 from sparkjax.eval.records import Record, Sample
 from sparkjax.eval.results import EvalResults
 from sparkjax.nn.drafter import Drafter
@@ -43,7 +43,7 @@ SWEEP = [*PAIR, "--datasets", "mbpp", "--max-samples", "2", "--max-new-tokens", 
          "--repeats", "2"]
 
 
-class FakeEngine(Engine):
+class FakeRunner(PairRunner):
     """Canned outputs: every method emits a prompt's first id then 1, 2, ... (drafted ones in rounds of 2); ``LOG``
     records each launch (label, batch size, kind), ``PROMPTS`` each batch."""
 
@@ -51,8 +51,8 @@ class FakeEngine(Engine):
     PROMPTS: list = []
 
     def launch(self, mc, batch, seed, *, prefill_only=False, auto_memory=None):
-        FakeEngine.LOG.append((mc.label, len(batch), "prefill" if prefill_only else "full"))
-        FakeEngine.PROMPTS.append((mc.label, [list(p) for p in batch]))
+        FakeRunner.LOG.append((mc.label, len(batch), "prefill" if prefill_only else "full"))
+        FakeRunner.PROMPTS.append((mc.label, [list(p) for p in batch]))
         time.sleep(0.0002 if prefill_only else 0.002)
         return types.SimpleNamespace(mc=mc, batch=[list(p) for p in batch], extra=None)
 
@@ -67,17 +67,17 @@ class FakeEngine(Engine):
         return self._canned(res.mc, res.batch)
 
     def instrumented(self, mc, batch, seed):
-        FakeEngine.LOG.append((mc.label, len(batch), "stages"))
+        FakeRunner.LOG.append((mc.label, len(batch), "stages"))
         out = self._canned(mc, batch)
         out.stage_seconds = {"draft": 0.001, "tree": 0.0005, "verify": 0.002, "commit": 0.0001}
         return out
 
 
 @pytest.fixture
-def fake(monkeypatch):  # runs of this test use FakeEngine; its launch log
-    monkeypatch.setattr(harness, "Engine", FakeEngine)
-    FakeEngine.LOG, FakeEngine.PROMPTS = [], []
-    return FakeEngine.LOG
+def fake(monkeypatch):  # runs of this test use FakeRunner; its launch log
+    monkeypatch.setattr(harness, "PairRunner", FakeRunner)
+    FakeRunner.LOG, FakeRunner.PROMPTS = [], []
+    return FakeRunner.LOG
 
 
 def cli(*argv):
@@ -157,13 +157,13 @@ def test_ctrl_c_keeps_whole_batches(fake, tmp_path, monkeypatch, argv, table, ke
 
 
 def test_ctrl_c_flag_stops_before_the_next_unit_of_work_and_restores_the_handler(fixture_target, monkeypatch):
-    eng = FakeEngine(fixture_target, None, eos=[], temperature=0.0, max_new_tokens=8, cache_size=64, prompt_width=8)
-    FakeEngine.LOG, stop = [], runner.Interrupt()
+    stub = FakeRunner(fixture_target, None, eos=[], temperature=0.0, max_new_tokens=8, cache_size=64, prompt_width=8)
+    FakeRunner.LOG, stop = [], runner.Interrupt()
     stop.requested = True
     with pytest.raises(runner.Stopped):
-        runner.time_batch([(eng, MethodConfig("ar"))], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set(),
+        runner.time_batch([(stub, MethodConfig("ar"))], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set(),
                           stop=stop)
-    assert FakeEngine.LOG == []
+    assert FakeRunner.LOG == []
     seen = []
 
     def spy(*a, **k):
@@ -227,7 +227,7 @@ def test_baseline_drafter_and_prompts_as_encoded(fake, tmp_path):
     first = [json.loads(pathlib.Path(s).read_text().splitlines()[0]) for s in sets]
     expected = [encode_prompt(tok, first[0]["text"], "text"), encode_prompt(tok, first[1]["turns"][0], "chat")]
     assert expected[0] == tok.encode(first[0]["text"], add_special_tokens=False) and expected[1][0] == 302
-    assert [p for lab, p in FakeEngine.PROMPTS if lab == "dspark"] == [[expected[0]]] * 4 + [[expected[1]]] * 2
+    assert [p for lab, p in FakeRunner.PROMPTS if lab == "dspark"] == [[expected[0]]] * 4 + [[expected[1]]] * 2
 
 
 def test_demo_defaults_and_missing_demo_assets(tmp_path, monkeypatch, capsys):
@@ -269,10 +269,10 @@ def test_drafter_objects_get_the_one_pair_check(fixture_target):
 
 def test_outputs_raise_on_non_finite_logits():
     out, n = np.array([[5, 6, 7, 0]]), np.array([3])
-    assert Engine.outputs(Launch(out, n, None, None, None, np.array([-1]))).tokens == [[5, 6, 7]]
+    assert PairRunner.outputs(Launch(out, n, None, None, None, np.array([-1]))).tokens == [[5, 6, 7]]
     with pytest.raises(sparkjax.NumericalError, match="round 2"):
-        Engine.outputs(Launch(out, n, None, None, None, np.array([2])))
-    res = Engine.outputs(Launch(out, n, np.array([[1, 2, 0]]), np.array([2]), np.array([[1, 0]]), np.array([-1]),
+        PairRunner.outputs(Launch(out, n, None, None, None, np.array([2])))
+    res = PairRunner.outputs(Launch(out, n, np.array([[1, 2, 0]]), np.array([2]), np.array([[1, 0]]), np.array([-1]),
                                 types.SimpleNamespace(choices=np.array([[0, 2, -1]])), labels=("ar", "dspark", "t@16")))
     assert res.size_choices == [["ar", "t@16"]] and res.acceptance_lengths == [[1, 2]]  # auto's rounds named
 
@@ -406,9 +406,9 @@ def test_fake_sweep_rows_cycling_and_exactness(fake, tmp_path):
             assert len(r["run_seconds"]) == 2 and r["seed"] == r["batch"]
         assert row["same_across_batches"] == 1.0 and row["same_as_ar"] in (None, 1.0)
     # warm-up of each new shape before its timed runs; no stage pass in a sweep
-    assert FakeEngine.LOG[:4] == [("ar", 1, "full"), ("ar", 1, "prefill"), ("dspark", 1, "full"),
+    assert FakeRunner.LOG[:4] == [("ar", 1, "full"), ("ar", 1, "prefill"), ("dspark", 1, "full"),
                                   ("dspark", 1, "prefill")]
-    assert ("ar", 3, "full") in FakeEngine.LOG and not any(kind == "stages" for *_, kind in FakeEngine.LOG)
+    assert ("ar", 3, "full") in FakeRunner.LOG and not any(kind == "stages" for *_, kind in FakeRunner.LOG)
 
 
 # ----------------------------------------------------------------------------- on a subprocess

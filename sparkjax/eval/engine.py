@@ -67,8 +67,9 @@ def memory_limit() -> int | None:
         return None
 
 
-class Engine:
-    """Runs one pair with a fixed cache size, EOS set, temperature and output capacity (``max_new_tokens``)."""
+class PairRunner:
+    """Runs the methods of one pair with a fixed cache size, EOS set, temperature and output capacity
+    (``max_new_tokens``)."""
 
     path = "fixed-shape"  # recorded in results.json: every batch shares one prompt width, cache and capacity
 

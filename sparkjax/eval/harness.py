@@ -1,6 +1,6 @@
 """The eval's orchestrator: what to run (the pair, the prompts, the methods, the batches), then the report.
 
-:func:`run` validates every setting, loads the pair and the prompt sets, builds one :class:`Engine` per
+:func:`run` validates every setting, loads the pair and the prompt sets, builds one :class:`PairRunner` per
 drafter, refuses what cannot fit in memory, times every batch with every method through
 :mod:`sparkjax.eval.runner`, and summarizes and saves the :class:`EvalResults`.
 """
@@ -26,7 +26,7 @@ from ..text import encode_prompt, eos_ids
 from . import datasets as ds
 from . import metrics
 from .config import EvalConfig, eval_mesh, validate
-from .engine import Engine
+from .engine import PairRunner
 from .pair import DEMO_NOTE, Pair, load_pair, load_tok, param_dtype, resolve_pair
 from .records import Record, fill_batches, is_reference, make_record, prompt_pool, summarize, sweep_block, sweep_notes
 from .results import EvalResults, check_out
@@ -143,9 +143,9 @@ class _Run:
             n_batches = sum(math.ceil(len(rows) / cfg.batch_size) for rows in selected.values())
         if cfg.seed + n_batches - 1 >= MAX_SEED:
             raise EvalError(f"--seed: batch i runs with seed + i, and {cfg.seed} + {n_batches - 1} is not below 2**63")
-        engines = self.engines(pair, eos, selected)
+        runners = self.runners(pair, eos, selected)
         self.early_stop()
-        setup = self.setup(pair, tok_src, eos, engines, sets, selected, skipped)
+        setup = self.setup(pair, tok_src, eos, runners, sets, selected, skipped)
         done: list[Record] = []
         pool = prompt_pool(selected) if cfg.batch_sizes else None
         interrupted = False
@@ -184,47 +184,47 @@ class _Run:
             results.setup["files"] = results.save(cfg.out, plots=cfg.plots)
         return results
 
-    def engines(self, pair: Pair, eos: list[int], selected) -> dict:
-        """One engine per drafter (sharing the target, the cache size and the prompt width); checks memory."""
+    def runners(self, pair: Pair, eos: list[int], selected) -> dict:
+        """One runner per drafter (sharing the target, the cache size and the prompt width); checks memory."""
         cfg = self.cfg
         longest = max(len(ids) for rows in selected.values() for _, _, ids in rows)
         width = core.bucket(longest)
         mesh = eval_mesh(cfg.mesh)
-        by_drafter: dict[int, Engine] = {}
-        engines, self.roles = {}, {}
+        by_drafter: dict[int, PairRunner] = {}
+        runners, self.roles = {}, {}
         for mc in self.mcs:
             model, d_dir, role = pair.drafter_of(mc)
-            if model is None:  # ar: any engine serves; it runs the target alone
+            if model is None:  # ar: any runner serves; it runs the target alone
                 model = pair.drafter if pair.drafter is not None else pair.baseline
             if id(model) not in by_drafter:
-                by_drafter[id(model)] = Engine(pair.target, model, eos=eos, temperature=cfg.temperature,
-                                               max_new_tokens=cfg.max_new_tokens, cache_size=1, prompt_width=width,
-                                               mesh=mesh, carry_auto=not cfg.fresh_auto, top_p=cfg.top_p,
-                                               top_k=cfg.top_k)
-            engines[mc], self.roles[mc] = by_drafter[id(model)], (d_dir, role)
-        plans = [engines[mc].plan(mc) for mc in self.mcs]  # validates budget / top_c against the pair
+                by_drafter[id(model)] = PairRunner(pair.target, model, eos=eos, temperature=cfg.temperature,
+                                                   max_new_tokens=cfg.max_new_tokens, cache_size=1,
+                                                   prompt_width=width, mesh=mesh, carry_auto=not cfg.fresh_auto,
+                                                   top_p=cfg.top_p, top_k=cfg.top_k)
+            runners[mc], self.roles[mc] = by_drafter[id(model)], (d_dir, role)
+        plans = [runners[mc].plan(mc) for mc in self.mcs]  # validates budget / top_c against the pair
         cache = core.required_cache_size(longest, cfg.max_new_tokens, plans, prompt_width=width)
-        for eng in by_drafter.values():
-            eng.cache_size = cache
+        for runner in by_drafter.values():
+            runner.cache_size = cache
         flag = "--batch-sizes" if cfg.batch_sizes else "--budgets"
         for size in cfg.batch_sizes or (cfg.batch_size,):  # a verify that cannot fit: refused before compiling
             for mc in self.mcs:
-                engines[mc].check_memory(mc, size, flag=flag)
-        self.units = [(engines[mc], mc) for mc in self.mcs]
-        return engines
+                runners[mc].check_memory(mc, size, flag=flag)
+        self.units = [(runners[mc], mc) for mc in self.mcs]
+        return runners
 
-    def setup(self, pair: Pair, tok_src: str, eos, engines, sets, selected, skipped) -> dict[str, Any]:
+    def setup(self, pair: Pair, tok_src: str, eos, runners, sets, selected, skipped) -> dict[str, Any]:
         cfg, mcs = self.cfg, self.mcs
-        eng = engines[mcs[0]]
+        runner = runners[mcs[0]]
         return {
             "target": pair.target_dir, "drafter": pair.drafter_dir, "baseline_drafter": pair.baseline_dir,
             "baseline_methods": [mc.label for mc in mcs if self.roles[mc][1] == "baseline"],
             "tokenizer": tok_src, "default_pair": pair.default, "dtype": param_dtype(pair.target),
-            "methods": [{**engines[mc].describe(mc), "drafter": self.roles[mc][0], "drafter_role": self.roles[mc][1]}
+            "methods": [{**runners[mc].describe(mc), "drafter": self.roles[mc][0], "drafter_role": self.roles[mc][1]}
                         for mc in mcs],
-            "labels": [mc.label for mc in mcs], "depths": {mc.label: engines[mc].depth(mc) for mc in mcs},
-            "eos_token_ids": eos, "cache_size": eng.cache_size, "prompt_width": eng.prompt_width,
-            "timing_path": eng.path, "mesh": None if eng.mesh is None else dict(eng.mesh.shape),
+            "labels": [mc.label for mc in mcs], "depths": {mc.label: runners[mc].depth(mc) for mc in mcs},
+            "eos_token_ids": eos, "cache_size": runner.cache_size, "prompt_width": runner.prompt_width,
+            "timing_path": runner.path, "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
             "auto_memory": "fresh" if cfg.fresh_auto else "carried",
             "datasets": [{"name": s.name, "path": s.path, "kind": s.kind, "prompts_in_file": len(s),
                           "used": [i for i, _, _ in selected.get(s.name, [])]} for s in sets],
@@ -246,11 +246,11 @@ class _Run:
         first = [ids for _, _, ids in next(iter(selected.values()))[: cfg.batch_size]]
         stages = cfg.stage_samples != 0
 
-        def warm(eng, mc):  # (shape key, whether the stage functions got warm, the warm-up's record)
+        def warm(runner, mc):  # (shape key, whether the stage functions got warm, the warm-up's record)
             t0 = time.perf_counter()
             with CompileLog() as log:
-                staged = warm_up(eng, mc, first, seed=cfg.seed, stages=stages)
-            return eng.shape_key(mc, first), staged, log.record(time.perf_counter() - t0)
+                staged = warm_up(runner, mc, first, seed=cfg.seed, stages=stages)
+            return runner.shape_key(mc, first), staged, log.record(time.perf_counter() - t0)
 
         # Compiling is most of the warm-up and XLA compiles one program per thread: the methods warm up
         # WARMUP_THREADS at a time. auto profiles its candidates' costs while it warms up, so it runs alone.
@@ -262,7 +262,7 @@ class _Run:
         self.stop.check()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
-            futures = {pool.submit(warm, eng, mc): mc for eng, mc in together}
+            futures = {pool.submit(warm, runner, mc): mc for runner, mc in together}
             try:
                 for fut in concurrent.futures.as_completed(futures):
                     done[futures[fut].label] = fut.result()
@@ -273,10 +273,10 @@ class _Run:
                 for fut in futures:
                     fut.cancel()  # the ones not started; those running finish
                 raise
-        for eng, mc in alone:
+        for runner, mc in alone:
             self.stop.check()
             bar.set_postfix_str(mc.label)
-            done[mc.label] = warm(eng, mc)
+            done[mc.label] = warm(runner, mc)
             bar.update(1)
         bar.close()
         self.warmup_wall = {"seconds": time.perf_counter() - t0, "threads": WARMUP_THREADS}

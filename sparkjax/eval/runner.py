@@ -38,7 +38,7 @@ from typing import Any
 import jax
 
 from ..bench.timing import SPREAD_WARNING, interleave
-from .engine import BatchOutput, Engine, MethodConfig
+from .engine import BatchOutput, MethodConfig, PairRunner
 
 
 class Stopped(Exception):
@@ -160,17 +160,17 @@ class CompileLog:
                 "programs": [{"name": n, "seconds": s} for n, s in sorted(self.programs, key=lambda p: -p[1])]}
 
 
-def warm_up(engine: Engine, mc: MethodConfig, batch: list[list[int]], *, seed: int, stages: bool) -> bool:
+def warm_up(runner: PairRunner, mc: MethodConfig, batch: list[list[int]], *, seed: int, stages: bool) -> bool:
     """Compiles and runs once everything :func:`time_batch` times for this shape; returns whether the
     instrumented mode got warm too (its stage functions compile only when the batch has a round)."""
-    jax.block_until_ready(engine.launch(mc, batch, seed))
-    jax.block_until_ready(engine.launch(mc, batch, seed, prefill_only=True))
-    return stages and mc.speculative and any(engine.instrumented(mc, batch, seed).acceptance_lengths)
+    jax.block_until_ready(runner.launch(mc, batch, seed))
+    jax.block_until_ready(runner.launch(mc, batch, seed, prefill_only=True))
+    return stages and mc.speculative and any(runner.instrumented(mc, batch, seed).acceptance_lengths)
 
 
-def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]], *, seed: int, repeats: int,
+def time_batch(units: list[tuple[PairRunner, MethodConfig]], batch: list[list[int]], *, seed: int, repeats: int,
                stages: bool, warmed: set, stop: Interrupt) -> dict[MethodConfig, Timed]:
-    """Times ``batch`` with every ``(engine, method)`` unit by the protocol above. ``warmed`` holds the shapes
+    """Times ``batch`` with every ``(runner, method)`` unit by the protocol above. ``warmed`` holds the shapes
     already compiled (updated here). Raises :class:`Stopped` when ``stop`` is set between two units of work
     (the batch is then dropped whole)."""
 
@@ -180,37 +180,37 @@ def time_batch(units: list[tuple[Engine, MethodConfig]], batch: list[list[int]],
             fn(*args, **kwargs)
             warmed.add(key)
 
-    for eng, mc in units:
-        once(eng.shape_key(mc, batch), warm_up, eng, mc, batch, seed=seed, stages=False)
+    for runner, mc in units:
+        once(runner.shape_key(mc, batch), warm_up, runner, mc, batch, seed=seed, stages=False)
     last: dict[MethodConfig, Any] = {}
     reps = {mc: 0 for _, mc in units}
 
-    def variant(eng, mc, kind: str):
+    def variant(runner, mc, kind: str):
         def go():
             stop.check()
             if kind == "prefill":
-                return eng.launch(mc, batch, seed, prefill_only=True)
+                return runner.launch(mc, batch, seed, prefill_only=True)
             r = reps[mc]
             reps[mc] += 1
-            res = last[mc] = eng.launch(mc, batch, seed, auto_memory=eng.memory(mc, len(batch), r))
-            eng.remember(mc, len(batch), r, res)
+            res = last[mc] = runner.launch(mc, batch, seed, auto_memory=runner.memory(mc, len(batch), r))
+            runner.remember(mc, len(batch), r, res)
             return res
         return go
 
-    stats = interleave({(mc, kind): variant(eng, mc, kind) for eng, mc in units for kind in ("full", "prefill")},
+    stats = interleave({(mc, kind): variant(runner, mc, kind) for runner, mc in units for kind in ("full", "prefill")},
                        repeats)
     out: dict[MethodConfig, Timed] = {}
-    for eng, mc in units:
-        res = eng.outputs(last[mc], len(batch))
+    for runner, mc in units:
+        res = runner.outputs(last[mc], len(batch))
         if mc.speculative:
             iterations = max((len(a) for a in res.acceptance_lengths), default=0)
         else:  # ar: the first token comes from the prefill, then one loop step per token
             iterations = max((len(t) for t in res.tokens), default=1) - 1
         stage = None
         if stages and mc.speculative and iterations > 0:  # a batch without a round has no stage to time
-            once((eng.shape_key(mc, batch), "stages"), eng.instrumented, mc, batch, seed)
+            once((runner.shape_key(mc, batch), "stages"), runner.instrumented, mc, batch, seed)
             stop.check()
-            ins = eng.instrumented(mc, batch, seed)
+            ins = runner.instrumented(mc, batch, seed)
             stage = {"seconds": ins.stage_seconds, "rounds": max((len(a) for a in ins.acceptance_lengths), default=0),
                      "acceptance_lengths": ins.acceptance_lengths}
         out[mc] = Timed(res, list(stats[mc, "full"].samples), list(stats[mc, "prefill"].samples), iterations, stage)
