@@ -36,8 +36,8 @@ from sparkjax.nn.qwen3 import Qwen3
 from sparkjax.training import DataError, Objective, OptimConfig, TrainConfig, Trainer, TrainingError, load_jsonl, train
 from sparkjax.training.anchors import anchor_candidates, anchors_from_uniforms, build_blocks, sample_anchors
 from sparkjax.training.data import BatchStream, TokenData, as_batch, fixed_batches, precompute_features, synthetic_data
+from sparkjax.training.drafter import build_models
 from sparkjax.training.forward import batch_loss
-from sparkjax.training.loop import build_models
 from sparkjax.training.models import init_drafter, load_drafter_for_training, new_drafter_config
 from sparkjax.training.optim import make_schedule
 from tests.conftest import tiny_run_config as run_config

@@ -30,7 +30,7 @@ from sparkjax.nn.qwen3 import Qwen3
 from sparkjax.sharding import batch_sharding, make_mesh
 from sparkjax.training import TrainConfig, Trainer
 from sparkjax.training.data import BatchStream
-from sparkjax.training.loop import build_data, build_models
+from sparkjax.training.drafter import build_data, build_models
 from sparkjax.training.loss import Objective
 from sparkjax.training.optim import OptimConfig, make_optimizer
 from sparkjax.training.trainer import DEFAULT_FREEZE, StepSpec, train_step_fn, trainable_filter

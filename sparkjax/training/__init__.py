@@ -5,9 +5,9 @@ from ..errors import DataError, TrainingError
 from .anchors import Blocks, anchor_candidates, anchors_from_uniforms, build_blocks, sample_anchors
 from .config import TrainConfig
 from .data import BatchStream, TokenData, load_jsonl, synthetic_data
+from .drafter import DrafterTask, export_run, train
 from .fit import LoopSettings, RunResult, Task, fit
 from .forward import TrainOutputs, batch_loss, drafter_outputs, target_features
-from .loop import DrafterTask, export_run, train
 from .loss import LossSums, Objective, dspark_loss_sums
 from .models import init_drafter, load_drafter_for_training, new_drafter_config
 from .optim import OptimConfig, make_optimizer, make_schedule

@@ -17,7 +17,7 @@ from ..cli import OneLineParser
 from ..cli import run_cli as _run_cli
 from ..errors import ArgumentError
 from .config import TrainConfig
-from .loop import export_run, train
+from .drafter import export_run, train
 
 
 def run_cli(body) -> int:
