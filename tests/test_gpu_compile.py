@@ -150,6 +150,42 @@ def test_loop_placement_from_the_thunk_tree():
         loops.loop_placement(LOOPS_HLO, loops.CompiledThunks(HOST_THUNKS, {}, True))
 
 
+def test_round_launches_and_the_projection_range():
+    """Which kernels of a round are replayed from a command buffer and which the host launches one by one (by
+    their thunks), and the projection that prices each: a range from the low to the high point of every
+    overhead, plus the calibration point for sparklingtree@64 at batch 1 and 8."""
+    meta = LOOPS_META + "".join(
+        f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {i}\n  }}\n'
+        f'  thunk_kind: "kKernel"\n}}\n' for name, i in (("wrapped_compare", 4), ("loop_add_fusion", 7)))
+    kernels = [hlo.Kernel(name, "fusion", n, 0, 0, True)
+               for name, n in (("wrapped_compare", 1.0), ("loop_add_fusion", 3.0), ("nowhere", 2.0))]
+    host = loops.round_launches(LOOPS_HLO, loops.CompiledThunks(HOST_THUNKS, loops.thunk_names(meta), True),
+                                kernels, "host")
+    # from the host: every kernel thunk of the loop outside a command buffer; a name with no thunk counts eager
+    assert host == {"graph_kernels": 0, "eager_kernels": 6, "unmatched_kernels": 2, "graph_launches": 0}
+    device = loops.round_launches(LOOPS_HLO, loops.CompiledThunks(DEVICE_THUNKS, loops.thunk_names(meta), True),
+                                  kernels, "command_buffer")
+    assert device == {"graph_kernels": 4, "eager_kernels": 2, "unmatched_kernels": 2, "graph_launches": 1}
+    o = gpu.OVERHEADS
+    rng = gpu.projection(100.0, device, 1)
+    for p in gpu.POINTS:
+        assert rng[p] == pytest.approx(100 + 4 * o["graph_kernel_us"].at(p) + 2 * o["eager_kernel_us"].at(p)
+                                       + o["graph_launch_us"].at(p) + o["host_round_trip_us"].at(p))
+    assert rng["low"] < rng["central"] < rng["high"]
+    assert all(o[k].low < o[k].central < o[k].high and o[k].source for k in o)
+    # a host round trip costs more than replaying the kernel from the graph, at every point
+    assert all(gpu.projection(0, device, 1)[p] > gpu.projection(0, device, 0)[p] for p in gpu.POINTS)
+    cal = gpu.calibration("sparklingtree@64", 8, {"low": 2.0, "central": 3.0, "high": 4.0})
+    measured = 20.98 / 5.74
+    assert cal["measured_round_ar_steps"] == pytest.approx(measured) and cal["measured_on"] == "h100"
+    assert cal["ratio"] == pytest.approx({"low": 2 / measured, "central": 3 / measured, "high": 4 / measured})
+    assert gpu.calibration("sparklingtree@64", 1, dict.fromkeys(gpu.POINTS, 1.0))["measured_round_ar_steps"] == \
+        pytest.approx(8.54 / 4.87)
+    assert gpu.calibration("sparklingtree@16", 8, dict.fromkeys(gpu.POINTS, 1.0)) is None
+    assert gpu.calibration("sparklingtree@64", 32, dict.fromkeys(gpu.POINTS, 1.0)) is None
+    assert gpu.fmt_range({"low": 1.5, "central": 1.2, "high": 1.1}) == "1.20 (1.10-1.50)"
+
+
 def test_loop_compiler_options_only_for_a_gpu():
     cb = programs.loop_compiler_options(Options(), "gpu")
     assert cb == {"xla_gpu_enable_command_buffer":
@@ -211,6 +247,11 @@ def test_h200_compile(tmp_path):
         assert "error" not in r and r["target"] == "h200" and r["batch"] == 2 and r["context"] == 256
         assert r["kernels_per_round"] > 0 and r["bytes_per_round"] > 0 and r["fits"]
         assert r["peak_bytes"] >= r["argument"] > 0
+        rng, ln = r["round_us_range"], r["launches"]
+        assert r["roofline_us"] < rng["low"] < rng["central"] < rng["high"] and r["round_us"] == rng["central"]
+        # with the engine's options the round is one command buffer: every kernel replayed, none launched alone
+        assert ln["graph_kernels"] == r["kernels_per_round"] and ln["eager_kernels"] == 0, ln
+        assert ln["graph_launches"] == 1 and "calibration" not in r  # the calibration is sparklingtree@64's
     assert by["einsum", "ar"]["round_ar_steps"] == 1.0
     assert by["einsum", "sparklingtree@16"]["round_ar_steps"] > 1.0  # 17 verified rows plus the drafter
     assert by["einsum", "sparklingtree@16"]["f32_scores"]  # the reference path materialises f32 scores

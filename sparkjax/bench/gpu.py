@@ -5,21 +5,26 @@
         --methods ar,dspark,sparklingtree@16,sparklingtree@64,auto --attention einsum,dpa
     python -m sparkjax.bench gpu-compile --cases 1:1024,8:1024,32:8192 --methods ar,sparklingtree@64
 
-Every program is compiled by XLA:GPU for an H200 target description (``jax.experimental.topologies`` with
-:data:`H200`) from abstract bf16 weights placed on that compile-only device, traced as a GPU process traces it
-(``jax.default_backend()`` reads ``"gpu"``); nothing runs. Per program: ``memory_analysis()`` (peak = arguments
-+ outputs + temporaries - aliased) and, for one iteration of the generation loop (``ar``: one decode step), the
-kernels, bytes and FLOPs (:mod:`sparkjax.bench.hlo`), the projection ``sum over kernels of max(bytes / 4.8 TB/s,
-FLOPs / 989.5 TFLOP/s) + --launch-us per kernel`` in AR steps, float32 tensors shaped like attention scores
-``[B, N, T, S]``, and kernels that copy, transpose or concatenate a layer's KV cache. And where the program's loop
+Every program is compiled by XLA:GPU for an H200 (or, ``--target h100``, an H100) target description
+(``jax.experimental.topologies`` with :data:`H200` / :data:`H100`) from abstract bf16 weights placed on that
+compile-only device, traced as a GPU process traces it (``jax.default_backend()`` reads ``"gpu"``); nothing runs.
+Per program: ``memory_analysis()`` (peak = arguments + outputs + temporaries - aliased); where the program's loop
 runs (:mod:`sparkjax.bench.loops`): ``loop`` (``command_buffer``, ``known_trip_count`` or ``host``) and
 ``host_round_trips_per_round``, read from the compiled program, with the engine's per-program loop options
-(``--gpu-loop command_buffer``) or XLA's defaults (``--gpu-loop xla_default``).
+(``--gpu-loop command_buffer``) or XLA's defaults (``--gpu-loop xla_default``); and, for one iteration of the
+generation loop (``ar``: one decode step), the kernels, bytes and FLOPs (:mod:`sparkjax.bench.hlo`), how they are
+launched (``launches``: replayed from a command buffer or launched one by one, command buffers started; from XLA's
+thunk tree) and the projection, a range: the kernels' roofline ``sum of max(bytes / bandwidth, FLOPs / 989.5
+TFLOP/s)`` plus each launch and host round trip priced at the low / central / high points of :data:`OVERHEADS`, in
+microseconds and in AR steps, beside the outside calibration point (:data:`CALIBRATION`, measured rounds of SGLang
+on an H100) with projection / measurement. Also float32 tensors shaped like attention scores ``[B, N, T, S]`` and
+kernels that copy, transpose or concatenate a layer's KV cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -39,7 +44,6 @@ from .common import (
     WRITEUP_SPEEDUP,
     abstract_models,
     add_output,
-    at_least,
     configs,
     describe,
     dump_hlo,
@@ -74,7 +78,58 @@ H100 = {**H200, "name": "NVIDIA H100 80GB HBM3", "memory_bandwidth": 3_352_320_0
         "device_memory_size": 84_942_979_072}
 TARGETS = {"h200": H200, "h100": H100}
 
-LAUNCH_US = 2.0  # the default launch cost charged per kernel (see docs/benchmarks.md)
+POINTS = ("low", "central", "high")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+    """One execution overhead of the projection, in microseconds: low / central / high and where they come from."""
+
+    low: float
+    central: float
+    high: float
+    source: str
+
+    def at(self, point: str) -> float:
+        return getattr(self, point)
+
+
+# What the projection charges beyond each kernel's roofline time, per round (docs/benchmarks.md, "What the projection
+# charges"). Public figures, none measured by sparkjax: the device check (python -m sparkjax.bench device) measures
+# them on the first GPU it runs on.
+OVERHEADS = {
+    "graph_kernel_us": Overhead(
+        0.2, 0.5, 1.0, "per kernel replayed from a CUDA graph (a command buffer): the device-side gap between "
+        "back-to-back graph nodes, well under 1 us on Hopper; a whole decode step's graph replay costs a few us "
+        "(NVIDIA, 'Getting Started with CUDA Graphs', developer.nvidia.com/blog/cuda-graphs/; 'Constant Time Launch "
+        "for Straight-Line CUDA Graphs', developer.nvidia.com/blog/constant-time-launch-for-straight-line-graphs-"
+        "and-other-performance-enhancements/)"),
+    "graph_launch_us": Overhead(
+        2.0, 4.0, 8.0, "per command buffer started in a round: a graph launch by the host (or, for a loop in a "
+        "command buffer, the device starting the body's graph again from its conditional node): a few us per "
+        "whole step (same sources)"),
+    "eager_kernel_us": Overhead(
+        2.5, 3.5, 5.0, "per kernel the host launches one by one (a thunk outside every command buffer): 2.5-5 us "
+        "per eager launch on Hopper in public measurements (e.g. 4-6 us per launch in susun-blog.com/blog/"
+        "pegainfer-3-cuda-graph; NVIDIA's CUDA Graphs post); charged in full, as if no launch overlapped a kernel"),
+    "host_round_trip_us": Overhead(
+        10.0, 20.0, 50.0, "per device->host round trip in a round (a loop run from the host reads its predicate, "
+        "a conditional its branch index: a few-byte copy to the host, a stream synchronisation, the host waking "
+        "and enqueuing what follows while the GPU idles; the relaunch itself is a graph_launch_us): an estimate, "
+        "no published figure for XLA's while thunk; the device check measures the GPU's idle time between rounds"),
+}
+
+# The outside calibration point: measured rounds of the SparklingTree authors' concurrency study
+# (github.com/jwlaboratory/diffusion-sparked-tree, commit d343001, concurrency/PREDICTION.md "tree_w65_noov" and
+# concurrency/REPORT.md "baseline_noov" mean TPOT): SGLang v0.5.16 (lmsysorg/sglang:v0.5.16-cu129) on one H100,
+# Qwen/Qwen3-4B, CUDA graphs and FlashInfer, overlap scheduling off; a width-65 tree round (draft + verify; the
+# host-resident tree builder's own time not included) against the plain decode step.
+CALIBRATION = {
+    "source": "SGLang v0.5.16, one H100, Qwen3-4B, CUDA graphs + FlashInfer (jwlaboratory/diffusion-sparked-tree "
+              "@ d343001, concurrency/PREDICTION.md tree_w65_noov / REPORT.md baseline_noov TPOT)",
+    "label": "sparklingtree@64", "verify_width": 65, "device": "h100",
+    "points": {1: {"round_ms": 8.54, "ar_step_ms": 4.87}, 8: {"round_ms": 20.98, "ar_step_ms": 5.74}},
+}
 GPU_AOT_HINT = 'pip install -e ".[gpu-aot]" (jax-cuda12-plugin / jax-cuda12-pjrt of this jax, nvidia-cudnn-cu12)'
 PROMPT = 16  # prompt width of the compiled programs
 BUF_LEN = 64  # output slots of the compiled programs
@@ -166,8 +221,42 @@ def kernel_seconds(k: hlo.Kernel, spec: dict) -> float:
     return max(k.bytes / spec["memory_bandwidth"], k.flops / spec["bf16_flops"])
 
 
-def analyse(text: str, preset: str, batch: int, context: int, spec: dict, launch_us: float) -> dict:
-    """The round's (the loop body's) figures from the optimised GPU HLO ``text``."""
+def projection(roofline_us: float, launches: dict, host_round_trips: int, overheads: dict | None = None) -> dict:
+    """``{point: round us}`` for low / central / high: the kernels' roofline time plus, at that point of each
+    :data:`OVERHEADS` range, every graph-replayed kernel, every eagerly launched one, every command buffer started
+    and every device->host round trip of the round (additive: no overhead is assumed hidden behind a kernel)."""
+    o = overheads or OVERHEADS
+    return {p: roofline_us + launches["graph_kernels"] * o["graph_kernel_us"].at(p)
+            + launches["eager_kernels"] * o["eager_kernel_us"].at(p)
+            + launches["graph_launches"] * o["graph_launch_us"].at(p)
+            + host_round_trips * o["host_round_trip_us"].at(p) for p in POINTS}
+
+
+def calibration(label: str, batch: int, ar_steps: dict) -> dict | None:
+    """The outside calibration point (:data:`CALIBRATION`) for a ``label`` row at ``batch`` with projected
+    ``{point: round AR steps}``: the measured AR steps and projection / measurement per point; None for other
+    rows."""
+    point = CALIBRATION["points"].get(batch)
+    if label != CALIBRATION["label"] or point is None:
+        return None
+    measured = point["round_ms"] / point["ar_step_ms"]
+    return {"measured_round_ar_steps": measured, "measured_round_ms": point["round_ms"],
+            "measured_ar_step_ms": point["ar_step_ms"], "measured_on": CALIBRATION["device"],
+            "source": CALIBRATION["source"], "ratio": {p: ar_steps[p] / measured for p in POINTS}}
+
+
+def fmt_range(r: dict | None, spec: str = ".2f") -> str:
+    """``central (min-max)`` of a ``{point: value}`` range (a ratio of two ranges, as AR steps, need not grow
+    from the low point to the high one: its extremes are shown)."""
+    if not r:
+        return "-"
+    lo, hi = min(r[p] for p in POINTS), max(r[p] for p in POINTS)
+    return f"{r['central']:{spec}} ({lo:{spec}}-{hi:{spec}})"
+
+
+def analyse(text: str, preset: str, batch: int, context: int, spec: dict) -> dict:
+    """The round's (the loop body's) figures from the optimised GPU HLO ``text``, its kernels' roofline time
+    (``roofline_us``) and the tally itself (``_tally``, not recorded)."""
     tc = configs(preset)[0]
     tally = hlo.count_hlo(text, loop_body=True, elide_converts=False)
     layer = batch * tc.num_key_value_heads * context * tc.head_dim  # elements of one layer's K (or V) cache
@@ -180,9 +269,7 @@ def analyse(text: str, preset: str, batch: int, context: int, spec: dict, launch
     return {
         "kernels_per_round": tally.total_kernels, "bytes_per_round": tally.bytes, "flops_per_round": tally.flops,
         "unknown_loops": tally.unknown_loops,
-        "round_us": tally.seconds(bw, peak, launch_us * 1e-6, every_kernel=True) * 1e6,
-        "round_us_by_launch": {f"{us:g}": tally.seconds(bw, peak, us * 1e-6, every_kernel=True) * 1e6
-                               for us in hlo.LAUNCH_US},
+        "roofline_us": tally.seconds(bw, peak) * 1e6, "_tally": tally,
         "f32_scores": bool(f32), "f32_score_shapes": f32,
         "kv_copies": int(round(sum(k.count for k in copies))),
         "kv_copy_shapes": sorted({k.shape.split("{")[0] for k in copies}),
@@ -209,8 +296,6 @@ def add_arguments(p) -> None:
     p.add_argument("--programs", default="generate",
                    help="comma-separated: generate (each method's generation program) and / or visit (the serving "
                         "pool's visit of B slots)")
-    p.add_argument("--launch-us", type=float, default=LAUNCH_US,
-                   help=f"launch cost charged per kernel in round_ar_steps (default {LAUNCH_US:g})")
     p.add_argument("--tau", type=float, default=TAU, help="accepted tokens per round for the projected speedup")
     p.add_argument("--timeout", type=float, help="stop starting compiles after this many seconds")
     p.add_argument("--dump-hlo", metavar="DIR", help="also write each compiled program's HLO text into DIR")
@@ -236,8 +321,9 @@ def labels(methods: str) -> list[str]:
 
 def fmt_table(rows: list[dict]) -> str:
     head = (f"{'attention':9} {'loops':14} {'program':8} {'B':>3} {'S':>5} {'method':18} {'kernels':>7} "
-            f"{'GB/round':>8} {'GFLOP':>7} {'round us':>8} {'xAR':>5} {'spd@tau':>7} {'f32 scores':>10} "
-            f"{'kv copies':>9} {'peak GiB':>8} {'fits':>4} {'loop':16} {'host rt':>7} {'compile':>7}")
+            f"{'graph':>5} {'eager':>5} {'GB/round':>8} {'GFLOP':>7} {'roofline':>8} {'round us (range)':>20} "
+            f"{'xAR (range)':>17} {'spd@tau':>7} {'f32 scores':>10} {'kv copies':>9} {'peak GiB':>8} {'fits':>4} "
+            f"{'loop':16} {'host rt':>7} {'compile':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lead = (f"{r['attention']:9} {r.get('gpu_loop', '-'):14} {r.get('program', 'generate'):8} {r['batch']:>3} "
@@ -246,13 +332,32 @@ def fmt_table(rows: list[dict]) -> str:
             lines.append(f"{lead} failed: {r['error']}")
             continue
         spd = f"{r['projected_speedup']:.2f}x" if r.get("projected_speedup") else "-"
-        xar = f"{r['round_ar_steps']:.2f}" if r.get("round_ar_steps") is not None else "-"
+        ln = r["launches"]
         lines.append(
-            f"{lead} {r['kernels_per_round']:>7} {r['bytes_per_round'] / 1e9:>8.2f} {r['flops_per_round'] / 1e9:>7.0f} "
-            f"{r['round_us']:>8.0f} {xar:>5} {spd:>7} {str(r['f32_scores']):>10} {r['kv_copies']:>9} "
-            f"{r['peak_bytes'] / 2**30:>8.1f} {'yes' if r['fits'] else 'NO':>4} {r.get('loop', '-'):16} "
-            f"{r.get('host_round_trips_per_round', '-'):>7} {r['compile_s']:>6.0f}s")
+            f"{lead} {r['kernels_per_round']:>7} {ln['graph_kernels']:>5} {ln['eager_kernels']:>5} "
+            f"{r['bytes_per_round'] / 1e9:>8.2f} {r['flops_per_round'] / 1e9:>7.0f} {r['roofline_us']:>8.0f} "
+            f"{fmt_range(r['round_us_range'], '.0f'):>20} {fmt_range(r.get('round_ar_steps_range')):>17} {spd:>7} "
+            f"{str(r['f32_scores']):>10} {r['kv_copies']:>9} {r['peak_bytes'] / 2**30:>8.1f} "
+            f"{'yes' if r['fits'] else 'NO':>4} {r.get('loop', '-'):16} {r.get('host_round_trips_per_round', '-'):>7} "
+            f"{r['compile_s']:>6.0f}s")
     return "\n".join(lines)
+
+
+def calibration_lines(rows: list[dict]) -> list[str]:
+    """The calibration point beside every row that has one (:func:`calibration`)."""
+    out = []
+    for r in rows:
+        c = r.get("calibration")
+        if not c:
+            continue
+        ratio = c["ratio"]
+        out.append(f"# calibration {r['target']} {r['attention']} {r.get('gpu_loop', '-')} B={r['batch']} "
+                   f"S={r['context']} {r['label']}: projected {fmt_range(r['round_ar_steps_range'])} AR steps; "
+                   f"measured (SGLang, {c['measured_on']}, concurrency {r['batch']}) "
+                   f"{c['measured_round_ar_steps']:.2f} "
+                   f"({c['measured_round_ms']:g} / {c['measured_ar_step_ms']:g} ms); projection / measurement "
+                   f"{fmt_range(ratio)}")
+    return out
 
 
 def choices(text: str, arg: str, allowed: tuple[str, ...]) -> list[str]:
@@ -269,7 +374,6 @@ def run(a, report) -> None:
     attentions = choices(a.attention, "--attention", ATTENTION_IMPLS)
     gpu_loops = choices(a.gpu_loop, "--gpu-loop", GPU_LOOPS)
     programs = choices(a.programs, "--programs", ("generate", "visit"))
-    at_least(a.launch_us, "--launch-us", 0)
     spec = TARGETS[a.target]
     device = compile_device(a.target)
     deadline = report.start + a.timeout if a.timeout else float("inf")
@@ -279,9 +383,18 @@ def run(a, report) -> None:
         f"{jax.__version__}); nothing ran. Abstract bf16 weights, greedy programs, prompt {PROMPT}, "
         f"{BUF_LEN} output slots.",
         f"# round = one iteration of the generation loop (ar: one decode step; visit: of the serving visit's loop). "
-        f"round us = sum over kernels of max(bytes / {spec['memory_bandwidth'] / 1e12:g} TB/s, FLOPs / "
-        f"{spec['bf16_flops'] / 1e12:g} TFLOP/s) + {a.launch_us:g} us per kernel; xAR = round us / the ar step's "
-        f"at the same B and S; spd@tau = tau {a.tau} / xAR (the SparklingTree write-up: {WRITEUP_SPEEDUP}x).",
+        f"roofline = sum over kernels of max(bytes / {spec['memory_bandwidth'] / 1e12:g} TB/s, FLOPs / "
+        f"{spec['bf16_flops'] / 1e12:g} TFLOP/s). round us = roofline + graph kernels x graph_kernel_us + eager "
+        f"kernels x eager_kernel_us + command buffers started x graph_launch_us + host rt x host_round_trip_us, "
+        "central (the least-most over the low, central and high points) over these ranges (public figures, not "
+        "measured here):",
+        *(f"#   {k}: {o.low:g} / {o.central:g} / {o.high:g} us" for k, o in OVERHEADS.items()),
+        "#   (sources in the JSON rows' overheads and docs/benchmarks.md). graph / eager: kernel executions per round "
+        "inside a command buffer / launched one by one by the host, read from XLA's thunk tree.",
+        f"# xAR = round us / the ar step's at the same B, S and point; spd@tau = tau {a.tau} / xAR central (the "
+        f"SparklingTree write-up: {WRITEUP_SPEEDUP}x). Outside calibration: {CALIBRATION['source']}: width-65 round "
+        + ", ".join(f"{v['round_ms']:g} / {v['ar_step_ms']:g} ms = {v['round_ms'] / v['ar_step_ms']:.2f} AR steps at "
+                    f"concurrency {b}" for b, v in CALIBRATION["points"].items()) + ".",
         "# f32 scores: a float32 [B, N, T, S]-shaped kernel result in the round; kv copies: kernels per round that "
         "only copy / transpose / concatenate at least one layer's KV cache. peak = args + out + temp - alias "
         f"(memory_analysis); fits: peak <= {spec['device_memory_size'] / 2**30:.0f} GiB.",
@@ -298,6 +411,7 @@ def run(a, report) -> None:
                     if not complete:
                         break
                     complete = _group(a, report, deadline, device, spec, methods, at, gl, prog, b, s)
+    report.footer += calibration_lines(report.rows)
     if not complete:
         report.footer.append(f"# stopped early by --timeout {a.timeout:g}s: the rows above are what was compiled")
 
@@ -305,14 +419,13 @@ def run(a, report) -> None:
 def _group(a, report, deadline, device, spec, methods, at, gl, prog, b, s) -> bool:
     """The rows of every method at one attention path, loop mode, program and case (ar first: the AR step);
     False when ``--timeout`` stopped it."""
-    ar_us = None
+    ar = None
     tag = f"[{at} {gl} {prog} B={b} S={s}]"
     for label in methods:
         if time.perf_counter() > deadline:
             return False
         row = {**label_fields(label), "label": label, "batch": b, "context": s, "target": a.target,
-               "attention": at, "gpu_loop": gl, "program": prog, "preset": a.preset, "launch_us": a.launch_us,
-               "projection": True}
+               "attention": at, "gpu_loop": gl, "program": prog, "preset": a.preset, "projection": True}
         try:
             compiled, lower_s, compile_s, thunks = compile_program(
                 a.preset, label, b, s, Options(attention=at, chain_mode="auto", gpu_loop=gl), device, prog)
@@ -331,21 +444,30 @@ def _group(a, report, deadline, device, spec, methods, at, gl, prog, b, s) -> bo
             write_text(os.path.join(a.dump_hlo, f"{name}.thunks.txt"), thunks.text)
         row.update(sizes(compiled.memory_analysis()))
         row["fits"] = row["peak_bytes"] <= spec["device_memory_size"]
-        row.update(analyse(text, a.preset, b, s, spec, a.launch_us))
+        row.update(analyse(text, a.preset, b, s, spec))
+        tally = row.pop("_tally")
         row.update(loops.loop_placement(text, thunks))
+        row["launches"] = loops.round_launches(text, thunks, tally.kernels, row["loop"])
+        row["overheads"] = {k: dataclasses.asdict(o) for k, o in OVERHEADS.items()}
+        rng = projection(row["roofline_us"], row["launches"], row["host_round_trips_per_round"])
+        row.update({"round_us_range": rng, "round_us": rng["central"]})
         row.update({"lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1)})
         if label == "ar":
-            ar_us = row["round_us"]
-            row["round_ar_steps"] = 1.0
-            row["ar_step_us"] = ar_us
-        elif ar_us:
-            row["ar_step_us"] = ar_us
-            row["round_ar_steps"] = row["round_us"] / ar_us
-            row["projected_speedup"] = a.tau / row["round_ar_steps"]
-            row.update({"tau": a.tau, "writeup_speedup": WRITEUP_SPEEDUP})
+            ar = rng
+        if ar:
+            steps = {p: rng[p] / ar[p] for p in POINTS}
+            row.update({"ar_step_us_range": ar, "ar_step_us": ar["central"], "round_ar_steps_range": steps,
+                        "round_ar_steps": steps["central"]})
+            if label != "ar":
+                row["projected_speedup_range"] = {p: a.tau / steps[p] for p in POINTS}
+                row.update({"projected_speedup": row["projected_speedup_range"]["central"], "tau": a.tau,
+                            "writeup_speedup": WRITEUP_SPEEDUP})
+            if prog == "generate" and (cal := calibration(label, b, steps)):
+                row["calibration"] = cal
         report.rows.append(row)
         log(f"  {tag} {label}: compiled in {compile_s:.0f}s, {row['kernels_per_round']} kernels, "
-            f"{row['round_us']:.0f} us ({row.get('round_ar_steps') or 0:.2f} AR steps), peak "
+            f"{fmt_range(row['round_us_range'], '.0f')} us ({fmt_range(row.get('round_ar_steps_range'))} AR steps), "
+            f"peak "
             f"{row['peak_bytes'] / 2**30:.1f} GiB, f32 scores {row['f32_scores']}, kv copies {row['kv_copies']}, "
             f"loop {row['loop']} ({row['host_round_trips_per_round']} host round trips per round)")
     return True

@@ -113,6 +113,59 @@ def top_loop(counter: hlo.HloCounter) -> hlo.Instr:
     return counter.generation_loop(any_trip_count=True)
 
 
+def loop_thunk(tree: list[Thunk], thunks: CompiledThunks, name: str) -> Thunk:
+    """The one ``kWhile`` thunk of HLO while ``name`` in the thunk tree (a ``ValueError`` when it is not one)."""
+    ids = [i for i, n in thunks.names.items() if n == name]
+    found = [t for t in tree if t.kind == "kWhile" and t.id in ids]
+    if len(found) != 1:
+        raise ValueError(f"the thunk of {name} (ids {ids}) is not one while thunk in XLA's thunk dump "
+                         f"({len(found)} found)")
+    return found[0]
+
+
+# thunks that launch nothing themselves (control flow, command buffers, sequences)
+CONTROL_THUNKS = frozenset({"kWhile", "kConditional", "kCommandBuffer", "kSequential"})
+
+
+def round_launches(hlo_text: str, thunks: CompiledThunks, kernels: list[hlo.Kernel], mode: str) -> dict:
+    """How one iteration of the program's top loop launches its ``kernels`` (the loop body's, as
+    :func:`~sparkjax.bench.hlo.count_hlo` counts them, each with its executions per iteration), read from XLA's
+    thunk tree:
+
+    - ``graph_kernels``: executions of kernels whose thunk sits inside a command buffer (replayed by the device
+      from a CUDA graph);
+    - ``eager_kernels``: executions of kernels launched one by one by the host (their thunk is in no command
+      buffer), and of kernels whose HLO name has no thunk in the loop (counted eager: the dearer assumption;
+      ``unmatched_kernels`` says how many);
+    - ``graph_launches``: command buffers started per iteration: 1 for a loop inside a command buffer (the
+      device starts the body's graph again), else the command buffers at the top of the loop's body and condition
+      (the host launches each once per iteration; those inside nested loops count once, a lower bound).
+
+    ``mode`` is :func:`loop_placement`'s ``loop``."""
+    tree = parse_thunks(thunks.text)
+    loop = loop_thunk(tree, thunks, top_loop(hlo.HloCounter(hlo_text, elide_converts=False)).name)
+    inside = [t for t in tree if loop in t.ancestors()]
+    in_graph = {thunks.names[t.id] for t in inside if t.kind not in CONTROL_THUNKS and t.in_command_buffer
+                and t.id in thunks.names}
+    eager_names = {thunks.names[t.id] for t in inside if t.kind not in CONTROL_THUNKS and not t.in_command_buffer
+                   and t.id in thunks.names}
+    graph = eager = unmatched = 0.0
+    for k in kernels:
+        if k.name in in_graph:
+            graph += k.count
+        else:
+            eager += k.count
+            unmatched += 0 if k.name in eager_names else k.count
+    if mode == "command_buffer":
+        launches = 1
+    else:
+        launches = sum(t.kind == "kCommandBuffer" and not t.in_command_buffer
+                       and not any(a.kind == "kWhile" for a in t.ancestors() if a is not loop and loop in a.ancestors())
+                       for t in inside)
+    return {"graph_kernels": int(round(graph)), "eager_kernels": int(round(eager)),
+            "unmatched_kernels": int(round(unmatched)), "graph_launches": int(launches)}
+
+
 def loop_placement(hlo_text: str, thunks: CompiledThunks) -> dict:
     """Where the program's top loop runs, read from its optimised HLO and XLA's thunk tree:
 
@@ -130,12 +183,7 @@ def loop_placement(hlo_text: str, thunks: CompiledThunks) -> dict:
     loop = top_loop(counter)
     trip = counter.trip_count(loop)
     tree = parse_thunks(thunks.text)
-    ids = [i for i, name in thunks.names.items() if name == loop.name]
-    found = [t for t in tree if t.kind == "kWhile" and t.id in ids]
-    if len(found) != 1:
-        raise ValueError(f"the thunk of {loop.name} (ids {ids}) is not one while thunk in XLA's thunk dump "
-                         f"({len(found)} found)")
-    thunk = found[0]
+    thunk = loop_thunk(tree, thunks, loop.name)
     if thunk.in_command_buffer:
         mode = "command_buffer"
     elif trip is not None:
