@@ -46,6 +46,10 @@ def test_trace_summary_of_a_hand_written_trace(tmp_path):
     host_only = trace.parse([e for e in json.loads(FIXTURE.read_text())["traceEvents"] if e.get("pid") == 1])
     none = trace.summarise(host_only, "short", "long", 2)
     assert not none["gpu_kernels"] and none["kernels_per_round"] is None and "no device kernel" in none["note"]
+    # a device whose lines are not named as streams: said so, not read as an idle GPU
+    renamed = FIXTURE.read_text().replace("Stream #7(Compute)", "Compute queue 7")
+    odd = trace.summarise(trace.parse(json.loads(renamed)["traceEvents"]), "short", "long", 2)
+    assert not odd["gpu_kernels"] and "Stream" in odd["note"] and odd["d2h_copies_per_round"] is None
 
 
 def test_device_check_bad_arguments(capsys):

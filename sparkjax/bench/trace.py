@@ -187,7 +187,9 @@ def summarise(trace: Trace, short: str, long: str, units: float) -> dict:
         return {**out, "gpu_kernels": False, "kernels_per_round": None, "kernel_us_per_round": None,
                 "d2h_copies_per_round": None, "device_ms_per_round": None, "idle_us_per_round": None,
                 "idle_between_rounds_us": None, "idle_between_kernels_us": None,
-                "note": "no device kernel in the trace (no accelerator: XLA:CPU runs on host threads)"}
+                "note": "no device kernel in the trace (no accelerator: XLA:CPU runs on host threads)"
+                if not trace.devices else "device process(es) in the trace but no event on a thread named "
+                "'Stream ...' inside the runs: the reader found nothing it knows as a kernel"}
 
     def per(key):
         return (lg[key] - s[key]) / units
