@@ -316,6 +316,8 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"prompt": "x", "top_k": 2.5}, "/v1/completions", 400, "top_k", "integer"),
     ({"prompt": "x", "frobnicate": True}, "/v1/completions", 400, "frobnicate", "unsupported field"),
     ({"prompt": ["a", "b"]}, "/v1/completions", 400, "prompt", "one prompt"),
+    ({"prompt": [1, 10**9]}, "/v1/completions", 400, "prompt", "token id 1000000000 is outside [0, "),
+    ({"prompt": []}, "/v1/completions", 400, "prompt", "empty prompt"),
     # what cannot be honoured is refused, never ignored
     ({"prompt": "x", "logprobs": 6}, "/v1/completions", 400, "logprobs", "at most 5"),
     ({"prompt": "x", "logprobs": True}, "/v1/completions", 400, "logprobs", "integer"),

@@ -26,6 +26,7 @@ from .checks import (
     bucket,
     check_int,
     check_models,
+    check_prompt,
     check_seed,
     check_temperature,
     check_top_k,
@@ -81,22 +82,7 @@ def prepare_prompts(prompt_ids: Any, vocab_size: int, width: int | None = None) 
             rows = [rows]
     if not rows:
         raise ArgumentError("prompt_ids: empty batch")
-    seqs = []
-    for b, row in enumerate(rows):
-        if isinstance(row, str | bytes):
-            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got {describe(row)}")
-        try:
-            r = np.asarray(row)
-        except (TypeError, ValueError, OverflowError):
-            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids") from None
-        if r.size == 0:
-            raise ArgumentError(f"prompt_ids[{b}]: empty prompt")
-        if r.ndim != 1 or not np.issubdtype(r.dtype, np.integer):
-            raise ArgumentError(f"prompt_ids[{b}]: expected a flat sequence of integer token ids, got shape "
-                                f"{list(r.shape)} of {r.dtype}")
-        if r.min() < 0 or r.max() >= vocab_size:
-            raise ArgumentError(f"prompt_ids[{b}]: token id outside [0, {vocab_size}) (vocab of the target)")
-        seqs.append(r.astype(np.int32))
+    seqs = [np.asarray(check_prompt(row, vocab_size, name=f"prompt_ids[{b}]"), np.int32) for b, row in enumerate(rows)]
     lengths = np.array([len(s) for s in seqs], np.int32)
     if width is not None and width < lengths.max():
         raise ArgumentError(f"prompt_width: {width} is shorter than the longest prompt ({lengths.max()} tokens)")

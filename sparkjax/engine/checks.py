@@ -6,6 +6,7 @@ argument's name (a mismatched target / drafter pair: :class:`~sparkjax.errors.In
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -69,6 +70,35 @@ def check_seed(seed: Any) -> int:
     if not 0 <= s < MAX_SEED:
         raise ArgumentError(f"seed: {s} is outside [0, 2**63)")
     return s
+
+
+def check_prompt(ids: Any, vocab_size: int | None, *, name: str = "prompt_ids",
+                 max_tokens: int | None = None) -> list[int]:
+    """One prompt's token ids as a list of Python ints: a list / tuple of ints or a 1-D integer array, not empty,
+    at most ``max_tokens`` long (None: no limit), every id in ``[0, vocab_size)`` (None: unchecked). ArgumentError
+    naming ``name`` (``name[j]`` for the id at ``j``) otherwise."""
+    if isinstance(ids, np.ndarray | jax.Array) or (hasattr(ids, "__array__") and not isinstance(ids, Sequence)):
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ArgumentError(f"{name}: expected a flat sequence of integer token ids, got shape "
+                                f"{list(arr.shape)} of {arr.dtype}")
+        out = arr.tolist()
+    elif isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise ArgumentError(f"{name}: expected a list of integer token ids, got {describe(ids)}")
+    else:
+        for j, x in enumerate(ids):
+            if not is_int(x):
+                raise ArgumentError(f"{name}[{j}]: expected an integer token id, got {describe(x)}")
+        out = [int(x) for x in ids]
+    if not out:
+        raise ArgumentError(f"{name}: empty prompt")
+    if max_tokens is not None and len(out) > max_tokens:
+        raise ArgumentError(f"{name}: {len(out)} tokens exceed the limit of {max_tokens} prompt tokens "
+                            "(max_prompt_tokens)")
+    if vocab_size is not None and not 0 <= min(out) <= max(out) < vocab_size:
+        bad = next(x for x in out if not 0 <= x < vocab_size)
+        raise ArgumentError(f"{name}: token id {bad} is outside [0, {vocab_size}) (the target's vocabulary)")
+    return out
 
 
 def check_int_list(name: str, values: Any) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from ..engine.checks import (
     bucket,
     check_int,
     check_models,
+    check_prompt,
     check_seed,
     check_temperature,
     check_top_k,
@@ -506,28 +507,7 @@ class Engine:
                 future.set_exception(EngineFailure(f"engine: scoring the prompt failed ({type(e).__name__}: {e})"))
 
     def _check_prompt(self, prompt_ids: Any) -> list[int]:
-        if isinstance(prompt_ids, np.ndarray | jax.Array):
-            arr = np.asarray(prompt_ids)
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise ArgumentError(f"prompt_ids: expected a flat sequence of token ids, got shape "
-                                    f"{list(arr.shape)} of {arr.dtype}")
-            prompt_ids = arr.tolist()
-        elif isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Sequence):
-            raise ArgumentError(f"prompt_ids: expected a list of token ids, got {describe(prompt_ids)}")
-        for j, x in enumerate(prompt_ids):
-            if not is_int(x):
-                raise ArgumentError(f"prompt_ids[{j}]: expected an integer token id, got {describe(x)}")
-        ids = [int(x) for x in prompt_ids]
-        if not ids:
-            raise ArgumentError("prompt_ids: empty prompt")
-        if len(ids) > self.max_prompt_tokens:
-            raise ArgumentError(f"prompt_ids: {len(ids)} tokens exceed this engine's limit of "
-                                f"{self.max_prompt_tokens} prompt tokens (max_prompt_tokens)")
-        bad = [x for x in ids if not 0 <= x < self.vocab_size]
-        if bad:
-            raise ArgumentError(f"prompt_ids: token id {bad[0]} is outside [0, {self.vocab_size}) (the target's "
-                                "vocabulary)")
-        return ids
+        return check_prompt(prompt_ids, self.vocab_size, max_tokens=self.max_prompt_tokens)
 
     # ------------------------------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, Any]:

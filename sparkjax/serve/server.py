@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine.checks import MAX_SEED
+from ..engine.checks import MAX_SEED, check_prompt
 from ..engine.logprobs import MAX_LOGPROBS
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
 from ..text import encode_chat, encode_text
@@ -254,17 +254,16 @@ def _prompt_ids(body: dict, tokenizer, vocab: int | None) -> list[int]:
         p = p[0]  # one prompt in an array
     if isinstance(p, str):
         ids = _encode("prompt", lambda: encode_text(tokenizer, p))
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        ids = list(p)
-        if vocab is not None and not all(0 <= t < vocab for t in ids):
-            raise bad("prompt", f"token ids must be in [0, {vocab})")
+    elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        ids = p
     elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, str | list) for t in p):
         raise bad("prompt", f"one prompt per request is supported, got {len(p)}")
     else:
         raise bad("prompt", f"expected a string or an array of token ids, got {_kind(p)}")
-    if not ids:
-        raise bad("prompt", "encodes to no tokens")
-    return ids
+    try:
+        return check_prompt(ids, vocab, name="prompt")
+    except ArgumentError as e:
+        raise APIError(400, str(e), param="prompt") from None
 
 
 def _message_text(i: int, content: Any) -> str:
