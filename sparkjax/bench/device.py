@@ -28,16 +28,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from sparkjax import testing
 from sparkjax.engine.api import generate
 from sparkjax.engine.costs import CostTable
 from sparkjax.engine.methods import METHODS, Auto, parse_method
 from sparkjax.engine.options import Options
 from sparkjax.errors import ArgumentError
 from sparkjax.nn import layers
-from sparkjax.nn.drafter import Drafter
-from sparkjax.nn.qwen3 import Qwen3
 from sparkjax.reference import random_tree_mask
 
 from . import timing, trace
@@ -154,8 +152,7 @@ def exact_pair(preset: str, target_layers: int, seed: int):
     t = dataclasses.replace(t, num_hidden_layers=target_layers)
     ids = tuple(range(min(target_layers - 1, len(ds.target_layer_ids))))
     ds = dataclasses.replace(ds, num_hidden_layers=1, num_target_layers=target_layers, target_layer_ids=ids)
-    return (Qwen3(t, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16),
-            Drafter(ds, rngs=nnx.Rngs(seed + 1), dtype=jnp.bfloat16))
+    return testing.random_pair(seed, configs=(t, ds), sharpen=False, dtype=jnp.bfloat16, drafter_seed=seed + 1)
 
 
 def auto_method(drafter, sizes=None) -> Auto:
