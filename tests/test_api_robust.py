@@ -254,7 +254,8 @@ def test_nan_weights_raise_with_round_and_sequence(pair):
     flags = launch(_poisoned(target), None, P, **RUN).nonfinite
     assert np.asarray(flags).tolist() == [0, 0]
     res = launch(target, None, P, **RUN)
-    assert np.asarray(res.nonfinite).tolist() == [-1, -1] and res.accept_lens is None and res.plan is None
+    assert np.asarray(res.nonfinite).tolist() == [-1, -1] and res.plan.method.name == "ar" and not res.plan.drafts
+    assert res.accept_lens.shape == (2, 0) and np.asarray(res.rounds).tolist() == [1, 1]  # ar: one token a round
     spec = launch(target, drafter, P, method="dspark", **RUN)
     assert np.asarray(spec.nonfinite).tolist() == [-1, -1] and spec.plan.method.name == "dspark"
     assert spec.extra is None and spec.labels == () and spec.depth_hits.shape == (2, spec.plan.depth)

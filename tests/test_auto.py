@@ -180,6 +180,7 @@ def test_tables_and_memories_are_traced_inputs_with_no_host_transfer(random_pair
         res = jax.block_until_ready(launch(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW))
     assert int(np.asarray(res.n).min()) == NEW and isinstance(res.extra.memory, adaptive.AutoMemory)
     assert res.extra.choices.shape[0] == 3 and res.labels == m.resolve(drafter).labels()
+    ar = ar_tokens(PROMPTS3)  # ar's program too is a spec_program: compiled before the count
     programs = spec_program._cache_size()
     caplog.set_level(logging.WARNING, logger="jax")
     with jax.log_compiles():
@@ -190,7 +191,7 @@ def test_tables_and_memories_are_traced_inputs_with_no_host_transfer(random_pair
         host = generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=again.extra.memory)
         generate(target, drafter, PROMPTS3, method=m, max_new_tokens=NEW, auto_memory=host.auto_memory)
         jax.jit(lambda x: x * 3)(jnp.ones(7))  # the log works: this one compiles
-    assert other.tokens == host.tokens == ar_tokens(PROMPTS3)
+    assert other.tokens == host.tokens == ar
     assert spec_program._cache_size() == programs
     logged = [r.getMessage() for r in caplog.records]
     assert any(msg.startswith("Compiling jit(<lambda>)") for msg in logged)
@@ -371,7 +372,7 @@ def test_memory_and_table_set_the_first_round_state_and_plain_steps(random_pair,
     k = len(SIZES)
     mem = adaptive.AutoMemory(real=np.zeros(k, np.float32), pred=np.full(k, 50.0, np.float32),
                               last=np.arange(k, dtype=np.float32), gap=np.int32(40), labels=run.plan.method.labels())
-    st = adaptive.init_state(run.plan, 3, 20, run.plan.method.inputs(run.plan, memory=mem))
+    st = adaptive.init_state(run.plan, 3, 20, adaptive.auto_inputs(run.plan, mem))
     np.testing.assert_array_equal(st.pred, mem.pred)
     np.testing.assert_array_equal(st.last, np.broadcast_to(mem.last, (3, k)))
     np.testing.assert_allclose(st.seconds, BASE)
@@ -389,11 +390,11 @@ def test_memory_and_table_set_the_first_round_state_and_plain_steps(random_pair,
     assert out.tokens == ar and set(out.size_counts) == {"ar"}
     for method, kept in ((hopeless, False), (m, True)):
         run, _, state = _start(random_pair, method)
-        assert run.plan.method.keeps_context(run.plan) == kept
+        assert run.plan.context == kept
         assert bool((np.asarray(state.ctx.lengths) > 0).all()) == kept
         if not kept:  # drafting every round (decide="draft") needs the context whatever the table
-            plan = dataclasses.replace(run.plan, method=dataclasses.replace(run.plan.method, decide="draft"))
-            assert plan.method.keeps_context(plan)
+            bound = dataclasses.replace(run.plan.method, decide="draft")
+            assert bound.with_table(run.plan, bound.table).context
 
 
 def test_bad_auto_memory_names_the_argument(random_pair):

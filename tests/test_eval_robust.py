@@ -269,9 +269,11 @@ def test_drafter_objects_get_the_one_pair_check(fixture_target):
 
 def test_outputs_raise_on_non_finite_logits():
     out, n = np.array([[5, 6, 7, 0]]), np.array([3])
-    assert PairRunner.outputs(Launch(out, n, None, None, None, np.array([-1]))).tokens == [[5, 6, 7]]
+    no_rounds = np.zeros((1, 0), np.int32)  # ar's launch: no per-round buffer, every round commits one token
+    ar = PairRunner.outputs(Launch(out, n, no_rounds, np.array([2]), no_rounds, np.array([-1])))
+    assert ar.tokens == [[5, 6, 7]] and ar.acceptance_lengths == [[1, 1]]
     with pytest.raises(sparkjax.NumericalError, match="round 2"):
-        PairRunner.outputs(Launch(out, n, None, None, None, np.array([2])))
+        PairRunner.outputs(Launch(out, n, no_rounds, np.array([2]), no_rounds, np.array([2])))
     res = PairRunner.outputs(Launch(out, n, np.array([[1, 2, 0]]), np.array([2]), np.array([[1, 0]]), np.array([-1]),
                                 types.SimpleNamespace(choices=np.array([[0, 2, -1]])), labels=("ar", "dspark", "t@16")))
     assert res.size_choices == [["ar", "t@16"]] and res.acceptance_lengths == [[1, 2]]  # auto's rounds named

@@ -129,17 +129,12 @@ def arguments(draw):
 
 @contextlib.contextmanager
 def stubbed_programs():
-    def ar(gdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size, sampling, mesh=None,
-           options=None, logprobs=None):
-        b = tokens.shape[0]
-        return jnp.zeros((b, buf_len), jnp.int32), jnp.ones((b,), jnp.int32), jnp.full((b,), -1, jnp.int32), None
-
     def spec(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
              buf_len, mesh=None):
         b = tokens.shape[0]
         z = jnp.zeros((b,), jnp.int32)
-        return (jnp.zeros((b, buf_len), jnp.int32), z + 1, jnp.zeros((b, buf_len), jnp.int32), z,
-                jnp.zeros((b, plan.depth), jnp.int32), z - 1, None, None)
+        return (jnp.zeros((b, buf_len), jnp.int32), z + 1, jnp.zeros((b, buf_len if plan.drafts else 0), jnp.int32),
+                z, jnp.zeros((b, plan.depth), jnp.int32), z - 1, None, None)
 
     def table(target, drafter, plan, batch, cache_size):  # auto: no profiling
         labels = plan.method.labels()
@@ -149,7 +144,6 @@ def stubbed_programs():
         return api.GenerateOutput([[0]] * run.prompts.batch, [[1]] * run.prompts.batch)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(programs, "ar_program", ar)
         mp.setattr(programs, "spec_program", spec)
         mp.setattr(api, "_instrumented", instrumented)
         mp.setattr(costs, "table_for", table)

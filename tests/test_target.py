@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import sparkjax
 from sparkjax import generate, load_target, save_target
-from sparkjax.engine.programs import ar_program as _ar_program
+from sparkjax.engine.programs import spec_program as _spec_program
 from sparkjax.reference import ancestor_mask
 from tests.conftest import jit_call
 
@@ -170,23 +170,20 @@ def test_greedy_equals_transformers_generate_with_eos(hf_factory):
 
 
 def test_ar_program_buckets_and_greedy_draws_no_random_bits(fixture_target):
-    """Prompts of one bucket share one compilation. At temperature 0 the AR baseline is a plain argmax loop: its
-    program splits no key; at temperature > 0 it does draw."""
+    """Prompts of one bucket share one compilation. At temperature 0 ``ar``'s round (the general round with no
+    draft and no node) splits no key; at temperature > 0 it does draw."""
     generate(fixture_target, None, [[1, 2, 3, 4, 5]], max_new_tokens=8)
-    before = _ar_program._cache_size()
+    before = _spec_program._cache_size()
     generate(fixture_target, None, [[9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=7)
-    assert _ar_program._cache_size() == before
-    from flax import nnx
+    assert _spec_program._cache_size() == before
+    from sparkjax.engine import api
 
-    from sparkjax.engine import api, programs
-
-    gdef, state = nnx.split(fixture_target)
     texts = {}
     for temperature in (0.0, 0.7):
         run = api.validate(fixture_target, None, [[1, 2, 3]], max_new_tokens=4, temperature=temperature)
-        texts[temperature] = programs.ar_program.lower(gdef, state, *run.device_args(), buf_len=run.buf_len,
-                                                       cache_size=run.cache_size,
-                                                       sampling=run.temperature > 0).as_text()
+        graphdefs, states = run.split(fixture_target)
+        texts[temperature] = _spec_program.lower(graphdefs, states, *run.device_args(), None, plan=run.plan,
+                                                 cache_size=run.cache_size, buf_len=run.buf_len).as_text()
     assert "threefry" not in texts[0.0] and "threefry" in texts[0.7]
     greedy = generate(fixture_target, None, [[1, 2, 3]], max_new_tokens=8).tokens
     assert generate(fixture_target, None, [[1, 2, 3]], max_new_tokens=8, seed=5).tokens == greedy  # key unused

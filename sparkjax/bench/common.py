@@ -21,7 +21,7 @@ from sparkjax.config import DrafterConfig, Qwen3Config
 from sparkjax.demo import DEMO_DIR as DEMO
 from sparkjax.engine.methods import TREE_METHODS, Method, parse_method
 from sparkjax.engine.options import DEFAULT_OPTIONS, Options
-from sparkjax.engine.programs import ar_program, spec_program, split_pair
+from sparkjax.engine.programs import spec_program, split_pair
 from sparkjax.errors import ArgumentError
 from sparkjax.io.atomic import atomic_file
 from sparkjax.nn.drafter import Drafter
@@ -172,16 +172,13 @@ def random_pair(preset: str, seed: int = 0) -> tuple[Qwen3, Drafter]:
 
 def lower(method: Method, target, drafter, batch: int, prompt: int, context: int, buf_len: int,
           options: Options = DEFAULT_OPTIONS):
-    """``(lowered generation program, plan)`` of a parsed method (plan None for ar) from abstract arguments."""
+    """``(lowered generation program, plan)`` of a parsed method from abstract arguments."""
     sds = jax.ShapeDtypeStruct
     args = (sds((batch, prompt), jnp.int32), sds((batch,), jnp.int32), sds((), jnp.int32), sds((1,), jnp.int32),
             sds((), jnp.float32), jax.eval_shape(lambda: jax.random.key(0)))
-    if not method.speculative:
-        g, s = nnx.split(target)
-        return ar_program.lower(g, s, *args, buf_len=buf_len, cache_size=context, sampling=False, options=options), None
     plan = method.plan(target, drafter, False, options)
-    graphdefs, states = split_pair(target, drafter)
-    inputs = method.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    graphdefs, states = split_pair(target, drafter if plan.drafts else None)
+    plan, inputs = method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
     return spec_program.lower(graphdefs, states, *args, inputs, plan=plan, cache_size=context, buf_len=buf_len), plan
 
 
@@ -192,17 +189,15 @@ def lower_visit(method: Method, target, drafter, batch: int, context: int, buf_l
     from sparkjax.serve.slots import pool_init, pool_visit
 
     plan = method.plan(target, drafter, False, options)
-    target_only = plan is None
-    graphdefs, states = nnx.split(target) if target_only else split_pair(target, drafter)
-    inputs = method.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
-    static = dict(plan=plan, target_only=target_only, sampling=False, options=options)
-    pool = jax.eval_shape(lambda st, inp: pool_init(graphdefs, st, jax.random.key(0), inp, slots=batch,
-                                                     cache_size=context, buf_len=buf_len, **static), states, inputs)
+    graphdefs, states = split_pair(target, drafter if plan.drafts else None)
+    plan, inputs = method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    pool = jax.eval_shape(lambda st, inp: pool_init(graphdefs, st, jax.random.key(0), inp, slots=batch, plan=plan,
+                                                     cache_size=context, buf_len=buf_len), states, inputs)
     sds, n = jax.ShapeDtypeStruct, (batch,)
-    window = min(buf_len, 8 * ((0 if plan is None else plan.depth) + 1) + 1)  # the engine's, 8 rounds a visit
+    window = min(buf_len, 8 * (plan.depth + 1) + 1)  # the engine's, 8 rounds a visit
     return pool_visit.lower(graphdefs, states, pool, sds(n, jnp.bool_), sds((), jnp.int32), sds(n, jnp.int32),
                             sds(n, jnp.int32), sds((batch, eos_slots), jnp.int32), sds(n, jnp.float32),
-                            sds(n, jnp.int32), window=window, **static), plan
+                            sds(n, jnp.int32), window=window, plan=plan), plan
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from sparkjax.engine.api import estimate_memory
-from sparkjax.engine.methods import parse_method
+from sparkjax.engine.methods import AR, parse_method
 from sparkjax.engine.options import DEFAULT_OPTIONS
-from sparkjax.engine.programs import ar_program, spec_program, spec_start, split_pair, stage_call
+from sparkjax.engine.programs import spec_program, spec_start, split_pair, stage_call
 from sparkjax.engine.round import STAGES
 from sparkjax.engine.state import Acceptance
 from sparkjax.errors import ArgumentError
@@ -167,20 +167,21 @@ def _prompts(batch: int, prompt: int, vocab: int, seed: int):
 
 
 def ar_case(target, batch: int, prompt: int, steps: int, context: int, seed: int, opts=DEFAULT_OPTIONS) -> Case:
-    g, s = nnx.split(target)
+    plan = AR().plan(target, None, False, opts)
+    g, s = split_pair(target, None)
     tokens, lengths = _prompts(batch, prompt, target.config.vocab_size, seed)
     none, key = jnp.array([-1], jnp.int32), jax.random.key(seed)
     buf = 1 << max(steps + 2, 2).bit_length()
 
     def run(n):
-        return lambda: ar_program(g, s, tokens, lengths, jnp.int32(n), none, jnp.float32(0.0), key, buf_len=buf,
-                                  cache_size=context, sampling=False, options=opts)[1]
+        return lambda: spec_program(g, s, tokens, lengths, jnp.int32(n), none, jnp.float32(0.0), key, None,
+                                    plan=plan, cache_size=context, buf_len=buf)[1]
 
     short, long = run(2), run(steps + 1)
     n_short, n_long = int(short()[0]), int(long()[0])  # compile + warm-up, and the check
     if (n_short, n_long) != (2, steps + 1):
         raise RuntimeError(f"ar: ran {n_short} / {n_long} tokens, expected 2 / {steps + 1}")
-    return Case("ar", batch, short, long, steps - 1)
+    return Case("ar", batch, short, long, steps - 1, plan=plan)
 
 
 def forced_plan(target, drafter, label: str, accept: int, options=DEFAULT_OPTIONS):
@@ -192,14 +193,14 @@ def forced_plan(target, drafter, label: str, accept: int, options=DEFAULT_OPTION
 
 
 def round_case(target, drafter, label: str, batch: int, prompt: int, rounds: int, accept: int, context: int,
-               seed: int, plan=None) -> Case:
-    """The rounds of ``label`` forced to accept ``accept`` drafts, or of ``plan`` (its own acceptance)."""
-    per_round = accept + 1 if plan is None else plan.depth + 1
-    plan = forced_plan(target, drafter, label, accept) if plan is None else plan
+               seed: int, own=None) -> Case:
+    """The rounds of ``label`` forced to accept ``accept`` drafts, or of the plan ``own`` (its own acceptance)."""
+    per_round = accept + 1 if own is None else own.depth + 1
+    plan = forced_plan(target, drafter, label, accept) if own is None else own
     graphdefs, states = split_pair(target, drafter)
     tokens, lengths = _prompts(batch, prompt, target.config.vocab_size, seed)
     none, key = jnp.array([-1], jnp.int32), jax.random.key(seed)
-    inputs = plan.method.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    plan, inputs = plan.method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
     buf = 1 << (rounds * (plan.depth + 1) + 2).bit_length()
 
     def run(n_rounds):
@@ -223,7 +224,7 @@ def stage_split(target, drafter, plan, batch: int, prompt: int, accept: int, con
     none = jnp.array([-1], jnp.int32)
     max_new = jnp.int32(1 + (rounds + 2) * (accept + 1))
     buf = 1 << ((rounds + 2) * (plan.depth + 1) + 2).bit_length()
-    inputs = plan.method.inputs(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    plan, inputs = plan.method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
     state = spec_start(graphdefs, states, tokens, lengths, max_new, none, jnp.float32(0.0), jax.random.key(seed),
                        inputs, plan=plan, cache_size=context, buf_len=buf)
     times: dict[str, list[float]] = {s: [] for s in STAGES}
@@ -247,7 +248,7 @@ def _row(case: Case, stats: timing.Stats, ar: timing.Stats, context: int, prompt
     row = {"label": case.label, **label_fields(case.label), "batch": case.batch, "context": context,
            "prompt": prompt, "ms": {"median": stats.median * 1e3, "min": stats.min * 1e3, "spread": stats.spread,
                                     "n": stats.n}, "ar_step_ms": ar.median * 1e3}
-    if case.plan is None:
+    if not case.plan.drafts:
         row["round_ar_steps"] = 1.0
     else:
         ok = ar.median > 0 and ar.min > 0 and stats.median > 0  # else noise beat the work: no ratio
@@ -281,7 +282,7 @@ def bench(target, drafter, a, labels, batches, prompt, steps, rounds, context, r
             done = [c for c in cases if c.label in stats] if "ar" in stats else []
             rows = [_row(c, stats[c.label], stats["ar"], context, prompt, a.accept, a.tau) for c in done]
             report.rows.extend(rows)
-            pending.extend((r, c.plan) for r, c in zip(rows, done, strict=True) if c.plan is not None)
+            pending.extend((r, c.plan) for r, c in zip(rows, done, strict=True) if c.plan.drafts)
 
         try:
             stats = timing.interleave({c.label: c.sample for c in cases}, reps, measure=lambda f: f(),

@@ -48,10 +48,9 @@ import numpy as np
 from .. import sampling, tree
 from ..errors import ArgumentError
 from . import drafting
-from . import logprobs as lps
 from .checks import describe
-from .round import COMMIT, TREE, VERIFY, commit, draft, flag_nonfinite, hits_eos, stage, verify, with_draft_context
-from .state import Acceptance, Plan, Proposal, SpecState
+from .round import COMMIT, TREE, VERIFY, commit, draft, stage, verify, with_draft_context
+from .state import Acceptance, Plan, Proposal, SpecState, per_row
 
 if TYPE_CHECKING:
     from .methods import Auto
@@ -78,18 +77,18 @@ class AutoState:
     ``burst_cap`` (set by a serving pool's visit only): the most plain steps a burst may run.
     """
 
-    choices: Array
+    choices: Array = per_row()
     real: Array
     pred: Array
-    last: Array
+    last: Array = per_row()
     idle: Array
     force: Array
     gap: Array
     seconds: Array
-    shadow: Array | None = None
-    shadow_at: Array | None = None
-    shadow_pred: Array | None = None
-    shadow_live: Array | None = None
+    shadow: Array | None = per_row(default=None)
+    shadow_at: Array | None = per_row(default=None)
+    shadow_pred: Array | None = per_row(default=None)
+    shadow_live: Array | None = per_row(default=None)
     burst_cap: Array | None = None  # the most plain steps one burst may run (None: no cap; a pool's host visit)
 
 
@@ -207,34 +206,6 @@ def init_state(plan: Plan, batch: int, buf_len: int, inputs: AutoInputs) -> Auto
                      seconds=jnp.asarray(inputs.seconds, jnp.float32), **shadow)
 
 
-PER_ROW = ("choices", "last", "shadow", "shadow_at", "shadow_pred", "shadow_live")  # AutoState's [B, ...] fields
-
-
-def take_rows(plan: Plan, st: AutoState, rows: Array) -> AutoState:
-    """The state of the sub-batch of sequences ``rows`` ``[A]``: their per-sequence fields, the batch's
-    calibration, probe schedule and table."""
-    return dataclasses.replace(st, **{f: getattr(st, f)[rows] for f in PER_ROW if getattr(st, f) is not None})
-
-
-def put_rows(plan: Plan, pool: AutoState, sub: AutoState, rows: Array) -> AutoState:
-    """``pool`` after its sequences ``rows`` ran as ``sub``: their per-sequence fields written back, and what the
-    sub-batch learned (calibration, probe schedule) kept for the whole pool."""
-    per_row = {f: getattr(pool, f).at[rows].set(getattr(sub, f)) for f in PER_ROW if getattr(pool, f) is not None}
-    return dataclasses.replace(sub, **per_row)
-
-
-def admit_state(plan: Plan, pool: AutoState, row: AutoState, slot: Array) -> AutoState:
-    """``pool`` with sequence ``slot`` started over from ``row`` (a batch-1 :func:`init_state`): its per-sequence
-    fields are the row's; the calibration and the probe schedule stay the batch's (an admission forces no
-    probe)."""
-    per_row = {}
-    for f in PER_ROW:
-        p, r = getattr(pool, f), getattr(row, f)
-        if p is not None:
-            per_row[f] = jax.lax.dynamic_update_slice_in_dim(p, r.astype(p.dtype), slot, axis=0)
-    return dataclasses.replace(pool, **per_row)
-
-
 def score_shadow(m: Auto, st: AutoState, state: SpecState, now: Any) -> AutoState:
     """Scores the live shadow chains whose tokens are all committed (or whose sequence is done, or all when
     ``now``): the leading drafts equal to the committed tokens, folded into the chain's calibration."""
@@ -331,10 +302,10 @@ def drafts_can_pay(m: Auto, trees: bool = False) -> bool:
     return any(good for v, good in zip(m.sizes, viable_of(m), strict=True) if v != 0 and not (trees and v == CHAIN))
 
 
-def keeps_context(plan: Plan) -> bool:
-    """Whether an ``auto`` generation needs the drafter's context: unless it decides from the previous round
-    (``decide="previous"``) and its cost table lets no draft pay (plain steps only)."""
-    return plan.method.decide == "draft" or drafts_can_pay(plan.method)
+def keeps_context(m: Auto) -> bool:
+    """Whether an ``auto`` generation needs the drafter's context (``Plan.context``): unless it decides from the
+    previous round (``decide="previous"``) and its cost table lets no draft pay (plain steps only)."""
+    return m.decide == "draft" or drafts_can_pay(m)
 
 
 def calibrated(st: AutoState, raw: Array) -> Array:
@@ -429,43 +400,25 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.extra.last, raw), want_tree)
 
 
-def _plain_target_step(target, state: SpecState, temperature, key, max_new, eos, plan: Plan, features: bool = True):
-    """Size 0's target part: the target over ``[x_start]`` alone and its token committed (the writes of
-    :func:`~sparkjax.engine.round.commit` for one token). Returns ``(state, features [B, 1, F] or None when
-    ``features`` is False, step [B], bonus [B])``; the drafter's context is not touched."""
-    b = state.x_start.shape[0]
-    tokens = state.x_start[:, None]
-    start = state.cache.lengths
-    with jax.named_scope(VERIFY):
-        out = target(tokens, start[:, None], cache=state.cache, mask=jnp.ones((b, 1, 1), bool),
-                     hidden_layers=plan.layer_ids if features else (), attention=plan.options.attend)
-    logits = out.logits.astype(jnp.float32)
-    bonus = sampling.posterior(logits, temperature, key if plan.sampling else None)[:, 0]
-    active = ~state.done
-    step = active.astype(jnp.int32)
-    rows = jnp.arange(b)
-    col = jnp.where(active, state.n, state.out.shape[1])
-    out_buf = state.out.at[rows, col].set(bonus, mode="drop")
-    lp = lps.record(state.logprobs, logits[:, 0], bonus, col, temperature)
-    n = state.n + step
-    done = state.done | (active & (hits_eos(bonus, eos) | (n >= max_new)))
-    r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
-    new = dataclasses.replace(
-        state, cache=out.cache.with_lengths(start + step), x_start=jnp.where(active, bonus, state.x_start),
-        out=out_buf, n=n, done=done, accept_lens=state.accept_lens.at[rows, r].set(1, mode="drop"),
-        rounds=state.rounds + step, nonfinite=flag_nonfinite(state.nonfinite, logits, active, state.rounds + 1),
-        logprobs=lp)
-    return new, jnp.concatenate(out.hidden, axis=-1) if features else None, step, bonus
+def _plain_target_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan,
+                       features: bool = True):
+    """Size 0: ``ar``'s round on the state (its proposal of no node, the verify of the root alone, its accept and
+    the general commit; :meth:`Auto.plain_plan`), reading the drafter's layers when ``features``. Returns
+    ``(state, verified, acceptance)``; the drafter's context is extended only when the state carries one."""
+    sub = plan.method.plain_plan(plan, features)
+    prop = sub.method.propose(drafter, state.x_start, None, sub, temperature, None)
+    ver = verify(target, drafter, state, prop, plan=sub)
+    acc = sub.method.accept(prop, ver, temperature, key, plan=sub)
+    return commit(drafter, state, ver, acc, max_new, eos, plan=sub, temperature=temperature), ver, acc
 
 
 def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
-    """Size 0 as one branch of a drafted round: :func:`_plain_target_step` and the drafter's context extended
-    by its position."""
-    new, feats, step, bonus = _plain_target_step(target, state, temperature, key, max_new, eos, plan)
-    new = dataclasses.replace(new, ctx=drafting.append_context(drafter, state.ctx, feats, step))
-    b = bonus.shape[0]
-    indices = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, plan.depth), -1, jnp.int32)], axis=1)
-    return new, Acceptance(indices, jnp.ones((b,), jnp.int32), bonus)
+    """Size 0 as one branch of a drafted round: :func:`_plain_target_step`, its acceptance in the round's
+    layout."""
+    new, _, acc = _plain_target_step(target, drafter, state, temperature, key, max_new, eos, plan)
+    b = acc.bonus.shape[0]
+    indices = jnp.concatenate([acc.indices, jnp.full((b, plan.depth), -1, jnp.int32)], axis=1)
+    return new, Acceptance(indices, acc.length, acc.bonus)
 
 
 def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temperature, key, max_new, eos, *,
@@ -599,7 +552,7 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     b = state.x_start.shape[0]
     i0 = plan.method.sizes.index(0)
     steps = jnp.maximum(st.gap - st.idle, 1)
-    track = keeps_context(plan)  # auto_plain runs for decide="previous" only: drafts_can_pay
+    track = plan.context  # auto_plain runs for decide="previous" only: drafts_can_pay
     if not track:  # no draft can pay: plain steps to the end, without the drafter's context
         steps = jnp.int32(st.choices.shape[1])
     if st.burst_cap is not None:  # a serving pool's visit: no more plain steps than the visit has rounds left
@@ -622,8 +575,11 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
 
         def body(c):
             i, s, feats, count = c
-            new, f, step, _ = _plain_target_step(target, s, temperature, sampling.fold_in(key, j0 + i), max_new,
-                                                 eos, plan, features=track)
+            # the context is extended once per chunk below, not by each step
+            new, ver, _ = _plain_target_step(target, drafter, dataclasses.replace(s, ctx=None), temperature,
+                                             sampling.fold_in(key, j0 + i), max_new, eos, plan, features=track)
+            new = dataclasses.replace(new, ctx=s.ctx)
+            f, step = ver.features, (~s.done).astype(jnp.int32)
             r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
             choices = s.extra.choices.at[jnp.arange(b), r].set(i0, mode="drop")
             if track:

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import cachedir, sampling
@@ -39,7 +38,7 @@ from .logprobs import check_logprobs
 from .methods import Auto, Method, parse_method
 from .options import Options, check_options
 from .placement import check_mesh, place_args, place_state, put, to_host
-from .programs import spec_start, spec_step, split_pair, stage_call
+from .programs import launch_run, spec_start, spec_step, split_pair, stage_call
 from .round import STAGES
 from .state import DeviceArgs, Launch, Plan
 
@@ -124,17 +123,17 @@ def eos_array(eos_token_ids: int | Sequence[int] | None, vocab_size: int) -> np.
     return np.array(ids or [-1], np.int32)
 
 
-def required_cache_size(prompt_length: int, max_new_tokens: int, plans: Iterable[Plan | None] = (), *,
+def required_cache_size(prompt_length: int, max_new_tokens: int, plans: Iterable[Plan] = (), *,
                         prompt_width: int = 0) -> int:
     """The cache slots a run gets by default (``cache_size=None``): the longest prompt + ``max_new_tokens``
-    + the largest ``Plan.scratch`` among ``plans`` (none for ``ar``), rounded up to a power of two, and at
+    + the largest ``Plan.scratch`` among ``plans`` (0 for ``ar``), rounded up to a power of two, and at
     least ``prompt_width``."""
-    extra = max((p.scratch for p in plans if p is not None), default=0)
+    extra = max((p.scratch for p in plans), default=0)
     return max(bucket(prompt_length + max_new_tokens + extra), prompt_width)
 
 
 def check_lengths(prompts: Prompts, max_new_tokens: int, max_positions: int, cache_size: int | None,
-                  plan: Plan | None = None) -> int:
+                  plan: Plan) -> int:
     """Validates the budget of positions and returns the cache size (:func:`required_cache_size` by default;
     ``plan``'s scratch rows are the room a round needs past the committed tokens)."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens)
@@ -145,7 +144,7 @@ def check_lengths(prompts: Prompts, max_new_tokens: int, max_positions: int, cac
     if longest + max_new_tokens > max_positions:
         raise ArgumentError(f"max_new_tokens: prompt length {longest} + max_new_tokens {max_new_tokens} exceeds "
                             f"the target's max_position_embeddings ({max_positions})")
-    extra = plan.scratch if plan is not None else 0
+    extra = plan.scratch
     need = longest + max_new_tokens + extra
     if cache_size is None:
         size = required_cache_size(longest, max_new_tokens, [plan], prompt_width=width)
@@ -231,7 +230,7 @@ def _outputs(res: Launch, stage_seconds: dict[str, float] | None = None) -> Gene
     token_lp = top_lp = None
     if res.logprobs is not None:
         token_lp, top_lp = host_logprobs(res.logprobs, n)
-    if res.accept_lens is None:  # ar: the prefill's token, then one step per token, so len(t) - 1 rounds of 1
+    if res.accept_lens.shape[1] == 0:  # ar: the prefill's token, then one per round, so len(t) - 1 rounds of 1
         return GenerateOutput(tokens, [[1] * (len(t) - 1) for t in tokens], [[] for _ in tokens],
                               token_logprobs=token_lp, top_logprobs=top_lp)
     accept_lens, rounds, depth_hits = to_host(res.accept_lens), to_host(res.rounds), to_host(res.depth_hits)
@@ -253,7 +252,7 @@ def _itemsize(model) -> int:
         return 4
 
 
-def estimate_memory(target, drafter, plan: Plan | None, batch: int, prompt_width: int, cache_size: int,
+def estimate_memory(target, drafter, plan: Plan, batch: int, prompt_width: int, cache_size: int,
                     buf_len: int) -> dict[str, int]:
     """A rough count of the bytes a generation holds on device (weights excluded), by what they grow with:
     ``cache`` (the KV caches), ``verify`` (a round's tree arrays, masks, one layer's attention scores, the MLP
@@ -272,7 +271,7 @@ def estimate_memory(target, drafter, plan: Plan | None, batch: int, prompt_width
     cache = tc.num_hidden_layers * 2 * b * s * tc.num_key_value_heads * tc.head_dim * it
     out = {"cache": cache, "output": 2 * b * buf_len * 4, "prefill": forward(p, 0) + b * tc.vocab_size * 4,
            "verify": 0}
-    if plan is None:
+    if not plan.drafts:  # a one-token step: no drafter cache, no tree
         out["verify"] = forward(1, 0) + b * tc.vocab_size * 4
         return out
     dc = drafter.config
@@ -309,7 +308,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB" if n < 2**40 else f"{n / 2**30:,.0f} GiB"
 
 
-def check_memory(target, drafter, plan: Plan | None, prompts: Prompts, size: int, buf_len: int, *,
+def check_memory(target, drafter, plan: Plan, prompts: Prompts, size: int, buf_len: int, *,
                  cache_size: Any, capacity: Any, prompt_width: Any) -> None:
     """Refuses a run whose estimated memory (:func:`estimate_memory`) exceeds what the device has,
     naming the argument that makes it large and the figures."""
@@ -320,7 +319,7 @@ def check_memory(target, drafter, plan: Plan | None, prompts: Prompts, size: int
     if limit <= 0 or total <= limit:
         return
     part = max(est, key=est.get)
-    if part == "verify" and plan is not None:
+    if part == "verify" and plan.drafts:
         head = f"budget: a {plan.nodes}-node verify of {b} sequence(s) over a {size}-slot cache"
     elif part == "verify":
         head = f"prompt_ids: a decode step of {b} sequences over a {size}-slot cache"
@@ -338,12 +337,12 @@ def check_memory(target, drafter, plan: Plan | None, prompts: Prompts, size: int
                         "Lower budget, max_new_tokens, cache_size or the batch")
 
 
-def _buf_len(max_new_tokens: int, capacity: int | None, plan: Plan | None) -> int:
-    """Output-buffer length: room for ``capacity`` tokens plus a round's overshoot, as a power of two."""
+def _buf_len(max_new_tokens: int, capacity: int | None, plan: Plan) -> int:
+    """Output-buffer length: room for ``capacity`` tokens plus a drafted round's overshoot, as a power of two."""
     if capacity is not None and capacity < max_new_tokens:
         raise ArgumentError(f"capacity: {capacity!r} is smaller than max_new_tokens ({max_new_tokens})")
     n = max_new_tokens if capacity is None else int(capacity)
-    size = bucket(n + (plan.depth + 1 if plan is not None else 0), 1)
+    size = bucket(n + (plan.depth + 1 if plan.drafts else 0), 1)
     if size > MAX_SLOTS:
         raise ArgumentError(f"capacity: an output buffer of {size} tokens exceeds {MAX_SLOTS} (int32 positions)")
     return size
@@ -366,14 +365,14 @@ def _key(seed: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """A validated generation (:func:`validate`); ``plan`` is None for ``ar``, ``mesh`` None on one device,
+    """A validated generation (:func:`validate`); ``mesh`` None on one device,
     ``inputs`` the method's traced inputs (:meth:`~sparkjax.engine.methods.Method.inputs`)."""
 
     method: Method
     prompts: Prompts
     eos: np.ndarray
     temperature: float
-    plan: Plan | None
+    plan: Plan
     cache_size: int
     buf_len: int
     seed: int
@@ -403,13 +402,10 @@ class Run:
         return place_args(args, self.mesh)
 
     def split(self, target, drafter=None):
-        """``(graphdef, state)`` of the target (``ar``), else of the pair (:func:`split_pair`), placed on
-        the mesh (the modules are not modified)."""
-        if drafter is None:
-            gdef, state = nnx.split(target)
-            return gdef, place_state(state, self.mesh)
-        graphdefs, states = split_pair(target, drafter)
-        return graphdefs, tuple(place_state(st, self.mesh) for st in states)
+        """``(graphdefs, states)`` of the pair (:func:`split_pair`; the drafter only when the plan drafts), placed
+        on the mesh (the modules are not modified)."""
+        graphdefs, states = split_pair(target, drafter if self.plan.drafts else None)
+        return graphdefs, tuple(None if st is None else place_state(st, self.mesh) for st in states)
 
 
 def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
@@ -436,17 +432,15 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
     top_p, top_k = check_top_p(top_p), check_top_k(top_k)
     logprobs = check_logprobs(logprobs)
     plan = method.plan(target, drafter, temperature > 0, options)
-    if plan is not None and logprobs is not None:
+    if logprobs is not None:
         plan = dataclasses.replace(plan, logprobs=logprobs)
-    mesh = check_mesh(mesh, target, drafter if plan is not None else None, prompts.batch)
+    mesh = check_mesh(mesh, target, drafter if plan.drafts else None, prompts.batch)
     size = check_lengths(prompts, max_new_tokens, cfg.max_position_embeddings, cache_size, plan)
     buf_len = _buf_len(max_new_tokens, capacity, plan)
     check_memory(target, drafter, plan, prompts, size, buf_len, cache_size=cache_size, capacity=capacity,
                  prompt_width=prompt_width)
     kw = dict(target=target, drafter=drafter, batch=prompts.batch, cache_size=size)
-    if plan is not None:
-        plan = method.bind(plan, **kw)
-    inputs = method.inputs(plan, **kw, memory=auto_memory)
+    plan, inputs = method.bind(plan, **kw, memory=auto_memory)
     return Run(method, prompts, eos, temperature, plan, size, buf_len, seed, max_new_tokens, mesh, options, inputs,
                top_p, top_k, logprobs)
 
@@ -491,11 +485,8 @@ def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Meth
               logprobs=logprobs)
     run = validate(target, drafter, prompt_ids, **kw)
     if instrument:
-        if run.plan is None:
-            raise ArgumentError(f"instrument: the instrumented mode times speculative rounds; method "
-                                f"{run.method.name!r} has none")
         return _instrumented(target, drafter, run)
-    res = run.method.launch(run, target, drafter)
+    res = launch_run(run, target, drafter)
     raise_if_nonfinite(to_host(res.nonfinite))
     return _outputs(res)
 
@@ -506,7 +497,7 @@ def launch(target, drafter=None, prompt_ids: Any = None, **kwargs) -> Launch:
     (docs/api.md; with ``mesh``, global arrays sharded over the batch). ``max_new_tokens=1`` stops after the
     prefill, in the same compiled program as a longer run of the same shapes."""
     run = validate(target, drafter, prompt_ids, **kwargs)
-    return run.method.launch(run, target, drafter)
+    return launch_run(run, target, drafter)
 
 
 def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "sparklingtree",
@@ -515,16 +506,13 @@ def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
            eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
            top_k: int = 0, seed: int = 0, cache_size: int | None = None, mesh: Any = None,
            auto_memory: AutoMemory | None = None, options: Options | None = None):
-    """Like :func:`generate` (speculative methods only), but yields each round's new tokens: a list per
+    """Like :func:`generate`, but yields each round's new tokens: a list per
     sequence (possibly empty); the concatenated yields equal ``generate(...).tokens``. One jitted call and one
     host sync per round. The arguments are validated before the generator is returned; a round whose target
     logits are not finite raises :class:`NumericalError` instead of yielding."""
     check_models(target, drafter)
     spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
                         candidates=candidates)
-    if not spec.speculative:
-        raise ArgumentError(f"method: stream() runs speculative rounds; {spec.name!r} has none (use generate() for "
-                            "the target alone)")
     run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
                    eos_token_ids=eos_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                    cache_size=cache_size, mesh=mesh, auto_memory=auto_memory, options=options)
@@ -578,11 +566,9 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
 
 
 def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **kwargs) -> str:
-    """The compiled text of one speculative round (``spec_step``, the body of :func:`stream` and of the
+    """The compiled text of one round (``spec_step``, the body of :func:`stream` and of the
     generation's ``while_loop``) on ``mesh``, for the arguments of :func:`generate`."""
     run = validate(target, drafter, prompt_ids, mesh=mesh, **kwargs)
-    if run.plan is None:
-        raise ArgumentError(f"method: a round is speculative; {run.method.name!r} has none")
     graphdefs, states, args, state = _start(target, drafter, run)
     lowered = spec_step.lower(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan,
                               mesh=mesh)

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 
 from .. import sampling, tree
 from ..errors import ArgumentError
-from . import adaptive, costs, drafting, programs
+from . import adaptive, costs, drafting
 from . import round as stages
 from .adaptive import CHAIN
 from .checks import MAX_SLOTS, check_drafter, check_int, check_int_list, describe, is_int
 from .options import Options, check_options
-from .state import Acceptance, Launch, Plan, Proposal, SpecState, Verified
+from .state import Acceptance, Plan, Proposal, SpecState, Verified
 
 Array = jax.Array
 
@@ -39,6 +39,7 @@ class Method:
     a method's tree (what :class:`~sparkjax.engine.state.Plan` reports)."""
 
     speculative: ClassVar[bool] = True
+    needs_markov: ClassVar[bool] = False  # whether it reads the drafter's Markov head (set per instance by the kinds)
     top_c: ClassVar[int | None] = None
     widths: ClassVar[tuple[int, ...] | None] = None
     normalization: ClassVar[str] = "fast"
@@ -57,62 +58,28 @@ class Method:
     def __str__(self) -> str:
         return self.label
 
-    @property
-    def needs_markov(self) -> bool:
-        """Whether the method reads the drafter's Markov head."""
-        return _entry(self.name).markov
-
-    def depth(self, drafter) -> int:
-        """Drafted depths per round with ``drafter`` (0 for ``ar``)."""
-        return drafter.config.block_size - drafter.config.first_draft_slot
-
-    def nodes(self, drafter) -> int:
-        """Nodes the target verifies per round with ``drafter``, the root aside (0 for ``ar``)."""
-        raise NotImplementedError
-
     def labels(self) -> tuple[str, ...]:
         """The names the choices among ``results(...)`` index (``auto``'s candidates); empty for most methods."""
         return ()
 
-    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan | None:
-        """Checks the method against the pair and returns the static :class:`Plan` (None for ``ar``);
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
+        """Checks the method against the pair and returns the static :class:`Plan`;
         ``options``: the trace-time :class:`~sparkjax.engine.options.Options` it carries (None: defaults)."""
         raise NotImplementedError
 
-    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = ()) -> Plan:
-        """The plan for a run of ``batch`` sequences over ``cache_size`` slots (``pool``: the batch sizes a serving
-        pool's rounds run at; default: ``plan`` itself)."""
-        return plan
-
-    def inputs(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, memory: Any = None) -> Any:
-        """The pytree of arrays the program takes as a traced argument (default None). ``memory``: what an
-        earlier generation learned (``generate(auto_memory=)``); a method that keeps none refuses it."""
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = (),
+             memory: Any = None) -> tuple[Plan, Any]:
+        """``(plan, inputs)`` of a run of ``batch`` sequences over ``cache_size`` slots (``pool``: the batch sizes a
+        serving pool's rounds run at): the plan bound to the run (default: ``plan`` itself) and the pytree of arrays
+        the program takes as a traced argument (default None). ``memory``: what an earlier generation learned
+        (``generate(auto_memory=)``); a method that keeps none refuses it."""
         if memory is not None:
             raise ArgumentError(f"auto_memory: method {self.name!r} keeps no memory between generations")
-        return None
+        return plan, None
 
     def init_state(self, plan: Plan, batch: int, buf_len: int, inputs: Any) -> Any:
         """The method's own carried state before the first round (``SpecState.extra``; default None)."""
         return None
-
-    def admit_state(self, plan: Plan, pool: Any, row: Any, slot: Array) -> Any:
-        """The carried state (``SpecState.extra``) of a batch whose sequence ``slot`` (traced) starts over with
-        ``row``, a batch-1 :meth:`init_state` (continuous batching, :mod:`sparkjax.serve`; default: ``pool``)."""
-        return pool
-
-    def take_rows(self, plan: Plan, extra: Any, rows: Array) -> Any:
-        """The carried state of the sub-batch of sequences ``rows`` ``[A]`` (a serving pool's active slots;
-        default: ``extra`` itself)."""
-        return extra
-
-    def put_rows(self, plan: Plan, pool: Any, sub: Any, rows: Array) -> Any:
-        """The carried state of a batch whose sequences ``rows`` ran as the sub-batch ``sub``
-        (:meth:`take_rows`' inverse; default: ``sub``)."""
-        return sub
-
-    def keeps_context(self, plan: Plan) -> bool:
-        """Whether the generation fills the drafter's context (default True)."""
-        return True
 
     def propose(self, drafter, x_start: Array, blk: drafting.DraftBlock, plan: Plan, temperature, key) -> Proposal:
         """The round's proposal (a chain or a tree of ``plan.nodes`` nodes) from the drafter's block."""
@@ -133,25 +100,12 @@ class Method:
         """Extra outputs of a finished generation (``Launch.extra``; default None)."""
         return None
 
-    def launch(self, run, target, drafter) -> Launch:
-        """Dispatches the validated ``run`` (:class:`~sparkjax.engine.api.Run`) to its jitted program without
-        waiting (default: :func:`~sparkjax.engine.programs.spec_program`)."""
-        graphdefs, states = run.split(target, drafter)
-        res = programs.spec_program(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
-                                    cache_size=run.cache_size, buf_len=run.buf_len, mesh=run.mesh)
-        return Launch(*res[:7], plan=run.plan, labels=run.plan.method.labels(), logprobs=res[7])
-
-    @classmethod
-    def from_options(cls, name: str, *, budget: Any, top_c: Any, widths: Any, normalization: Any) -> Method:
-        """The method ``name`` with :func:`~sparkjax.engine.generate`'s options (ArgumentError for one it
-        does not take)."""
-        raise NotImplementedError
-
 
 @dataclasses.dataclass(frozen=True)
 class AR(Method):
-    """The target alone, one token per step (the reference every method must equal at temperature 0):
-    :func:`~sparkjax.engine.programs.ar_program`, with no drafter and no plan."""
+    """The target alone, one token per round (the reference every method must equal at temperature 0): a round
+    that drafts nothing, proposes no node, verifies the root alone (the plain one-token step) and accepts the
+    target's own token, through the same stages and commit as every method. It needs no drafter."""
 
     speculative: ClassVar[bool] = False
 
@@ -159,29 +113,18 @@ class AR(Method):
     def name(self) -> str:
         return "ar"
 
-    def depth(self, drafter) -> int:
-        return 0
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
+        return Plan(self, 0, 0, bool(sampling), (), check_options(options), context=False)
 
-    def nodes(self, drafter) -> int:
-        return 0
+    def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
+        b = x_start.shape[0]
+        none = jnp.zeros((b, 0), jnp.int32)
+        return Proposal(none, none, none, jnp.ones((b, 1, 1), bool), None)
 
-    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> None:
-        check_options(options)
-        return None
-
-    def launch(self, run, target, drafter) -> Launch:
-        gdef, state = run.split(target)
-        out, n, bad, lp = programs.ar_program(gdef, state, *run.device_args(), buf_len=run.buf_len,
-                                              cache_size=run.cache_size, sampling=run.temperature > 0, mesh=run.mesh,
-                                              options=run.options, logprobs=run.logprobs)
-        return Launch(out, n, None, None, None, bad, logprobs=lp)
-
-    @classmethod
-    def from_options(cls, name, *, budget, top_c, widths, normalization) -> AR:
-        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
-            if value is not None:
-                raise ArgumentError(f"{arg}: does not apply to method {name!r}")
-        return cls()
+    def accept(self, prop, ver, temperature, key, *, plan) -> Acceptance:
+        b = ver.tokens.shape[0]
+        bonus = sampling.pick(ver.logits[:, 0], temperature, key if plan.sampling else None)
+        return Acceptance(jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), bonus)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,18 +136,19 @@ class Chain(Method):
     kind: str = "dflash"
 
     def __post_init__(self):
-        _entry(self.kind, Chain, "kind")
+        object.__setattr__(self, "needs_markov", _entry(self.kind, Chain, "kind").markov)
 
     @property
     def name(self) -> str:
         return self.kind
 
     def nodes(self, drafter) -> int:
-        return self.depth(drafter)
+        """Nodes verified per round with ``drafter``: one per drafted depth."""
+        return drafted_depth(drafter)
 
     def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
         check_drafter(target, drafter, self)
-        d = self.depth(drafter)
+        d = drafted_depth(drafter)
         return Plan(self, d, d, bool(sampling), tuple(drafter.config.target_layer_ids), check_options(options))
 
     def propose(self, drafter, x_start, blk, plan, temperature, key) -> Proposal:
@@ -239,13 +183,6 @@ class Chain(Method):
         return Acceptance(jnp.where(hot[:, None], acc.indices, greedy.indices), jnp.where(hot, acc.length,
                           greedy.length), jnp.where(hot, acc.bonus, greedy.bonus))
 
-    @classmethod
-    def from_options(cls, name, *, budget, top_c, widths, normalization) -> Chain:
-        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
-            if value is not None:
-                raise ArgumentError(f"{arg}: chain method {name!r} drafts one node per depth; {arg} does not apply")
-        return cls(name)
-
 
 @dataclasses.dataclass(frozen=True)
 class Tree(Method):
@@ -263,6 +200,7 @@ class Tree(Method):
 
     def __post_init__(self):
         entry = _entry(self.kind, type(self), "kind")
+        object.__setattr__(self, "needs_markov", entry.markov)
         beam = entry.beam
         if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
             raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
@@ -329,7 +267,7 @@ class Tree(Method):
 
     def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
         check_drafter(target, drafter, self)
-        depth = self.depth(drafter)
+        depth = drafted_depth(drafter)
         budget, v = self.budget, target.config.vocab_size
         seed = self.candidates == "seed"
         c = min((SEED_TOP_C if seed else max(budget, 32)) if self.top_c is None else self.top_c, v)
@@ -412,10 +350,6 @@ class Tree(Method):
             )
         return tables, cand_tokens
 
-    @classmethod
-    def from_options(cls, name, *, budget, top_c, widths, normalization) -> Tree:
-        return cls(name, cls.budget if budget is None else budget, top_c, widths, normalization)  # PCTree's too
-
 
 PCTREE_BUDGET = 32  # pctree's default N: nodes of the selected tree, the root included (at most what the beam keeps)
 PCTREE_K = 4  # pctree's default beam width per depth
@@ -443,7 +377,7 @@ class PCTree(Tree):
         """This method with its budget set for ``drafter`` (the default: see the class)."""
         if self.budget is not None:
             return self
-        return dataclasses.replace(self, budget=min(PCTREE_BUDGET, 1 + self.k * self.depth(drafter)))
+        return dataclasses.replace(self, budget=min(PCTREE_BUDGET, 1 + self.k * drafted_depth(drafter)))
 
     def nodes(self, drafter) -> int:
         return self.resolved(drafter).budget - 1
@@ -526,6 +460,8 @@ class Auto(Method):
                                     "sparklingtree)")
         if self.chain is not None:
             _entry(self.chain, Chain, "chain")
+        markov = any(k is not None and _entry(k).markov for k in (self.tree, self.chain))
+        object.__setattr__(self, "needs_markov", markov)
         if self.top_c is not None:
             object.__setattr__(self, "top_c", check_int("top_c", self.top_c))
         if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
@@ -577,10 +513,6 @@ class Auto(Method):
     def tree_sizes(self) -> tuple[int, ...]:
         return tuple(v for v in self.sizes if v != CHAIN and v > 0)
 
-    @property
-    def needs_markov(self) -> bool:
-        return any(k is not None and _entry(k).markov for k in (self.tree, self.chain))
-
     def labels(self) -> tuple[str, ...]:
         """The candidates' names, in ``sizes`` order (``ar``, the chain's kind, ``tree@b``); resolved kinds."""
         return tuple("ar" if v == 0 else (self.chain or CHAIN) if v == CHAIN else f"{self.tree or 'tree'}@{v}"
@@ -588,7 +520,7 @@ class Auto(Method):
 
     def nodes(self, drafter) -> int:
         trees = self.tree_sizes
-        return trees[-1] if trees else self.depth(drafter)
+        return trees[-1] if trees else drafted_depth(drafter)
 
     def resolve(self, drafter) -> Auto:
         """The tree and chain kinds for ``drafter`` (Markov head: sparklingtree / dspark, else ddtree / dflash)."""
@@ -602,7 +534,7 @@ class Auto(Method):
             raise ArgumentError("drafter: method 'auto' needs a drafter (use method='ar' without one)")
         resolved = self.resolve(drafter)
         check_drafter(target, drafter, resolved)
-        depth = self.depth(drafter)
+        depth = drafted_depth(drafter)
         trees = self.tree_sizes
         c = None  # no tree size: no candidates
         if trees:
@@ -612,7 +544,7 @@ class Auto(Method):
             c = sub.top_c
         resolved = dataclasses.replace(resolved, top_c=c, table=None, viable=None, floor=None)
         plan = Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids),
-                    check_options(options))
+                    check_options(options), context=adaptive.keeps_context(resolved))
         return plan if self.table is None else resolved.with_table(plan, self.table)
 
     def with_table(self, plan: Plan, table: Any) -> Plan:
@@ -626,33 +558,26 @@ class Auto(Method):
         ok = [adaptive.viable(self, plan.depth, r) for r in rows]
         bound = dataclasses.replace(self, table=table, viable=tuple(map(any, zip(*ok, strict=True))),
                                     floor=min(adaptive.gap_floor(self, plan.depth, r) for r in rows))
-        return dataclasses.replace(plan, method=bound)
+        return dataclasses.replace(plan, method=bound, context=adaptive.keeps_context(bound))
 
-    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = ()) -> Plan:
-        """``plan`` with its cost table: the method's own, else this device's, batch's and cache size's
-        (:func:`~sparkjax.engine.costs.table_for`; for a ``pool``, :func:`~sparkjax.engine.costs.pool_table_for`)."""
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = (),
+             memory: Any = None) -> tuple[Plan, adaptive.AutoInputs]:
+        """``plan`` with its cost table (the method's own, else this device's, batch's and cache size's:
+        :func:`~sparkjax.engine.costs.table_for`; for a ``pool``, :func:`~sparkjax.engine.costs.pool_table_for`),
+        and the table's seconds and the memory to start from (:func:`~sparkjax.engine.adaptive.auto_inputs`)."""
         table = plan.method.table
         if isinstance(table, costs.PoolCostTable) and table.slots != batch:
             raise ArgumentError(f"table: a PoolCostTable for {table.slots} slots, but this run has {batch} "
                                 f"sequences")
-        if table is not None:
-            return plan
-        if pool and batch > 1:
-            return plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size,
+        if table is None and pool and batch > 1:
+            plan = plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size,
                                                                      sizes=pool))
-        return plan.method.with_table(plan, costs.table_for(target, drafter, plan, batch, cache_size))
-
-    def inputs(self, plan: Plan, *, target=None, drafter=None, batch=None, cache_size=None, memory: Any = None
-               ) -> adaptive.AutoInputs:
-        """The table's seconds and the memory to start from (:func:`~sparkjax.engine.adaptive.auto_inputs`)."""
-        return adaptive.auto_inputs(plan, memory)
+        elif table is None:
+            plan = plan.method.with_table(plan, costs.table_for(target, drafter, plan, batch, cache_size))
+        return plan, adaptive.auto_inputs(plan, memory)
 
     # the hooks of a method that carries state: auto's, in sparkjax.engine.adaptive
     init_state = staticmethod(adaptive.init_state)
-    admit_state = staticmethod(adaptive.admit_state)
-    take_rows = staticmethod(adaptive.take_rows)
-    put_rows = staticmethod(adaptive.put_rows)
-    keeps_context = staticmethod(adaptive.keeps_context)
     round = staticmethod(adaptive.auto_round)
     results = staticmethod(adaptive.results)
 
@@ -661,21 +586,15 @@ class Auto(Method):
         return Plan(self.largest_tree(), plan.depth,
                     self.tree_sizes[-1], plan.sampling, plan.layer_ids, plan.options, plan.logprobs)
 
+    def plain_plan(self, plan: Plan, features: bool = True) -> Plan:
+        """The plan of size 0: ``ar``'s round, reading the drafter's layers when ``features`` (the drafted
+        rounds that follow need the plain steps' features in the drafter's context)."""
+        return Plan(AR(), 0, 0, plan.sampling, plan.layer_ids if features else (), plan.options, plan.logprobs,
+                    context=False)
+
     def chain_plan(self, plan: Plan) -> Plan:
         return Plan(Chain(self.chain), plan.depth, plan.depth, plan.sampling, plan.layer_ids, plan.options,
                     plan.logprobs)
-
-    @classmethod
-    def from_options(cls, name, *, budget, top_c, widths, normalization) -> Auto:
-        if widths is not None:
-            raise ArgumentError("widths: does not apply to method 'auto' (it slices best-first trees)")
-        if budget is None:
-            return cls(top_c=top_c, normalization=normalization)
-        b = check_int("budget", budget, unit="number of tree nodes")
-        sizes = tuple(v for v in DEFAULT_SIZES if v == CHAIN or v <= b)
-        if b not in sizes:
-            sizes = sizes + (b,)
-        return cls(sizes=sizes, budget=b, top_c=top_c, normalization=normalization)
 
 
 # ============================================================================= the parser: the one table of names
@@ -706,6 +625,11 @@ MARKOV_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.markov
 AR_LABEL: str = AR().label  # the reference row of every result table
 
 
+def drafted_depth(drafter) -> int:
+    """Drafted depths per round with ``drafter`` (its block past the first draft slot)."""
+    return drafter.config.block_size - drafter.config.first_draft_slot
+
+
 def available_methods() -> tuple[str, ...]:
     """The method names :func:`parse_method` (and so :func:`~sparkjax.engine.generate`) reads."""
     return METHODS
@@ -719,6 +643,27 @@ def _entry(name: Any, cls: type[Method] | None = None, arg: str = "method") -> _
         what = "unknown method" if cls is None else f"not a {cls.__name__} kind:"
         raise ArgumentError(f"{arg}: {what} {describe(name)}; expected one of {', '.join(names)}")
     return entry
+
+
+def _from_options(name: str, cls: type[Method], *, budget: Any, top_c: Any, widths: Any, normalization: Any) -> Method:
+    """The method ``name`` (of class ``cls``) with :func:`parse_method`'s options; ArgumentError for one it does not
+    take. A budget for ``auto`` is its largest tree size (its default sizes up to it, and it)."""
+    if cls is AR or cls is Chain:
+        for arg, value in (("budget", budget), ("top_c", top_c), ("widths", widths)):
+            if value is not None:
+                why = f"chain method {name!r} drafts one node per depth; {arg} does not apply" if cls is Chain else \
+                    f"does not apply to method {name!r}"
+                raise ArgumentError(f"{arg}: {why}")
+        return cls(name) if cls is Chain else cls()
+    if cls is Auto:
+        if widths is not None:
+            raise ArgumentError("widths: does not apply to method 'auto' (it slices best-first trees)")
+        if budget is None:
+            return cls(top_c=top_c, normalization=normalization)
+        b = check_int("budget", budget, unit="number of tree nodes")
+        sizes = tuple(v for v in DEFAULT_SIZES if v == CHAIN or v <= b)
+        return cls(sizes=sizes if b in sizes else sizes + (b,), budget=b, top_c=top_c, normalization=normalization)
+    return cls(name, cls.budget if budget is None else budget, top_c, widths, normalization)  # Tree, PCTree
 
 
 def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
@@ -754,7 +699,7 @@ def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
             max_fanout = int(value)
         else:
             candidates = opt
-    out = entry.cls.from_options(name, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    out = _from_options(name, entry.cls, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
     for arg, value in (("candidates", candidates), ("max_fanout", max_fanout)):
         if value is not None:
             if not isinstance(out, Tree):

@@ -1,4 +1,4 @@
-"""The jitted programs: the target's prefill, the AR program and the speculative program.
+"""The jitted programs: the target's prefill and the generation program of every method (``ar`` included).
 
 Every generation is one jitted ``jax.lax.while_loop`` over fixed-shape state. The speculative programs
 reach the method only through ``plan.method``'s hooks and take its ``inputs`` as a traced argument;
@@ -27,7 +27,7 @@ from .drafting import append_context
 from .options import DEFAULT_OPTIONS, Options
 from .placement import constrain, per_sequence
 from .round import expand, flag_nonfinite, hits_eos
-from .state import Plan, SpecState
+from .state import Launch, Plan, SpecState
 
 # XLA's default command-buffer types (debug_options_flags.cc) plus WHILE and CONDITIONAL: a loop or conditional
 # whose every thunk can be recorded becomes a CUDA-graph conditional node, evaluated on the device. The option takes
@@ -104,17 +104,21 @@ def program(**jit_kwargs) -> Callable[[Callable], Program]:
 
 
 def split_pair(target, drafter):
-    """``((graphdef_t, graphdef_d), (state_t, state_d))`` of the pair, for the jitted programs."""
-    (g_t, s_t), (g_d, s_d) = nnx.split(target), nnx.split(drafter)
+    """``((graphdef_t, graphdef_d), (state_t, state_d))`` of the pair, for the jitted programs (a drafter of None,
+    for a plan that drafts nothing: its halves are None)."""
+    g_t, s_t = nnx.split(target)
+    g_d, s_d = (None, None) if drafter is None else nnx.split(drafter)
     return (g_t, g_d), (s_t, s_d)
 
 
 def merge_pair(graphdefs, states):
-    """The target and drafter modules back from :func:`split_pair`'s halves (inside a jitted function, before
-    any loop: the drafter's context projections are joined here, see
+    """The target and drafter (None: none was split) modules back from :func:`split_pair`'s halves (inside a
+    jitted function, before any loop: the drafter's context projections are joined here, see
     :meth:`~sparkjax.nn.drafter.Drafter.join_context_projections`)."""
-    drafter = nnx.merge(graphdefs[1], states[1])
-    drafter.join_context_projections()
+    drafter = None
+    if graphdefs[1] is not None:
+        drafter = nnx.merge(graphdefs[1], states[1])
+        drafter.join_context_projections()
     return nnx.merge(graphdefs[0], states[0]), drafter
 
 
@@ -128,69 +132,25 @@ def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, .
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 
-@program(static_argnames=("graphdef", "buf_len", "cache_size", "sampling", "mesh", "options", "logprobs"))
-def ar_program(graphdef, state, tokens, lengths, max_new, eos, temperature, key, *, buf_len, cache_size,
-               sampling=True, mesh=None, options=DEFAULT_OPTIONS, logprobs=None):
-    """The target alone: prefill, then one token per ``while_loop`` step. Returns ``(out, n, nonfinite,
-    logprobs)``. Static: ``sampling`` (False: a plain argmax loop with no key splitting), ``mesh`` (the carried
-    state is pinned to its shardings), ``options`` (:class:`~sparkjax.engine.options.Options`) and ``logprobs``
-    (None: none computed, the carry as without it; else the alternatives per token,
-    :mod:`~sparkjax.engine.logprobs`)."""
-    model = nnx.merge(graphdef, state)
-    attention = options.attend
-    b = tokens.shape[0]
-    cache, logits, _ = prefill(model, tokens, lengths, cache_size, attention=attention)
-    cache = constrain(cache, mesh)
-    sub = None
-    if sampling:
-        key, sub = jax.random.split(key)
-    first = pick(logits, temperature, sub)
-    out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
-    n = jnp.ones((b,), jnp.int32)
-    done = hits_eos(first, eos) | (n >= max_new)
-    bad = flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
-    lp = None if logprobs is None else lps.record(lps.empty(b, buf_len, logprobs), logits, first,
-                                                  jnp.zeros((b,), jnp.int32), temperature)
-
-    def cond(carry):
-        return ~jnp.all(carry[3])
-
-    def body(carry):
-        cache, out, n, done, key, bad, lp = carry
-        cur = jnp.take_along_axis(out, (n - 1)[:, None], axis=1)
-        step = model(cur, cache.lengths[:, None], cache=cache, attention=attention)
-        cache = step.cache.with_lengths(cache.lengths + (~done).astype(jnp.int32))
-        sub = None
-        if sampling:
-            key, sub = jax.random.split(key)
-        nxt = pick(step.logits[:, 0], temperature, sub)
-        bad = flag_nonfinite(bad, step.logits, ~done, n)  # step n makes token n + 1
-        write = jnp.where(done, buf_len, n)  # out of range -> dropped
-        out = jax.vmap(lambda o, w, x: o.at[w].set(x, mode="drop"))(out, write, nxt)  # batch-local on a mesh
-        lp = lps.record(lp, step.logits[:, 0], nxt, write, temperature)
-        n = n + (~done).astype(jnp.int32)
-        done = done | hits_eos(nxt, eos) | (n >= max_new)
-        return constrain((cache, out, n, done, key, bad, lp), mesh)
-
-    carry = constrain((cache, out, n, done, key, bad, lp), mesh)
-    _, out, n, _, _, bad, lp = jax.lax.while_loop(cond, body, carry)
-    return out, n, bad, lp
-
-
 def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan: Plan,
                  cache_size: int, buf_len: int) -> SpecState:
     """Prefill the target, take the first token, and fill the drafter context with the prompt's features
-    (unless the method keeps no context); the method's state comes from its ``init_state(..., inputs)``."""
+    (unless the plan keeps no context; a plan that drafts nothing has none); the method's state comes from its
+    ``init_state(..., inputs)``."""
     b = tokens.shape[0]
     method = plan.method
-    track = method.keeps_context(plan)
+    track = plan.context
     cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids if track else (),
                                     attention=plan.options.attend)
-    key, sub = split_keys(key, 2)
-    first = pick(logits, temperature, sub if plan.sampling else None)
-    ctx = drafter.init_context(b, cache_size)
-    if track:
-        ctx = append_context(drafter, ctx, jnp.concatenate(hidden, -1), lengths)
+    sub = None
+    if plan.sampling:  # the greedy path splits no key
+        key, sub = split_keys(key, 2)
+    first = pick(logits, temperature, sub)
+    ctx = None  # a plan that drafts nothing has no drafter context
+    if plan.drafts:
+        ctx = drafter.init_context(b, cache_size)
+        if track:
+            ctx = append_context(drafter, ctx, jnp.concatenate(hidden, -1), lengths)
     out = jnp.zeros((b, buf_len), jnp.int32).at[:, 0].set(first)
     n = jnp.ones((b,), jnp.int32)
     done = hits_eos(first, eos) | (n >= max_new)
@@ -198,7 +158,8 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
                                                        jnp.zeros((b,), jnp.int32), temperature)
     return SpecState(
         cache=cache, ctx=ctx, x_start=first, out=out, n=n, done=done, key=key,
-        accept_lens=jnp.zeros((b, buf_len), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
+        # per-round counts (none kept for a one-token round: each commits one token)
+        accept_lens=jnp.zeros((b, buf_len if plan.drafts else 0), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
         nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
                                  jnp.zeros((b,), jnp.int32)),
@@ -218,7 +179,7 @@ def placed_call(target, drafter, plan: Plan, mesh=None):
         return None
 
     def call(fn, *args, **kwargs):
-        if fn is expand and not plan.sampling:  # the greedy tree builder: per sequence, no collective
+        if fn is expand and plan.drafts and not plan.sampling:  # the greedy tree builder: per sequence
             return per_sequence(lambda d, *a: fn(target, d, *a, **kwargs), mesh, drafter, *args)
         return constrain(fn(target, drafter, *args, **kwargs), mesh)
 
@@ -229,6 +190,15 @@ def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, te
     """The method's round (``plan.method.round``) through :func:`placed_call`."""
     return plan.method.round(target, drafter, state, plan, max_new, eos, temperature,
                              call=placed_call(target, drafter, plan, mesh))
+
+
+def launch_run(run, target, drafter) -> Launch:
+    """Dispatches the validated ``run`` (:class:`~sparkjax.engine.api.Run`) to :func:`spec_program` without
+    waiting (the drafter only when the plan drafts)."""
+    graphdefs, states = run.split(target, drafter if run.plan.drafts else None)
+    res = spec_program(graphdefs, states, *run.device_args(), run.device_inputs(), plan=run.plan,
+                       cache_size=run.cache_size, buf_len=run.buf_len, mesh=run.mesh)
+    return Launch(*res[:7], plan=run.plan, labels=run.plan.method.labels(), logprobs=res[7])
 
 
 @program(static_argnames=_STATIC)

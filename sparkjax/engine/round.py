@@ -1,4 +1,5 @@
-"""The stages of a speculative round: draft -> expand (tree) -> verify -> accept -> commit, one function each.
+"""The stages of a round: draft -> expand (tree) -> verify -> accept -> commit, one function each (``ar``'s round
+drafts nothing, proposes no node and verifies the root alone: the plain one-token step).
 
 A stage is a pure function ``(target, drafter, *args, plan=plan)`` of the models and the dataclasses of
 :mod:`sparkjax.engine.state`, run under :func:`jax.named_scope` of its name; it reaches the method only
@@ -79,14 +80,15 @@ def expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, temperat
 
 @stage(VERIFY)
 def verify(target, drafter, state: SpecState, prop: Proposal, *, plan: Plan) -> Verified:
-    """The target over ``[x_start] + nodes`` at ``start + depth`` with the tree mask."""
+    """The target over ``[x_start] + nodes`` at ``start + depth`` with the tree mask (no nodes: the plain
+    one-token step of ``ar``)."""
     start = state.cache.lengths
     tokens = jnp.concatenate([state.x_start[:, None], jnp.maximum(prop.tokens, 0)], axis=1)
-    zero = jnp.zeros_like(prop.depths[:, :1])
+    zero = jnp.zeros((prop.depths.shape[0], 1), prop.depths.dtype)
     positions = start[:, None] + jnp.concatenate([zero, prop.depths], axis=1)
     out = target(tokens, positions, cache=state.cache, mask=prop.mask, hidden_layers=plan.layer_ids,
                  attention=plan.options.attend)
-    feats = jnp.concatenate(out.hidden, axis=-1)
+    feats = jnp.concatenate(out.hidden, axis=-1) if out.hidden else None  # None: the plan reads no layer
     return Verified(out.logits.astype(jnp.float32), feats, out.cache, tokens)
 
 
@@ -109,15 +111,20 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     start = state.cache.lengths
     length, bonus = acc.length, acc.bonus
     idx = jnp.maximum(acc.indices, 0)
-    path = jnp.take_along_axis(ver.tokens, idx, axis=1)  # [B, D+1]: root, accepted drafts, padding
     j = jnp.arange(d + 1, dtype=jnp.int32)[None]
-    emitted = jnp.where(j < length[:, None] - 1, jnp.roll(path, -1, axis=1), bonus[:, None])
-    live = j < length[:, None]
-    hit_eos = hits_eos(emitted, eos) & live
-    first_eos = jnp.where(jnp.any(hit_eos, axis=1), jnp.argmax(hit_eos, axis=1), d + 1)
     active = ~state.done
-    keep = jnp.minimum(jnp.minimum(length, first_eos + 1), max_new - state.n)
-    keep = jnp.where(active, keep, 0)
+    if d == 0:  # one token, the bonus: every running sequence keeps it (running means n < max_new)
+        emitted = bonus[:, None]
+        keep = active.astype(jnp.int32)
+        stop = hits_eos(bonus, eos)
+    else:
+        path = jnp.take_along_axis(ver.tokens, idx, axis=1)  # [B, D+1]: root, accepted drafts, padding
+        emitted = jnp.where(j < length[:, None] - 1, jnp.roll(path, -1, axis=1), bonus[:, None])
+        hit_eos = hits_eos(emitted, eos) & (j < length[:, None])
+        first_eos = jnp.where(jnp.any(hit_eos, axis=1), jnp.argmax(hit_eos, axis=1), d + 1)
+        keep = jnp.minimum(jnp.minimum(length, first_eos + 1), max_new - state.n)
+        keep = jnp.where(active, keep, 0)
+        stop = first_eos < length
     cols = jnp.where(j < keep[:, None], state.n[:, None] + j, state.out.shape[1])
     # per-sequence writes vmapped over the batch (a batching dimension XLA keeps local to each data shard)
     out = jax.vmap(lambda o, c, e: o.at[c].set(e, mode="drop"))(state.out, cols, emitted)
@@ -125,23 +132,28 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     if lp is not None:
         lp = lps.record(lp, jnp.take_along_axis(ver.logits, idx[..., None], axis=1), emitted, cols, temperature)
     n = state.n + keep
-    done = state.done | (active & ((first_eos < length) | (n >= max_new)))
+    done = state.done | (active & (stop | (n >= max_new)))
     count = jnp.where(active, length, 0)
-    cache = ver.cache.compact(start, idx, count)
-    acc_feats = jnp.take_along_axis(ver.features, idx[..., None], axis=1)
-    ctx = drafting.append_context(drafter, state.ctx, acc_feats, count)
+    # a one-token step wrote its row in place: nothing to compact
+    cache = ver.cache.compact(start, idx, count) if plan.nodes else ver.cache.with_lengths(start + count)
+    ctx = state.ctx
+    if ctx is not None:  # the generation fills the drafter's context (not ar's, nor an auto burst's inner steps)
+        acc_feats = jnp.take_along_axis(ver.features, idx[..., None], axis=1)
+        ctx = drafting.append_context(drafter, ctx, acc_feats, count)
     # the round's counts are what it committed (``keep``, not the path's ``length``): a path cut at EOS or at
     # max_new counts no token past the cut (nor the bonus), so 1 (the prefill's token) + sum(accept_lens) == n;
-    # depth_hits follow the count (depth k is reached when the round committed more than k tokens)
-    r = jnp.where(active, state.rounds, state.accept_lens.shape[1])
-    accept_lens = jax.vmap(lambda a, i, x: a.at[i].set(x, mode="drop"))(state.accept_lens, r, keep)
-    hits = (jnp.arange(d)[None] < (keep - 1)[:, None]) & active[:, None]
+    # depth_hits follow the count (depth k is reached when the round committed more than k tokens). ar keeps no
+    # per-round buffer (zero width: every round commits one token)
+    accept_lens = state.accept_lens
+    if accept_lens.shape[1]:
+        r = jnp.where(active, state.rounds, accept_lens.shape[1])
+        accept_lens = jax.vmap(lambda a, i, x: a.at[i].set(x, mode="drop"))(accept_lens, r, keep)
+    hits = (jnp.arange(state.depth_hits.shape[1])[None] < (keep - 1)[:, None]) & active[:, None]
+    rounds = state.rounds + active.astype(jnp.int32)  # a running sequence's round index, 1-based, as flagged
     return SpecState(
         cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,
-        key=state.key, accept_lens=accept_lens, rounds=state.rounds + active.astype(jnp.int32),
-        depth_hits=state.depth_hits + hits.astype(jnp.int32),
-        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, state.rounds + 1), extra=state.extra,
-        logprobs=lp,
+        key=state.key, accept_lens=accept_lens, rounds=rounds, depth_hits=state.depth_hits + hits.astype(jnp.int32),
+        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, rounds), extra=state.extra, logprobs=lp,
     )
 
 
@@ -157,18 +169,28 @@ def accept_and_commit(target, drafter, state: SpecState, prop: Proposal, ver: Ve
 Call = Callable[..., object]
 
 
+def round_keys(state: SpecState, plan: Plan) -> tuple[SpecState, Array | None, Array | None]:
+    """``(state, expand key, accept key)`` of a round: none split on the greedy path (the state's key stays as
+    it was); a sampled round splits the state's key in three (two for a round that drafts nothing)."""
+    if not plan.sampling:
+        return state, None, None
+    keys = sampling.split_keys(state.key, 3 if plan.drafts else 2)
+    return dataclasses.replace(state, key=keys[0]), keys[1] if plan.drafts else None, keys[-1]
+
+
 def run_stages(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
                call: Call | None = None) -> SpecState:
-    """The generic round: draft, expand (``plan.method.propose``), verify, accept (``plan.method.accept``)
-    and commit. ``call(stage_fn, *args, plan=plan)`` runs each stage (default: directly, with ``target,
-    drafter`` first; a mesh run and the instrumented mode pass their own)."""
+    """The generic round: draft (unless the plan drafts nothing), expand (``plan.method.propose``), verify, accept
+    (``plan.method.accept``) and commit. ``call(stage_fn, *args, plan=plan)`` runs each stage (default:
+    directly, with ``target, drafter`` first; a mesh run and the instrumented mode pass their own)."""
     if call is None:
         def call(fn, *args, **kwargs):
             return fn(target, drafter, *args, **kwargs)
 
-    key, k_expand, k_accept = sampling.split_keys(state.key, 3)
-    state = dataclasses.replace(state, key=key)
-    state, blk = with_draft_context(state, call(draft, state, plan=plan))
+    state, k_expand, k_accept = round_keys(state, plan)
+    blk = None
+    if plan.drafts:
+        state, blk = with_draft_context(state, call(draft, state, plan=plan))
     prop = call(expand, state, blk, temperature, k_expand, plan=plan)
     ver = call(verify, state, prop, plan=plan)
     return call(accept_and_commit, state, prop, ver, max_new, eos, temperature, k_accept, plan=plan)

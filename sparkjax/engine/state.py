@@ -16,9 +16,11 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The static shape of a speculative program (part of jit's cache key): ``method`` with every default
-    resolved for this pair, ``depth`` D, ``nodes`` M verified per round (D for chains), ``sampling``
-    (temperature > 0), ``layer_ids`` (the target layers the drafter reads) and ``options``."""
+    """The static shape of a generation program (part of jit's cache key): ``method`` with every default
+    resolved for this pair, ``depth`` D drafted per round (0 for ``ar``: a round is one target step), ``nodes`` M
+    verified per round past the root (D for chains, 0 for ``ar``), ``sampling`` (temperature > 0), ``layer_ids``
+    (the target layers the drafter reads), ``options``, ``logprobs`` and ``context`` (whether the generation
+    fills the drafter's context: False for ``ar``, and for an ``auto`` whose cost table lets no draft pay)."""
 
     method: Any
     depth: int
@@ -27,6 +29,12 @@ class Plan:
     layer_ids: tuple[int, ...] = ()
     options: Options = DEFAULT_OPTIONS
     logprobs: int | None = None  # alternatives recorded per token (None: no log-probabilities computed)
+    context: bool = True
+
+    @property
+    def drafts(self) -> bool:
+        """Whether a round drafts (every method but ``ar``): the program needs the drafter."""
+        return self.depth > 0
 
     @property
     def top_c(self) -> int:
@@ -50,8 +58,9 @@ class Plan:
 
     @property
     def scratch(self) -> int:
-        """Cache rows a round needs past the committed tokens: it may overshoot by D and verifies M + 1 rows."""
-        return self.depth + self.nodes + 2
+        """Cache rows a round needs past the committed tokens: it may overshoot by D and verifies M + 1 rows
+        (none for a one-token step, which writes the row of the token it commits)."""
+        return self.depth + self.nodes + 2 if self.drafts else 0
 
 
 class DeviceArgs(NamedTuple):
@@ -65,6 +74,48 @@ class DeviceArgs(NamedTuple):
     key: Array  # PRNG key
 
 
+def per_row(**kwargs):
+    """A dataclass field holding one entry per sequence along the leading axis of each of its arrays (a 0-d leaf
+    is shared, e.g. one PRNG key for the batch): what :func:`take_rows`, :func:`put_rows` and :func:`write_row`
+    gather and scatter. A field without the mark is shared by the batch; a field holding a dataclass with marked
+    fields (the method's own state, ``SpecState.extra``) is followed into."""
+    return dataclasses.field(metadata={"per_row": True}, **kwargs)
+
+
+def _rows_map(row_fn, shared_fn, first, *rest):
+    """``first`` (a dataclass) with each per-row leaf ``row_fn(leaf, *the others' leaves)`` and each shared field
+    ``shared_fn(value, *the others' values)``, recursing into nested dataclasses that mark per-row fields."""
+    out = {}
+    for f in dataclasses.fields(first):
+        vals = [getattr(x, f.name) for x in (first, *rest)]
+        if dataclasses.is_dataclass(vals[0]) and any(g.metadata.get("per_row") for g in dataclasses.fields(vals[0])):
+            out[f.name] = _rows_map(row_fn, shared_fn, *vals)
+        elif f.metadata.get("per_row"):
+            out[f.name] = jax.tree.map(lambda *xs: row_fn(*xs) if xs[0].ndim else shared_fn(*xs), *vals)
+        else:
+            out[f.name] = shared_fn(*vals)
+    return dataclasses.replace(first, **out)
+
+
+def take_rows(state, rows: Array):
+    """The sequences ``rows`` ``[A]`` (distinct) of ``state`` (a :class:`SpecState`, or any dataclass marking its
+    :func:`per_row` fields) as a batch of A; shared fields as they are."""
+    return _rows_map(lambda x: x[rows], lambda x: x, state)
+
+
+def put_rows(pool, sub, rows: Array):
+    """``pool`` with its sequences ``rows`` replaced by the batch ``sub`` (:func:`take_rows`' inverse); the shared
+    fields are ``sub``'s (what the sub-batch learned holds for the whole batch)."""
+    return _rows_map(lambda p, r: p.at[rows].set(r), lambda p, r: r, pool, sub)
+
+
+def write_row(pool, row, slot: Array):
+    """``pool`` with sequence ``slot`` (traced) started over from the batch-1 ``row``; the shared fields stay the
+    pool's."""
+    return _rows_map(lambda p, r: jax.lax.dynamic_update_slice_in_dim(p, r.astype(p.dtype), slot, axis=0),
+                     lambda p, r: p, pool, row)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecState:
@@ -73,19 +124,19 @@ class SpecState:
     tokens, ``accept_lens[b, r]`` the tokens round r committed, ``depth_hits[b, d]`` how many rounds
     accepted depth d + 1."""
 
-    cache: Any
-    ctx: Any
-    x_start: Array
-    out: Array
-    n: Array
-    done: Array
-    key: Array
-    accept_lens: Array
-    rounds: Array
-    depth_hits: Array
-    nonfinite: Array  # [B] int32: first round with non-finite target logits (0 = prefill), -1 if none
+    cache: Any = per_row()
+    ctx: Any = per_row()
+    x_start: Array = per_row()
+    out: Array = per_row()
+    n: Array = per_row()
+    done: Array = per_row()
+    key: Array = per_row()  # one key per sequence, or one for the batch (0-d: shared)
+    accept_lens: Array = per_row()
+    rounds: Array = per_row()
+    depth_hits: Array = per_row()
+    nonfinite: Array = per_row()  # [B] int32: first round with non-finite target logits (0 = prefill), -1 if none
     extra: Any = None  # the method's own carried state (Method.init_state; None for most methods)
-    logprobs: Any = None  # engine.logprobs.Logprobs [B, L(, N)] parallel to out, or None (not asked for)
+    logprobs: Any = per_row(default=None)  # engine.logprobs.Logprobs [B, L(, N)] parallel to out, or None
 
 
 @jax.tree_util.register_dataclass

@@ -92,20 +92,19 @@ class PairRunner:
         self._memories: dict[tuple, Any] = {}
 
     def plan(self, mc: MethodConfig):
-        """The engine's static plan for ``mc`` (None for ``ar``); ArgumentError when it does not fit the pair."""
+        """The engine's static plan for ``mc``; ArgumentError when it does not fit the pair."""
         if mc not in self._plans:
             self._plans[mc] = mc.spec.plan(self.target, self.drafter, self.temperature > 0)
         return self._plans[mc]
 
     def depth(self, mc: MethodConfig) -> int:
-        p = self.plan(mc)
-        return 0 if p is None else int(p.depth)
+        return int(self.plan(mc).depth)
 
     def describe(self, mc: MethodConfig) -> dict[str, Any]:
         """The ``setup.methods`` entry of ``mc``: label, name, budget, the plan's shape and the method's fields."""
         p = self.plan(mc)
         d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
-        if p is not None:
+        if p.drafts:
             d.update(depth=p.depth, nodes=p.nodes, candidates=p.candidates)
             d.update({f.name: getattr(p.method, f.name) for f in dataclasses.fields(p.method) if f.name not in d})
         return d
@@ -114,7 +113,7 @@ class PairRunner:
         """EvalError naming ``flag``, before anything compiles, when a lower bound of one verify step's memory
         (KV cache, one layer's scores, logits, tree mask) exceeds :func:`memory_limit`."""
         c, p = self.target.config, self.plan(mc)
-        rows = 1 if p is None else int(p.nodes) + 1
+        rows = int(p.nodes) + 1
         heads = int(c.num_attention_heads)
         kv, hd = int(c.num_key_value_heads), int(c.head_dim or c.hidden_size // heads)
         need = 4 * batch_size * (2 * int(c.num_hidden_layers) * self.cache_size * kv * hd
@@ -178,7 +177,7 @@ class PairRunner:
         core.raise_if_nonfinite(to_host(res.nonfinite)[:size])
         out, n = to_host(res.out)[:size], to_host(res.n)[:size]
         tokens = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-        if res.accept_lens is None:  # ar: the prefill's token, then one token per step
+        if res.accept_lens.shape[1] == 0:  # ar: the prefill's token, then one token per round
             return BatchOutput(tokens, [[1] * (len(t) - 1) for t in tokens], [[] for _ in tokens])
         lens_all, rounds = to_host(res.accept_lens)[:size], to_host(res.rounds)[:size]
         lens = [lens_all[b, : rounds[b]].tolist() for b in range(out.shape[0])]

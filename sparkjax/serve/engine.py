@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from .. import cachedir
 from ..engine.api import _key, eos_array
@@ -288,22 +287,20 @@ class Engine:
         self.eos_slots = max(MIN_EOS_SLOTS, len(self.eos))
         self.plan = self.method.plan(target, drafter, False, self.options)
         self.max_logprobs = check_logprobs(max_logprobs, "max_logprobs")
-        if self.plan is not None and self.max_logprobs is not None:
+        if self.max_logprobs is not None:
             self.plan = dataclasses.replace(self.plan, logprobs=self.max_logprobs)
-        scratch, depth = (1, 0) if self.plan is None else (self.plan.scratch, self.plan.depth)
+        depth = self.plan.depth
+        # a free slot's row past the longest sequence (a one-token round's plan needs no other scratch)
         self.cache_size, self.max_prompt_tokens, self.max_new_tokens = _limits(
-            cache_size, max_prompt_tokens, max_new_tokens, scratch, cfg.max_position_embeddings)
+            cache_size, max_prompt_tokens, max_new_tokens, max(1, self.plan.scratch), cfg.max_position_embeddings)
         self.buf_len = bucket(self.max_new_tokens + depth + 1, 1)
         self.window = min(self.buf_len, self.rounds_per_visit * (depth + 1) + 1)
         self.buckets = _buckets(self.max_prompt_tokens, self.cache_size)
-        self._target_only = self.plan is None
         kw = dict(target=target, drafter=drafter, batch=self.slots, cache_size=self.cache_size)
-        if self.plan is not None:
-            self.plan = self.method.bind(self.plan, pool=self.visit_sizes, **kw)
-        self._inputs = self.method.inputs(self.plan, **kw)
-        self.labels = tuple(self.plan.method.labels()) if self.plan is not None else ()
+        self.plan, self._inputs = self.method.bind(self.plan, pool=self.visit_sizes, **kw)
+        self.labels = tuple(self.plan.method.labels())
         # the sampling programs: the same bound plan (cost table included), sampling
-        self.sampling_plan = None if self.plan is None else dataclasses.replace(self.plan, sampling=True)
+        self.sampling_plan = dataclasses.replace(self.plan, sampling=True)
         # scheduler state (under self._cond)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -323,14 +320,14 @@ class Engine:
         self._slot_temp = np.zeros(self.slots, np.float32)
         self._slot_top_p = np.ones(self.slots, np.float32)
         self._slot_top_k = np.zeros(self.slots, np.int32)
-        self._m = _Metrics(self.labels or (self.method.label,), 0 if self.plan is None else self.plan.depth)
+        self._m = _Metrics(self.labels or (self.method.label,), self.plan.depth)
         # draft tokens a round of each label verifies (0: a plain step), for the speculation metrics
         if self.labels:
             sizes = self.plan.method.sizes
             self._draft_nodes = np.asarray([0 if v == 0 else self.plan.depth if isinstance(v, str) else v
                                             for v in sizes], np.int64)
         else:
-            self._draft_nodes = None if self.plan is None else self.plan.nodes
+            self._draft_nodes = self.plan.nodes if self.plan.drafts else None
 
     # ------------------------------------------------------------------------------------------ start / close
     def start(self) -> float:
@@ -344,10 +341,7 @@ class Engine:
                 raise EngineClosedError("engine: closed; build a new Engine")
         t0 = time.perf_counter()
         cachedir.enable_compilation_cache()
-        if self._target_only:
-            self._graphdefs, self._states = nnx.split(self.target)
-        else:
-            self._graphdefs, self._states = split_pair(self.target, self.drafter)
+        self._graphdefs, self._states = split_pair(self.target, self.drafter if self.plan.drafts else None)
         self._device_inputs = None if self._inputs is None else jax.tree.map(jnp.asarray, self._inputs)
         steps = [("the pool", None)]
         steps += [(f"the prefill of a {w}-token prompt buffer", ("admit", w)) for w in self.buckets]
@@ -494,9 +488,7 @@ class Engine:
                 width = next(w for w in self.buckets if w >= len(ids))
                 tokens = np.zeros((1, width), np.int32)
                 tokens[0, : len(ids)] = ids
-                graphdef, state = (self._graphdefs, self._states) if self._target_only else \
-                    (self._graphdefs[0], self._states[0])
-                got = jax.device_get(programs.score_prompt(graphdef, state, jnp.asarray(tokens),
+                got = jax.device_get(programs.score_prompt(self._graphdefs[0], self._states[0], jnp.asarray(tokens),
                                                            top=self.max_logprobs, options=self.options))
                 out: list[TokenLogprob | None] = [None]
                 for j in range(len(ids) - 1):  # row j scores token j + 1
@@ -532,18 +524,13 @@ class Engine:
 
     def _fresh_pool(self):
         return programs.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
-                                  **self._static(), slots=self.slots, **self._ar_logprobs())
-
-    def _ar_logprobs(self) -> dict[str, Any]:
-        """``ar``'s pool programs take the logprobs setting as their own static argument (no plan)."""
-        return {"logprobs": self.max_logprobs} if self._target_only and self.max_logprobs is not None else {}
+                                  **self._static(), slots=self.slots)
 
     def _static(self, sampling: bool | None = None, *, sizes: bool = True) -> dict[str, Any]:
         """The programs' static arguments (``sizes``: with the cache and buffer sizes); ``sampling`` None: the
         engine's (the prefill, the pool)."""
         hot = self.sampling if sampling is None else sampling
-        out = dict(plan=self.sampling_plan if hot else self.plan, target_only=self._target_only, sampling=hot,
-                   options=self.options)
+        out = dict(plan=self.sampling_plan if hot else self.plan)
         return {**out, "cache_size": self.cache_size, "buf_len": self.buf_len} if sizes else out
 
     def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
@@ -551,7 +538,7 @@ class Engine:
         return programs.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
                                    jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
                                    Sampling.of(temperature, top_p, top_k), _key(seed), self._device_inputs,
-                                   **self._static(), **self._ar_logprobs())
+                                   **self._static())
 
     def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
         return programs.pool_visit(
