@@ -19,7 +19,7 @@ prompts = [pair.encode_chat(q) for q in ("What is Python?", "Natalia sold clips 
                                          "then she sold half as many clips in May. How many clips did she sell?")]
 NEW = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 gpu_opts = programs.loop_compiler_options(sparkjax.Options(), backend="gpu")
-names = {"ar": "ar_program", "sparklingtree@16": "spec_program"}
+names = {"ar": "spec_program", "sparklingtree@16": "spec_program"}  # ar is a method like the others
 orig = {n: getattr(programs, n) for n in names.values()}
 variants_of = {n: {"plain jax.jit": jax.jit(p.__wrapped__, **p._jit_kwargs),
                    "after (Program, CPU: no options)": p,
@@ -42,16 +42,16 @@ def run(method, prog_name, prog):
 seen = {}
 
 
-def recording(prog_name, prog):
+def recording(method, prog):
     def call(*args, **kwargs):
-        seen.setdefault(prog_name, (args, kwargs))
+        seen.setdefault(method, (args, kwargs))
         return prog(*args, **kwargs)
     return call
 
 
 for method, prog_name in names.items():  # the CPU programs of the three variants, from the same arguments
-    run(method, prog_name, recording(prog_name, orig[prog_name]))()
-    args, kwargs = seen[prog_name]
+    run(method, prog_name, recording(method, orig[prog_name]))()
+    args, kwargs = seen[method]
     texts = {v: p.lower(*args, **kwargs).compile().as_text() for v, p in variants_of[prog_name].items()}
     body = {v: t[t.index("\n"):] for v, t in texts.items()}  # the HloModule line names the module
     print(f"# {method}: optimised XLA:CPU HLO identical in all three variants: {len(set(body.values())) == 1} "

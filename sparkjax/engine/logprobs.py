@@ -1,7 +1,7 @@
 """Token log-probabilities of the committed tokens, from logits a program already computed (the prefill's last
 row, ``ar``'s one-token steps, a round's verify rows, ``auto``'s plain steps).
 
-The number of alternatives is static (``Plan.logprobs``, ``ar_program(logprobs=...)``): None computes nothing and
+The number of alternatives is static (``Plan.logprobs``, every method's ``ar`` included): None computes nothing and
 leaves the programs as they were (:class:`~sparkjax.engine.state.SpecState` carries no buffer, ``logprobs`` None);
 0 records the chosen token's log-probability only; N > 0 also the N likeliest tokens and theirs. The values are
 ``log_softmax(sampling.process(logits, params))``: the raw logits' log-softmax for greedy rows, the distribution
