@@ -282,7 +282,7 @@ def test_the_flag_records_the_first_bad_round(pair):
     state = programs.spec_start(g_good, s_good, *args, run.inputs, plan=plan, cache_size=run.cache_size,
                                 buf_len=run.buf_len)
     assert np.asarray(state.nonfinite).tolist() == [-1, -1]
-    state = programs.spec_step(g_good, s_bad, state, args[2], args[3], args[4], plan=plan)
+    state = programs.spec_step(g_good, s_bad, state, plan=plan)
     assert np.asarray(state.nonfinite).tolist() == [1, 1]
     with pytest.raises(sparkjax.NumericalError, match="round 1 of sequence 0"):
         api.raise_if_nonfinite(state.nonfinite)

@@ -218,19 +218,17 @@ def test_branches_return_identical_state_layouts(random_pair):
                                                    cache_size=run.cache_size, buf_len=run.buf_len),
                            args, run.device_inputs())
     blk = jax.eval_shape(lambda s: adaptive.draft(target, drafter, s, plan=plan), state)
-    aprop = jax.eval_shape(lambda s, b: adaptive.auto_expand(target, drafter, s, b, args.temperature,
-                                                             jax.random.key(1), plan=plan), state, blk)
+    aprop = jax.eval_shape(lambda s, b: adaptive.auto_expand(target, drafter, s, b, jax.random.key(1), plan=plan),
+                           state, blk)
     assert aprop.raw.shape == (3, len(SIZES))
     layouts = []
     for i in range(len(SIZES)):
         out = jax.eval_shape(
-            lambda s, a, i=i: adaptive._branch(i, target, drafter, s, a, args.temperature, jax.random.key(2),
-                                               args.max_new, args.eos, plan=plan), state, aprop)
+            lambda s, a, i=i: adaptive._branch(i, target, drafter, s, a, jax.random.key(2), plan=plan), state, aprop)
         layouts.append((jax.tree.structure(out), [(x.shape, x.dtype) for x in jax.tree.leaves(out)]))
     assert all(lay == layouts[0] for lay in layouts[1:])
     # the auto round keeps the state's own layout (the while_loop carry)
-    new = jax.eval_shape(lambda s: adaptive.auto_round(target, drafter, s, plan, args.max_new, args.eos,
-                                                       args.temperature), state)
+    new = jax.eval_shape(lambda s: adaptive.auto_round(target, drafter, s, plan), state)
     assert jax.tree.structure(new) == jax.tree.structure(state)
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(new)] == [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
 
@@ -245,8 +243,8 @@ def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(rando
 
     @functools.partial(jax.jit, static_argnames="plan")
     def builds_tree(st, *, plan):
-        return adaptive.auto_expand(target, drafter, st, blk, args.temperature, jax.random.key(1),
-                                    jnp.int32(SIZES.index("chain")), plan=plan).tree_built
+        return adaptive.auto_expand(target, drafter, st, blk, jax.random.key(1), jnp.int32(SIZES.index("chain")),
+                                    plan=plan).tree_built
 
     def probe_builds_tree(last, plan=run.plan):
         st = dataclasses.replace(state, extra=dataclasses.replace(state.extra, last=jnp.asarray(last, jnp.float32)))
@@ -270,13 +268,11 @@ def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
     steps = 2 * (plan.depth + 1) + 3  # two whole chunks and a partial one
     state = dataclasses.replace(state, extra=dataclasses.replace(state.extra, gap=jnp.int32(steps), idle=jnp.int32(0)))
     key = jax.random.key(3)
-    burst = jax.jit(lambda s: adaptive.auto_plain(target, drafter, s, args.max_new, args.eos, args.temperature, key,
-                                                  plan=plan))(state)
+    burst = jax.jit(lambda s: adaptive.auto_plain(target, drafter, s, key, plan=plan))(state)
 
     @jax.jit
     def one(s, j):
-        return adaptive._plain_step(target, drafter, s, args.temperature, jax.random.fold_in(key, j), args.max_new,
-                                    args.eos, plan)[0]
+        return adaptive._plain_step(target, drafter, s, jax.random.fold_in(key, j), plan)[0]
 
     single = state
     for j in range(steps):
@@ -458,7 +454,7 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
     clock = [0.0]
     calls = []
 
-    def fake(graphdefs, states, start, force, max_new, eos, temperature, rounds, *, plan):
+    def fake(graphdefs, states, start, force, rounds, *, plan):
         i, rounds = int(force), int(rounds)
         calls.append((i, rounds, int(start.extra.gap)))
         clock[0] += overhead + rounds * (int(start.extra.gap) if i == 0 else 1) * per_step[i]
@@ -472,7 +468,7 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
     assert timed == {(0, 1, costs.PROFILE_BURST), (1, costs.PROFILE_ROUNDS, 1), (2, costs.PROFILE_ROUNDS, 1)}
     assert sum(r == 0 for _, r, _ in calls) == sum(r > 0 for _, r, _ in calls)  # each timed call has its empty twin
 
-    def noisy(graphdefs, states, start, force, max_new, eos, temperature, rounds, *, plan):
+    def noisy(graphdefs, states, start, force, rounds, *, plan):
         clock[0] += 1e-3 if int(rounds) else 5e-3  # a busy machine: the empty call took longer than the whole one
         return start
 

@@ -178,7 +178,7 @@ def lower(method: Method, target, drafter, batch: int, prompt: int, context: int
             sds((), jnp.float32), jax.eval_shape(lambda: jax.random.key(0)))
     plan = method.plan(target, drafter, False, options)
     graphdefs, states = split_pair(target, drafter if plan.drafts else None)
-    plan, inputs = method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    plan, inputs = method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context, measure=False)
     return spec_program.lower(graphdefs, states, *args, inputs, plan=plan, cache_size=context, buf_len=buf_len), plan
 
 
@@ -190,13 +190,13 @@ def lower_visit(method: Method, target, drafter, batch: int, context: int, buf_l
 
     plan = method.plan(target, drafter, False, options)
     graphdefs, states = split_pair(target, drafter if plan.drafts else None)
-    plan, inputs = method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context)
+    plan, inputs = method.bind(plan, target=target, drafter=drafter, batch=batch, cache_size=context, measure=False)
     pool = jax.eval_shape(lambda st, inp: pool_init(graphdefs, st, jax.random.key(0), inp, slots=batch, plan=plan,
-                                                     cache_size=context, buf_len=buf_len), states, inputs)
+                                                     eos_slots=eos_slots, cache_size=context, buf_len=buf_len),
+                          states, inputs)
     sds, n = jax.ShapeDtypeStruct, (batch,)
     window = min(buf_len, 8 * (plan.depth + 1) + 1)  # the engine's, 8 rounds a visit
     return pool_visit.lower(graphdefs, states, pool, sds(n, jnp.bool_), sds((), jnp.int32), sds(n, jnp.int32),
-                            sds(n, jnp.int32), sds((batch, eos_slots), jnp.int32), sds(n, jnp.float32),
                             sds(n, jnp.int32), window=window, plan=plan), plan
 
 

@@ -239,7 +239,7 @@ def stage_split(target, drafter, plan, batch: int, prompt: int, accept: int, con
 
     for r in range(rounds + 1):  # the first round compiles
         record[0] = r > 0
-        state = plan.method.round(target, drafter, state, plan, max_new, none, jnp.float32(0.0), call=timed)
+        state = plan.method.round(target, drafter, state, plan, call=timed)
     return {s: timing.Stats.of(v).median for s, v in times.items() if v}
 
 

@@ -49,7 +49,7 @@ from .. import sampling, tree
 from ..errors import ArgumentError
 from . import drafting
 from .checks import describe
-from .round import COMMIT, TREE, VERIFY, commit, draft, stage, verify, with_draft_context
+from .round import COMMIT, TREE, VERIFY, commit, draft, round_keys, stage, verify, with_draft_context
 from .state import Acceptance, Plan, Proposal, SpecState, per_row
 
 if TYPE_CHECKING:
@@ -348,7 +348,7 @@ def predictions(method: Auto, batch: int, tree_scores: Array | None, chain_p: Ar
 
 
 @stage(TREE)
-def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, temperature, key, k=None, *,
+def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, key, k=None, *,
                 plan: Plan) -> AutoProposal:
     """The largest tree and the chain of the round, and every candidate's raw prediction.
 
@@ -366,8 +366,8 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
 
     def build_chain():
         cp = m.chain_plan(plan)
-        prop = cp.method.propose(drafter, state.x_start, blk, cp, temperature, key)
-        return prop, chain_probs(drafter, state.x_start, blk, prop, temperature)
+        prop = cp.method.propose(drafter, state.x_start, blk, cp, state.request.sampling, key)
+        return prop, chain_probs(drafter, state.x_start, blk, prop, state.request.sampling)
 
     both = bool(m.tree_sizes) and CHAIN in m.sizes
     if k is None or not both:
@@ -400,35 +400,34 @@ def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, tem
     return AutoProposal(tree_prop, chain_prop, jnp.where(stale[None], state.extra.last, raw), want_tree)
 
 
-def _plain_target_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan,
-                       features: bool = True):
+def _plain_target_step(target, drafter, state: SpecState, key, plan: Plan, features: bool = True):
     """Size 0: ``ar``'s round on the state (its proposal of no node, the verify of the root alone, its accept and
     the general commit; :meth:`Auto.plain_plan`), reading the drafter's layers when ``features``. Returns
     ``(state, verified, acceptance)``; the drafter's context is extended only when the state carries one."""
     sub = plan.method.plain_plan(plan, features)
-    prop = sub.method.propose(drafter, state.x_start, None, sub, temperature, None)
+    prop = sub.method.propose(drafter, state.x_start, None, sub, state.request.sampling, None)
     ver = verify(target, drafter, state, prop, plan=sub)
-    acc = sub.method.accept(prop, ver, temperature, key, plan=sub)
-    return commit(drafter, state, ver, acc, max_new, eos, plan=sub, temperature=temperature), ver, acc
+    acc = sub.method.accept(prop, ver, state.request.sampling, key, plan=sub)
+    return commit(drafter, state, ver, acc, plan=sub), ver, acc
 
 
-def _plain_step(target, drafter, state: SpecState, temperature, key, max_new, eos, plan: Plan):
+def _plain_step(target, drafter, state: SpecState, key, plan: Plan):
     """Size 0 as one branch of a drafted round: :func:`_plain_target_step`, its acceptance in the round's
     layout."""
-    new, _, acc = _plain_target_step(target, drafter, state, temperature, key, max_new, eos, plan)
+    new, _, acc = _plain_target_step(target, drafter, state, key, plan)
     b = acc.bonus.shape[0]
     indices = jnp.concatenate([acc.indices, jnp.full((b, plan.depth), -1, jnp.int32)], axis=1)
     return new, Acceptance(indices, acc.length, acc.bonus)
 
 
-def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temperature, key, max_new, eos, *,
+def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, key, *,
             plan: Plan):
     """Verify, accept and commit candidate ``i`` (one branch of :func:`run_selected`: every one returns the same
     layout)."""
     m: Auto = plan.method
     v = m.sizes[i]
     if v == 0:
-        return _plain_step(target, drafter, state, temperature, key, max_new, eos, plan)
+        return _plain_step(target, drafter, state, key, plan)
     if v == CHAIN:
         sub, prop = m.chain_plan(plan), aprop.chain
     else:  # the first v nodes of the best-first tree: the best tree of v nodes
@@ -436,8 +435,8 @@ def _branch(i: int, target, drafter, state: SpecState, aprop: AutoProposal, temp
         sub, prop = m.tree_plan(plan), Proposal(t.tokens[:, :v], t.parents[:, :v], t.depths[:, :v],
                                                 t.mask[:, : v + 1, : v + 1], None)
     ver = verify(target, drafter, state, prop, plan=sub)
-    acc = sub.method.accept(prop, ver, temperature, key, plan=sub)
-    return commit(drafter, state, ver, acc, max_new, eos, plan=plan, temperature=temperature), acc
+    acc = sub.method.accept(prop, ver, state.request.sampling, key, plan=sub)
+    return commit(drafter, state, ver, acc, plan=plan), acc
 
 
 def _realised(m: Auto, k: Array, acc: Acceptance) -> tuple[Array, Array]:
@@ -512,7 +511,7 @@ def run_selected(k: Array, branches, state: SpecState, *args):
 
 
 @stage(VERIFY)
-def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, max_new, eos, temperature, key, *,
+def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, key, *,
                 plan: Plan) -> SpecState:
     """Chooses the round's size (``decide="draft"``; else takes ``k_prev``), then verifies, accepts and
     commits it (:func:`run_selected` over the candidates)."""
@@ -524,7 +523,7 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
         built = jnp.asarray([v == 0 or v == CHAIN for v in m.sizes]) | aprop.tree_built  # never an unbuilt tree
         k = jnp.where(probe, _choose(st, aprop.raw, plan, ~state.done, built), k)
     branches = [functools.partial(_branch, i, target, drafter, plan=plan) for i in range(len(m.sizes))]
-    args = (aprop, temperature, key, max_new, eos)
+    args = (aprop, key)
     if len(branches) == 1:
         new, acc = branches[0](state, *args)
     else:
@@ -542,7 +541,7 @@ def auto_commit(target, drafter, state: SpecState, aprop: AutoProposal, k_prev, 
 
 
 @stage(COMMIT)
-def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key, *, plan: Plan,
+def auto_plain(target, drafter, state: SpecState, key, *, plan: Plan,
                run: Any = True) -> SpecState:
     """Size 0 without a draft (``decide="previous"``): plain target steps, one per round, until the next probe
     is due (``gap - idle`` of them, at least one) or every sequence is done, in one ``while_loop``. The
@@ -576,8 +575,9 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
         def body(c):
             i, s, feats, count = c
             # the context is extended once per chunk below, not by each step
-            new, ver, _ = _plain_target_step(target, drafter, dataclasses.replace(s, ctx=None), temperature,
-                                             sampling.fold_in(key, j0 + i), max_new, eos, plan, features=track)
+            k = None if key is None else sampling.fold_in(key, j0 + i)
+            new, ver, _ = _plain_target_step(target, drafter, dataclasses.replace(s, ctx=None), k, plan,
+                                             features=track)
             new = dataclasses.replace(new, ctx=s.ctx)
             f, step = ver.features, (~s.done).astype(jnp.int32)
             r = jnp.where(~s.done, s.rounds, st.choices.shape[1])
@@ -599,10 +599,10 @@ def auto_plain(target, drafter, state: SpecState, max_new, eos, temperature, key
     return dataclasses.replace(new, extra=dataclasses.replace(new.extra, idle=st.idle + j))
 
 
-def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, call=None) -> SpecState:
+def auto_round(target, drafter, state: SpecState, plan: Plan, call=None) -> SpecState:
     """One round of ``auto`` (the body of the generation's ``while_loop``; see the module docstring).
 
-    ``call`` as in :func:`~sparkjax.engine.round.spec_round` (the instrumented mode: each stage its own
+    ``call`` as in :func:`~sparkjax.engine.round.run_stages` (the instrumented mode: each stage its own
     jitted call; the choice between a plain step and a drafted round is then made on the host)."""
     eager = getattr(call, "eager", False)  # the instrumented mode's call (a mesh's call stays traced)
     if call is None:
@@ -610,13 +610,12 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
             return fn(target, drafter, *args, **kwargs)
 
     m: Auto = plan.method
-    key, k_expand, k_accept = sampling.split_keys(state.key, 3)
-    state = dataclasses.replace(state, key=key)
+    state, k_expand, k_accept = round_keys(state, plan)  # none split on the greedy path
 
     def drafted(state, k_prev):
         state, blk = with_draft_context(state, call(draft, state, plan=plan))
-        aprop = call(auto_expand, state, blk, temperature, k_expand, k_prev, plan=plan)
-        return call(auto_commit, state, aprop, k_prev, max_new, eos, temperature, k_accept, plan=plan)
+        aprop = call(auto_expand, state, blk, k_expand, k_prev, plan=plan)
+        return call(auto_commit, state, aprop, k_prev, k_accept, plan=plan)
 
     if m.decide == "draft":
         return drafted(state, None)
@@ -633,11 +632,11 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
     k = _choose(st, st.last, plan, ~state.done, allowed)
     if eager:
         if int(k) == i0:
-            return call(auto_plain, state, max_new, eos, temperature, k_accept, plan=plan)
+            return call(auto_plain, state, k_accept, plan=plan)
         return drafted(state, k)
     # a plain burst (0 steps unless k is size 0), then a drafted round (0 or 1 trip), as while loops
     plain = k == i0
-    state = call(auto_plain, state, max_new, eos, temperature, k_accept, plan=plan, run=plain)
+    state = call(auto_plain, state, k_accept, plan=plan, run=plain)
     return run_selected(jnp.where(plain, 1, 0), [lambda s: (drafted(s, k), ()), lambda s: (s, ())], state)[0]
 
 

@@ -519,17 +519,17 @@ def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     return _stream_rounds(target, drafter, run)
 
 
-def _start(target, drafter, run: Run) -> tuple[Any, Any, DeviceArgs, Any]:
-    """The split pair, the run's device arguments and the state before the first round."""
+def _start(target, drafter, run: Run) -> tuple[Any, Any, Any]:
+    """The split pair and the state before the first round (the request values in it)."""
     graphdefs, states = run.split(target, drafter)
     args = run.device_args()
     state = spec_start(graphdefs, states, *args, run.device_inputs(), plan=run.plan, cache_size=run.cache_size,
                        buf_len=run.buf_len, mesh=run.mesh)
-    return graphdefs, states, args, state
+    return graphdefs, states, state
 
 
 def _stream_rounds(target, drafter, run: Run):
-    graphdefs, states, args, state = _start(target, drafter, run)
+    graphdefs, states, state = _start(target, drafter, run)
     batch = run.prompts.batch
     seen = np.zeros(batch, np.int64)
     while True:
@@ -539,14 +539,13 @@ def _stream_rounds(target, drafter, run: Run):
         seen = n
         if done.all():
             return
-        state = spec_step(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan,
-                          mesh=run.mesh)
+        state = spec_step(graphdefs, states, state, plan=run.plan, mesh=run.mesh)
 
 
 def _instrumented(target, drafter, run: Run) -> GenerateOutput:
     """Runs the method's round (``plan.method.round``) with each stage as its own jitted call, blocking
     after each, and sums the wall time of each stage."""
-    graphdefs, states, args, state = _start(target, drafter, run)
+    graphdefs, states, state = _start(target, drafter, run)
     plan = run.plan
     times = dict.fromkeys(STAGES, 0.0)
 
@@ -558,7 +557,7 @@ def _instrumented(target, drafter, run: Run) -> GenerateOutput:
 
     timed.eager = True  # each stage is its own synced call: a method may read its choice on the host
     while not bool(to_host(state.done).all()):
-        state = plan.method.round(target, drafter, state, plan, args.max_new, args.eos, args.temperature, call=timed)
+        state = plan.method.round(target, drafter, state, plan, call=timed)
     raise_if_nonfinite(to_host(state.nonfinite))
     res = Launch(state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite,
                  plan.method.results(state, plan), plan, plan.method.labels(), state.logprobs)
@@ -569,9 +568,8 @@ def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **kwargs) -> str:
     """The compiled text of one round (``spec_step``, the body of :func:`stream` and of the
     generation's ``while_loop``) on ``mesh``, for the arguments of :func:`generate`."""
     run = validate(target, drafter, prompt_ids, mesh=mesh, **kwargs)
-    graphdefs, states, args, state = _start(target, drafter, run)
-    lowered = spec_step.lower(graphdefs, states, state, args.max_new, args.eos, args.temperature, plan=run.plan,
-                              mesh=mesh)
+    graphdefs, states, state = _start(target, drafter, run)
+    lowered = spec_step.lower(graphdefs, states, state, plan=run.plan, mesh=mesh)
     return lowered.compile().as_text()
 
 

@@ -175,7 +175,7 @@ def read_table(path: str | os.PathLike, key: tuple[tuple[str, Any], ...] | None 
 
 
 @program(static_argnames=("graphdefs", "plan"))
-def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, rounds, *, plan):
+def forced_rounds(graphdefs, states, start, force, rounds, *, plan):
     """``rounds`` (traced: one program times every count, none included) rounds of candidate ``force`` in a loop,
     each from ``start``'s lengths (the state is carried, so nothing is dead code, but every round verifies at the
     same place in the cache)."""
@@ -183,7 +183,7 @@ def forced_rounds(graphdefs, states, start, force, max_new, eos, temperature, ro
 
     def body(_, s):
         s = dataclasses.replace(s, extra=dataclasses.replace(s.extra, force=force))
-        s = auto_round(target, drafter, s, plan, max_new, eos, temperature)
+        s = auto_round(target, drafter, s, plan)
         return dataclasses.replace(
             s, cache=s.cache.with_lengths(start.cache.lengths),
             ctx=dataclasses.replace(s.ctx, lengths=start.ctx.lengths), n=start.n, done=start.done,
@@ -239,8 +239,8 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
 
     def call(i: int, rounds: int) -> float:
         t0 = time.perf_counter()
-        jax.block_until_ready(forced_rounds(graphdefs, states, burst if i == plain else start, jnp.int32(i), max_new,
-                                            eos, temp, jnp.int32(rounds), plan=plan))
+        jax.block_until_ready(forced_rounds(graphdefs, states, burst if i == plain else start, jnp.int32(i),
+                                            jnp.int32(rounds), plan=plan))
         return time.perf_counter() - t0
 
     def once(i: int) -> float:

@@ -68,11 +68,12 @@ class Method:
         raise NotImplementedError
 
     def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = (),
-             memory: Any = None) -> tuple[Plan, Any]:
+             memory: Any = None, measure: bool = True) -> tuple[Plan, Any]:
         """``(plan, inputs)`` of a run of ``batch`` sequences over ``cache_size`` slots (``pool``: the batch sizes a
         serving pool's rounds run at): the plan bound to the run (default: ``plan`` itself) and the pytree of arrays
         the program takes as a traced argument (default None). ``memory``: what an earlier generation learned
-        (``generate(auto_memory=)``); a method that keeps none refuses it."""
+        (``generate(auto_memory=)``); a method that keeps none refuses it. ``measure=False``: nothing is timed on
+        the device (a compile-only device; ``auto`` then runs on equal costs)."""
         if memory is not None:
             raise ArgumentError(f"auto_memory: method {self.name!r} keeps no memory between generations")
         return plan, None
@@ -90,11 +91,10 @@ class Method:
         :func:`~sparkjax.engine.round.walk`, exact under greedy and lossless when sampling)."""
         return stages.walk(prop, ver, temperature, key, plan=plan)
 
-    def round(self, target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
-              call=None) -> SpecState:
-        """One round, a pure function of the state (default: :func:`~sparkjax.engine.round.run_stages`, whose
-        ``call`` this is)."""
-        return stages.run_stages(target, drafter, state, plan, max_new, eos, temperature, call)
+    def round(self, target, drafter, state: SpecState, plan: Plan, call=None) -> SpecState:
+        """One round, a pure function of the state, each sequence's request values included (default:
+        :func:`~sparkjax.engine.round.run_stages`, whose ``call`` this is)."""
+        return stages.run_stages(target, drafter, state, plan, call)
 
     def results(self, state: SpecState, plan: Plan) -> Any:
         """Extra outputs of a finished generation (``Launch.extra``; default None)."""
@@ -561,7 +561,7 @@ class Auto(Method):
         return dataclasses.replace(plan, method=bound, context=adaptive.keeps_context(bound))
 
     def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = (),
-             memory: Any = None) -> tuple[Plan, adaptive.AutoInputs]:
+             memory: Any = None, measure: bool = True) -> tuple[Plan, adaptive.AutoInputs]:
         """``plan`` with its cost table (the method's own, else this device's, batch's and cache size's:
         :func:`~sparkjax.engine.costs.table_for`; for a ``pool``, :func:`~sparkjax.engine.costs.pool_table_for`),
         and the table's seconds and the memory to start from (:func:`~sparkjax.engine.adaptive.auto_inputs`)."""
@@ -569,7 +569,9 @@ class Auto(Method):
         if isinstance(table, costs.PoolCostTable) and table.slots != batch:
             raise ArgumentError(f"table: a PoolCostTable for {table.slots} slots, but this run has {batch} "
                                 f"sequences")
-        if table is None and pool and batch > 1:
+        if table is None and not measure:
+            pass  # unbound: every size viable, equal costs
+        elif table is None and pool and batch > 1:
             plan = plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size,
                                                                      sizes=pool))
         elif table is None:

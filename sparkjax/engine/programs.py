@@ -27,7 +27,7 @@ from .drafting import append_context
 from .options import DEFAULT_OPTIONS, Options
 from .placement import constrain, per_sequence
 from .round import expand, flag_nonfinite, hits_eos
-from .state import Launch, Plan, SpecState
+from .state import Launch, Plan, Request, SpecState
 
 # XLA's default command-buffer types (debug_options_flags.cc) plus WHILE and CONDITIONAL: a loop or conditional
 # whose every thunk can be recorded becomes a CUDA-graph conditional node, evaluated on the device. The option takes
@@ -156,6 +156,9 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
     done = hits_eos(first, eos) | (n >= max_new)
     lp = None if plan.logprobs is None else lps.record(lps.empty(b, buf_len, plan.logprobs), logits, first,
                                                        jnp.zeros((b,), jnp.int32), temperature)
+    # one value per sequence (max_new, EOS ids); the sampling parameters as given (one for the batch or per sequence)
+    request = Request(jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (b,)),
+                      jnp.broadcast_to(jnp.asarray(eos, jnp.int32), (b, jnp.shape(eos)[-1])), temperature)
     return SpecState(
         cache=cache, ctx=ctx, x_start=first, out=out, n=n, done=done, key=key,
         # per-round counts (none kept for a one-token round: each commits one token)
@@ -163,7 +166,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
         depth_hits=jnp.zeros((b, plan.depth), jnp.int32),
         nonfinite=flag_nonfinite(jnp.full((b,), -1, jnp.int32), logits, jnp.ones((b,), bool),
                                  jnp.zeros((b,), jnp.int32)),
-        extra=method.init_state(plan, b, buf_len, inputs), logprobs=lp,
+        request=request, extra=method.init_state(plan, b, buf_len, inputs), logprobs=lp,
     )
 
 
@@ -186,10 +189,9 @@ def placed_call(target, drafter, plan: Plan, mesh=None):
     return call
 
 
-def placed_round(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature, mesh=None) -> SpecState:
+def placed_round(target, drafter, state: SpecState, plan: Plan, mesh=None) -> SpecState:
     """The method's round (``plan.method.round``) through :func:`placed_call`."""
-    return plan.method.round(target, drafter, state, plan, max_new, eos, temperature,
-                             call=placed_call(target, drafter, plan, mesh))
+    return plan.method.round(target, drafter, state, plan, call=placed_call(target, drafter, plan, mesh))
 
 
 def launch_run(run, target, drafter) -> Launch:
@@ -212,7 +214,7 @@ def spec_program(graphdefs, states, tokens, lengths, max_new, eos, temperature, 
                          buf_len)
     state = jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: placed_round(target, drafter, s, plan, max_new, eos, temperature, mesh),
+        lambda s: placed_round(target, drafter, s, plan, mesh),
         constrain(state, mesh),
     )
     return (state.out, state.n, state.accept_lens, state.rounds, state.depth_hits, state.nonfinite,
@@ -230,10 +232,10 @@ def spec_start(graphdefs, states, tokens, lengths, max_new, eos, temperature, ke
 
 
 @program(static_argnames=("graphdefs", "plan", "mesh"), donate_argnames=("state",))
-def spec_step(graphdefs, states, state, max_new, eos, temperature, *, plan, mesh=None):
+def spec_step(graphdefs, states, state, *, plan, mesh=None):
     """One round (``plan.method.round``) as its own jitted call (the state is donated)."""
     target, drafter = merge_pair(graphdefs, states)
-    return constrain(placed_round(target, drafter, state, plan, max_new, eos, temperature, mesh), mesh)
+    return constrain(placed_round(target, drafter, state, plan, mesh), mesh)
 
 
 @program(static_argnames=("graphdefs", "fn", "plan"))

@@ -73,9 +73,9 @@ def with_draft_context(state: SpecState, blk: drafting.DraftBlock) -> tuple[Spec
 
 
 @stage(TREE)
-def expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, temperature, key, *, plan: Plan) -> Proposal:
+def expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, key, *, plan: Plan) -> Proposal:
     """Turns the drafter's block into the method's chain or tree of ``plan.nodes`` nodes, on device."""
-    return plan.method.propose(drafter, state.x_start, blk, plan, temperature, key)
+    return plan.method.propose(drafter, state.x_start, blk, plan, state.request.sampling, key)
 
 
 @stage(VERIFY)
@@ -102,12 +102,13 @@ def walk(prop: Proposal, ver: Verified, temperature, key, *, plan: Plan) -> Acce
     return Acceptance(acc.indices, acc.length, acc.bonus)
 
 
-def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, eos, *, plan: Plan,
-           temperature=0.0) -> SpecState:
-    """Writes the accepted tokens, compacts the target cache and extends the drafter context. With
-    ``plan.logprobs`` set, also each written token's log-probabilities (token j of the path is scored on the
-    verify row of path node j, its parent; ``temperature``: the round's sampling parameters)."""
+def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, *, plan: Plan) -> SpecState:
+    """Writes the accepted tokens, compacts the target cache and extends the drafter context, each sequence
+    within its own request (``state.request``: max_new, EOS ids). With ``plan.logprobs`` set, also each written
+    token's log-probabilities (token j of the path is scored on the verify row of path node j, its parent, under
+    the sequence's sampling parameters)."""
     d = plan.depth
+    max_new, eos, temperature = state.request.max_new, state.request.eos, state.request.sampling
     start = state.cache.lengths
     length, bonus = acc.length, acc.bonus
     idx = jnp.maximum(acc.indices, 0)
@@ -153,17 +154,18 @@ def commit(drafter, state: SpecState, ver: Verified, acc: Acceptance, max_new, e
     return SpecState(
         cache=cache, ctx=ctx, x_start=jnp.where(active, bonus, state.x_start), out=out, n=n, done=done,
         key=state.key, accept_lens=accept_lens, rounds=rounds, depth_hits=state.depth_hits + hits.astype(jnp.int32),
-        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, rounds), extra=state.extra, logprobs=lp,
+        nonfinite=flag_nonfinite(state.nonfinite, ver.logits, active, rounds), request=state.request,
+        extra=state.extra, logprobs=lp,
     )
 
 
 @stage(COMMIT)
-def accept_and_commit(target, drafter, state: SpecState, prop: Proposal, ver: Verified, max_new, eos, temperature,
-                      key, *, plan: Plan) -> SpecState:
+def accept_and_commit(target, drafter, state: SpecState, prop: Proposal, ver: Verified, key, *,
+                      plan: Plan) -> SpecState:
     """The round's last stage: the method's :meth:`~sparkjax.engine.methods.Method.accept` picks a path,
     then :func:`commit` writes it."""
-    acc = plan.method.accept(prop, ver, temperature, key, plan=plan)
-    return commit(drafter, state, ver, acc, max_new, eos, plan=plan, temperature=temperature)
+    acc = plan.method.accept(prop, ver, state.request.sampling, key, plan=plan)
+    return commit(drafter, state, ver, acc, plan=plan)
 
 
 Call = Callable[..., object]
@@ -178,8 +180,7 @@ def round_keys(state: SpecState, plan: Plan) -> tuple[SpecState, Array | None, A
     return dataclasses.replace(state, key=keys[0]), keys[1] if plan.drafts else None, keys[-1]
 
 
-def run_stages(target, drafter, state: SpecState, plan: Plan, max_new, eos, temperature,
-               call: Call | None = None) -> SpecState:
+def run_stages(target, drafter, state: SpecState, plan: Plan, call: Call | None = None) -> SpecState:
     """The generic round: draft (unless the plan drafts nothing), expand (``plan.method.propose``), verify, accept
     (``plan.method.accept``) and commit. ``call(stage_fn, *args, plan=plan)`` runs each stage (default:
     directly, with ``target, drafter`` first; a mesh run and the instrumented mode pass their own)."""
@@ -191,6 +192,6 @@ def run_stages(target, drafter, state: SpecState, plan: Plan, max_new, eos, temp
     blk = None
     if plan.drafts:
         state, blk = with_draft_context(state, call(draft, state, plan=plan))
-    prop = call(expand, state, blk, temperature, k_expand, plan=plan)
+    prop = call(expand, state, blk, k_expand, plan=plan)
     ver = call(verify, state, prop, plan=plan)
-    return call(accept_and_commit, state, prop, ver, max_new, eos, temperature, k_accept, plan=plan)
+    return call(accept_and_commit, state, prop, ver, k_accept, plan=plan)

@@ -118,8 +118,22 @@ def write_row(pool, row, slot: Array):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Request:
+    """What each sequence asked for, set at its prefill (or its admission into a serving slot) and read by every
+    round: ``max_new`` ``[B]`` int32 (tokens to generate), ``eos`` ``[B, E]`` int32 (its EOS ids, -1 padding) and
+    ``sampling`` (a :class:`~sparkjax.sampling.Sampling`: temperature, top-p, top-k, each one per sequence ``[B]``
+    or one for the batch, a 0-d value)."""
+
+    max_new: Array = per_row()
+    eos: Array = per_row()
+    sampling: Any = per_row()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SpecState:
-    """Everything a round reads and writes (fixed shapes: a ``while_loop`` carry). The target has processed
+    """Everything a round reads and writes (fixed shapes: a ``while_loop`` carry), the sequences' ``request``
+    values included. The target has processed
     every committed token but the last, ``x_start``, at ``start = cache.lengths``; ``out`` holds ``n``
     tokens, ``accept_lens[b, r]`` the tokens round r committed, ``depth_hits[b, d]`` how many rounds
     accepted depth d + 1."""
@@ -135,6 +149,7 @@ class SpecState:
     rounds: Array = per_row()
     depth_hits: Array = per_row()
     nonfinite: Array = per_row()  # [B] int32: first round with non-finite target logits (0 = prefill), -1 if none
+    request: Request = None  # what each sequence asked for (per-sequence fields: followed by the row functions)
     extra: Any = None  # the method's own carried state (Method.init_state; None for most methods)
     logprobs: Any = per_row(default=None)  # engine.logprobs.Logprobs [B, L(, N)] parallel to out, or None
 

@@ -315,11 +315,7 @@ class Engine:
         self._ids = itertools.count()
         self._pool = None
         self._compile_s: float | None = None
-        self._slot_max_new = np.ones(self.slots, np.int32)
-        self._slot_eos = np.full((self.slots, self.eos_slots), -1, np.int32)
-        self._slot_temp = np.zeros(self.slots, np.float32)
-        self._slot_top_p = np.ones(self.slots, np.float32)
-        self._slot_top_k = np.zeros(self.slots, np.int32)
+        self._slot_temp = np.zeros(self.slots, np.float32)  # the host's copy: a visit samples if one slot does
         self._m = _Metrics(self.labels or (self.method.label,), self.plan.depth)
         # draft tokens a round of each label verifies (0: a plain step), for the speculation metrics
         if self.labels:
@@ -524,7 +520,7 @@ class Engine:
 
     def _fresh_pool(self):
         return programs.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
-                                  **self._static(), slots=self.slots)
+                                  **self._static(), slots=self.slots, eos_slots=self.eos_slots)
 
     def _static(self, sampling: bool | None = None, *, sizes: bool = True) -> dict[str, Any]:
         """The programs' static arguments (``sizes``: with the cache and buffer sizes); ``sampling`` None: the
@@ -543,8 +539,7 @@ class Engine:
     def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
         return programs.pool_visit(
             self._graphdefs, self._states, self._pool, jnp.asarray(stop), jnp.int32(rounds),
-            jnp.asarray(rows, jnp.int32), jnp.asarray(self._slot_max_new), jnp.asarray(self._slot_eos),
-            Sampling.of(self._slot_temp, self._slot_top_p, self._slot_top_k), jnp.asarray(self._seen),
+            jnp.asarray(rows, jnp.int32), jnp.asarray(self._seen),
             window=self.window,
             **self._static(sampling, sizes=False))
 
@@ -612,11 +607,7 @@ class Engine:
                                           req.seed, req.top_p, req.top_k)
             self._seen[slot] = 0
             self._stop[slot] = False
-            self._slot_max_new[slot] = req.max_new_tokens
-            self._slot_eos[slot] = req.eos
             self._slot_temp[slot] = req.temperature
-            self._slot_top_p[slot] = req.top_p
-            self._slot_top_k[slot] = req.top_k
 
     def _visit(self) -> None:
         with self._cond:

@@ -6,9 +6,9 @@ and commits nothing. Each program compiles once per shape, the pool donated: :fu
 free), :func:`pool_admit` (one prompt's prefill written into slot ``i``) and :func:`pool_visit` (up to
 ``rounds`` rounds of the slots ``rows``, gathered by :func:`~sparkjax.engine.state.take_rows` and put back by
 :func:`~sparkjax.engine.state.put_rows`, in a
-``while_loop`` that ends once a running sequence finishes; one program per number of rows). Per-slot values
-(``max_new`` ``[N]``, ``eos`` ``[N, E]``, ``temperature`` ``[N]`` or a :class:`~sparkjax.sampling.Sampling` of
-``[N]`` arrays: temperature, top-p, top-k) are traced inputs.
+``while_loop`` that ends once a running sequence finishes; one program per number of rows). Each slot's request
+values (``max_new`` ``[N]``, ``eos`` ``[N, E]``, a :class:`~sparkjax.sampling.Sampling` of ``[N]`` arrays:
+temperature, top-p, top-k) live in the pool state (``SpecState.request``), written at admission.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..engine import logprobs as lps
 from ..engine.adaptive import AutoState
 from ..engine.programs import merge_pair, program, spec_prefill
 from ..engine.state import Plan, SpecState, put_rows, take_rows, write_row
+from ..sampling import Sampling
 
 Array = jax.Array
 
@@ -48,15 +49,19 @@ class Visit(NamedTuple):
 _STATIC = ("graphdefs", "plan", "cache_size", "buf_len")
 
 
-@program(static_argnames=_STATIC + ("slots",))
-def pool_init(graphdefs, states, key, inputs, *, plan, slots, cache_size, buf_len):
-    """The pool of ``slots`` free slots (every sequence done, nothing generated), a key per slot."""
+@program(static_argnames=_STATIC + ("slots", "eos_slots"))
+def pool_init(graphdefs, states, key, inputs, *, plan, slots, eos_slots, cache_size, buf_len):
+    """The pool of ``slots`` free slots (every sequence done, nothing generated), a key per slot, and per slot the
+    request values an admission sets: ``max_new``, ``eos_slots`` EOS ids, the sampling parameters."""
     target, drafter = merge_pair(graphdefs, states)
     key = jax.random.split(key, slots)  # a key per slot
     tokens = jnp.zeros((slots, 1), jnp.int32)
     lengths = jnp.ones((slots,), jnp.int32)
-    state = spec_prefill(target, drafter, tokens, lengths, jnp.ones((slots,), jnp.int32),
-                         jnp.full((slots, 1), -1, jnp.int32), jnp.float32(0.0), key, inputs, plan, cache_size, buf_len)
+    none = jnp.full((slots, eos_slots), -1, jnp.int32)
+    per_slot = Sampling.of(jnp.zeros((slots,), jnp.float32), jnp.ones((slots,), jnp.float32),
+                           jnp.zeros((slots,), jnp.int32))
+    state = spec_prefill(target, drafter, tokens, lengths, jnp.ones((slots,), jnp.int32), none, per_slot, key, inputs,
+                         plan, cache_size, buf_len)
     zeros = jnp.zeros((slots,), jnp.int32)
     return dataclasses.replace(state, n=zeros, done=jnp.ones((slots,), bool), rounds=zeros,
                                nonfinite=jnp.full((slots,), -1, jnp.int32))
@@ -66,10 +71,11 @@ def pool_init(graphdefs, states, key, inputs, *, plan, slots, cache_size, buf_le
 def pool_admit(graphdefs, states, pool, slot, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan,
                cache_size, buf_len):
     """The prefill of one prompt (``tokens`` ``[1, P]``, ``lengths`` ``[1]``; ``max_new``, ``eos`` ``[E]``,
-    ``temperature`` and ``key`` its own, the key as a per-sequence key ``[1]``) written into slot ``slot`` of
-    ``pool`` (donated)."""
+    ``temperature`` (a :class:`~sparkjax.sampling.Sampling`) and ``key`` its own, the key as a per-sequence key
+    ``[1]``) written into slot ``slot`` of ``pool`` (donated), its request values with it."""
     target, drafter = merge_pair(graphdefs, states)
     key = key.reshape(1)  # a per-sequence key: the row's draws depend on its key alone
+    temperature = jax.tree.map(lambda x: jnp.reshape(x, (1,)), temperature)  # the slot's own (not the pool's)
     row = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
                        buf_len)
     return write_row(pool, row, slot)  # every per-sequence field, the method's own too
@@ -90,7 +96,7 @@ def _choice_counts(plan: Plan, state: SpecState, r0: Array) -> Array:
 
 
 @program(static_argnames=("graphdefs", "plan", "window"), donate_argnames=("pool",))
-def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temperature, seen, *, plan, window):
+def pool_visit(graphdefs, states, pool, stop, rounds, rows, seen, *, plan, window):
     """Frees the slots in ``stop`` ``[N]``, then runs up to ``rounds`` rounds (traced) of the slots ``rows``
     ``[A]`` (distinct; every running slot among them, the others free) in one ``while_loop`` that ends early
     once a slot that was running finishes. No slot runs more than ``rounds`` rounds: ``auto``'s bursts of plain
@@ -101,11 +107,9 @@ def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temper
     pool = dataclasses.replace(pool, done=pool.done | stop)
     n0, r0, hits0 = pool.n, pool.rounds, pool.depth_hits
     packed = rows.shape[0] != pool.n.shape[0]
-    per_slot = (max_new, eos, temperature)
-    if packed:
+    if packed:  # every per-slot field, the request values and the method's state included
         full = pool
         pool = take_rows(pool, rows)
-        max_new, eos, temperature = (jax.tree.map(lambda x: x if x.ndim == 0 else x[rows], v) for v in per_slot)
     running = ~pool.done
     start = pool.rounds
     capped = isinstance(pool.extra, AutoState)  # auto: a round may be a burst of plain steps
@@ -119,7 +123,7 @@ def pool_visit(graphdefs, states, pool, stop, rounds, rows, max_new, eos, temper
 
     def body(carry):
         i, s = carry  # i: the most rounds a slot has run in this visit
-        s = plan.method.round(target, drafter, with_cap(s, rounds - i), plan, max_new, eos, temperature)
+        s = plan.method.round(target, drafter, with_cap(s, rounds - i), plan)
         return jnp.maximum(i + 1, jnp.max(s.rounds - start)), s
 
     _, pool = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), with_cap(pool, jnp.zeros((), jnp.int32))))
