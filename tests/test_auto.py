@@ -420,22 +420,23 @@ def test_bad_auto_memory_names_the_argument(random_pair):
 def test_eval_runner_carries_auto_memory_per_chain(random_pair, ar_tokens, monkeypatch):
     """The eval's pair runner keeps the memory of each chain (batch size, repetition) of method auto, and none without
     carry_auto or for other methods; its default auto takes the table for its shape (here a hand-made one)."""
-    from sparkjax.eval.engine import MethodConfig, PairRunner
+    from sparkjax.engine import parse_method
+    from sparkjax.eval.engine import PairRunner
 
     target, drafter = random_pair
     monkeypatch.setattr(costs, "profile", lambda t, d, plan, **kw: _table(random_pair, plan.method.sizes,
                                                                            BASE[: len(plan.method.sizes)]))
     kw = dict(eos=[], temperature=0.0, max_new_tokens=6, cache_size=64, prompt_width=8)
     eng = PairRunner(target, drafter, **kw)
-    mc = MethodConfig("auto", 16)
+    mc = parse_method("auto@16")
     assert eng.memory(mc, 1, 0) is None
     res = eng.launch(mc, PROMPTS3[:1], 0)
     eng.remember(mc, 1, 0, res)
     assert isinstance(eng.memory(mc, 1, 0), adaptive.AutoMemory) and eng.memory(mc, 1, 1) is None
     out = eng.outputs(eng.launch(mc, PROMPTS3[:1], 0, auto_memory=eng.memory(mc, 1, 0)), 1)
     assert out.tokens == [t[:6] for t in ar_tokens(PROMPTS3[:1])]
-    eng.remember(MethodConfig("dspark"), 1, 0, eng.launch(MethodConfig("dspark"), PROMPTS3[:1], 0))
-    assert eng.memory(MethodConfig("dspark"), 1, 0) is None
+    eng.remember(parse_method("dspark"), 1, 0, eng.launch(parse_method("dspark"), PROMPTS3[:1], 0))
+    assert eng.memory(parse_method("dspark"), 1, 0) is None
     fresh = PairRunner(target, drafter, carry_auto=False, **kw)
     fresh.remember(mc, 1, 0, res)
     assert fresh.memory(mc, 1, 0) is None
@@ -624,16 +625,17 @@ def test_auto_checks_against_the_pair(random_pair):
 def test_eval_describes_every_default_method(random_pair):
     """The eval's per-method record (results.json) for every method it runs by default, auto included: the
     tree options resolve (auto reports the candidates of the tree it builds; chains have none)."""
+    from sparkjax.engine import parse_method
     from sparkjax.eval.config import EvalConfig, method_configs
-    from sparkjax.eval.engine import MethodConfig, PairRunner
+    from sparkjax.eval.engine import PairRunner
 
     target, drafter = random_pair
     eng = PairRunner(target, drafter, eos=[], temperature=0.0, max_new_tokens=8, cache_size=256, prompt_width=64)
     seen = {}
     for mc in method_configs(EvalConfig(methods=sparkjax.engine.METHODS))[0]:  # the eval's own budgets
-        seen[mc.method] = eng.describe(mc)
+        seen[mc.name] = eng.describe(mc)
     assert set(seen) == set(sparkjax.engine.METHODS) and seen["pctree"]["nodes"] == 16  # 1 + k x depth 4, the root
-    assert eng.plan(MethodConfig("auto")).candidates == "union"
+    assert eng.plan(parse_method("auto")).candidates == "union"
     assert seen["auto"]["nodes"] == max(Auto().sizes[2:])
-    assert eng.plan(MethodConfig("dspark")).candidates is None and seen["ddtree"]["candidates"] == "base"
+    assert eng.plan(parse_method("dspark")).candidates is None and seen["ddtree"]["candidates"] == "base"
     assert seen["sparklingtree"]["candidates"] == "union"

@@ -26,11 +26,12 @@ from flax import nnx
 
 import sparkjax
 from sparkjax import demo, engine
+from sparkjax.engine.methods import parse_method
 from sparkjax.engine.state import Launch
 from sparkjax.errors import EvalError
 from sparkjax.eval import EvalConfig, config, harness, pair, plots, records, report, runner
 from sparkjax.eval.cli import main
-from sparkjax.eval.engine import BatchOutput, MethodConfig, PairRunner
+from sparkjax.eval.engine import BatchOutput, PairRunner
 from sparkjax.eval.records import Record, Sample
 from sparkjax.eval.results import EvalResults
 from sparkjax.nn.drafter import Drafter
@@ -161,7 +162,7 @@ def test_ctrl_c_flag_stops_before_the_next_unit_of_work_and_restores_the_handler
     FakeRunner.LOG, stop = [], runner.Interrupt()
     stop.requested = True
     with pytest.raises(runner.Stopped):
-        runner.time_batch([(stub, MethodConfig("ar"))], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set(),
+        runner.time_batch([(stub, parse_method("ar"))], [[5, 6]], seed=0, repeats=3, stages=False, warmed=set(),
                           stop=stop)
     assert FakeRunner.LOG == []
     seen = []
@@ -234,12 +235,12 @@ def test_demo_defaults_and_missing_demo_assets(tmp_path, monkeypatch, capsys):
     cfg = EvalConfig()
     assert cfg.datasets == ("python_docs", "stdlib_code", "synthetic_math") and cfg.target is None
     assert (cfg.max_samples, cfg.max_new_tokens, cfg.budgets) == (4, 64, None)
-    mcs = [MethodConfig(m) for m in ("ar", "dflash", "dspark")]
-    r = pair.resolve_pair(cfg, mcs=mcs)
+    methods = [parse_method(m) for m in ("ar", "dflash", "dspark")]
+    r = pair.resolve_pair(cfg, methods=methods)
     assert r["default"] and (r["d_src"], r["b_src"]) == (str(demo.path("dspark_b16")), str(demo.path("dflash_b16")))
-    r = pair.resolve_pair(EvalConfig(target=str(demo.path("target")), drafter="elsewhere"), mcs=mcs)
+    r = pair.resolve_pair(EvalConfig(target=str(demo.path("target")), drafter="elsewhere"), methods=methods)
     assert (r["d_src"], r["b_src"]) == ("elsewhere", None)  # an explicit drafter: no implicit baseline
-    loaded = pair.load_pair(cfg, mcs=mcs[:2])  # ar + dflash: the Markov drafter is neither needed nor loaded
+    loaded = pair.load_pair(cfg, methods=methods[:2])  # ar + dflash: the Markov drafter is neither needed nor loaded
     assert loaded.drafter is None and not loaded.baseline.config.has_markov
     monkeypatch.setattr(demo, "DEMO_DIR", tmp_path)
     bad([], capsys, str(tmp_path / "target"), str(tmp_path / "dspark_b16"), str(tmp_path / "dflash_b16"),
@@ -257,14 +258,14 @@ def test_demo_defaults_and_missing_demo_assets(tmp_path, monkeypatch, capsys):
 
 def test_drafter_objects_get_the_one_pair_check(fixture_target):
     cfg = EvalConfig(tokenizer=str(TOKENIZER), methods=("ar", "dspark"), datasets=("mbpp",))
-    mcs, _ = config.method_configs(cfg)
+    methods, _ = config.method_configs(cfg)
     good = sparkjax.load_drafter(FIXTURE / "drafter", target=fixture_target)
-    assert pair.load_pair(cfg, target=fixture_target, drafter=good, mcs=mcs).drafter is good
+    assert pair.load_pair(cfg, target=fixture_target, drafter=good, methods=methods).drafter is good
     wrong = Drafter(dataclasses.replace(good.config, vocab_size=256, mask_token_id=255), rngs=nnx.Rngs(0))
     with pytest.raises(sparkjax.IncompatiblePairError, match="<drafter object> does not fit .*vocab_size"):
-        pair.load_pair(cfg, target=fixture_target, drafter=wrong, mcs=mcs)
+        pair.load_pair(cfg, target=fixture_target, drafter=wrong, methods=methods)
     with pytest.raises(sparkjax.ArgumentError, match="drafter"):
-        pair.load_pair(cfg, target=fixture_target, drafter=fixture_target, mcs=mcs)
+        pair.load_pair(cfg, target=fixture_target, drafter=fixture_target, methods=methods)
 
 
 def test_outputs_raise_on_non_finite_logits():

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from .cli import main
 from .config import EvalConfig
-from .engine import MethodConfig
 from .harness import run
 from .records import Record, Row, Sample, SweepRow
 from .results import EvalResults
 
-__all__ = ["EvalConfig", "EvalResults", "MethodConfig", "Record", "Row", "Sample", "SweepRow", "main", "run"]
+__all__ = ["EvalConfig", "EvalResults", "Record", "Row", "Sample", "SweepRow", "main", "run"]

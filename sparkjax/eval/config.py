@@ -8,10 +8,10 @@ import dataclasses
 from .. import engine as core
 from ..engine.api import check_temperature
 from ..engine.checks import check_seed, check_top_k, check_top_p
+from ..engine.methods import Method, parse_method
 from ..errors import ArgumentError, EvalError
 from ..sharding import make_mesh
 from . import datasets as ds
-from .engine import MethodConfig
 
 # The default run: the methods that tell the story, each tree at its own default budget (64 nodes; pctree 32 with
 # the root, or what its beam keeps); --budgets sweeps every tree method, --methods picks any (docs/eval.md)
@@ -100,9 +100,10 @@ def normalized(cfg: EvalConfig) -> EvalConfig:
                                budgets=_ints("--budgets", cfg.budgets), batch_sizes=sizes and tuple(sorted(sizes)))
 
 
-def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
+def method_configs(cfg: EvalConfig) -> tuple[list[Method], list[str]]:
     """Validates the method / top-c combination of a :func:`normalized` config and expands it into benchmark
-    columns, ``ar`` first (added when missing: it is the reference of every speedup); returns them and the notes."""
+    columns (method objects: a tree name once per ``--budgets`` entry, each with ``--top-c``), ``ar`` first (added
+    when missing: it is the reference of every speedup); returns them and the notes."""
     methods = [m.strip() for m in cfg.methods]
     if not methods or any(not m for m in methods):
         raise EvalError("--methods: empty method name")
@@ -124,21 +125,24 @@ def method_configs(cfg: EvalConfig) -> tuple[list[MethodConfig], list[str]]:
                             f"{flag} applies only to {', '.join(core.TREE_METHODS)}")
     _positive("--top-c", cfg.top_c, allow_none=True)
     sweep = cfg.budgets or (None,)  # None: the method's own default budget
-    out = [MethodConfig(m, b, cfg.top_c) for m in methods for b in (sweep if m in trees else (None,))]
-    for mc in out:
-        try:
-            _ = mc.spec  # every option is checked before any work
-        except ArgumentError as e:
-            raise EvalError(f"--methods: {mc.method!r}: {e}") from None
-    labels = [mc.label for mc in out]
+    out: list[Method] = []
+    for m in methods:
+        for b in sweep if m in trees else (None,):
+            name, colon, options = m.partition(":")
+            label = m if b is None else f"{name}@{b}{colon}{options}"  # a swept tree: its label at budget b
+            try:  # every option is checked before any work
+                out.append(parse_method(label, top_c=cfg.top_c))
+            except ArgumentError as e:
+                raise EvalError(f"--methods: {m!r}: {e}") from None
+    labels = [m.label for m in out]
     dupes = sorted({x for x in labels if labels.count(x) > 1})
     if dupes:
         raise EvalError(f"--methods: {dupes[0]} is run twice (a label and a name with --budgets name the same run)")
     notes = []
-    if all(mc.speculative for mc in out):
-        out.insert(0, MethodConfig(core.AR_LABEL))
+    if all(m.speculative for m in out):
+        out.insert(0, parse_method(core.AR_LABEL))
         notes.append("ar was added to --methods: it is the reference every speedup is measured against")
-    out.sort(key=lambda mc: mc.speculative)  # ar first
+    out.sort(key=lambda m: m.speculative)  # ar first
     return out, notes
 
 
@@ -155,11 +159,11 @@ def eval_mesh(text: str | None):
         raise EvalError(f"--mesh: {e}") from None
 
 
-def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[EvalConfig, list[MethodConfig], list[str]]:
+def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[EvalConfig, list[Method], list[str]]:
     """Checks every setting that needs no model; returns the normalized config, the benchmark columns and
     notes. ``target_given``: a target was passed to :func:`~sparkjax.eval.run` directly, not as a folder."""
     cfg = normalized(cfg)
-    mcs, notes = method_configs(cfg)
+    methods, notes = method_configs(cfg)
     try:
         check_temperature(cfg.temperature)
     except ArgumentError as e:
@@ -190,4 +194,4 @@ def validate(cfg: EvalConfig, *, target_given: bool = False) -> tuple[EvalConfig
             if value is not None:
                 raise EvalError(f"{flag}: given without --target (the default target is the bundled demo target, "
                                 "which runs with its own drafters)")
-    return cfg, mcs, notes
+    return cfg, methods, notes

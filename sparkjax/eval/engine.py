@@ -7,7 +7,6 @@ batch size and the prefill-only run (``max_new_tokens = 1``) reuses the timed ru
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Any
 
@@ -16,31 +15,9 @@ import jax
 from .. import engine as core
 from ..engine.api import check_temperature
 from ..engine.checks import check_top_k, check_top_p
-from ..engine.methods import Method, parse_method
+from ..engine.methods import Method
 from ..engine.placement import axis_size, check_mesh, place_model, to_host
 from ..errors import EvalError
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodConfig:
-    """One column of the benchmark: a method name and (for the tree methods) its budget."""
-
-    method: str
-    budget: int | None = None
-    top_c: int | None = None
-
-    @functools.cached_property
-    def spec(self) -> Method:
-        """The method object (:func:`sparkjax.engine.parse_method` of the name or label, budget and top-c)."""
-        return parse_method(self.method, budget=self.budget, top_c=self.top_c)
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    @property
-    def speculative(self) -> bool:
-        return self.spec.speculative
 
 
 @dataclasses.dataclass
@@ -88,31 +65,31 @@ class PairRunner:
             if drafter is not None:
                 place_model(drafter, mesh)
         self.carry_auto = bool(carry_auto)
-        self._plans: dict[MethodConfig, Any] = {}
+        self._plans: dict[Method, Any] = {}
         self._memories: dict[tuple, Any] = {}
 
-    def plan(self, mc: MethodConfig):
-        """The engine's static plan for ``mc``; ArgumentError when it does not fit the pair."""
-        if mc not in self._plans:
-            self._plans[mc] = mc.spec.plan(self.target, self.drafter, self.temperature > 0)
-        return self._plans[mc]
+    def plan(self, m: Method):
+        """The engine's static plan for ``m``; ArgumentError when it does not fit the pair."""
+        if m not in self._plans:
+            self._plans[m] = m.plan(self.target, self.drafter, self.temperature > 0)
+        return self._plans[m]
 
-    def depth(self, mc: MethodConfig) -> int:
-        return int(self.plan(mc).depth)
+    def depth(self, m: Method) -> int:
+        return int(self.plan(m).depth)
 
-    def describe(self, mc: MethodConfig) -> dict[str, Any]:
-        """The ``setup.methods`` entry of ``mc``: label, name, budget, the plan's shape and the method's fields."""
-        p = self.plan(mc)
-        d = {"label": mc.label, "method": mc.method, "budget": mc.budget, "top_c_requested": mc.top_c}
+    def describe(self, m: Method) -> dict[str, Any]:
+        """The ``setup.methods`` entry of ``m``: label, name, budget, the plan's shape and the method's fields."""
+        p = self.plan(m)
+        d = {"label": m.label, "method": m.name, "budget": getattr(m, "budget", None), "top_c_requested": m.top_c}
         if p.drafts:
             d.update(depth=p.depth, nodes=p.nodes, candidates=p.candidates)
             d.update({f.name: getattr(p.method, f.name) for f in dataclasses.fields(p.method) if f.name not in d})
         return d
 
-    def check_memory(self, mc: MethodConfig, batch_size: int, *, flag: str = "--budgets") -> None:
+    def check_memory(self, m: Method, batch_size: int, *, flag: str = "--budgets") -> None:
         """EvalError naming ``flag``, before anything compiles, when a lower bound of one verify step's memory
         (KV cache, one layer's scores, logits, tree mask) exceeds :func:`memory_limit`."""
-        c, p = self.target.config, self.plan(mc)
+        c, p = self.target.config, self.plan(m)
         rows = int(p.nodes) + 1
         heads = int(c.num_attention_heads)
         kv, hd = int(c.num_key_value_heads), int(c.head_dim or c.hidden_size // heads)
@@ -122,15 +99,15 @@ class PairRunner:
         if limit and need > limit:
             hint = "use a smaller budget" if flag == "--budgets" else "use smaller batch sizes (or a smaller budget)"
             raise EvalError(
-                f"{flag}: {mc.label} needs about {need / 2**30:.1f} GiB for one verify step (budget {rows - 1}: "
+                f"{flag}: {m.label} needs about {need / 2**30:.1f} GiB for one verify step (budget {rows - 1}: "
                 f"{rows} rows against a {self.cache_size}-slot cache, batch {batch_size}), more than the "
                 f"{limit / 2**30:.1f} GiB this device has; {hint}")
 
-    def shape_key(self, mc: MethodConfig, batch: list[list[int]]) -> tuple:
-        return (mc, len(batch), self.prompt_width)
+    def shape_key(self, m: Method, batch: list[list[int]]) -> tuple:
+        return (m, len(batch), self.prompt_width)
 
-    def _kwargs(self, mc: MethodConfig, max_new: int, seed: int) -> dict[str, Any]:
-        return dict(method=mc.spec, max_new_tokens=max_new, eos_token_ids=self.eos_ids or None,
+    def _kwargs(self, m: Method, max_new: int, seed: int) -> dict[str, Any]:
+        return dict(method=m, max_new_tokens=max_new, eos_token_ids=self.eos_ids or None,
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
                     cache_size=self.cache_size,
                     prompt_width=self.prompt_width, capacity=self.max_new_tokens, mesh=self.mesh)
@@ -141,30 +118,30 @@ class PairRunner:
         d = 1 if self.mesh is None else axis_size(self.mesh, "data")
         return list(batch) + [batch[-1]] * (-len(batch) % d)
 
-    def launch(self, mc: MethodConfig, batch: list[list[int]], seed: int, *, prefill_only: bool = False,
+    def launch(self, m: Method, batch: list[list[int]], seed: int, *, prefill_only: bool = False,
                auto_memory=None) -> core.Launch:
         """Dispatches one generation without waiting; ``prefill_only`` stops before the first round.
         ``auto_memory``: method ``auto``'s memory to start from (:meth:`memory`; None: a fresh one)."""
         max_new = 1 if prefill_only else self.max_new_tokens
-        drafter = self.drafter if mc.speculative else None
+        drafter = self.drafter if m.speculative else None
         return core.launch(self.target, drafter, self._padded(batch), auto_memory=auto_memory,
-                           **self._kwargs(mc, max_new, seed))
+                           **self._kwargs(m, max_new, seed))
 
-    def memory(self, mc: MethodConfig, batch: int, chain: int):
+    def memory(self, m: Method, batch: int, chain: int):
         """Method ``auto``: the memory chain ``chain`` (a repetition index) of batches of ``batch`` sequences
         ended with (None: start fresh; always None without ``carry_auto``)."""
-        return self._memories.get((mc, batch, chain)) if self.carry_auto else None
+        return self._memories.get((m, batch, chain)) if self.carry_auto else None
 
-    def remember(self, mc: MethodConfig, batch: int, chain: int, res: core.Launch) -> None:
+    def remember(self, m: Method, batch: int, chain: int, res: core.Launch) -> None:
         """Keeps the memory a finished launch returned in ``extra`` (method ``auto``; device arrays, no copy)."""
         memory = getattr(res.extra, "memory", None)
         if memory is not None and self.carry_auto:
-            self._memories[(mc, batch, chain)] = memory
+            self._memories[(m, batch, chain)] = memory
 
-    def instrumented(self, mc: MethodConfig, batch: list[list[int]], seed: int) -> BatchOutput:
+    def instrumented(self, m: Method, batch: list[list[int]], seed: int) -> BatchOutput:
         """The engine's instrumented mode (each stage its own jitted call, synced and timed)."""
         out = core.generate(self.target, self.drafter, self._padded(batch), instrument=True,
-                            **self._kwargs(mc, self.max_new_tokens, seed))
+                            **self._kwargs(m, self.max_new_tokens, seed))
         n = len(batch)
         sizes = None if out.size_choices is None else out.size_choices[:n]
         return BatchOutput([list(t) for t in out.tokens[:n]], [list(a) for a in out.acceptance_lengths[:n]],

@@ -61,9 +61,9 @@ def run(config: EvalConfig | None = None, *, target=None, drafter=None, baseline
     raises KeyboardInterrupt. The previous SIGINT handler is restored on return.
     """
     with sigint_flag() as stop:
-        cfg, mcs, notes = validate(dataclasses.replace(config or EvalConfig(), **overrides),
-                                   target_given=target is not None)
-        return _Run(cfg, mcs, notes, stop, progress).go(target, drafter, baseline_drafter, tokenizer)
+        cfg, methods, notes = validate(dataclasses.replace(config or EvalConfig(), **overrides),
+                                       target_given=target is not None)
+        return _Run(cfg, methods, notes, stop, progress).go(target, drafter, baseline_drafter, tokenizer)
 
 
 def _select(cfg: EvalConfig, sets, tok, tok_src: str, vocab: int, max_pos: int, notes: list[str]):
@@ -109,8 +109,8 @@ WARMUP_THREADS = max(1, min(4, os.cpu_count() or 1))  # methods compiled at once
 class _Run:
     """One run's state, from the loaded pair to the saved results."""
 
-    def __init__(self, cfg: EvalConfig, mcs, notes: list[str], stop: Interrupt, progress: bool):
-        self.cfg, self.mcs, self.notes, self.stop, self.progress = cfg, mcs, notes, stop, progress
+    def __init__(self, cfg: EvalConfig, methods, notes: list[str], stop: Interrupt, progress: bool):
+        self.cfg, self.methods, self.notes, self.stop, self.progress = cfg, methods, notes, stop, progress
         self.t_start = time.perf_counter()
         self.loads = LoadMonitor()
         self.warmed: set = set()
@@ -122,13 +122,13 @@ class _Run:
             raise KeyboardInterrupt
 
     def go(self, target, drafter, baseline_drafter, tokenizer) -> EvalResults:
-        cfg, mcs, notes = self.cfg, self.mcs, self.notes
+        cfg, methods, notes = self.cfg, self.methods, self.notes
         if cfg.out:
             check_out(cfg.out)  # a bad --out is said before any work
-        resolve_pair(cfg, target, drafter, baseline_drafter, mcs)  # a missing demo folder: said before reading
+        resolve_pair(cfg, target, drafter, baseline_drafter, methods)  # a missing demo folder: said before reading
         sets = ds.load_all(cfg.datasets)
         self.early_stop()
-        pair = load_pair(cfg, target, drafter, baseline_drafter, mcs)
+        pair = load_pair(cfg, target, drafter, baseline_drafter, methods)
         self.early_stop()
         notes += pair.notes
         if pair.default:
@@ -167,7 +167,7 @@ class _Run:
         setup["timing"] = self.loads.block(cfg.repeats)
         setup["warmup"] = self.warmup
         setup["warmup_wall"] = self.warmup_wall
-        labels = [mc.label for mc in mcs]
+        labels = [m.label for m in methods]
         records = [] if pool is not None else done
         summary = summarize(records, labels, setup["depths"], list(selected), cfg.temperature)
         notes += _notes(records, summary)
@@ -192,8 +192,8 @@ class _Run:
         mesh = eval_mesh(cfg.mesh)
         by_drafter: dict[int, PairRunner] = {}
         runners, self.roles = {}, {}
-        for mc in self.mcs:
-            model, d_dir, role = pair.drafter_of(mc)
+        for m in self.methods:
+            model, d_dir, role = pair.drafter_of(m)
             if model is None:  # ar: any runner serves; it runs the target alone
                 model = pair.drafter if pair.drafter is not None else pair.baseline
             if id(model) not in by_drafter:
@@ -201,28 +201,28 @@ class _Run:
                                                    max_new_tokens=cfg.max_new_tokens, cache_size=1,
                                                    prompt_width=width, mesh=mesh, carry_auto=not cfg.fresh_auto,
                                                    top_p=cfg.top_p, top_k=cfg.top_k)
-            runners[mc], self.roles[mc] = by_drafter[id(model)], (d_dir, role)
-        plans = [runners[mc].plan(mc) for mc in self.mcs]  # validates budget / top_c against the pair
+            runners[m], self.roles[m] = by_drafter[id(model)], (d_dir, role)
+        plans = [runners[m].plan(m) for m in self.methods]  # validates budget / top_c against the pair
         cache = core.required_cache_size(longest, cfg.max_new_tokens, plans, prompt_width=width)
         for runner in by_drafter.values():
             runner.cache_size = cache
         flag = "--batch-sizes" if cfg.batch_sizes else "--budgets"
         for size in cfg.batch_sizes or (cfg.batch_size,):  # a verify that cannot fit: refused before compiling
-            for mc in self.mcs:
-                runners[mc].check_memory(mc, size, flag=flag)
-        self.units = [(runners[mc], mc) for mc in self.mcs]
+            for m in self.methods:
+                runners[m].check_memory(m, size, flag=flag)
+        self.units = [(runners[m], m) for m in self.methods]
         return runners
 
     def setup(self, pair: Pair, tok_src: str, eos, runners, sets, selected, skipped) -> dict[str, Any]:
-        cfg, mcs = self.cfg, self.mcs
-        runner = runners[mcs[0]]
+        cfg, methods = self.cfg, self.methods
+        runner = runners[methods[0]]
         return {
             "target": pair.target_dir, "drafter": pair.drafter_dir, "baseline_drafter": pair.baseline_dir,
-            "baseline_methods": [mc.label for mc in mcs if self.roles[mc][1] == "baseline"],
+            "baseline_methods": [m.label for m in methods if self.roles[m][1] == "baseline"],
             "tokenizer": tok_src, "default_pair": pair.default, "dtype": param_dtype(pair.target),
-            "methods": [{**runners[mc].describe(mc), "drafter": self.roles[mc][0], "drafter_role": self.roles[mc][1]}
-                        for mc in mcs],
-            "labels": [mc.label for mc in mcs], "depths": {mc.label: runners[mc].depth(mc) for mc in mcs},
+            "methods": [{**runners[m].describe(m), "drafter": self.roles[m][0], "drafter_role": self.roles[m][1]}
+                        for m in methods],
+            "labels": [m.label for m in methods], "depths": {m.label: runners[m].depth(m) for m in methods},
             "eos_token_ids": eos, "cache_size": runner.cache_size, "prompt_width": runner.prompt_width,
             "timing_path": runner.path, "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
             "auto_memory": "fresh" if cfg.fresh_auto else "carried",
@@ -235,26 +235,26 @@ class _Run:
         """Times ``chunk`` (``(index, line, ids)`` per sequence) with every method: one record per method."""
         timed = time_batch(self.units, [ids for *_, ids in chunk], seed=seed, repeats=self.cfg.repeats, stages=stages,
                            warmed=self.warmed, stop=self.stop)
-        done = [make_record(dataset, batch, seed, mc, chunk, timed[mc], drafter=self.roles[mc][0],
-                            drafter_role=self.roles[mc][1], **extra) for mc in self.mcs]
+        done = [make_record(dataset, batch, seed, m, chunk, timed[m], drafter=self.roles[m][0],
+                            drafter_role=self.roles[m][1], **extra) for m in self.methods]
         self.loads.sample()
         return done
 
     def per_set(self, selected, records: list[Record]) -> None:
         """Warms every method up on the first batch, then times every set's batches in order."""
-        cfg, mcs = self.cfg, self.mcs
+        cfg, methods = self.cfg, self.methods
         first = [ids for _, _, ids in next(iter(selected.values()))[: cfg.batch_size]]
         stages = cfg.stage_samples != 0
 
-        def warm(runner, mc):  # (shape key, whether the stage functions got warm, the warm-up's record)
+        def warm(runner, m):  # (shape key, whether the stage functions got warm, the warm-up's record)
             t0 = time.perf_counter()
             with CompileLog() as log:
-                staged = warm_up(runner, mc, first, seed=cfg.seed, stages=stages)
-            return runner.shape_key(mc, first), staged, log.record(time.perf_counter() - t0)
+                staged = warm_up(runner, m, first, seed=cfg.seed, stages=stages)
+            return runner.shape_key(m, first), staged, log.record(time.perf_counter() - t0)
 
         # Compiling is most of the warm-up and XLA compiles one program per thread: the methods warm up
         # WARMUP_THREADS at a time. auto profiles its candidates' costs while it warms up, so it runs alone.
-        alone = [u for u in self.units if isinstance(u[1].spec, core.Auto)]
+        alone = [u for u in self.units if isinstance(u[1], core.Auto)]
         together = [u for u in self.units if u not in alone]
         done: dict[str, tuple] = {}
         bar = tqdm(total=len(self.units), desc="warm-up (compiling)", unit="method", disable=not self.progress,
@@ -262,7 +262,7 @@ class _Run:
         self.stop.check()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
-            futures = {pool.submit(warm, runner, mc): mc for runner, mc in together}
+            futures = {pool.submit(warm, runner, m): m for runner, m in together}
             try:
                 for fut in concurrent.futures.as_completed(futures):
                     done[futures[fut].label] = fut.result()
@@ -273,19 +273,19 @@ class _Run:
                 for fut in futures:
                     fut.cancel()  # the ones not started; those running finish
                 raise
-        for runner, mc in alone:
+        for runner, m in alone:
             self.stop.check()
-            bar.set_postfix_str(mc.label)
-            done[mc.label] = warm(runner, mc)
+            bar.set_postfix_str(m.label)
+            done[m.label] = warm(runner, m)
             bar.update(1)
         bar.close()
         self.warmup_wall = {"seconds": time.perf_counter() - t0, "threads": WARMUP_THREADS}
-        for _, mc in self.units:  # in the methods' order
-            key, staged, record = done[mc.label]
+        for _, m in self.units:  # in the methods' order
+            key, staged, record = done[m.label]
             if staged:
                 self.warmed.add((key, "stages"))
             self.warmed.add(key)
-            self.warmup[mc.label] = record
+            self.warmup[m.label] = record
         self.loads.sample()
         batch_no = 0
         for name, rows in selected.items():
@@ -300,7 +300,7 @@ class _Run:
                     staged += any(r.stage for r in done)
                     batch_no += 1
                     bar.update(len(chunk))
-                    taus = [f"{mc.label}={_tau(records, name, mc.label):.2f}" for mc in mcs if mc.speculative]
+                    taus = [f"{m.label}={_tau(records, name, m.label):.2f}" for m in methods if m.speculative]
                     if taus:
                         bar.set_postfix_str("tau " + " ".join(taus))
 

@@ -17,12 +17,12 @@ from flax import nnx
 
 from .. import demo as bundled
 from .. import engine as core
+from ..engine.methods import Method, parse_method
 from ..errors import EvalError, TokenizerError
 from ..io.hf import load_drafter, load_target
 from ..pairing import check_pair, source_of
 from ..text import load_tokenizer
 from .config import EvalConfig
-from .engine import MethodConfig
 
 # auto adapts to its drafter, so it runs with the drafter
 BASELINE_METHODS = tuple(m for m in (*core.CHAIN_METHODS, *core.TREE_METHODS) if m not in core.MARKOV_METHODS)
@@ -41,9 +41,9 @@ def demo_dir(part: str) -> pathlib.Path:
     return bundled.DEMO_DIR / DEMO_PARTS[part]
 
 
-def uses_baseline(mc: MethodConfig) -> bool:
-    """Whether ``mc`` runs with the baseline drafter when there is one."""
-    return mc.method.partition("@")[0].partition(":")[0] in BASELINE_METHODS
+def uses_baseline(m: Method) -> bool:
+    """Whether ``m`` runs with the baseline drafter when there is one."""
+    return m.name in BASELINE_METHODS
 
 
 @dataclasses.dataclass
@@ -60,11 +60,11 @@ class Pair:
     default: bool
     notes: list[str] = dataclasses.field(default_factory=list)
 
-    def drafter_of(self, mc: MethodConfig) -> tuple[Any, str | None, str | None]:
-        """``mc``'s drafter model, its folder and its role (``"drafter"`` / ``"baseline"``; all None for ar)."""
-        if not mc.speculative:
+    def drafter_of(self, m: Method) -> tuple[Any, str | None, str | None]:
+        """``m``'s drafter model, its folder and its role (``"drafter"`` / ``"baseline"``; all None for ar)."""
+        if not m.speculative:
             return None, None, None
-        if self.baseline is not None and uses_baseline(mc):
+        if self.baseline is not None and uses_baseline(m):
             return self.baseline, self.baseline_dir, "baseline"
         return self.drafter, self.drafter_dir, "drafter"
 
@@ -82,10 +82,10 @@ def _same_folder(a, b) -> bool:
 
 
 def resolve_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
-                 mcs: list[MethodConfig] | None = None) -> dict[str, Any]:
-    """Where the target / drafter / baseline drafter come from, and which of them the methods ``mcs`` need
+                 methods: list[Method] | None = None) -> dict[str, Any]:
+    """Where the target / drafter / baseline drafter come from, and which of them the methods ``methods`` need
     (nothing is loaded). Raises one EvalError naming every missing demo folder that would be used."""
-    mcs = list(mcs) if mcs is not None else [MethodConfig(m) for m in core.METHODS]
+    methods = list(methods) if methods is not None else [parse_method(name) for name in core.METHODS]
     t_src = target if target is not None else cfg.target
     t_dir = str(t_src) if _is_path(t_src) else (_source(t_src) if t_src is not None else str(demo_dir("target")))
     default = t_dir is not None and _same_folder(t_dir, demo_dir("target"))
@@ -99,8 +99,8 @@ def resolve_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=No
         if b_src is None:
             b_src = str(demo_dir("baseline"))
             demo_parts.append("baseline")
-    need_baseline = b_src is not None and any(uses_baseline(mc) for mc in mcs)
-    need_drafter = any(mc.speculative and not (need_baseline and uses_baseline(mc)) for mc in mcs)
+    need_baseline = b_src is not None and any(uses_baseline(m) for m in methods)
+    need_drafter = any(m.speculative and not (need_baseline and uses_baseline(m)) for m in methods)
     notes = []
     if b_given and not need_baseline:
         notes.append(f"--baseline-drafter is not used: none of the methods run uses it ({', '.join(BASELINE_METHODS)})")
@@ -118,10 +118,10 @@ def resolve_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=No
 
 
 def load_pair(cfg: EvalConfig, target=None, drafter=None, baseline_drafter=None,
-              mcs: list[MethodConfig] | None = None) -> Pair:
-    """Loads (or takes) the target, the drafter and the baseline drafter the methods ``mcs`` need (see
+              methods: list[Method] | None = None) -> Pair:
+    """Loads (or takes) the target, the drafter and the baseline drafter the methods ``methods`` need (see
     :func:`resolve_pair`); each drafter is checked against the target, an object as a folder is."""
-    r = resolve_pair(cfg, target, drafter, baseline_drafter, mcs)
+    r = resolve_pair(cfg, target, drafter, baseline_drafter, methods)
     t_src, t_dir, d_src, b_src = r["t_src"], r["t_dir"], r["d_src"], r["b_src"]
     if r["need_drafter"] and d_src is None:
         raise EvalError("--drafter: the speculative methods need a drafter for this target (or use --methods ar)")

@@ -129,15 +129,16 @@ class Record:
         return rec
 
 
-def make_record(dataset: str, batch: int, seed: int, mc, chunk, timed, **extra) -> Record:
-    """The :class:`Record` of method config ``mc`` on ``chunk`` (``(index, line, ids)`` per sequence) from the
-    runner's :class:`~sparkjax.eval.runner.Timed`; ``extra``: drafter, drafter_role, batch_size."""
+def make_record(dataset: str, batch: int, seed: int, m, chunk, timed, **extra) -> Record:
+    """The :class:`Record` of method ``m`` (a :class:`~sparkjax.engine.Method`) on ``chunk`` (``(index, line, ids)``
+    per sequence) from the runner's :class:`~sparkjax.eval.runner.Timed`; ``extra``: drafter, drafter_role,
+    batch_size."""
     out = timed.output
     sizes = out.size_choices or [None] * len(out.tokens)
     samples = [Sample(index, toks, lens, hits, line, len(ids), sz)
                for (index, line, ids), toks, lens, hits, sz in zip(chunk, out.tokens, out.acceptance_lengths,
                                                                    out.accepted_per_depth, sizes, strict=True)]
-    return Record(dataset, mc.label, mc.method, mc.budget, batch, seed, samples, timed.run_seconds,
+    return Record(dataset, m.label, m.name, getattr(m, "budget", None), batch, seed, samples, timed.run_seconds,
                   timed.prefill_seconds, timed.iterations, timed.stage, **extra)
 
 

@@ -38,7 +38,8 @@ from typing import Any
 import jax
 
 from ..bench.timing import SPREAD_WARNING, interleave
-from .engine import BatchOutput, MethodConfig, PairRunner
+from ..engine.methods import Method
+from .engine import BatchOutput, PairRunner
 
 
 class Stopped(Exception):
@@ -160,16 +161,16 @@ class CompileLog:
                 "programs": [{"name": n, "seconds": s} for n, s in sorted(self.programs, key=lambda p: -p[1])]}
 
 
-def warm_up(runner: PairRunner, mc: MethodConfig, batch: list[list[int]], *, seed: int, stages: bool) -> bool:
+def warm_up(runner: PairRunner, m: Method, batch: list[list[int]], *, seed: int, stages: bool) -> bool:
     """Compiles and runs once everything :func:`time_batch` times for this shape; returns whether the
     instrumented mode got warm too (its stage functions compile only when the batch has a round)."""
-    jax.block_until_ready(runner.launch(mc, batch, seed))
-    jax.block_until_ready(runner.launch(mc, batch, seed, prefill_only=True))
-    return stages and mc.speculative and any(runner.instrumented(mc, batch, seed).acceptance_lengths)
+    jax.block_until_ready(runner.launch(m, batch, seed))
+    jax.block_until_ready(runner.launch(m, batch, seed, prefill_only=True))
+    return stages and m.speculative and any(runner.instrumented(m, batch, seed).acceptance_lengths)
 
 
-def time_batch(units: list[tuple[PairRunner, MethodConfig]], batch: list[list[int]], *, seed: int, repeats: int,
-               stages: bool, warmed: set, stop: Interrupt) -> dict[MethodConfig, Timed]:
+def time_batch(units: list[tuple[PairRunner, Method]], batch: list[list[int]], *, seed: int, repeats: int,
+               stages: bool, warmed: set, stop: Interrupt) -> dict[Method, Timed]:
     """Times ``batch`` with every ``(runner, method)`` unit by the protocol above. ``warmed`` holds the shapes
     already compiled (updated here). Raises :class:`Stopped` when ``stop`` is set between two units of work
     (the batch is then dropped whole)."""
@@ -180,40 +181,40 @@ def time_batch(units: list[tuple[PairRunner, MethodConfig]], batch: list[list[in
             fn(*args, **kwargs)
             warmed.add(key)
 
-    for runner, mc in units:
-        once(runner.shape_key(mc, batch), warm_up, runner, mc, batch, seed=seed, stages=False)
-    last: dict[MethodConfig, Any] = {}
-    reps = {mc: 0 for _, mc in units}
+    for runner, m in units:
+        once(runner.shape_key(m, batch), warm_up, runner, m, batch, seed=seed, stages=False)
+    last: dict[Method, Any] = {}
+    reps = {m: 0 for _, m in units}
 
-    def variant(runner, mc, kind: str):
+    def variant(runner, m, kind: str):
         def go():
             stop.check()
             if kind == "prefill":
-                return runner.launch(mc, batch, seed, prefill_only=True)
-            r = reps[mc]
-            reps[mc] += 1
-            res = last[mc] = runner.launch(mc, batch, seed, auto_memory=runner.memory(mc, len(batch), r))
-            runner.remember(mc, len(batch), r, res)
+                return runner.launch(m, batch, seed, prefill_only=True)
+            r = reps[m]
+            reps[m] += 1
+            res = last[m] = runner.launch(m, batch, seed, auto_memory=runner.memory(m, len(batch), r))
+            runner.remember(m, len(batch), r, res)
             return res
         return go
 
-    stats = interleave({(mc, kind): variant(runner, mc, kind) for runner, mc in units for kind in ("full", "prefill")},
+    stats = interleave({(m, kind): variant(runner, m, kind) for runner, m in units for kind in ("full", "prefill")},
                        repeats)
-    out: dict[MethodConfig, Timed] = {}
-    for runner, mc in units:
-        res = runner.outputs(last[mc], len(batch))
-        if mc.speculative:
+    out: dict[Method, Timed] = {}
+    for runner, m in units:
+        res = runner.outputs(last[m], len(batch))
+        if m.speculative:
             iterations = max((len(a) for a in res.acceptance_lengths), default=0)
         else:  # ar: the first token comes from the prefill, then one loop step per token
             iterations = max((len(t) for t in res.tokens), default=1) - 1
         stage = None
-        if stages and mc.speculative and iterations > 0:  # a batch without a round has no stage to time
-            once((runner.shape_key(mc, batch), "stages"), runner.instrumented, mc, batch, seed)
+        if stages and m.speculative and iterations > 0:  # a batch without a round has no stage to time
+            once((runner.shape_key(m, batch), "stages"), runner.instrumented, m, batch, seed)
             stop.check()
-            ins = runner.instrumented(mc, batch, seed)
+            ins = runner.instrumented(m, batch, seed)
             stage = {"seconds": ins.stage_seconds, "rounds": max((len(a) for a in ins.acceptance_lengths), default=0),
                      "acceptance_lengths": ins.acceptance_lengths}
-        out[mc] = Timed(res, list(stats[mc, "full"].samples), list(stats[mc, "prefill"].samples), iterations, stage)
+        out[m] = Timed(res, list(stats[m, "full"].samples), list(stats[m, "prefill"].samples), iterations, stage)
     return out
 
 
