@@ -5,7 +5,11 @@ times the steps to go)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from typing import Any
+
+_NEXT = object()  # begin()'s default kind: the next of ``kinds``
 
 
 class Progress:
@@ -20,14 +24,24 @@ class Progress:
 
     ``kinds`` (one per step, in order) groups steps of like cost: a step left is estimated at the mean of the
     finished steps of its kind, or of all finished steps while none of its kind has finished.
+
+    ``workers`` > 1: that many steps run at once, from threads. ``begin(what, kind=)`` then names the step's kind
+    (steps may begin in any order) and returns a token for ``end(token)``; the time left is the estimated work of
+    the steps not begun, plus what the running ones have left, divided by ``workers``, and each step's time is its
+    own wall time (while others ran beside it).
     """
 
     def __init__(self, logger: logging.Logger, phase: str, total: int, unit: str, kinds: list | None = None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, workers: int = 1):
         self.clock = clock  # seconds (a test passes its own)
         self.log, self.phase, self.total, self.unit = logger, phase, int(total), unit
         self.kinds = list(kinds) if kinds is not None else [None] * self.total
+        self.workers = max(1, int(workers))
         self.took: list[float] = []  # seconds of each finished step
+        self._took_kinds: list = []  # the kind of each finished step
+        self._begun: list = []  # the kind of each step begun
+        self._running: dict[int, tuple[Any, float]] = {}  # token: (kind, start) of the steps running
+        self._lock = threading.Lock()
         self.t0 = self.started = self.clock()
 
     @property
@@ -39,23 +53,51 @@ class Progress:
 
     def left(self) -> float | None:
         """Seconds the phase has left at the pace so far (None before the first step ends)."""
+        with self._lock:
+            return self._left()
+
+    def _left(self) -> float | None:
         if not self.took:
             return None
         mean = sum(self.took) / len(self.took)
         by_kind: dict = {}
-        for kind, t in zip(self.kinds, self.took, strict=False):
+        for kind, t in zip(self._took_kinds, self.took, strict=True):
             by_kind.setdefault(kind, []).append(t)
-        return sum(sum(by_kind[k]) / len(by_kind[k]) if k in by_kind else mean for k in self.kinds[self.done:])
 
-    def begin(self, what: str) -> None:
-        left = self.left()
-        pace = "the estimate follows the first" if left is None else \
-            f"{self.elapsed():.1f} s so far, about {left:.0f} s left"
-        self.log.info("%s: %s %d of %d (%s); %s", self.phase, self.unit, self.done + 1, self.total, what, pace)
-        self.started = self.clock()
+        def estimate(kind) -> float:
+            return sum(by_kind[kind]) / len(by_kind[kind]) if kind in by_kind else mean
 
-    def end(self) -> None:
-        self.took.append(self.clock() - self.started)
-        if self.done == self.total:
-            self.log.info("%s: %d %s%s in %.1f s", self.phase, self.total, self.unit, "s" * (self.total != 1),
-                          self.elapsed())
+        pending = list(self.kinds)  # the steps not begun yet
+        for kind in self._begun:
+            if kind in pending:
+                pending.remove(kind)
+        now = self.clock()
+        work = sum(map(estimate, pending)) + sum(max(0.0, estimate(k) - (now - t)) for k, t in self._running.values())
+        return work / self.workers
+
+    def begin(self, what: str, kind: Any = _NEXT) -> int:
+        """Logs the step ``what`` as it begins (``kind``: its kind, default the next one of ``kinds``); returns
+        the token of :meth:`end`."""
+        with self._lock:
+            left = self._left()
+            pace = "the estimate follows the first" if left is None else \
+                f"{self.elapsed():.1f} s so far, about {left:.0f} s left"
+            number = len(self._begun) + 1
+            self.log.info("%s: %s %d of %d (%s); %s", self.phase, self.unit, number, self.total, what, pace)
+            if kind is _NEXT:
+                kind = self.kinds[len(self._begun)] if len(self._begun) < len(self.kinds) else None
+            self._begun.append(kind)
+            self.started = self.clock()
+            self._running[number] = (kind, self.started)
+        return number
+
+    def end(self, token: int | None = None) -> None:
+        """Ends the step of ``token`` (default: the last one begun)."""
+        with self._lock:
+            kind, started = self._running.pop(max(self._running) if token is None else token)
+            self.took.append(self.clock() - started)
+            self._took_kinds.append(kind)
+            if self.done == self.total:
+                at_once = f" ({self.workers} at a time)" if self.workers > 1 else ""
+                self.log.info("%s: %d %s%s in %.1f s%s", self.phase, self.total, self.unit, "s" * (self.total != 1),
+                              self.elapsed(), at_once)

@@ -271,6 +271,38 @@ def test_progress_lines_give_counts_and_the_time_left(caplog):
                      "profiling: 3 points in 62.0 s"]
 
 
+def test_progress_of_steps_run_two_at_a_time(caplog):
+    """Steps that run concurrently (the start's compiles): each begins with its kind and ends by its token, in any
+    order; the time left is the work left (the steps not begun, and what the running ones have left) divided by the
+    steps run at once."""
+    from sparkjax import progress
+
+    now = [0.0]
+    caplog.set_level(logging.INFO, logger="sparkjax.test2")
+    p = progress.Progress(logging.getLogger("sparkjax.test2"), "compiling", 4, "program", kinds=["p", "v", "v", "a"],
+                          clock=lambda: now[0], workers=2)
+    t = p.begin("pool", kind="p")
+    now[0] += 2.0
+    p.end(t)
+    first = p.begin("v1", kind="v")  # left: v, v, a at the mean so far (2 s each), two at a time
+    now[0] += 1.0
+    second = p.begin("v2", kind="v")  # left: v2 and a (2 s each) and v1's last second, two at a time
+    now[0] += 9.0
+    p.end(second)  # v2 took 9 s, v1 is still running
+    now[0] += 1.0
+    assert p.left() == pytest.approx(5.5 / 2)  # a at the mean (5.5 s); v1 past its kind's 9 s: nothing left
+    p.end(first)  # v1 took 11 s
+    p.begin("reader", kind="a")  # nothing of its kind finished: the mean of all three (2, 9, 11)
+    now[0] += 1.0
+    p.end()
+    lines = [r.getMessage() for r in caplog.records if r.name == "sparkjax.test2"]
+    assert lines == ["compiling: program 1 of 4 (pool); the estimate follows the first",
+                     "compiling: program 2 of 4 (v1); 2.0 s so far, about 3 s left",
+                     "compiling: program 3 of 4 (v2); 3.0 s so far, about 2 s left",
+                     "compiling: program 4 of 4 (reader); 13.0 s so far, about 4 s left",
+                     "compiling: 4 programs in 14.0 s (2 at a time)"]
+
+
 class _Letters:
     """A tokenizer stand-in: id i decodes to chr(97 + i); id 0 is special (skipped)."""
 

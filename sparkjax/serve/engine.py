@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import copy
 import dataclasses
 import itertools
 import logging
 import math
+import queue
 import secrets
 import threading
 import time
@@ -60,6 +62,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 TTFT_SAMPLES = 1024  # the latest times to first token kept for metrics()
 MIN_PROMPT_BUCKET = 16  # the smallest prompt buffer (prompt lengths are bucketed to powers of two from here)
 _PENDING = object()  # a chunk that may still come
+COMPILE_THREADS = 2  # programs Engine.start compiles at once
+_WARM_ORDER = ("visit", "admit", "read")  # the start's programs, longest to compile first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,32 +349,64 @@ class Engine:
                    ("visit", hot, size)) for hot in ((False, True) if self.sampling else (False,))
                   for size in self.visit_sizes]
         steps += [("the token reader", ("read",))]
+        # the pool first; then the other programs, COMPILE_THREADS at a time (XLA compiles a program on one core, with
+        # the GIL released), each thread warming up on a pool of its own (the calls donate it): the smallest prefill
+        # (so the estimates know a prefill's time early), then the longest first
+        first, rest = steps[0], sorted(steps[1:], key=lambda s: (s != steps[1], _WARM_ORDER.index(s[1][0])))
+        workers = max(1, min(COMPILE_THREADS, len(rest)))
         progress = Progress(log, "compiling and warming up", len(steps), "program",
-                            kinds=["pool" if step is None else step[0] for _, step in steps])
-        for what, step in steps:
-            progress.begin(what)
-            if step is None:
-                self._pool = self._fresh_pool()
-                jax.block_until_ready(self._pool)
-            elif step[0] == "admit":  # admit a dummy prompt of this bucket into slot 0, then free it
-                self._pool = self._admit_call(0, np.zeros((1, step[1]), np.int32), 1, 1, self.eos_row(None), 0.0, 0)
-                jax.block_until_ready(self._pool)
-            elif step[0] == "visit":
-                self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, step[1], np.arange(step[2]))
-                jax.block_until_ready(visit)
-            else:
-                jax.block_until_ready(programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32),
-                                                           width=self.buf_len))
-                if self._pool.logprobs is not None:
-                    jax.block_until_ready(programs.read_tokens(self._pool.logprobs, jnp.zeros((self.slots,), jnp.int32),
-                                                               width=self.buf_len))
-            progress.end()
+                            kinds=["pool" if step is None else step[0] for _, step in steps], workers=workers)
+        token = progress.begin(first[0], kind="pool")
+        self._pool = self._fresh_pool()
+        jax.block_until_ready(self._pool)
+        progress.end(token)
+        views: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+        for j in range(workers):
+            view = copy.copy(self)  # shares everything but the pool it warms up on
+            view._pool = self._pool if j == 0 else self._fresh_pool()
+            views.put(view)
+
+        def warm(what: str, step: tuple) -> None:
+            view = views.get()
+            try:
+                token = progress.begin(what, kind=step[0])
+                view._warm_up(step)
+                progress.end(token)
+            finally:
+                views.put(view)
+
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparkjax-compile") as ex:
+            futures = [ex.submit(warm, what, step) for what, step in rest]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        while not views.empty():  # free the threads' pools
+            views.get()._pool = None
         self._pool = self._fresh_pool()
         jax.block_until_ready(self._pool)
         self._compile_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._loop, name="sparkjax-serve", daemon=True)
         self._thread.start()
         return self._compile_s
+
+    def _warm_up(self, step: tuple) -> None:
+        """Runs one program of :meth:`start` on this engine's pool (compiling it at the first call)."""
+        if step[0] == "admit":  # admit a dummy prompt of this bucket into slot 0, then free it
+            self._pool = self._admit_call(0, np.zeros((1, step[1]), np.int32), 1, 1, self.eos_row(None), 0.0, 0)
+            jax.block_until_ready(self._pool)
+        elif step[0] == "visit":
+            self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, step[1], np.arange(step[2]))
+            jax.block_until_ready(visit)
+        else:
+            jax.block_until_ready(programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32),
+                                                       width=self.buf_len))
+            if self._pool.logprobs is not None:
+                jax.block_until_ready(programs.read_tokens(self._pool.logprobs, jnp.zeros((self.slots,), jnp.int32),
+                                                           width=self.buf_len))
 
     def close(self, grace_s: float = 30.0) -> None:
         """Stops admitting new requests; the submitted ones (running or waiting) may finish within ``grace_s``
