@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparkjax import sampling
-from sparkjax.engine import generate
+from sparkjax.engine import generate, stream
 from sparkjax.errors import ArgumentError
 from tests.conftest import FIXTURE, NEW_SHORT, PROMPTS3, jit_call
 
@@ -97,6 +97,24 @@ def test_sampled_logprobs_are_the_processed_distribution(random_pair, method):
             kept = np.isfinite(lp[i])
             assert kept.sum() <= 6 and kept.sum() < v  # top-k / top-p removed tokens: -inf
             np.testing.assert_allclose(np.exp(lp[i][kept]).sum(), 1.0, atol=1e-5)
+
+
+def test_stream_yields_each_rounds_logprobs(pair, ar_out):
+    """``stream(..., logprobs=N)`` yields ``(tokens, token_logprobs, top_logprobs)`` per round; concatenated, they
+    are generate's (the values ``ar``'s one-token steps give, from the tree's verify pass)."""
+    target, drafter = pair
+    rounds = list(stream(target, drafter, PROMPTS3, method="sparklingtree", max_new_tokens=NEW_SHORT, logprobs=TOP))
+    assert all(isinstance(r, tuple) and len(r) == 3 for r in rounds)
+    assert max(len(r[0][b]) for r in rounds for b in range(len(PROMPTS3))) > 1  # a round committed several tokens
+    for b in range(len(PROMPTS3)):
+        toks = [t for r in rounds for t in r[0][b]]
+        lps = [v for r in rounds for v in r[1][b]]
+        tops = [t for r in rounds for t in r[2][b]]
+        assert toks == ar_out.tokens[b] and len(lps) == len(tops) == len(toks)
+        np.testing.assert_allclose(lps, ar_out.token_logprobs[b], atol=1e-5)
+        for top, ref in zip(tops, ar_out.top_logprobs[b], strict=True):
+            assert [i for i, _ in top] == [i for i, _ in ref]
+            np.testing.assert_allclose([v for _, v in top], [v for _, v in ref], atol=1e-5)
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 2.0, "3", True])

@@ -505,17 +505,22 @@ def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
            normalization: str = "fast", candidates: str | None = None, max_new_tokens: int = 128,
            eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
            top_k: int = 0, seed: int = 0, cache_size: int | None = None, mesh: Any = None,
-           auto_memory: AutoMemory | None = None, options: Options | None = None):
+           auto_memory: AutoMemory | None = None, options: Options | None = None, logprobs: int | None = None):
     """Like :func:`generate`, but yields each round's new tokens: a list per
     sequence (possibly empty); the concatenated yields equal ``generate(...).tokens``. One jitted call and one
     host sync per round. The arguments are validated before the generator is returned; a round whose target
-    logits are not finite raises :class:`NumericalError` instead of yielding."""
+    logits are not finite raises :class:`NumericalError` instead of yielding.
+
+    ``logprobs`` (None, or 0..20, as :func:`generate`'s): each yield is instead a tuple ``(tokens, token_logprobs,
+    top_logprobs)`` of the round's new tokens, per sequence, with their log-probabilities and their ``logprobs``
+    likeliest alternatives ``(id, log-probability)``; concatenated, they equal ``generate(..., logprobs=N)``'s
+    ``token_logprobs`` and ``top_logprobs``."""
     check_models(target, drafter)
     spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
                         candidates=candidates)
     run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
                    eos_token_ids=eos_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                   cache_size=cache_size, mesh=mesh, auto_memory=auto_memory, options=options)
+                   cache_size=cache_size, mesh=mesh, auto_memory=auto_memory, options=options, logprobs=logprobs)
     return _stream_rounds(target, drafter, run)
 
 
@@ -535,7 +540,15 @@ def _stream_rounds(target, drafter, run: Run):
     while True:
         n, out, done, bad = (to_host(x) for x in (state.n, state.out, state.done, state.nonfinite))
         raise_if_nonfinite(bad)
-        yield [out[b, seen[b] : n[b]].tolist() for b in range(batch)]
+        tokens = [out[b, seen[b] : n[b]].tolist() for b in range(batch)]
+        if state.logprobs is None:
+            yield tokens
+        else:  # the same rows of the log-probability buffer
+            lp = state.logprobs
+            chosen, ids, values = (to_host(x) for x in (lp.chosen, lp.ids, lp.values))
+            yield (tokens, [chosen[b, seen[b] : n[b]].tolist() for b in range(batch)],
+                   [[list(zip(ids[b, i].tolist(), values[b, i].tolist(), strict=True)) for i in range(seen[b], n[b])]
+                    for b in range(batch)])
         seen = n
         if done.all():
             return
