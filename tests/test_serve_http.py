@@ -329,7 +329,6 @@ BAD = [  # (body or raw bytes, path, status, param, words in the message)
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "/v1/chat/completions", 400, "logprobs",
      "boolean"),
     ({"prompt": "x", "n": True}, "/v1/completions", 400, "n", "expected an integer, got a boolean"),
-    ({"prompt": "x", "echo": True, "stream": True}, "/v1/completions", 400, "echo", "stream"),
     ({"prompt": "x", "echo": "yes"}, "/v1/completions", 400, "echo", "boolean"),
     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "/v1/chat/completions", 400, "echo",
      "chat has no echo"),
@@ -695,6 +694,38 @@ def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing(pair, live):
     assert r.json()["choices"][0]["logprobs"] is None
     r = _post(live, {"prompt": prompt, "max_tokens": 0, "echo": True})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == prompt, r.text
+
+
+def test_a_streamed_echo_opens_with_the_prompt(pair, live):
+    """``echo`` with ``stream``: each choice's first event is the prompt's text (with ``logprobs``, its tokens', the
+    first null), then the completion's chunks; joined, they are the whole response's text and ``logprobs``. With
+    ``max_tokens: 0``, the prompt and the end."""
+    prompt = "def read_lines(path):\n"
+    ids = encode_text(pair.tokenizer, prompt)
+    for max_tokens in (6, 0):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 2, "n": 2}
+        whole = _post(live, body).json()
+        status, events = _stream(live, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200 and events[-1] == "[DONE]", events
+        assert events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+        for i, want in enumerate(whole["choices"]):
+            mine = [e["choices"][0] for e in events[:-2] if e["choices"][0]["index"] == i]
+            assert mine[0]["text"] == prompt and mine[0]["finish_reason"] is None
+            assert mine[0]["logprobs"]["tokens"] == [pair.tokenizer.decode([t]) for t in ids]
+            assert mine[0]["logprobs"]["token_logprobs"][0] is None
+            assert "".join(c["text"] for c in mine) == want["text"]
+            assert mine[-1]["finish_reason"] == want["finish_reason"]
+            got = {k: [v for c in mine if c["logprobs"] for v in c["logprobs"][k]] for k in want["logprobs"]}
+            lp = want["logprobs"]
+            assert got["tokens"] == lp["tokens"] and got["text_offset"] == lp["text_offset"]
+            assert got["token_logprobs"][0] is None and len(got["token_logprobs"]) == len(ids) + max_tokens
+            np.testing.assert_allclose(got["token_logprobs"][1:], lp["token_logprobs"][1:], rtol=0, atol=1e-5)
+            for d, w in zip(got["top_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+                assert list(d) == list(w)
+                np.testing.assert_allclose(list(d.values()), list(w.values()), rtol=0, atol=1e-5)
+        assert whole["usage"]["prompt_tokens"] == len(ids)
+    r = _post(live, {"prompt": prompt, "max_tokens": 2, "echo": True, "stream": True})
+    assert r.status_code == 200 and r.text.startswith("data: ") and prompt.replace("\n", "\\n") in r.text
 
 
 def test_n_choices_greedy_identical_seeded_distinct_and_reproducible(pair, live, solo):

@@ -463,7 +463,7 @@ class Server:
 
     @staticmethod
     def _echo(body: dict, kind: str) -> bool:
-        """Completions ``echo`` (a boolean; not with ``stream``)."""
+        """Completions ``echo`` (a boolean)."""
         v = body.get("echo")
         if v is None or v is False:
             return False
@@ -471,8 +471,6 @@ class Server:
             raise bad("echo", "a completions field: chat has no echo", code="unsupported_field")
         if not isinstance(v, bool):
             raise bad("echo", f"expected a boolean, got {_kind(v)}")
-        if body.get("stream"):
-            raise bad("echo", "not supported with stream: true (ask without streaming)", code="unsupported_value")
         return True
 
     def _prompt_text(self, body: dict, ids: list[int]) -> str:
@@ -645,6 +643,9 @@ class Server:
         rid = ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if p.echo and p.max_tokens == 0:  # the prompt alone: nothing generated
+            if p.stream:
+                return _SSE(self.echo_events(p, rid, created, scored), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             lps = None if scored is None else self.prompt_logprobs_body(p, scored, None)
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model,
                                  "choices": [{"index": i, "text": p.prompt_text, "logprobs": lps,
@@ -667,7 +668,8 @@ class Server:
             raise _cancelled(self.draining)
         self.stats.ttft.add(time.perf_counter() - t0)
         if p.stream:
-            return _SSE(self.events(p, rid, created, firsts, chunks, group, watcher), media_type="text/event-stream",
+            return _SSE(self.events(p, rid, created, firsts, chunks, group, watcher, scored),
+                        media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect(first, it) -> list:
@@ -700,14 +702,36 @@ class Server:
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": choices,
                              "usage": _usage(len(p.prompt_ids), n_out)})
 
+    def echo_event(self, p: Parsed, head: dict, i: int, scored: list | None) -> str:
+        """A streamed ``echo``'s first event of choice ``i``: the prompt's text and, with ``logprobs``, its tokens'
+        (the first one's null), as the whole response's ``logprobs`` starts."""
+        lps = None if scored is None else self.prompt_logprobs_body(p, scored, None)
+        usage = {"usage": _usage(len(p.prompt_ids), 0)} if p.continuous_usage else {}
+        return _sse({**head, "choices": [{"index": i, "text": p.prompt_text, "logprobs": lps, "finish_reason": None}],
+                     **usage})
+
+    async def echo_events(self, p: Parsed, rid: str, created: int, scored: list | None) -> AsyncIterator[str]:
+        """The SSE events of a streamed ``echo`` with ``max_tokens`` 0: each choice's prompt, then its end."""
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model}
+        usage = {"usage": _usage(len(p.prompt_ids), 0)}
+        for i in range(p.n):
+            yield self.echo_event(p, head, i, scored)
+            yield _sse({**head, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": "length"}],
+                        **(usage if p.continuous_usage else {})})
+        if p.include_usage:
+            yield _sse({**head, "choices": [], **usage})
+        yield "data: [DONE]\n\n"
+
     async def events(self, p: Parsed, rid: str, created: int, firsts: list, chunks: list[AsyncIterator],
-                     group: Choices, watcher) -> AsyncIterator[str]:
+                     group: Choices, watcher, scored: list | None = None) -> AsyncIterator[str]:
         """The SSE events of ``p.n`` choices: each chunk names its choice ``index``; the choices' chunks
-        interleave as they come; the usage (when asked for) sums the choices' tokens."""
+        interleave as they come; the usage (when asked for) sums the choices' tokens. With ``echo``, each choice
+        opens with its prompt (:meth:`echo_event`; ``scored``: the prompt's logprobs)."""
         obj = "text_completion" if p.kind == "completions" else "chat.completion.chunk"
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
         n = len(chunks)
-        n_out, offset, finished = [0] * n, [0] * n, [False] * n
+        n_out, finished = [0] * n, [False] * n
+        offset = [len(p.prompt_text) if p.echo else 0] * n  # the text before a chunk's tokens
 
         def event(i: int, delta: str | None, finish: str | None, role: bool = False, lps=None) -> str:
             part = {"text": delta or ""} if p.kind == "completions" else \
@@ -737,6 +761,9 @@ class Server:
             if p.kind == "chat":
                 for i in range(n):
                     yield event(i, None, None, role=True)
+            if p.echo:
+                for i in range(n):
+                    yield self.echo_event(p, head, i, scored)
             ready, cancelled = list(enumerate(firsts)), False
             while not cancelled:
                 for i, c in ready:
