@@ -8,7 +8,7 @@ trained identically but without the Markov head), ``prompts/`` (held-out eval pr
     import sparkjax
     demo = sparkjax.demo.load()                     # target, dspark, dflash, tokenizer
     ids = demo.encode_chat("How do I read a file?")
-    out = sparkjax.generate(demo.target, demo.dspark, [ids], method="sparklingtree", budget=32,
+    out = sparkjax.generate(demo.target, demo.dspark, [ids], method="sparklingtree@32",
                             eos_token_ids=demo.eos_token_ids)
     print(demo.tokenizer.decode(out.tokens[0]))
 """

@@ -30,9 +30,10 @@ def random_pair(seed: int = 0, *, configs: tuple[Qwen3Config, DrafterConfig] | N
     ``max_positions`` positions, embeddings ``tied`` to the head or not, and the drafter is one DSpark layer reading
     target layers 0 and 1, drafting ``block`` tokens (mask token ``vocab - 1``) with a ``markov`` Markov head
     (``"vanilla"``, ``"gated"``, or None for none) of rank 4, or of rank ``vocab`` set to the target's own bigram
-    map when ``bigram`` (each token's greedy successor at weight 30, so drafts are often accepted). ``sharpen`` scales the target's
-    embeddings by 8 and a random Markov head by 30, so that distributions are far from uniform. Weights are drawn
-    from ``nnx.Rngs(seed)`` (target) and ``nnx.Rngs(drafter_seed)`` (drafter; default ``seed + 100``) in ``dtype``.
+    map when ``bigram`` (each token's greedy successor at weight 30, so drafts are often accepted). ``sharpen``
+    scales the target's embeddings by 8 and a random Markov head by 30, so that distributions are far from
+    uniform. Weights are drawn from ``nnx.Rngs(seed)`` (target) and ``nnx.Rngs(drafter_seed)`` (drafter; default
+    ``seed + 100``) in ``dtype``.
     """
     if configs is None:
         tcfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,

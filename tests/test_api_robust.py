@@ -44,7 +44,7 @@ def _cases(name, values, words=(), **extra):  # the message starts "name:" (or "
             for v in values]
 
 
-TREE8 = dict(method="sparklingtree-beam", budget=8)
+TREE8 = dict(method="sparklingtree-beam@8")
 TYPE = ("type problem", "expected an integer")  # and not "longer", "smaller", "shorter"
 BOOLS = ("max_new_tokens", "top_c", "temperature", "budget", "cache_size", "capacity", "prompt_width")
 BAD = [
@@ -67,9 +67,19 @@ BAD = [
 ]
 
 
+METHOD_OPTIONS = ("widths", "budget", "top_c")  # fields of the method object, not arguments of generate
+
+
 @pytest.mark.parametrize("kw,name,words", BAD)
 def test_bad_values_are_argument_errors_naming_the_argument(pair, kw, name, words):
-    for err in _all_entry_points(*pair, **{"method": "dspark", **RUN, **kw}):
+    kw = {"method": "dspark", **RUN, **kw}
+    options = {k: kw.pop(k) for k in METHOD_OPTIONS if k in kw}
+    try:  # a method's options are refused when its object is built, else when the entry points plan it
+        kw["method"] = parse_method(kw["method"], **options) if options else kw["method"]
+        errors = _all_entry_points(*pair, **kw)
+    except sparkjax.ArgumentError as e:
+        errors = [e]
+    for err in errors:
         msg = str(err)
         assert isinstance(err, sparkjax.ArgumentError) and msg.startswith(name), err
         assert all(w in msg for w in words), msg
@@ -122,7 +132,7 @@ def test_cache_smaller_than_the_padded_prompt_names_the_padding(pair):
 def test_a_million_node_budget_is_refused_with_the_figure(pair, method):
     target, drafter = pair
     with pytest.raises(sparkjax.ArgumentError) as info:
-        generate(target, drafter, P, method=method, budget=1_000_000, **RUN)
+        generate(target, drafter, P, method=f"{method}@1000000", **RUN)
     msg = str(info.value)
     assert msg.startswith("budget: a 1000000-node verify")
     plan = parse_method(method, budget=1_000_000).plan(target, drafter, False)
@@ -169,7 +179,7 @@ def test_a_big_batch_names_the_prompts_and_scales_with_the_batch(pair, monkeypat
     assert many == 64 * one
     monkeypatch.setattr(api, "available_memory", lambda: (one * 8, "this test device has a little"))
     with pytest.raises(sparkjax.ArgumentError, match="needs about .*this test device has a little"):
-        launch(target, drafter, [[1, 2, 3]] * 64, method="sparklingtree", budget=64, **RUN)
+        launch(target, drafter, [[1, 2, 3]] * 64, method="sparklingtree@64", **RUN)
 
 
 def test_swapped_or_missing_models_are_argument_errors(pair):

@@ -148,9 +148,8 @@ def test_split_keeps_the_tokens(random_pair, method):
     ar = generate(target, None, PROMPTS3, max_new_tokens=NEW_LONG, options=Options(attention="einsum")).tokens
     split = Options(attention="split", block_slots=16)
     assert generate(target, None, PROMPTS3, max_new_tokens=NEW_LONG, options=split).tokens == ar
-    kw = {"budget": 8} if method == "sparklingtree" else {}
-    assert generate(target, drafter, PROMPTS3, method=method, max_new_tokens=NEW_LONG, options=split,
-                    **kw).tokens == ar
+    spec = "sparklingtree@8" if method == "sparklingtree" else method
+    assert generate(target, drafter, PROMPTS3, method=spec, max_new_tokens=NEW_LONG, options=split).tokens == ar
 
 
 @pytest.mark.slow  # over 5 s; CI runs it in its slow step

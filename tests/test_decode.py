@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import sparkjax
-from sparkjax.engine import Auto, CostTable, Options, PCTree, generate, launch, stream
+from sparkjax.engine import Auto, CostTable, Options, PCTree, Tree, generate, launch, stream
 from sparkjax.nn.drafter import Drafter
 from tests.conftest import NEW_LONG, PROMPTS3, jit_call
 
@@ -44,8 +44,8 @@ CASES = [("dflash", None), ("dspark", None), pytest.param(PCTree(k=2), None, id=
 @pytest.mark.parametrize("method,budget", CASES)
 def test_greedy_equals_ar_on_fixture_pair(pair, prompts3, ar3, method, budget):
     target, drafter = pair
-    kw = {} if budget is None else {"budget": budget}
-    out = generate(target, drafter, prompts3, method=method, max_new_tokens=NEW, **kw)
+    spec = method if budget is None else f"{method}@{budget}"
+    out = generate(target, drafter, prompts3, method=spec, max_new_tokens=NEW)
     assert out.tokens == ar3
     for lens, toks in zip(out.acceptance_lengths, out.tokens, strict=True):
         assert 1 <= min(lens) and max(lens) <= drafter.config.num_drafts + 1
@@ -74,7 +74,7 @@ def test_dspark_reproduces_upstream_rounds(pair, ref):
 def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
     """EOS committed in the middle of a multi-token round stops that sequence right there."""
     target, drafter = pair
-    base = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW)
+    base = generate(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW)
     toks, lens = base.tokens[0], base.acceptance_lengths[0]
     # a token committed strictly inside a multi-token round, at its first occurrence in sequence 0
     starts = np.cumsum([1] + lens[:-1])  # index in `toks` of each round's first committed token
@@ -86,8 +86,8 @@ def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
     assert ar[0] == toks[: choice + 1]
     assert ar == [t[: t.index(eos) + 1] if eos in t else t for t in ar3]
     assert ar_out.acceptance_lengths == [[1] * (len(t) - 1) for t in ar]  # the prefill's token, then one a step
-    for method, kw in (("sparklingtree", {"budget": 8}), ("dspark", {})):
-        out = generate(target, drafter, prompts3, method=method, max_new_tokens=NEW, eos_token_ids=[eos], **kw)
+    for method in ("sparklingtree@8", "dspark"):
+        out = generate(target, drafter, prompts3, method=method, max_new_tokens=NEW, eos_token_ids=[eos])
         assert out.tokens == ar, method
         # a round counts what it committed: the path cut at EOS (sequence 0's, inside a round) or at max_new
         assert [1 + sum(lens) for lens in out.acceptance_lengths] == [len(t) for t in ar], method
@@ -98,11 +98,11 @@ def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
 @SLOW
 def test_batch_one_stream_and_instrumented(pair, prompts3, ar3):
     target, drafter = pair
-    out = generate(target, drafter, [prompts3[0]], method="sparklingtree", budget=8, max_new_tokens=NEW)
+    out = generate(target, drafter, [prompts3[0]], method="sparklingtree@8", max_new_tokens=NEW)
     assert out.tokens == [ar3[0]]
-    chunks = list(stream(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW))
+    chunks = list(stream(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW))
     assert [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)] == ar3 and len(chunks) > 2
-    inst = generate(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW, instrument=True)
+    inst = generate(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW, instrument=True)
     assert inst.tokens == ar3
     # each yield after the prefill's is one round's commit (none once a sequence is done): the per-round counts
     assert [[len(c[b]) for c in chunks[1:] if c[b]] for b in range(3)] == inst.acceptance_lengths
@@ -113,9 +113,9 @@ def test_batch_one_stream_and_instrumented(pair, prompts3, ar3):
 
 def test_a_generation_transfers_nothing_to_the_host(pair, prompts3):
     target, drafter = pair
-    jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree", budget=8, max_new_tokens=NEW))
+    jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW))
     with jax.transfer_guard_device_to_host("disallow"):  # the generation itself syncs nothing
-        res = jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree", budget=8,
+        res = jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree@8",
                                            max_new_tokens=NEW))
     assert int(np.asarray(res.n).min()) == NEW
 
@@ -129,8 +129,8 @@ def test_a_generation_transfers_nothing_to_the_host(pair, prompts3):
 def test_greedy_equals_ar_on_random_pair(random_pair, method):
     target, drafter = random_pair
     ar = generate(target, None, PROMPTS3, max_new_tokens=NEW).tokens
-    kw = {"budget": 8} if method in TREES else {}
-    out = generate(target, drafter, PROMPTS3, method=method, max_new_tokens=NEW, **kw)
+    out = generate(target, drafter, PROMPTS3, method=f"{method}@8" if method in TREES else method,
+                   max_new_tokens=NEW)
     assert out.tokens == ar
 
 
@@ -140,7 +140,7 @@ def test_options_change_the_program_not_the_tokens(pair, prompts3, ar3):
     from sparkjax.engine.programs import spec_program
 
     target, drafter = pair
-    base = dict(method="sparklingtree", budget=8, max_new_tokens=NEW)
+    base = dict(method="sparklingtree@8", max_new_tokens=NEW)
     assert generate(target, drafter, prompts3, **base).tokens == ar3  # the program of the greedy cases above
     before = spec_program._cache_size()
     opts = Options(attention="prefix", block_slots=16, chain_mode="fixed_point", candidate_chain_passes=None,
@@ -222,10 +222,11 @@ def test_sampling_is_lossless(random_pair, method, temperature, top_p, top_k):
     vocab = target.config.vocab_size
     prompt = [3, 1, 4, 1, 5]
     n = 6000
-    kw = {"budget": 7 if method == "pctree" else 6} if method in TREES else {}
     spec = _auto(method.partition("-")[2]) if method.startswith("auto") else method
+    if method in TREES:
+        spec = f"{method}@{7 if method == 'pctree' else 6}"
     out = generate(target, drafter, [prompt] * n, method=spec, max_new_tokens=3, temperature=temperature,
-                   top_p=top_p, top_k=top_k, seed=11, **kw)
+                   top_p=top_p, top_k=top_k, seed=11)
     if method.startswith("auto"):
         assert len(out.size_counts) >= 1 and sum(out.size_counts.values()) == sum(out.rounds)
     samples = np.array(out.tokens)
@@ -276,7 +277,7 @@ def test_processed_distribution_top_k_then_top_p():
 
 
 def test_sampling_is_seeded(random_pair):
-    a, b, c = (generate(*random_pair, [[1, 2, 3]] * 4, method="sparklingtree", budget=6, max_new_tokens=12,
+    a, b, c = (generate(*random_pair, [[1, 2, 3]] * 4, method="sparklingtree@6", max_new_tokens=12,
                         temperature=1.0, seed=seed).tokens for seed in (5, 5, 6))
     assert a == b and a != c
 
@@ -289,10 +290,10 @@ def test_bad_arguments(pair):
     for prompts, kw, words in (
         ([[1] * 50], dict(method="dspark", max_new_tokens=8, cache_size=32), "cache_size"),
         (None, dict(method="dspark", max_new_tokens=2000), "max_new_tokens"),
-        (None, dict(method="ddtree", budget=64, max_new_tokens=NEW, cache_size=64), "cache_size.*max_new_tokens"),
-        (None, dict(method="sparklingtree", budget=10**9, top_c=2), "budget.*reachable"),
+        (None, dict(method="ddtree@64", max_new_tokens=NEW, cache_size=64), "cache_size.*max_new_tokens"),
+        (None, dict(method=Tree("sparklingtree", 10**6, top_c=2)), "budget.*reachable"),
         (None, dict(method="ddtree", drafter=None), "drafter"),
-        (None, dict(method="sparklingtree-beam", budget=8, widths=(4, 4)), "widths"),
+        (None, dict(method=Tree("sparklingtree-beam", 8, widths=(4, 4))), "widths"),
     ):
         kw = {"drafter": drafter, **kw}
         with pytest.raises(sparkjax.ArgumentError, match=words):
@@ -310,7 +311,7 @@ def test_markov_methods_refuse_a_drafter_without_markov_head_and_pairs_must_fit(
         with pytest.raises(sparkjax.ArgumentError, match="Markov head"):
             generate(target, plain, [[1, 2, 3]], method=method)
     # the non-Markov methods still work with it, and stay exact
-    assert generate(target, plain, prompts3, method="ddtree", budget=8, max_new_tokens=NEW).tokens == ar3
+    assert generate(target, plain, prompts3, method="ddtree@8", max_new_tokens=NEW).tokens == ar3
 
 
 def test_fixed_shapes_share_one_program(pair, prompts3, ar3):

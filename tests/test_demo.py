@@ -42,8 +42,8 @@ def outputs(pair, prompt_ids):
     @functools.cache
     def run(method):
         which = dict(RUNS, ar=None)[method]
-        return sparkjax.generate(pair.target, getattr(pair, which) if which else None, prompt_ids, method=method,
-                                 budget=BUDGET if method in sparkjax.engine.TREE_METHODS else None,
+        label = f"{method}@{BUDGET}" if method in sparkjax.engine.TREE_METHODS else method
+        return sparkjax.generate(pair.target, getattr(pair, which) if which else None, prompt_ids, method=label,
                                  max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids)
 
     return run

@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 import sparkjax
 from sparkjax.engine import Options, api, checks, costs, programs
+from sparkjax.engine.methods import parse_method
 
 VOCAB = 320  # the fixture pair's
 HANG_SECONDS = 120  # a first compile on a loaded 2-core machine takes well under this
@@ -82,6 +83,7 @@ VALID = {
     "options": st.none() | st.just(Options(attention="einsum", chain_mode="fixed_point")),
 }
 TREE_ONLY = ("budget", "top_c", "widths")
+METHOD_OPTIONS = ("budget", "top_c", "widths", "normalization")  # parse_method's, for the method object
 
 # what replaces an argument when it is mutated: junk and edge values of the right type
 WILD = {
@@ -163,11 +165,19 @@ def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entr
                        "none": (None, d)}[which]
     if entry == "stream":
         kw = {k: v for k, v in kw.items() if k not in ("prompt_width", "capacity")}
+    options = {k: kw.pop(k) for k in METHOD_OPTIONS}
+
+    def run(fn, **extra):  # the method object of the name and its options, then the entry point (both may refuse)
+        method = kw["method"]
+        if any(v is not None for v in options.values()) or options["normalization"] != "fast":
+            method = parse_method(method, **options)
+        return fn(target, drafter, prompt_ids, **{**kw, "method": method}, **extra)
+
     calls = {
-        "generate": lambda: api.generate(target, drafter, prompt_ids, **kw),
-        "instrument": lambda: api.generate(target, drafter, prompt_ids, instrument=True, **kw),
-        "launch": lambda: api.launch(target, drafter, prompt_ids, **kw),
-        "stream": lambda: api.stream(target, drafter, prompt_ids, **kw),
+        "generate": lambda: run(api.generate),
+        "instrument": lambda: run(api.generate, instrument=True),
+        "launch": lambda: run(api.launch),
+        "stream": lambda: run(api.stream),
     }
     with stubbed_programs():
         kind, value = outcome(calls[entry])
@@ -185,7 +195,7 @@ def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entr
 def test_the_validation_fuzz_reaches_both_outcomes(pair):  # valid draws pass validation, junk does not
     target, drafter = pair
     with stubbed_programs():
-        assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="sparklingtree", budget=8,
+        assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="sparklingtree@8",
                                                max_new_tokens=3, eos_token_ids=np.array([5]), seed=np.int64(3),
                                                temperature=0.5))[0] == "ok"
         assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="dspark", seed=1.5))[0] == "error"

@@ -68,12 +68,12 @@ def test_one_device_mesh_gives_the_single_device_tokens(pair):
 
     target, drafter = pair
     prompts = tiny_prompts(2)
-    want = engine.generate(target, drafter, prompts, method="sparklingtree", budget=8, max_new_tokens=10)
-    got = engine.generate(target, drafter, prompts, method="sparklingtree", budget=8, max_new_tokens=10,
+    want = engine.generate(target, drafter, prompts, method="sparklingtree@8", max_new_tokens=10)
+    got = engine.generate(target, drafter, prompts, method="sparklingtree@8", max_new_tokens=10,
                           mesh=make_mesh(1, 1))
     assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths
     streamed = [[] for _ in prompts]
-    for step in engine.stream(target, drafter, prompts, method="sparklingtree", budget=8, max_new_tokens=10,
+    for step in engine.stream(target, drafter, prompts, method="sparklingtree@8", max_new_tokens=10,
                               mesh=make_mesh(1, 1)):
         for b, toks in enumerate(step):
             streamed[b] += toks
@@ -132,10 +132,10 @@ ROUND_SCRIPT = textwrap.dedent("""
     res = {"layers": [target.config.num_hidden_layers, drafter.config.num_hidden_layers], "rounds": {},
            "errors": {}}
     for method in ("dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam", "pctree"):
-        kw = {"budget": 8} if method in engine.TREE_METHODS else {}
+        spec = f"{method}@8" if method in engine.TREE_METHODS else method
         for cache in (None, 512):
-            text = round_hlo(target, drafter, prompts, mesh=make_mesh(2, 4), method=method, max_new_tokens=12,
-                             cache_size=cache, **kw)
+            text = round_hlo(target, drafter, prompts, mesh=make_mesh(2, 4), method=spec, max_new_tokens=12,
+                             cache_size=cache)
             res["rounds"][f"{method}/{cache}"] = collective_ops(text)
     # bad meshes on 8 devices: the model axis does not divide the heads / KV heads, the batch the data axis
     six, six_kv = tiny_pair(0, heads=6, kv_heads=6), tiny_pair(0, heads=8, kv_heads=2)
@@ -149,9 +149,9 @@ ROUND_SCRIPT = textwrap.dedent("""
             res["errors"][name] = str(e)
     # stream on a mesh yields generate's tokens
     mesh = make_mesh(2, 4)
-    want = engine.generate(target, drafter, prompts, method="ddtree", budget=8, max_new_tokens=12, mesh=mesh).tokens
+    want = engine.generate(target, drafter, prompts, method="ddtree@8", max_new_tokens=12, mesh=mesh).tokens
     got = [[] for _ in prompts]
-    for step in engine.stream(target, drafter, prompts, method="ddtree", budget=8, max_new_tokens=12, mesh=mesh):
+    for step in engine.stream(target, drafter, prompts, method="ddtree@8", max_new_tokens=12, mesh=mesh):
         for b, toks in enumerate(step):
             got[b] += toks
     res["stream_equal"] = got == want

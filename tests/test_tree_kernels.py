@@ -295,7 +295,7 @@ def ar(pair, prompts):
                                        ("sparklingtree-beam", {"widths": "auto", "candidates": "base"})])
 def test_greedy_equals_ar_with_tree_options(pair, prompts, ar, method, kw):
     target, drafter = pair
-    out = generate(target, drafter, prompts, method=method, budget=8, max_new_tokens=24, **kw)
+    out = generate(target, drafter, prompts, method=Tree(method, 8, **kw), max_new_tokens=24)
     assert out.tokens == ar
     assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
 

@@ -408,17 +408,22 @@ class Run:
         return graphdefs, tuple(None if st is None else place_state(st, self.mesh) for st in states)
 
 
-def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget=None, top_c=None, widths=None,
-             normalization="fast", candidates=None, max_new_tokens=128, eos_token_ids=None, temperature=0.0, top_p=1.0,
-             top_k=0, seed=0, cache_size=None, prompt_width=None, capacity=None, mesh=None, auto_memory=None,
-             options=None, logprobs=None) -> Run:
+def default_method(drafter) -> str:
+    """The method :func:`generate`, :func:`stream` and :class:`sparkjax.serve.Engine` run when given none:
+    ``auto`` with a drafter (it drafts where drafting pays and takes plain steps where it does not, so it is the
+    one method that is never far behind ``ar``: docs/auto.md), ``ar`` without one."""
+    return "ar" if drafter is None else "auto"
+
+
+def validate(target, drafter, prompt_ids, *, method: str | Method | None = None, max_new_tokens=128,
+             eos_token_ids=None, temperature=0.0, top_p=1.0, top_k=0, seed=0, cache_size=None, prompt_width=None,
+             capacity=None, mesh=None, auto_memory=None, options=None, logprobs=None) -> Run:
     """Validates every argument of :func:`generate` and returns the :class:`Run` (the first call turns on the
     persistent compilation cache)."""
     check_models(target, drafter)
     cachedir.enable_compilation_cache()
     options = check_options(options)
-    method = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
-                          candidates=candidates)
+    method = parse_method(default_method(drafter) if method is None else method)
     if prompt_ids is None:
         raise ArgumentError("prompt_ids: required")
     seed = check_seed(seed)
@@ -445,16 +450,15 @@ def validate(target, drafter, prompt_ids, *, method: str | Method = "ar", budget
                top_p, top_k, logprobs)
 
 
-def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "ar", budget: int | None = None,
-             top_c: int | None = None, widths: Sequence[int] | str | None = None, normalization: str = "fast",
-             candidates: str | None = None, max_new_tokens: int = 128, eos_token_ids: int | Sequence[int] | None = None,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             cache_size: int | None = None, prompt_width: int | None = None, capacity: int | None = None,
-             instrument: bool = False, mesh: Any = None,
+def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Method | None = None,
+             max_new_tokens: int = 128, eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, cache_size: int | None = None,
+             prompt_width: int | None = None, capacity: int | None = None, instrument: bool = False, mesh: Any = None,
              auto_memory: AutoMemory | None = None, options: Options | None = None,
              logprobs: int | None = None) -> GenerateOutput:
-    """Generates continuations of ``prompt_ids`` with ``method`` (a name, ``name@budget`` or a method object);
-    the arguments are tabled in docs/api.md.
+    """Generates continuations of ``prompt_ids`` with ``method``: a method object, or one label
+    (``name[@budget][:candidates][:fanout=K]``, :func:`~sparkjax.engine.methods.parse_method`); None:
+    :func:`default_method` (``auto`` with a drafter, ``ar`` without). The arguments are tabled in docs/api.md.
 
     Greedy at ``temperature == 0`` (exactly the target's greedy tokens for every method; ``top_p`` and ``top_k``
     ignored), else lossless sampling seeded by ``seed`` from the target's distribution at ``temperature``, then
@@ -478,11 +482,9 @@ def generate(target, drafter=None, prompt_ids: Any = None, *, method: str | Meth
     """
     if not isinstance(instrument, bool | np.bool_):
         raise ArgumentError(f"instrument: expected True or False, got {describe(instrument)}")
-    kw = dict(method=method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
-              candidates=candidates, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, cache_size=cache_size,
-              prompt_width=prompt_width, capacity=capacity, mesh=mesh, auto_memory=auto_memory, options=options,
-              logprobs=logprobs)
+    kw = dict(method=method, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature,
+              top_p=top_p, top_k=top_k, seed=seed, cache_size=cache_size, prompt_width=prompt_width,
+              capacity=capacity, mesh=mesh, auto_memory=auto_memory, options=options, logprobs=logprobs)
     run = validate(target, drafter, prompt_ids, **kw)
     if instrument:
         return _instrumented(target, drafter, run)
@@ -500,11 +502,9 @@ def launch(target, drafter=None, prompt_ids: Any = None, **kwargs) -> Launch:
     return launch_run(run, target, drafter)
 
 
-def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method = "sparklingtree",
-           budget: int | None = None, top_c: int | None = None, widths: Sequence[int] | str | None = None,
-           normalization: str = "fast", candidates: str | None = None, max_new_tokens: int = 128,
-           eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-           top_k: int = 0, seed: int = 0, cache_size: int | None = None, mesh: Any = None,
+def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method | None = None,
+           max_new_tokens: int = 128, eos_token_ids: int | Sequence[int] | None = None, temperature: float = 0.0,
+           top_p: float = 1.0, top_k: int = 0, seed: int = 0, cache_size: int | None = None, mesh: Any = None,
            auto_memory: AutoMemory | None = None, options: Options | None = None, logprobs: int | None = None):
     """Like :func:`generate`, but yields each round's new tokens: a list per
     sequence (possibly empty); the concatenated yields equal ``generate(...).tokens``. One jitted call and one
@@ -516,9 +516,7 @@ def stream(target, drafter=None, prompt_ids: Any = None, *, method: str | Method
     likeliest alternatives ``(id, log-probability)``; concatenated, they equal ``generate(..., logprobs=N)``'s
     ``token_logprobs`` and ``top_logprobs``."""
     check_models(target, drafter)
-    spec = parse_method(method, budget=budget, top_c=top_c, widths=widths, normalization=normalization,
-                        candidates=candidates)
-    run = validate(target, drafter, prompt_ids, method=spec, max_new_tokens=max_new_tokens,
+    run = validate(target, drafter, prompt_ids, method=method, max_new_tokens=max_new_tokens,
                    eos_token_ids=eos_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                    cache_size=cache_size, mesh=mesh, auto_memory=auto_memory, options=options, logprobs=logprobs)
     return _stream_rounds(target, drafter, run)

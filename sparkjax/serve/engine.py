@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import cachedir
-from ..engine.api import _key, eos_array
+from ..engine.api import _key, default_method, eos_array
 from ..engine.checks import (
     MAX_SLOTS,
     bucket,
@@ -268,7 +268,7 @@ class Engine:
     busy pool.
     """
 
-    def __init__(self, target, drafter=None, *, method: str | Method = "auto", slots: int = 8,
+    def __init__(self, target, drafter=None, *, method: str | Method | None = None, slots: int = 8,
                  cache_size: int | None = None, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, rounds_per_visit: int = 8, queue_limit: int = 64,
                  tokenizer: Any = None, eos_token_ids: int | Sequence[int] | None = None, options: Any = None,
@@ -279,7 +279,7 @@ class Engine:
         self.sampling = sampling
         self.target, self.drafter = target, drafter
         self.options = check_options(options)
-        self.method = parse_method(method)
+        self.method = parse_method(default_method(drafter) if method is None else method)
         self.slots = check_int("slots", slots, maximum=4096, unit="number of sequences")
         self.rounds_per_visit = check_int("rounds_per_visit", rounds_per_visit, maximum=MAX_SLOTS)
         self.queue_limit = check_int("queue_limit", queue_limit, minimum=0, unit="number of waiting requests")
