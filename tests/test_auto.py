@@ -218,7 +218,7 @@ def test_branches_return_identical_state_layouts(random_pair):
                                                    cache_size=run.cache_size, buf_len=run.buf_len),
                            args, run.device_inputs())
     blk = jax.eval_shape(lambda s: adaptive.draft(target, drafter, s, plan=plan), state)
-    aprop = jax.eval_shape(lambda s, b: adaptive.auto_expand(target, drafter, s, b, jax.random.key(1), plan=plan),
+    aprop = jax.eval_shape(lambda s, b: adaptive.auto_propose(target, drafter, s, b, jax.random.key(1), plan=plan),
                            state, blk)
     assert aprop.raw.shape == (3, len(SIZES))
     layouts = []
@@ -243,7 +243,7 @@ def test_a_probe_builds_the_tree_only_when_a_tree_is_picked_or_never_built(rando
 
     @functools.partial(jax.jit, static_argnames="plan")
     def builds_tree(st, *, plan):
-        return adaptive.auto_expand(target, drafter, st, blk, jax.random.key(1), jnp.int32(SIZES.index("chain")),
+        return adaptive.auto_propose(target, drafter, st, blk, jax.random.key(1), jnp.int32(SIZES.index("chain")),
                                     plan=plan).tree_built
 
     def probe_builds_tree(last, plan=run.plan):

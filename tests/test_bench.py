@@ -263,7 +263,7 @@ def test_scale_from_disk_trees_stages_and_memory(tmp_path, capsys):
     assert 0 < load["largest_tensor"] < load["model_bytes"] and load["peak_rss_growth"] > 0
     _check_rows(res["rows"], ["sparklingtree@16"], [1], 5)
     row = res["rows"][1]
-    assert set(row["stages_ms"]) == {"draft", "tree", "verify", "commit"}
+    assert set(row["stages_ms"]) == {"draft", "propose", "verify", "commit"}
     assert sum(row["stage_share"].values()) == pytest.approx(1.0)
     mtime = (disk / "target" / "model.safetensors").stat().st_mtime_ns
     assert main([*args, "--no-stages"]) == 0

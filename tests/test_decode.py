@@ -107,7 +107,7 @@ def test_batch_one_stream_and_instrumented(pair, prompts3, ar3):
     # each yield after the prefill's is one round's commit (none once a sequence is done): the per-round counts
     assert [[len(c[b]) for c in chunks[1:] if c[b]] for b in range(3)] == inst.acceptance_lengths
     assert [1 + sum(lens) for lens in inst.acceptance_lengths] == [len(t) for t in ar3]
-    assert set(inst.stage_seconds) == {"draft", "tree", "verify", "commit"}
+    assert set(inst.stage_seconds) == {"draft", "propose", "verify", "commit"}
     assert all(v > 0 for v in inst.stage_seconds.values())
 
 

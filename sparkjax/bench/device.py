@@ -174,11 +174,13 @@ def check_exactness(target, drafter, methods, attentions, prompts, new: int, aut
         for name in methods:
             method = auto_method(drafter, auto_sizes) if name == "auto" else name
             kw = {"budget": 16} if name in ("ddtree", "sparklingtree", "sparklingtree-beam", "pctree") else {}
+            if kw:
+                method = f"{name}@16"
             row = {"attention": attention, "method": name, **kw}
             t0 = time.perf_counter()
             try:  # twice: the second execution of a compiled program (a conditional command buffer's included)
-                out = generate(target, drafter, prompts, method=method, max_new_tokens=new, options=opts, **kw)
-                again = generate(target, drafter, prompts, method=method, max_new_tokens=new, options=opts, **kw)
+                out = generate(target, drafter, prompts, method=method, max_new_tokens=new, options=opts)
+                again = generate(target, drafter, prompts, method=method, max_new_tokens=new, options=opts)
             except Exception as e:  # recorded, and the check goes on
                 rows.append({**row, "ok": False, "error": error_line(e)})
                 log(f"  exactness {name} ({attention}): ERROR {rows[-1]['error']}")

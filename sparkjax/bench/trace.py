@@ -14,9 +14,9 @@ What is read:
 - **copies**: events whose name or args say ``memcpy`` / ``MemcpyDtoH`` / ``D2H`` etc.; device->host ones are
   those naming ``DtoH`` / ``D2H`` / ``device to host``;
 - **idle**: the gaps in the union of a window's kernel and copy intervals, from the first to the last;
-- **kinds** (:func:`kind_of`): ``tree`` when the event's scope (any string arg, e.g. the op's name stack) holds a
-  ``tree`` component, else ``attention`` / ``gemm`` by name (flash / fmha / sdpa / softmax kernels; cuBLAS,
-  CUTLASS, nvjet and XLA's gemm fusions), else ``other``.
+- **kinds** (:func:`kind_of`): ``tree`` (tree building) when the event's scope (any string arg, e.g. the op's name
+  stack) holds the round's ``propose`` component, else ``attention`` / ``gemm`` by name (flash / fmha / sdpa /
+  softmax kernels; cuBLAS, CUTLASS, nvjet and XLA's gemm fusions), else ``other``.
 
 :func:`summarise` takes a short and a long run of the same program (``units`` rounds apart) and gives per round
 (the long window less the short one, over the rounds between them): kernels and kernel time by kind, device->host
@@ -121,7 +121,7 @@ def parse(events: list[dict]) -> Trace:
 def kind_of(e: Event) -> str:
     """``tree``, ``gemm``, ``attention`` or ``other`` (see the module docstring)."""
     for v in e.args.values():
-        if isinstance(v, str) and "/" in v and "tree" in v.split("/"):
+        if isinstance(v, str) and "/" in v and "propose" in v.split("/"):  # the round's propose stage
             return "tree"
     if _ATTENTION.search(e.name):
         return "attention"

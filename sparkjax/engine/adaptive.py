@@ -49,7 +49,7 @@ from .. import sampling, tree
 from ..errors import ArgumentError
 from . import drafting
 from .checks import describe
-from .round import COMMIT, TREE, VERIFY, commit, draft, round_keys, stage, verify, with_draft_context
+from .round import COMMIT, PROPOSE, VERIFY, commit, draft, round_keys, stage, verify, with_draft_context
 from .state import Acceptance, Plan, Proposal, SpecState, per_row
 
 if TYPE_CHECKING:
@@ -347,8 +347,8 @@ def predictions(method: Auto, batch: int, tree_scores: Array | None, chain_p: Ar
 # ============================================================================ the round's stages
 
 
-@stage(TREE)
-def auto_expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, key, k=None, *,
+@stage(PROPOSE)
+def auto_propose(target, drafter, state: SpecState, blk: drafting.DraftBlock, key, k=None, *,
                 plan: Plan) -> AutoProposal:
     """The largest tree and the chain of the round, and every candidate's raw prediction.
 
@@ -610,11 +610,11 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, call=None) -> Spec
             return fn(target, drafter, *args, **kwargs)
 
     m: Auto = plan.method
-    state, k_expand, k_accept = round_keys(state, plan)  # none split on the greedy path
+    state, k_propose, k_accept = round_keys(state, plan)  # none split on the greedy path
 
     def drafted(state, k_prev):
         state, blk = with_draft_context(state, call(draft, state, plan=plan))
-        aprop = call(auto_expand, state, blk, k_expand, k_prev, plan=plan)
+        aprop = call(auto_propose, state, blk, k_propose, k_prev, plan=plan)
         return call(auto_commit, state, aprop, k_prev, k_accept, plan=plan)
 
     if m.decide == "draft":

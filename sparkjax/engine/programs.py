@@ -26,7 +26,7 @@ from . import logprobs as lps
 from .drafting import append_context
 from .options import DEFAULT_OPTIONS, Options
 from .placement import constrain, per_sequence
-from .round import expand, flag_nonfinite, hits_eos
+from .round import flag_nonfinite, hits_eos, propose
 from .state import Launch, Plan, Request, SpecState
 
 # XLA's default command-buffer types (debug_options_flags.cc) plus WHILE and CONDITIONAL: a loop or conditional
@@ -182,7 +182,7 @@ def placed_call(target, drafter, plan: Plan, mesh=None):
         return None
 
     def call(fn, *args, **kwargs):
-        if fn is expand and plan.drafts and not plan.sampling:  # the greedy tree builder: per sequence
+        if fn is propose and plan.drafts and not plan.sampling:  # the greedy tree builder: per sequence
             return per_sequence(lambda d, *a: fn(target, d, *a, **kwargs), mesh, drafter, *args)
         return constrain(fn(target, drafter, *args, **kwargs), mesh)
 

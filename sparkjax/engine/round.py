@@ -1,5 +1,5 @@
-"""The stages of a round: draft -> expand (tree) -> verify -> accept -> commit, one function each (``ar``'s round
-drafts nothing, proposes no node and verifies the root alone: the plain one-token step).
+"""The stages of a round: draft -> propose (the chain or tree) -> verify -> accept -> commit, one function each
+(``ar``'s round drafts nothing, proposes no node and verifies the root alone: the plain one-token step).
 
 A stage is a pure function ``(target, drafter, *args, plan=plan)`` of the models and the dataclasses of
 :mod:`sparkjax.engine.state`, run under :func:`jax.named_scope` of its name; it reaches the method only
@@ -23,7 +23,7 @@ from .state import Acceptance, Plan, Proposal, SpecState, Verified
 Array = jax.Array
 
 # The stage names (timings, tables, profile scopes); "commit" times accept + commit.
-DRAFT, TREE, VERIFY, COMMIT = STAGES = ("draft", "tree", "verify", "commit")
+DRAFT, PROPOSE, VERIFY, COMMIT = STAGES = ("draft", "propose", "verify", "commit")
 
 
 def stage(name: str):
@@ -72,8 +72,8 @@ def with_draft_context(state: SpecState, blk: drafting.DraftBlock) -> tuple[Spec
     return dataclasses.replace(state, ctx=blk.ctx), dataclasses.replace(blk, ctx=None)
 
 
-@stage(TREE)
-def expand(target, drafter, state: SpecState, blk: drafting.DraftBlock, key, *, plan: Plan) -> Proposal:
+@stage(PROPOSE)
+def propose(target, drafter, state: SpecState, blk: drafting.DraftBlock, key, *, plan: Plan) -> Proposal:
     """Turns the drafter's block into the method's chain or tree of ``plan.nodes`` nodes, on device."""
     return plan.method.propose(drafter, state.x_start, blk, plan, state.request.sampling, key)
 
@@ -172,7 +172,7 @@ Call = Callable[..., object]
 
 
 def round_keys(state: SpecState, plan: Plan) -> tuple[SpecState, Array | None, Array | None]:
-    """``(state, expand key, accept key)`` of a round: none split on the greedy path (the state's key stays as
+    """``(state, propose key, accept key)`` of a round: none split on the greedy path (the state's key stays as
     it was); a sampled round splits the state's key in three (two for a round that drafts nothing)."""
     if not plan.sampling:
         return state, None, None
@@ -181,17 +181,17 @@ def round_keys(state: SpecState, plan: Plan) -> tuple[SpecState, Array | None, A
 
 
 def run_stages(target, drafter, state: SpecState, plan: Plan, call: Call | None = None) -> SpecState:
-    """The generic round: draft (unless the plan drafts nothing), expand (``plan.method.propose``), verify, accept
+    """The generic round: draft (unless the plan drafts nothing), propose (``plan.method.propose``), verify, accept
     (``plan.method.accept``) and commit. ``call(stage_fn, *args, plan=plan)`` runs each stage (default:
     directly, with ``target, drafter`` first; a mesh run and the instrumented mode pass their own)."""
     if call is None:
         def call(fn, *args, **kwargs):
             return fn(target, drafter, *args, **kwargs)
 
-    state, k_expand, k_accept = round_keys(state, plan)
+    state, k_propose, k_accept = round_keys(state, plan)
     blk = None
     if plan.drafts:
         state, blk = with_draft_context(state, call(draft, state, plan=plan))
-    prop = call(expand, state, blk, k_expand, plan=plan)
+    prop = call(propose, state, blk, k_propose, plan=plan)
     ver = call(verify, state, prop, plan=plan)
     return call(accept_and_commit, state, prop, ver, k_accept, plan=plan)

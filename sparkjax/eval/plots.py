@@ -14,7 +14,7 @@ from ..io.atomic import atomic_file
 from .metrics import finite
 from .records import is_reference
 
-STAGE_COLORS = {"draft": "#4c72b0", "tree": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
+STAGE_COLORS = {"draft": "#4c72b0", "propose": "#55a868", "verify": "#c44e52", "commit": "#8172b2"}
 
 # One colour per method family (the engine's table order); a tree budget sets the shade, line, marker and hatch.
 _PALETTE = ("#4d4d4d", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2",

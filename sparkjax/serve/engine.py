@@ -49,7 +49,7 @@ from ..engine.programs import split_pair
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError
 from ..progress import Progress
 from ..sampling import Sampling
-from . import slots as programs
+from . import slots
 from .text import TextStream
 
 log = logging.getLogger("sparkjax.serve")
@@ -402,10 +402,10 @@ class Engine:
             self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, step[1], np.arange(step[2]))
             jax.block_until_ready(visit)
         else:
-            jax.block_until_ready(programs.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32),
+            jax.block_until_ready(slots.read_tokens(self._pool.out, jnp.zeros((self.slots,), jnp.int32),
                                                        width=self.buf_len))
             if self._pool.logprobs is not None:
-                jax.block_until_ready(programs.read_tokens(self._pool.logprobs, jnp.zeros((self.slots,), jnp.int32),
+                jax.block_until_ready(slots.read_tokens(self._pool.logprobs, jnp.zeros((self.slots,), jnp.int32),
                                                            width=self.buf_len))
 
     def close(self, grace_s: float = 30.0) -> None:
@@ -520,7 +520,7 @@ class Engine:
                 width = next(w for w in self.buckets if w >= len(ids))
                 tokens = np.zeros((1, width), np.int32)
                 tokens[0, : len(ids)] = ids
-                got = jax.device_get(programs.score_prompt(self._graphdefs[0], self._states[0], jnp.asarray(tokens),
+                got = jax.device_get(slots.score_prompt(self._graphdefs[0], self._states[0], jnp.asarray(tokens),
                                                            top=self.max_logprobs, options=self.options))
                 out: list[TokenLogprob | None] = [None]
                 for j in range(len(ids) - 1):  # row j scores token j + 1
@@ -555,7 +555,7 @@ class Engine:
             self._cond.notify_all()
 
     def _fresh_pool(self):
-        return programs.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
+        return slots.pool_init(self._graphdefs, self._states, jax.random.key(0), self._device_inputs,
                                   **self._static(), slots=self.slots, eos_slots=self.eos_slots)
 
     def _static(self, sampling: bool | None = None, *, sizes: bool = True) -> dict[str, Any]:
@@ -567,13 +567,13 @@ class Engine:
 
     def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
                     temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0):
-        return programs.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
+        return slots.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
                                    jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
                                    Sampling.of(temperature, top_p, top_k), _key(seed), self._device_inputs,
                                    **self._static())
 
     def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
-        return programs.pool_visit(
+        return slots.pool_visit(
             self._graphdefs, self._states, self._pool, jnp.asarray(stop), jnp.int32(rounds),
             jnp.asarray(rows, jnp.int32), jnp.asarray(self._seen),
             window=self.window,
@@ -668,9 +668,9 @@ class Engine:
         rest = rest_lp = None
         if (v.n - self._seen > self.window).any():  # more new tokens than the window holds: read the rest
             start = jnp.asarray(self._seen + self.window)
-            rest = np.asarray(programs.read_tokens(self._pool.out, start, width=self.buf_len))
+            rest = np.asarray(slots.read_tokens(self._pool.out, start, width=self.buf_len))
             if v.logprobs is not None:
-                rest_lp = jax.device_get(programs.read_tokens(self._pool.logprobs, start, width=self.buf_len))
+                rest_lp = jax.device_get(slots.read_tokens(self._pool.logprobs, start, width=self.buf_len))
         with self._cond:
             self._m.visits += 1
             self._m.rounds += int(v.rounds.sum())
