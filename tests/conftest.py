@@ -191,6 +191,24 @@ def hf_factory(tmp_path_factory):
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.environ.get("SPARKJAX_COUNT_COMPILES"):
+        _count_compiles(os.environ["SPARKJAX_COUNT_COMPILES"])
+
+
+def _count_compiles(path: str) -> None:
+    """Opt-in (``SPARKJAX_COUNT_COMPILES=path``): appends one line per XLA compilation in this pytest process (each
+    xdist worker; a persistent-cache hit counts too) to ``path``: ``worker<TAB>jitted function<TAB>seconds``.
+    Subprocesses the tests start are not counted. Summarise with ``cut -f2 path | sort | uniq -c | sort -rn``."""
+    from jax import monitoring
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+            with open(path, "a") as f:
+                f.write(f"{worker}\t{kwargs.get('fun_name', '?')}\t{duration:.3f}\n")
+
+    monitoring.register_event_duration_secs_listener(listener)
 
 
 # The longest files first (by their time in the default run), so that xdist's per-file scheduling (--dist loadfile
