@@ -1,6 +1,7 @@
-"""Fuzzing the loaders: truncations, byte flips and JSON header mutations of a valid safetensors file and of the
-fixture target's, and random config values, end in success or a SparkjaxError: never a hang (each example runs
-under an alarm), never another exception. ``SPARKJAX_FUZZ_EXAMPLES=2000`` makes a longer run.
+"""sparkjax.io.safetensors and the loaders over it, fuzzed: truncations, byte flips and JSON header mutations of a
+valid safetensors file and of the fixture target's, and random config values, end in success or a SparkjaxError:
+never a hang (each example runs under an alarm), never another exception. ``SPARKJAX_FUZZ_EXAMPLES=2000`` makes a
+longer run. The hand-built broken headers are in test_io_hf.py.
 """
 
 from __future__ import annotations

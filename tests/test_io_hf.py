@@ -1,5 +1,7 @@
-"""Hostile or broken checkpoints, index files and configs: each one is a SparkjaxError naming the file and the key
-or argument. Each broken input is built by hand from the fixture pair; FIFO cases run under a timeout."""
+"""The loaders of sparkjax.io.hf (load_target, load_drafter) and the safetensors reader under them on hostile or
+broken checkpoints, index files and configs: each one is a SparkjaxError naming the file and the key or argument.
+Each broken input is built by hand from the fixture pair; FIFO cases run under a timeout. The fuzzed inputs are in
+test_io_safetensors.py."""
 
 from __future__ import annotations
 
