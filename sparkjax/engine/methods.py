@@ -33,6 +33,24 @@ WIDTH_PROFILES = ("auto", "even")  # named beam profiles: sparkjax.tree.auto_wid
 DEFAULT_WIDTHS = "auto"  # the beam's profile when none is given
 
 
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What a method name means to its class: ``markov`` (needs the drafter's Markov head) and, for trees,
+    ``beam`` (fixed nodes per depth)."""
+
+    markov: bool = False
+    beam: bool = False
+
+
+def kind_of(cls: type[Method], name: Any, arg: str) -> Kind:
+    """The :class:`Kind` of ``name`` among ``cls.KINDS`` (that class's own names); ArgumentError naming ``arg``."""
+    kind = cls.KINDS.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise ArgumentError(f"{arg}: not a {cls.__name__} kind: {describe(name)}; expected one of "
+                            f"{', '.join(cls.KINDS)}")
+    return kind
+
+
 class Method:
     """What every method answers. Subclasses are frozen dataclasses (hashable: a method is part of the
     static plan). The class attributes ``top_c``, ``widths``, ``normalization`` and ``candidates`` describe
@@ -40,6 +58,7 @@ class Method:
 
     speculative: ClassVar[bool] = True
     needs_markov: ClassVar[bool] = False  # whether it reads the drafter's Markov head (set per instance by the kinds)
+    KINDS: ClassVar[dict[str, Kind]] = {}  # the names of this class (read by parse_method's table and by kind_of)
     top_c: ClassVar[int | None] = None
     widths: ClassVar[tuple[int, ...] | None] = None
     normalization: ClassVar[str] = "fast"
@@ -108,6 +127,7 @@ class AR(Method):
     target's own token, through the same stages and commit as every method. It needs no drafter."""
 
     speculative: ClassVar[bool] = False
+    KINDS: ClassVar[dict[str, Kind]] = {"ar": Kind()}
 
     @property
     def name(self) -> str:
@@ -133,10 +153,11 @@ class Chain(Method):
     Markov-corrected chain, which needs a Markov head). Sampled chains are accepted by speculative
     sampling (:func:`sparkjax.sampling.speculative_chain`), greedy ones by the tree walk."""
 
+    KINDS: ClassVar[dict[str, Kind]] = {"dflash": Kind(), "dspark": Kind(markov=True)}
     kind: str = "dflash"
 
     def __post_init__(self):
-        object.__setattr__(self, "needs_markov", _entry(self.kind, Chain, "kind").markov)
+        object.__setattr__(self, "needs_markov", kind_of(Chain, self.kind, "kind").markov)
 
     @property
     def name(self) -> str:
@@ -190,6 +211,8 @@ class Tree(Method):
     ``sparklingtree-beam`` (its options: docs/api.md, "Methods"; ``widths`` only for the beam, ``candidates``
     other than ``base`` only for the Markov trees)."""
 
+    KINDS: ClassVar[dict[str, Kind]] = {"ddtree": Kind(), "sparklingtree": Kind(markov=True),
+                                        "sparklingtree-beam": Kind(markov=True, beam=True)}
     kind: str = "sparklingtree"
     budget: int = DEFAULT_BUDGET
     top_c: int | None = None
@@ -199,7 +222,7 @@ class Tree(Method):
     max_fanout: int = 0  # candidates="seed": children per parent at most (0: the budget)
 
     def __post_init__(self):
-        entry = _entry(self.kind, type(self), "kind")
+        entry = kind_of(type(self), self.kind, "kind")
         object.__setattr__(self, "needs_markov", entry.markov)
         beam = entry.beam
         if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
@@ -251,13 +274,13 @@ class Tree(Method):
     @property
     def beam(self) -> bool:
         """Fixed nodes per depth (a beam) rather than best-first."""
-        return _entry(self.kind).beam
+        return self.KINDS[self.kind].beam
 
     @property
     def default_candidates(self) -> str:
         """The candidates when none is given: ``base`` without a Markov head, :data:`DEFAULT_CANDIDATES` for
         ``sparklingtree``, :data:`TABLE_CANDIDATES` for the trees built from per-depth tables."""
-        entry = _entry(self.kind)
+        entry = self.KINDS[self.kind]
         if not entry.markov:
             return "base"
         return TABLE_CANDIDATES if entry.beam or type(self) is not Tree else DEFAULT_CANDIDATES
@@ -362,6 +385,7 @@ class PCTree(Tree):
     *counting the root* (``pctree@32`` verifies 31 drafted nodes). Verified by the tree walk. ``budget=None``:
     :data:`PCTREE_BUDGET`, or all the beam keeps (``1 + k * depth``) when that is fewer (a block-7 drafter)."""
 
+    KINDS: ClassVar[dict[str, Kind]] = {"pctree": Kind(markov=True)}
     kind: str = "pctree"
     budget: int | None = None
     k: int = PCTREE_K
@@ -414,6 +438,7 @@ class Auto(Method):
     ``floor``) is set when it is bound: leave those unset.
     """
 
+    KINDS: ClassVar[dict[str, Kind]] = {"auto": Kind()}
     sizes: tuple[int | str, ...] = DEFAULT_SIZES
     budget: int | None = None
     tree: str | None = None
@@ -454,13 +479,13 @@ class Auto(Method):
                 raise ArgumentError(f"sizes: tree size {trees[-1]} exceeds budget={budget}")
             object.__setattr__(self, "budget", budget)
         if self.tree is not None:
-            _entry(self.tree, Tree, "tree")
-            if _entry(self.tree).beam:
+            if kind_of(Tree, self.tree, "tree").beam:
                 raise ArgumentError(f"tree: {self.tree!r} is a beam; auto slices best-first trees (ddtree, "
                                     "sparklingtree)")
         if self.chain is not None:
-            _entry(self.chain, Chain, "chain")
-        markov = any(k is not None and _entry(k).markov for k in (self.tree, self.chain))
+            kind_of(Chain, self.chain, "chain")
+        markov = (self.tree is not None and Tree.KINDS[self.tree].markov) or \
+            (self.chain is not None and Chain.KINDS[self.chain].markov)
         object.__setattr__(self, "needs_markov", markov)
         if self.top_c is not None:
             object.__setattr__(self, "top_c", check_int("top_c", self.top_c))
@@ -496,7 +521,7 @@ class Auto(Method):
     def largest_tree(self) -> Tree:
         """The tree built each round (its smaller sizes are prefixes): per-depth tables, whatever
         ``sparklingtree``'s own default (auto's costs and memory were measured on those)."""
-        markov = _entry(self.tree).markov
+        markov = Tree.KINDS[self.tree].markov
         return Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization,
                     TABLE_CANDIDATES if markov else None)
 
@@ -602,28 +627,14 @@ class Auto(Method):
 # ============================================================================= the parser: the one table of names
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    cls: type[Method]
-    markov: bool = False  # needs the drafter's Markov head
-    beam: bool = False  # trees: fixed nodes per depth
-
-
-_TABLE: dict[str, _Entry] = {
-    "ar": _Entry(AR),
-    "dflash": _Entry(Chain),
-    "dspark": _Entry(Chain, markov=True),
-    "ddtree": _Entry(Tree),
-    "sparklingtree": _Entry(Tree, markov=True),
-    "sparklingtree-beam": _Entry(Tree, markov=True, beam=True),
-    "pctree": _Entry(PCTree, markov=True),
-    "auto": _Entry(Auto),
-}
+# every method name, its class and its kind: the classes' own KINDS, read here alone (and by kind_of)
+_TABLE: dict[str, tuple[type[Method], Kind]] = {name: (cls, kind) for cls in (AR, Chain, Tree, PCTree, Auto)
+                                                 for name, kind in cls.KINDS.items()}
 
 METHODS: tuple[str, ...] = tuple(_TABLE)
-CHAIN_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if issubclass(e.cls, Chain))
-TREE_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if issubclass(e.cls, Tree))
-MARKOV_METHODS: tuple[str, ...] = tuple(n for n, e in _TABLE.items() if e.markov)
+CHAIN_METHODS: tuple[str, ...] = tuple(n for n, (c, _) in _TABLE.items() if issubclass(c, Chain))
+TREE_METHODS: tuple[str, ...] = tuple(n for n, (c, _) in _TABLE.items() if issubclass(c, Tree))
+MARKOV_METHODS: tuple[str, ...] = tuple(n for n, (_, k) in _TABLE.items() if k.markov)
 AR_LABEL: str = AR().label  # the reference row of every result table
 
 
@@ -637,14 +648,12 @@ def available_methods() -> tuple[str, ...]:
     return METHODS
 
 
-def _entry(name: Any, cls: type[Method] | None = None, arg: str = "method") -> _Entry:
-    """The table entry of a method name (of class ``cls`` when given); ArgumentError naming ``arg`` otherwise."""
+def _entry(name: Any) -> type[Method]:
+    """The class of a method name; ArgumentError naming ``method`` for an unknown one."""
     entry = _TABLE.get(name) if isinstance(name, str) else None
-    if entry is None or (cls is not None and entry.cls is not cls):
-        names = METHODS if cls is None else tuple(n for n, e in _TABLE.items() if e.cls is cls)
-        what = "unknown method" if cls is None else f"not a {cls.__name__} kind:"
-        raise ArgumentError(f"{arg}: {what} {describe(name)}; expected one of {', '.join(names)}")
-    return entry
+    if entry is None:
+        raise ArgumentError(f"method: unknown method {describe(name)}; expected one of {', '.join(METHODS)}")
+    return entry[0]
 
 
 def _from_options(name: str, cls: type[Method], *, budget: Any, top_c: Any, widths: Any, normalization: Any) -> Method:
@@ -701,7 +710,7 @@ def parse_method(method: str | Method, *, budget: Any = None, top_c: Any = None,
             max_fanout = int(value)
         else:
             candidates = opt
-    out = _from_options(name, entry.cls, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
+    out = _from_options(name, entry, budget=budget, top_c=top_c, widths=widths, normalization=normalization)
     for arg, value in (("candidates", candidates), ("max_fanout", max_fanout)):
         if value is not None:
             if not isinstance(out, Tree):
