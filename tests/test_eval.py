@@ -28,7 +28,7 @@ from flax import nnx
 
 import sparkjax
 from sparkjax import demo, engine
-from sparkjax.engine.methods import parse_method
+from sparkjax.engine.names import parse_method
 from sparkjax.engine.state import Launch
 from sparkjax.errors import DatasetError, EvalError
 from sparkjax.eval import EvalConfig, EvalResults, config, harness, metrics, pair, plots, records, report, runner

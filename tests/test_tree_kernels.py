@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from sparkjax import generate, reference, tree
 from sparkjax.engine import drafting
-from sparkjax.engine.methods import Tree, parse_method
+from sparkjax.engine.methods import Tree
+from sparkjax.engine.names import parse_method
 from sparkjax.errors import ArgumentError
 
 M = 24  # nodes of the random trees

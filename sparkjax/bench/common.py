@@ -19,7 +19,8 @@ from flax import nnx
 from sparkjax import testing
 from sparkjax.config import DrafterConfig, Qwen3Config
 from sparkjax.demo import DEMO_DIR as DEMO
-from sparkjax.engine.methods import TREE_METHODS, Method, parse_method
+from sparkjax.engine.methods import Method
+from sparkjax.engine.names import TREE_METHODS, parse_method
 from sparkjax.engine.options import DEFAULT_OPTIONS, Options
 from sparkjax.engine.programs import spec_program, split_pair
 from sparkjax.errors import ArgumentError

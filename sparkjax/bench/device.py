@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparkjax import testing
+from sparkjax.engine.adaptive import Auto
 from sparkjax.engine.api import generate
 from sparkjax.engine.costs import CostTable
-from sparkjax.engine.methods import METHODS, Auto, parse_method
+from sparkjax.engine.names import METHODS, parse_method
 from sparkjax.engine.options import Options
 from sparkjax.errors import ArgumentError
 from sparkjax.nn import layers

@@ -30,7 +30,8 @@ import numpy as np
 from flax import nnx
 
 from sparkjax.engine.api import estimate_memory
-from sparkjax.engine.methods import AR, parse_method
+from sparkjax.engine.methods import AR
+from sparkjax.engine.names import parse_method
 from sparkjax.engine.options import DEFAULT_OPTIONS
 from sparkjax.engine.programs import spec_program, spec_start, split_pair, stage_call
 from sparkjax.engine.round import STAGES

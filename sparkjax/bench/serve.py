@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkjax.engine.methods import parse_method
+from sparkjax.engine.names import parse_method
 from sparkjax.errors import ArgumentError
 
 from .common import add_output, at_least, child_env, device_name, ints, log, names, write_text

@@ -3,7 +3,7 @@
 placement and the public entry points (:mod:`~sparkjax.engine.api`). The module map is in docs/design.md.
 """
 
-from .adaptive import AutoMemory, policy
+from .adaptive import DEFAULT_SIZES, Auto, AutoMemory, policy
 from .api import (
     GenerateOutput,
     estimate_memory,
@@ -17,22 +17,8 @@ from .api import (
 )
 from .checks import bucket
 from .costs import CostTable, PoolCostTable
-from .methods import (
-    AR,
-    AR_LABEL,
-    CHAIN_METHODS,
-    DEFAULT_SIZES,
-    MARKOV_METHODS,
-    METHODS,
-    TREE_METHODS,
-    Auto,
-    Chain,
-    Method,
-    PCTree,
-    Tree,
-    available_methods,
-    parse_method,
-)
+from .methods import AR, Chain, Method, PCTree, Tree
+from .names import AR_LABEL, CHAIN_METHODS, MARKOV_METHODS, METHODS, TREE_METHODS, available_methods, parse_method
 from .options import Options
 from .round import STAGES
 from .state import Launch, Plan

@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +47,12 @@ import numpy as np
 
 from .. import sampling, tree
 from ..errors import ArgumentError
-from . import drafting
-from .checks import describe
+from . import costs, drafting
+from .checks import MAX_SLOTS, check_drafter, check_int, describe, is_int
+from .methods import AR, NORMALIZATIONS, TABLE_CANDIDATES, Chain, Kind, Method, Tree, drafted_depth, kind_of
+from .options import Options, check_options
 from .round import COMMIT, PROPOSE, VERIFY, commit, draft, round_keys, stage, verify, with_draft_context
 from .state import Acceptance, Plan, Proposal, SpecState, per_row
-
-if TYPE_CHECKING:
-    from .methods import Auto
 
 Array = jax.Array
 
@@ -640,3 +639,204 @@ def auto_round(target, drafter, state: SpecState, plan: Plan, call=None) -> Spec
     return run_selected(jnp.where(plain, 1, 0), [lambda s: (drafted(s, k), ()), lambda s: (s, ())], state)[0]
 
 
+# ============================================================================ the method
+
+
+DEFAULT_SIZES: tuple[int | str, ...] = (0, CHAIN, 8, 16, 32, 64)  # Auto's default candidate verification sizes
+DECIDE = ("draft", "previous")  # when Auto decides: after this round's draft, or from the previous round's
+AUTO_TOP_C = 32  # Auto's default candidates per depth (the tree is built every drafted round, whatever its size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto(Method):
+    """Picks each round's verification size on device (its round and modes: :mod:`sparkjax.engine.adaptive`;
+    the options: docs/auto.md). ``sizes``: out of ``0`` (a plain target step), ``"chain"`` (``chain=``, default
+    ``dspark`` with a Markov head, else ``dflash``) and tree budgets ``b >= 1`` (the first ``b`` nodes of one
+    best-first tree of the largest budget: ``tree=``, default ``sparklingtree`` with a Markov head, else
+    ``ddtree``). ``table``: a :class:`~sparkjax.engine.costs.CostTable` or
+    :class:`~sparkjax.engine.costs.PoolCostTable` for these sizes (default: this device's and shape's, see
+    :meth:`bind`); its seconds are a traced input, so it is not compared, and its static part (``viable``,
+    ``floor``) is set when it is bound: leave those unset.
+    """
+
+    KINDS: ClassVar[dict[str, Kind]] = {"auto": Kind()}
+    sizes: tuple[int | str, ...] = DEFAULT_SIZES
+    budget: int | None = None
+    tree: str | None = None
+    chain: str | None = None
+    top_c: int | None = None
+    normalization: str = "fast"
+    decide: str = "previous"
+    probe: int = 4
+    viable_share: float = 0.5
+    table: Any = dataclasses.field(default=None, compare=False)  # a sparkjax.engine.costs.CostTable, or None
+    viable: tuple[bool, ...] | None = None
+    floor: int | None = None
+
+    def __post_init__(self):
+        sizes = self.sizes
+        if isinstance(sizes, str | bytes) or not isinstance(sizes, list | tuple):
+            raise ArgumentError(f"sizes: expected a list of candidate sizes (0, 'chain', tree budgets), "
+                                f"got {describe(sizes)}")
+        if not sizes:
+            raise ArgumentError("sizes: empty candidate set; give at least one of 0, 'chain' or a tree budget")
+        out: list[int | str] = []
+        for i, x in enumerate(sizes):
+            if x == CHAIN and isinstance(x, str):
+                v: int | str = CHAIN
+            elif is_int(x) and 0 <= int(x) <= MAX_SLOTS:
+                v = int(x)
+            else:
+                raise ArgumentError(f"sizes[{i}]: expected 0, 'chain' or a tree budget >= 1, got {describe(x)}")
+            if v in out:
+                raise ArgumentError(f"sizes[{i}]: {v!r} is listed twice")
+            out.append(v)
+        trees = sorted(v for v in out if v != CHAIN and v > 0)
+        canon = tuple(([0] if 0 in out else []) + ([CHAIN] if CHAIN in out else []) + trees)
+        object.__setattr__(self, "sizes", canon)
+        if self.budget is not None:
+            budget = check_int("budget", self.budget, unit="number of tree nodes")
+            if trees and trees[-1] > budget:
+                raise ArgumentError(f"sizes: tree size {trees[-1]} exceeds budget={budget}")
+            object.__setattr__(self, "budget", budget)
+        if self.tree is not None:
+            if kind_of(Tree, self.tree, "tree").beam:
+                raise ArgumentError(f"tree: {self.tree!r} is a beam; auto slices best-first trees (ddtree, "
+                                    "sparklingtree)")
+        if self.chain is not None:
+            kind_of(Chain, self.chain, "chain")
+        markov = (self.tree is not None and Tree.KINDS[self.tree].markov) or \
+            (self.chain is not None and Chain.KINDS[self.chain].markov)
+        object.__setattr__(self, "needs_markov", markov)
+        if self.top_c is not None:
+            object.__setattr__(self, "top_c", check_int("top_c", self.top_c))
+        if not isinstance(self.normalization, str) or self.normalization not in NORMALIZATIONS:
+            raise ArgumentError(f"normalization: expected 'exact' or 'fast', got {describe(self.normalization)}")
+        if not isinstance(self.decide, str) or self.decide not in DECIDE:
+            raise ArgumentError(f"decide: expected one of {DECIDE}, got {describe(self.decide)}")
+        object.__setattr__(self, "probe", check_int("probe", self.probe))
+        share = self.viable_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ArgumentError(f"viable_share: expected a number in (0, 1], got {describe(share)}")
+        object.__setattr__(self, "viable_share", float(share))
+        if self.table is not None:
+            labels = getattr(self.table, "labels", None)
+            if labels is None or not hasattr(self.table, "seconds"):
+                raise ArgumentError(f"table: expected a sparkjax.engine.costs.CostTable, got {describe(self.table)}")
+
+    @property
+    def name(self) -> str:
+        return "auto"
+
+    @property
+    def widths(self) -> None:
+        return None
+
+    @property
+    def candidates(self) -> str | None:
+        """The candidate sets of the tree it builds (None without a tree size or before :meth:`resolve`)."""
+        if not self.tree_sizes or self.tree is None:
+            return None
+        return self.largest_tree().candidates
+
+    def largest_tree(self) -> Tree:
+        """The tree built each round (its smaller sizes are prefixes): per-depth tables, whatever
+        ``sparklingtree``'s own default (auto's costs and memory were measured on those)."""
+        markov = Tree.KINDS[self.tree].markov
+        return Tree(self.tree, self.tree_sizes[-1], self.top_c, None, self.normalization,
+                    TABLE_CANDIDATES if markov else None)
+
+    @property
+    def tree_sizes(self) -> tuple[int, ...]:
+        return tuple(v for v in self.sizes if v != CHAIN and v > 0)
+
+    def labels(self) -> tuple[str, ...]:
+        """The candidates' names, in ``sizes`` order (``ar``, the chain's kind, ``tree@b``); resolved kinds."""
+        return tuple("ar" if v == 0 else (self.chain or CHAIN) if v == CHAIN else f"{self.tree or 'tree'}@{v}"
+                     for v in self.sizes)
+
+    def nodes(self, drafter) -> int:
+        trees = self.tree_sizes
+        return trees[-1] if trees else drafted_depth(drafter)
+
+    def resolve(self, drafter) -> Auto:
+        """The tree and chain kinds for ``drafter`` (Markov head: sparklingtree / dspark, else ddtree / dflash)."""
+        markov = drafter is not None and drafter.config.has_markov
+        tree_kind = self.tree or ("sparklingtree" if markov else "ddtree")
+        chain_kind = self.chain or ("dspark" if markov else "dflash")
+        return dataclasses.replace(self, tree=tree_kind, chain=chain_kind)
+
+    def plan(self, target, drafter, sampling: bool, options: Options | None = None) -> Plan:
+        if drafter is None:
+            raise ArgumentError("drafter: method 'auto' needs a drafter (use method='ar' without one)")
+        resolved = self.resolve(drafter)
+        check_drafter(target, drafter, resolved)
+        depth = drafted_depth(drafter)
+        trees = self.tree_sizes
+        c = None  # no tree size: no candidates
+        if trees:
+            top_c = min(AUTO_TOP_C, target.config.vocab_size) if self.top_c is None else self.top_c
+            sub = Tree(resolved.tree, trees[-1], top_c, None, self.normalization).plan(target, drafter, sampling,
+                                                                                      options)
+            c = sub.top_c
+        resolved = dataclasses.replace(resolved, top_c=c, table=None, viable=None, floor=None)
+        plan = Plan(resolved, depth, resolved.nodes(drafter), bool(sampling), tuple(drafter.config.target_layer_ids),
+                    check_options(options), context=keeps_context(resolved))
+        return plan if self.table is None else resolved.with_table(plan, self.table)
+
+    def with_table(self, plan: Plan, table: Any) -> Plan:
+        """``plan`` bound to the cost ``table``: the method carries it, with its static part (``viable``,
+        ``floor``) for ``plan.depth``. ArgumentError naming ``table`` when it is for other candidates."""
+        if tuple(table.labels) != self.labels():
+            raise ArgumentError(f"table: its candidates {list(table.labels)} are not this method's "
+                                f"{list(self.labels())}")
+        # a PoolCostTable has a row per active count: a size is viable if it is at some count
+        rows = table.rows() if isinstance(table, costs.PoolCostTable) else [tuple(table.seconds)]
+        ok = [viable(self, plan.depth, r) for r in rows]
+        bound = dataclasses.replace(self, table=table, viable=tuple(map(any, zip(*ok, strict=True))),
+                                    floor=min(gap_floor(self, plan.depth, r) for r in rows))
+        return dataclasses.replace(plan, method=bound, context=keeps_context(bound))
+
+    def bind(self, plan: Plan, *, target, drafter, batch: int, cache_size: int, pool: Sequence[int] = (),
+             memory: Any = None, measure: bool = True) -> tuple[Plan, AutoInputs]:
+        """``plan`` with its cost table (the method's own, else this device's, batch's and cache size's:
+        :func:`~sparkjax.engine.costs.table_for`; for a ``pool``, :func:`~sparkjax.engine.costs.pool_table_for`),
+        and the table's seconds and the memory to start from (:func:`~sparkjax.engine.adaptive.auto_inputs`)."""
+        table = plan.method.table
+        if isinstance(table, costs.PoolCostTable) and table.slots != batch:
+            raise ArgumentError(f"table: a PoolCostTable for {table.slots} slots, but this run has {batch} "
+                                f"sequences")
+        if table is None and not measure:
+            pass  # unbound: every size viable, equal costs
+        elif table is None and pool and batch > 1:
+            plan = plan.method.with_table(plan, costs.pool_table_for(target, drafter, plan, batch, cache_size,
+                                                                     sizes=pool))
+        elif table is None:
+            plan = plan.method.with_table(plan, costs.table_for(target, drafter, plan, batch, cache_size))
+        return plan, auto_inputs(plan, memory)
+
+    # the hooks of a method that carries state: auto's, in sparkjax.engine.adaptive
+    # the traced side, below in this module: the carried state, the round, the results
+    def init_state(self, plan: Plan, batch: int, buf_len: int, inputs: Any) -> AutoState:
+        return init_state(plan, batch, buf_len, inputs)
+
+    def round(self, target, drafter, state: SpecState, plan: Plan, call=None) -> SpecState:
+        return auto_round(target, drafter, state, plan, call)
+
+    def results(self, state: SpecState, plan: Plan) -> AutoResults:
+        return results(state, plan)
+
+    def tree_plan(self, plan: Plan) -> Plan:
+        """The plan of the largest tree (the one built each round)."""
+        return Plan(self.largest_tree(), plan.depth,
+                    self.tree_sizes[-1], plan.sampling, plan.layer_ids, plan.options, plan.logprobs)
+
+    def plain_plan(self, plan: Plan, features: bool = True) -> Plan:
+        """The plan of size 0: ``ar``'s round, reading the drafter's layers when ``features`` (the drafted
+        rounds that follow need the plain steps' features in the drafter's context)."""
+        return Plan(AR(), 0, 0, plan.sampling, plan.layer_ids if features else (), plan.options, plan.logprobs,
+                    context=False)
+
+    def chain_plan(self, plan: Plan) -> Plan:
+        return Plan(Chain(self.chain), plan.depth, plan.depth, plan.sampling, plan.layer_ids, plan.options,
+                    plan.logprobs)

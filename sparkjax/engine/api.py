@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import cachedir, sampling
 from ..errors import ArgumentError, NumericalError
+from .adaptive import Auto
 from .checks import (
     MAX_SLOTS,
     bucket,
@@ -35,7 +36,8 @@ from .checks import (
 )
 from .costs import CostTable, cost_key, profile, read_table
 from .logprobs import check_logprobs
-from .methods import Auto, Method, parse_method
+from .methods import Method
+from .names import parse_method
 from .options import Options, check_options
 from .placement import check_mesh, place_args, place_state, put, to_host
 from .programs import launch_run, spec_start, spec_step, split_pair, stage_call
@@ -584,6 +586,15 @@ def round_hlo(target, drafter, prompt_ids, *, mesh: Mesh, **kwargs) -> str:
     return lowered.compile().as_text()
 
 
+def _as_auto(method: Any, what: str) -> Auto:
+    """``method`` (a name or a method object) as an :class:`~sparkjax.engine.adaptive.Auto`; ArgumentError naming
+    ``method`` (with ``what``: why only ``auto`` will do) for any other method."""
+    spec = parse_method(method)
+    if not isinstance(spec, Auto):
+        raise ArgumentError(f"method: {what}, got {describe(method)}")
+    return spec
+
+
 def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1, cache_size: int | None = None,
                   prompt_length: int = 16, temperature: float = 0.0, repeats: int = 5, seed: int = 0,
                   options: Options | None = None, active: int | None = None) -> CostTable:
@@ -592,7 +603,7 @@ def profile_costs(target, drafter, *, method: Any = "auto", batch_size: int = 1,
     :class:`~sparkjax.engine.costs.CostTable` (:func:`sparkjax.engine.costs.profile`; ``active``: with only
     that many of the ``batch_size`` sequences running, as in a serving pool with idle slots)."""
     check_models(target, drafter)
-    spec = Auto.of(method, "profile_costs times the candidates of method 'auto'")
+    spec = _as_auto(method, "profile_costs times the candidates of method 'auto'")
     temperature = check_temperature(temperature)
     plan = spec.plan(target, drafter, temperature > 0, check_options(options))
     return profile(target, drafter, plan, batch_size=batch_size, cache_size=cache_size, prompt_length=prompt_length,
@@ -608,6 +619,6 @@ def load_cost_table(path: str | os.PathLike, *, target=None, drafter=None, metho
     :class:`~sparkjax.errors.CostTableError` naming the file (and the key)."""
     if target is None or drafter is None or batch_size is None or cache_size is None:
         return read_table(path)
-    spec = Auto.of(method, "cost tables are for method 'auto'")
+    spec = _as_auto(method, "cost tables are for method 'auto'")
     plan = spec.plan(target, drafter, check_temperature(temperature) > 0)
     return read_table(path, cost_key(target, drafter, plan, batch_size, cache_size))

@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +22,9 @@ from .. import cachedir
 from ..errors import ArgumentError, CostTableError, SparkjaxError
 from ..io.atomic import atomic_file
 from ..progress import Progress
-from .adaptive import auto_inputs, auto_round
 from .checks import bucket, check_int, describe
 from .programs import merge_pair, program, spec_start, split_pair
 from .state import Plan
-
-if TYPE_CHECKING:
-    from .methods import Auto
 
 log = logging.getLogger("sparkjax.auto")
 
@@ -124,7 +120,7 @@ def cost_key(target, drafter, plan: Plan, batch: int, cache_size: int, active: i
     ``active``: only that many of the ``batch`` sequences running, the rest done)."""
     tc, dc, o = target.config, drafter.config, plan.options
     dev = jax.devices()[0]
-    m: Auto = plan.method
+    m = plan.method  # an Auto (sparkjax.engine.adaptive): its candidates and options
     # the trace-time options as JSON-friendly values (a callable attention by its name)
     attention = o.attention if isinstance(o.attention, str) else getattr(o.attention, "__qualname__",
                                                                          type(o.attention).__name__)
@@ -183,7 +179,7 @@ def forced_rounds(graphdefs, states, start, force, rounds, *, plan):
 
     def body(_, s):
         s = dataclasses.replace(s, extra=dataclasses.replace(s.extra, force=force))
-        s = auto_round(target, drafter, s, plan)
+        s = plan.method.round(target, drafter, s, plan)
         return dataclasses.replace(
             s, cache=s.cache.with_lengths(start.cache.lengths),
             ctx=dataclasses.replace(s.ctx, lengths=start.ctx.lengths), n=start.n, done=start.done,
@@ -226,8 +222,11 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
     max_new, eos, temp = jnp.int32(2**20), jnp.asarray([-1], jnp.int32), jnp.float32(temperature)
     graphdefs, states = split_pair(target, drafter)
     buf_len = bucket(plan.depth + 2, 1)
+    # equal costs, fresh memory: every size is forced in turn
+    _, inputs = plan.method.bind(plan, target=target, drafter=drafter, batch=batch_size, cache_size=cache_size,
+                                 measure=False)
     start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed),
-                       auto_inputs(plan), plan=plan, cache_size=cache_size, buf_len=buf_len)
+                       inputs, plan=plan, cache_size=cache_size, buf_len=buf_len)
     if active is not None:
         start = dataclasses.replace(start, done=start.done | (jnp.arange(batch_size) >= active))
     # the steady state: a drafted round that is not a probe, and a plain step inside a burst

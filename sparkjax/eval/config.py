@@ -8,7 +8,8 @@ import dataclasses
 from .. import engine as core
 from ..engine.api import check_temperature
 from ..engine.checks import check_seed, check_top_k, check_top_p
-from ..engine.methods import Method, parse_method
+from ..engine.methods import Method
+from ..engine.names import parse_method
 from ..errors import ArgumentError, EvalError
 from ..sharding import make_mesh
 from . import datasets as ds

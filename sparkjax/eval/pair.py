@@ -17,7 +17,8 @@ from flax import nnx
 
 from .. import demo as bundled
 from .. import engine as core
-from ..engine.methods import Method, parse_method
+from ..engine.methods import Method
+from ..engine.names import parse_method
 from ..errors import EvalError, TokenizerError
 from ..io.hf import load_drafter, load_target
 from ..pairing import check_pair, source_of

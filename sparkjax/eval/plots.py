@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-from ..engine.methods import AR_LABEL, METHODS
+from ..engine.names import AR_LABEL, METHODS
 from ..engine.round import STAGES
 from ..io.atomic import atomic_file
 from .metrics import finite

@@ -17,7 +17,7 @@ import statistics
 from typing import Any
 
 from ..bench.timing import Stats
-from ..engine.methods import parse_method
+from ..engine.names import parse_method
 from ..engine.round import STAGES
 from ..errors import ArgumentError
 from . import metrics

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import queue
 import secrets
 import threading
@@ -43,7 +44,8 @@ from ..engine.checks import (
     is_int,
 )
 from ..engine.logprobs import check_logprobs
-from ..engine.methods import Method, parse_method
+from ..engine.methods import Method
+from ..engine.names import parse_method
 from ..engine.options import check_options
 from ..engine.programs import split_pair
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError
@@ -62,7 +64,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 TTFT_SAMPLES = 1024  # the latest times to first token kept for metrics()
 MIN_PROMPT_BUCKET = 16  # the smallest prompt buffer (prompt lengths are bucketed to powers of two from here)
 _PENDING = object()  # a chunk that may still come
-COMPILE_THREADS = 2  # programs Engine.start compiles at once
+COMPILE_THREADS = 2  # programs Engine.start compiles at once (at most one per CPU core)
 _WARM_ORDER = ("visit", "admit", "read")  # the start's programs, longest to compile first
 
 
@@ -353,7 +355,7 @@ class Engine:
         # the GIL released), each thread warming up on a pool of its own (the calls donate it): the smallest prefill
         # (so the estimates know a prefill's time early), then the longest first
         first, rest = steps[0], sorted(steps[1:], key=lambda s: (s != steps[1], _WARM_ORDER.index(s[1][0])))
-        workers = max(1, min(COMPILE_THREADS, len(rest)))
+        workers = max(1, min(COMPILE_THREADS, os.cpu_count() or 1, len(rest)))
         progress = Progress(log, "compiling and warming up", len(steps), "program",
                             kinds=["pool" if step is None else step[0] for _, step in steps], workers=workers)
         token = progress.begin(first[0], kind="pool")
