@@ -197,18 +197,30 @@ def pytest_configure(config):
 
 def _count_compiles(path: str) -> None:
     """Opt-in (``SPARKJAX_COUNT_COMPILES=path``): appends one line per XLA compilation in this pytest process (each
-    xdist worker; a persistent-cache hit counts too) to ``path``: ``worker<TAB>jitted function<TAB>seconds``.
+    xdist worker) to ``path``: ``worker<TAB>jitted function<TAB>seconds<TAB>hit|miss`` (hit: read from the
+    persistent compilation cache, which the workers share, so a program both workers need is one miss and one hit;
+    programs that compile in under JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS are never stored, so always a miss).
     Subprocesses the tests start are not counted. Summarise with ``cut -f2 path | sort | uniq -c | sort -rn``."""
+    import threading
+
     from jax import monitoring
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    hit = threading.local()
 
-    def listener(event, duration, **kwargs):
+    def on_event(event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":  # recorded inside the compile it belongs to
+            hit.value = True
+
+    def on_duration(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+            kind = "hit" if getattr(hit, "value", False) else "miss"
+            hit.value = False
             with open(path, "a") as f:
-                f.write(f"{worker}\t{kwargs.get('fun_name', '?')}\t{duration:.3f}\n")
+                f.write(f"{worker}\t{kwargs.get('fun_name', '?')}\t{duration:.3f}\t{kind}\n")
 
-    monitoring.register_event_duration_secs_listener(listener)
+    monitoring.register_event_listener(on_event)
+    monitoring.register_event_duration_secs_listener(on_duration)
 
 
 # The longest files first (by their time in the default run), so that xdist's per-file scheduling (--dist loadfile
