@@ -104,12 +104,48 @@ NEW_SHORT, NEW_LONG = 8, 24
 PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
 
 
+# The auto method the tests share (one program on the random pair with PROMPTS3 and NEW_LONG): these sizes, and a
+# cost table under which every size is viable (each pays at half its depth + 1 tokens), probe floor 4.
+AUTO_SIZES = (0, "chain", 2, 6, 16)
+AUTO_SECONDS = (1.0, 1.3, 1.4, 1.6, 1.9)
+
+
+def auto_method(drafter, seconds=AUTO_SECONDS, sizes=AUTO_SIZES, **kw):
+    """``Auto(sizes=sizes, table=<seconds for the labels sizes resolve to on drafter>, **kw)``."""
+    from sparkjax.engine import Auto, CostTable
+
+    return Auto(sizes=sizes, table=CostTable(Auto(sizes=sizes).resolve(drafter).labels(), tuple(seconds)), **kw)
+
+
 @pytest.fixture(scope="session")
 def random_pair():
     """The session's random pair (:func:`sparkjax.testing.random_pair` with its defaults)."""
     from sparkjax import testing
 
     return testing.random_pair()
+
+
+@pytest.fixture(scope="session")
+def fixture_prompts(ref) -> list[list[int]]:
+    """Three prompts for the fixture pair, in one bucket: upstream's prompt, 13 random ids and its first 19."""
+    p = ref["a.prompt_ids"][0].tolist()
+    return [p, np.random.default_rng(7).integers(0, 300, 13).tolist(), p[:19]]
+
+
+@pytest.fixture(scope="session")
+def fixture_ar(pair, fixture_prompts) -> list[list[int]]:
+    """The fixture target's greedy NEW_LONG tokens of ``fixture_prompts`` (``ar``): what every method reproduces."""
+    from sparkjax import generate
+
+    return generate(pair[0], None, fixture_prompts, max_new_tokens=NEW_LONG).tokens
+
+
+@pytest.fixture(scope="session")
+def random_ar(random_pair) -> list[list[int]]:
+    """The random target's greedy NEW_LONG tokens of PROMPTS3 (``ar``)."""
+    from sparkjax import generate
+
+    return generate(random_pair[0], None, PROMPTS3, max_new_tokens=NEW_LONG).tokens
 
 
 # The short drafter training run the training tests resume, damage and export: train/recipes/tiny.json for

@@ -1,24 +1,41 @@
-"""The generation API refuses bad arguments with a SparkjaxError naming the argument (almost all before anything
-compiles; the few runs share two programs: ``ar`` and ``dspark`` on ``P``, 2 new tokens)."""
+"""The generation API (sparkjax.engine.api: generate, launch, stream, validate) on its arguments and results.
+
+* Bad arguments are SparkjaxErrors naming the argument (almost all before anything compiles; the few runs share
+  two programs: ``ar`` and ``dspark`` on ``P``, 2 new tokens), NaN weights name the round and the sequence.
+* Fuzzing: any arguments end in a result or a SparkjaxError, never another exception or a hang.
+  ``test_any_arguments_*`` mixes valid values with junk and runs the validation only (the programs stubbed with
+  their output shapes); ``test_valid_runs_*`` really generates, on the two programs above.
+* On the fixture pair: DeepSpec's rounds reproduced (upstream parity), no transfer to the host during a launch,
+  seeded sampling, bad arguments and pairs, fixed shapes sharing one program.
+
+Exactness (greedy == ar, lossless sampling) is tests/test_exactness.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import sparkjax
-from sparkjax.engine import api, bucket, checks, generate, launch, parse_method, programs, stream
+from sparkjax.engine import Options, Tree, api, bucket, checks, costs, generate, launch, parse_method, programs, stream
 from sparkjax.engine.round import flag_nonfinite
+from sparkjax.nn.drafter import Drafter
+from tests.conftest import NEW_LONG
 
-P = [[1, 2, 3], [4, 5, 6]]  # the shape of every run in this file
+P = [[1, 2, 3], [4, 5, 6]]  # the shape of the bad-argument and fuzzed runs
+NEW = NEW_LONG  # the fixture pair's runs: the exactness table's programs
 RUN = dict(max_new_tokens=2)
 
 
@@ -305,3 +322,331 @@ def test_the_flag_records_the_first_bad_round(pair):
     with pytest.raises(sparkjax.NumericalError, match=r"round 2 of sequence 1 \(3 of 3"):
         api.raise_if_nonfinite(flags)
     api.raise_if_nonfinite(np.array([-1, -1]))  # all finite: nothing raised
+
+
+# ----------------------------------------------------------------------------- fuzzing
+
+
+VOCAB = 320  # the fixture pair's
+HANG_SECONDS = 120  # a first compile on a loaded 2-core machine takes well under this
+# a longer profile outside CI: SPARKJAX_FUZZ_EXAMPLES=5000 pytest tests/test_api.py -k fuzz
+EXAMPLES = int(os.environ.get("SPARKJAX_FUZZ_EXAMPLES", "300"))
+
+
+class Hang(Exception):
+    pass
+
+
+def outcome(call):
+    """``("ok", result)`` or ``("error", the SparkjaxError)``; anything else, or no answer within HANG_SECONDS,
+    fails the test."""
+    def alarm(signum, frame):
+        raise Hang(f"no answer after {HANG_SECONDS} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(HANG_SECONDS)
+    try:
+        return "ok", call()
+    except sparkjax.SparkjaxError as e:
+        assert str(e), "an error must say something"
+        return "error", e
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ----------------------------------------------------------------------------- strategies
+
+junk = st.one_of(
+    st.none(), st.booleans(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70),
+    st.text(max_size=4), st.binary(max_size=3), st.lists(st.integers(-5, 400), max_size=3),
+    st.just(object()), st.just(np.float32(1.5)), st.just(np.bool_(True)), st.just(np.array([[1]])),
+    st.just(np.array([2.0])), st.just({"a": 1}), st.just(b"\x00"), st.just(1 + 2j),
+)
+
+
+def np_ints(strategy):
+    return st.one_of(strategy, strategy.map(np.int64), strategy.map(np.uint32))
+
+
+good_prompts = st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), min_size=1, max_size=3)
+
+# coherent, mostly valid arguments (some combinations still fail, e.g. a cache too small for a big tree)
+VALID = {
+    "method": st.sampled_from(sparkjax.METHODS),
+    "max_new_tokens": np_ints(st.integers(1, 8)),
+    "seed": np_ints(st.integers(0, 2**32 - 1)) | st.integers(0, 2**63 - 1),
+    "temperature": st.sampled_from([0.0, 0, 0.7, 1]) | st.floats(checks.MIN_TEMPERATURE, checks.MAX_TEMPERATURE),
+    "eos_token_ids": st.one_of(st.none(), np_ints(st.integers(0, VOCAB - 1)),
+                               st.lists(st.integers(0, VOCAB - 1), max_size=3),
+                               hnp.arrays(st.sampled_from([np.int32, np.int64, np.uint16]), st.integers(0, 3),
+                                          elements=st.integers(0, VOCAB - 1))),
+    "cache_size": st.none() | np_ints(st.integers(64, 512)),
+    "prompt_width": st.none() | np_ints(st.integers(6, 64)),
+    "capacity": st.none() | np_ints(st.integers(8, 64)),
+    "normalization": st.sampled_from(["fast", "exact"]),
+    "budget": st.none() | np_ints(st.integers(1, 64)),
+    "top_c": st.none() | np_ints(st.integers(8, 64)),
+    "widths": st.none(),
+    "options": st.none() | st.just(Options(attention="einsum", chain_mode="fixed_point")),
+}
+TREE_ONLY = ("budget", "top_c", "widths")
+PARSE_OPTIONS = ("budget", "top_c", "widths", "normalization")  # parse_method's, for the method object
+
+# what replaces an argument when it is mutated: junk and edge values of the right type
+WILD = {
+    "method": junk | st.sampled_from(["AR", "tree", ""]),
+    "max_new_tokens": junk | st.integers(-2, 0) | st.integers(10**3, 10**20),
+    "seed": junk | st.integers(-(2**70), -1) | st.integers(2**63, 2**70),
+    "temperature": junk | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([1e39, 1e-45, 1e5, -1.0, 1e4, 1e-6, 10**400]),
+    "eos_token_ids": junk | st.lists(st.one_of(st.integers(-2, VOCAB + 2), junk), max_size=3)
+    | hnp.arrays(st.sampled_from([np.float64, np.bool_, np.int8]), hnp.array_shapes(min_dims=0, max_dims=2)),
+    "cache_size": junk | st.integers(-1, 70) | st.integers(2**20, 2**40),
+    "prompt_width": junk | st.integers(-1, 6) | st.integers(2**20, 2**40),
+    "capacity": junk | st.integers(-1, 8) | st.integers(2**20, 2**40),
+    "normalization": junk,
+    "options": junk | st.just(Options),
+    "budget": junk | st.integers(-1, 0) | st.integers(10**5, 10**40),
+    "top_c": junk | st.integers(-1, 2) | st.integers(10**5, 10**40),
+    "widths": junk | st.lists(st.integers(-2, 70), max_size=17).map(tuple)
+    | hnp.arrays(st.sampled_from([np.int64, np.float32]), st.integers(0, 17), elements=st.integers(-1, 5)),
+    "prompt_ids": junk | st.lists(st.lists(st.integers(-3, VOCAB + 3), max_size=6), max_size=3)
+    | st.lists(st.integers(0, VOCAB - 1), max_size=5)
+    | hnp.arrays(st.sampled_from([np.int8, np.int32, np.int64, np.uint64, np.float32, np.bool_]),
+                 hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)),
+}
+
+
+@st.composite
+def arguments(draw):
+    """Valid arguments for a random method, then 0 to 3 of them (or the prompts) replaced by wild values."""
+    kw = {name: draw(strategy) for name, strategy in VALID.items()}
+    if kw["method"] not in sparkjax.engine.TREE_METHODS:
+        for name in TREE_ONLY:
+            kw[name] = None
+    prompt_ids = draw(good_prompts)
+    for name in draw(st.lists(st.sampled_from(sorted(WILD)), max_size=3, unique=True)):
+        if name == "prompt_ids":
+            prompt_ids = draw(WILD[name])
+        else:
+            kw[name] = draw(WILD[name])
+    return kw, prompt_ids
+
+
+# ----------------------------------------------------------------------------- validation fuzz (stubbed programs)
+
+
+@contextlib.contextmanager
+def stubbed_programs():
+    def spec(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
+             buf_len, mesh=None):
+        b = tokens.shape[0]
+        z = jnp.zeros((b,), jnp.int32)
+        return (jnp.zeros((b, buf_len), jnp.int32), z + 1, jnp.zeros((b, buf_len if plan.drafts else 0), jnp.int32),
+                z, jnp.zeros((b, plan.depth), jnp.int32), z - 1, None, None)
+
+    def table(target, drafter, plan, batch, cache_size):  # auto: no profiling
+        labels = plan.method.labels()
+        return costs.CostTable(labels, tuple(1.0 + 0.1 * i for i in range(len(labels))))
+
+    def instrumented(target, drafter, run):
+        return api.GenerateOutput([[0]] * run.prompts.batch, [[1]] * run.prompts.batch)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(programs, "spec_program", spec)
+        mp.setattr(api, "_instrumented", instrumented)
+        mp.setattr(costs, "table_for", table)
+        yield
+
+
+MODELS = st.sampled_from(["pair"] * 12 + ["no-drafter", "swapped", "target-twice", "none"])
+
+
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(args=arguments(), which=MODELS, entry=st.sampled_from(["generate", "instrument", "launch", "stream"]))
+def test_any_arguments_give_a_result_or_a_sparkjax_error(pair, args, which, entry):
+    kw, prompt_ids = args
+    t, d = pair
+    target, drafter = {"pair": (t, d), "no-drafter": (t, None), "swapped": (d, t), "target-twice": (t, t),
+                       "none": (None, d)}[which]
+    if entry == "stream":
+        kw = {k: v for k, v in kw.items() if k not in ("prompt_width", "capacity")}
+    options = {k: kw.pop(k) for k in PARSE_OPTIONS}
+
+    def run(fn, **extra):  # the method object of the name and its options, then the entry point (both may refuse)
+        method = kw["method"]
+        if any(v is not None for v in options.values()) or options["normalization"] != "fast":
+            method = parse_method(method, **options)
+        return fn(target, drafter, prompt_ids, **{**kw, "method": method}, **extra)
+
+    calls = {
+        "generate": lambda: run(api.generate),
+        "instrument": lambda: run(api.generate, instrument=True),
+        "launch": lambda: run(api.launch),
+        "stream": lambda: run(api.stream),
+    }
+    with stubbed_programs():
+        kind, value = outcome(calls[entry])
+    event(kind if kind == "ok" else str(value).split(":")[0].split("[")[0])
+    if kind == "ok" and entry != "stream":
+        # what passed validation is sane: the arguments the programs would have received
+        assert isinstance(kw["max_new_tokens"], int | np.integer) and not isinstance(kw["max_new_tokens"], bool)
+        assert 1 <= kw["max_new_tokens"] <= target.config.max_position_embeddings
+        assert isinstance(kw["seed"], int | np.integer) and 0 <= kw["seed"] < 2**63
+        t = float(kw["temperature"])
+        assert t == 0 or checks.MIN_TEMPERATURE <= t <= checks.MAX_TEMPERATURE
+        assert not isinstance(kw["eos_token_ids"], str | bytes)
+
+
+def test_the_validation_fuzz_reaches_both_outcomes(pair):  # valid draws pass validation, junk does not
+    target, drafter = pair
+    with stubbed_programs():
+        assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="sparklingtree@8",
+                                               max_new_tokens=3, eos_token_ids=np.array([5]), seed=np.int64(3),
+                                               temperature=0.5))[0] == "ok"
+        assert outcome(lambda: api.generate(target, drafter, [[1, 2]], method="dspark", seed=1.5))[0] == "error"
+
+
+# ----------------------------------------------------------------------------- real runs on pinned shapes
+
+
+def _row(n):
+    return st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)
+
+
+@pytest.fixture(scope="module")
+def ar_reference(pair):
+    cache: dict = {}
+
+    def greedy(prompt_ids, max_new, eos):
+        key = (str(prompt_ids), max_new, str(eos))
+        if key not in cache:
+            cache[key] = api.generate(pair[0], None, prompt_ids, max_new_tokens=max_new, eos_token_ids=eos,
+                                         prompt_width=16, capacity=2).tokens
+        return cache[key]
+
+    return greedy
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.tuples(st.integers(1, 14), st.integers(1, 14)),
+    data=st.data(),
+    method=st.sampled_from(["ar", "dspark"]),
+    max_new=np_ints(st.integers(1, 2)),
+    eos=st.one_of(st.none(), st.integers(0, VOCAB - 1), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=1)),
+    temperature=st.one_of(st.just(0.0), st.floats(0.1, 2.0)),
+    seed=st.integers(0, 2**63 - 1) | st.integers(0, 2**63 - 1).map(np.uint64),
+)
+def test_valid_runs_return_sane_tokens(pair, ar_reference, lengths, data, method, max_new, eos, temperature, seed):
+    """Two prompts of up to 14 tokens, up to 2 new tokens, one EOS at most; greedy runs equal the target's greedy
+    tokens (sampling only for ``ar``: a sampling speculative plan would compile another program)."""
+    target, drafter = pair
+    if method != "ar":
+        temperature = 0.0
+    prompt_ids = [data.draw(_row(n)) for n in lengths]
+    as_array = data.draw(st.booleans()) and lengths[0] == lengths[1]
+    if as_array:
+        prompt_ids = np.array(prompt_ids, data.draw(st.sampled_from([np.int32, np.int64, np.uint16])))
+    kind, out = outcome(lambda: api.generate(
+        target, drafter, prompt_ids, method=method, max_new_tokens=max_new, eos_token_ids=eos,
+        temperature=temperature, seed=seed, prompt_width=16, capacity=2))
+    assert kind == "ok", out
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    max_new = int(max_new)
+    for toks, lens in zip(out.tokens, out.acceptance_lengths, strict=True):
+        assert 1 <= len(toks) <= max_new and all(0 <= t < VOCAB for t in toks)
+        assert all(t not in eos_ids for t in toks[:-1])  # cut right after an EOS
+        assert 1 + sum(lens) == len(toks)  # the rounds count what they committed (cut at EOS or max_new)
+    if temperature == 0:
+        rows = [list(map(int, r)) for r in prompt_ids]
+        assert out.tokens == ar_reference(rows, max_new, eos)
+
+
+# ----------------------------------------------------------------------------- upstream parity, no host sync, seeds
+
+
+def test_dspark_reproduces_upstream_rounds(pair, ref):
+    """DeepSpec's loop runs a round while fewer than max_new tokens precede x_start, so its 64-token run
+    equals our 65-token run round for round (ours stops as soon as 64 tokens are out)."""
+    target, drafter = pair
+    prompt = ref["a.prompt_ids"]
+    out = generate(target, drafter, prompt, method="dspark", max_new_tokens=65)
+    assert out.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()
+    assert out.tokens[0][:64] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
+    out64 = generate(target, drafter, prompt, method="dspark", max_new_tokens=64)
+    assert out64.tokens[0] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
+    assert out64.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()[:-1]
+    hits = np.zeros(drafter.config.num_drafts, int)
+    for a in out64.acceptance_lengths[0]:
+        hits[: a - 1] += 1
+    assert out64.accepted_per_depth[0] == hits.tolist()
+
+
+def test_a_generation_transfers_nothing_to_the_host(pair, fixture_prompts):
+    target, drafter = pair
+    jax.block_until_ready(launch(target, drafter, fixture_prompts, method="sparklingtree@8", max_new_tokens=NEW))
+    with jax.transfer_guard_device_to_host("disallow"):  # the generation itself syncs nothing
+        res = jax.block_until_ready(launch(target, drafter, fixture_prompts, method="sparklingtree@8",
+                                           max_new_tokens=NEW))
+    assert int(np.asarray(res.n).min()) == NEW
+
+
+def test_sampling_is_seeded(random_pair):
+    a, b, c = (generate(*random_pair, [[1, 2, 3]] * 4, method="sparklingtree@6", max_new_tokens=12,
+                        temperature=1.0, seed=seed).tokens for seed in (5, 5, 6))
+    assert a == b and a != c
+
+
+
+# ----------------------------------------------------------------------------- bad input, fixed shapes
+
+
+def test_bad_arguments(pair):
+    target, drafter = pair
+    for prompts, kw, words in (
+        ([[1] * 50], dict(method="dspark", max_new_tokens=8, cache_size=32), "cache_size"),
+        (None, dict(method="dspark", max_new_tokens=2000), "max_new_tokens"),
+        (None, dict(method="ddtree@64", max_new_tokens=NEW, cache_size=64), "cache_size.*max_new_tokens"),
+        (None, dict(method=Tree("sparklingtree", 10**6, top_c=2)), "budget.*reachable"),
+        (None, dict(method="ddtree", drafter=None), "drafter"),
+        (None, dict(method=Tree("sparklingtree-beam", 8, widths=(4, 4))), "widths"),
+    ):
+        kw = {"drafter": drafter, **kw}
+        with pytest.raises(sparkjax.ArgumentError, match=words):
+            generate(target, kw.pop("drafter"), prompts or [[1, 2, 3]], **kw)
+
+
+def test_markov_methods_refuse_a_drafter_without_markov_head_and_pairs_must_fit(pair, random_pair, fixture_prompts,
+                                                                                fixture_ar):
+    target, drafter = pair
+    with pytest.raises(sparkjax.IncompatiblePairError, match="vocab"):
+        generate(target, random_pair[1], [[1, 2, 3]], method="dflash")
+    cfg = dataclasses.replace(drafter.config, markov_rank=0, markov_head_type=None, enable_confidence_head=False,
+                              confidence_head_with_markov=False)
+    plain = Drafter(cfg, rngs=nnx.Rngs(0))
+    for method in ("dspark", "sparklingtree", "sparklingtree-beam", "pctree"):
+        with pytest.raises(sparkjax.ArgumentError, match="Markov head"):
+            generate(target, plain, [[1, 2, 3]], method=method)
+    # the non-Markov methods still work with it, and stay exact
+    assert generate(target, plain, fixture_prompts, method="ddtree@8", max_new_tokens=NEW).tokens == fixture_ar
+
+
+def test_fixed_shapes_share_one_program(pair, fixture_prompts, fixture_ar):
+    """prompt_width / capacity pin the shapes: a prefill-only run and a full exact run reuse one program."""
+    from sparkjax.engine.programs import spec_program as _spec_program
+
+    target, drafter = pair
+    kw = dict(method="dspark", cache_size=256, prompt_width=64, capacity=NEW)
+    launch(target, drafter, fixture_prompts, max_new_tokens=NEW, **kw)
+    before = _spec_program._cache_size()
+    first = generate(target, drafter, [p[:5] for p in fixture_prompts], max_new_tokens=1, **kw)
+    assert [len(t) for t in first.tokens] == [1, 1, 1] and first.rounds == [0, 0, 0]
+    assert generate(target, drafter, fixture_prompts, max_new_tokens=NEW, **kw).tokens == fixture_ar
+    assert _spec_program._cache_size() == before
+    with pytest.raises(sparkjax.ArgumentError, match="prompt_width"):
+        generate(target, drafter, fixture_prompts, max_new_tokens=8, **{**kw, "prompt_width": 8})
+    with pytest.raises(sparkjax.ArgumentError, match="capacity"):
+        generate(target, drafter, fixture_prompts, max_new_tokens=2 * NEW, **kw)

@@ -1,6 +1,7 @@
-"""Method ``auto``: policy, nested best-first prefixes, branch layouts, exactness, no host sync, memory, the cost
-table (a traced input; profile, save, load, the per-machine cache) and bad input. Most generations share one
-program: ``SIZES``, decide="previous", PROMPTS3, NEW_LONG, tables whose every size is viable with probe floor 4."""
+"""Method ``auto``: policy, nested best-first prefixes, branch layouts, no host sync, memory, the cost table (a
+traced input; profile, save, load, the per-machine cache) and bad input, each run also checked exact (auto's rows
+of the greedy and sampled tables: test_exactness.py). Most generations share one program (conftest.auto_method):
+``AUTO_SIZES``, decide="previous", PROMPTS3, NEW_LONG, tables whose every size is viable with probe floor 4."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from sparkjax.engine import Auto, CostTable, adaptive, costs, generate, launch, 
 from sparkjax.engine.api import validate
 from sparkjax.engine.programs import spec_program, spec_start, split_pair
 from sparkjax.errors import ArgumentError, CostTableError, SparkjaxError
-from tests.conftest import NEW_LONG, PROMPTS3
+from tests.conftest import AUTO_SECONDS, AUTO_SIZES, NEW_LONG, PROMPTS3, auto_method
 
-SIZES = (0, "chain", 2, 6, 16)
+SIZES = AUTO_SIZES
 NEW = NEW_LONG
-BASE = (1.0, 1.3, 1.4, 1.6, 1.9)  # every size viable (each pays at half its depth + 1 tokens), probe floor 4
+BASE = AUTO_SECONDS  # every size viable (each pays at half its depth + 1 tokens), probe floor 4
 OTHER = (1.0, 1.1, 1.2, 1.5, 1.8)  # other seconds, the same static part
 
 
@@ -49,7 +50,7 @@ def _table(pair, sizes=SIZES, seconds=BASE) -> CostTable:
 
 
 def _auto(pair, seconds=BASE, sizes=SIZES, **kw) -> Auto:
-    return Auto(sizes=sizes, table=_table(pair, sizes, seconds), **kw)
+    return auto_method(pair[1], seconds, sizes, **kw)
 
 
 def _start(pair, method=None):
@@ -285,43 +286,6 @@ def test_plain_burst_extends_the_drafter_context_like_single_steps(random_pair):
     for b, n in enumerate(np.asarray(burst.ctx.lengths)):
         for got, want in ((burst.ctx.k, single.ctx.k), (burst.ctx.v, single.ctx.v)):
             np.testing.assert_allclose(np.stack(got)[:, b, :, :n], np.stack(want)[:, b, :, :n], rtol=1e-5, atol=1e-5)
-
-
-# the default run: batch 3, decide="previous" (decide="draft" in a pool: tests/test_serve_engine.py); the rest slow
-@pytest.mark.parametrize(("batch", "decide"), [(3, "previous"), *(
-    pytest.param(b, d, marks=pytest.mark.slow) for b, d in ((1, "draft"), (1, "previous"), (3, "draft")))])
-def test_greedy_auto_equals_ar(random_pair, ar_tokens, decide, batch):
-    target, drafter = random_pair
-    prompts = PROMPTS3[:batch]
-    m = _auto(random_pair, decide=decide)
-    out = generate(target, drafter, prompts, method=m, max_new_tokens=NEW)
-    assert out.tokens == ar_tokens(prompts)
-    assert [len(c) for c in out.size_choices] == out.rounds
-    assert sum(out.size_counts.values()) == sum(out.rounds)
-    assert set(out.size_counts) <= set(m.table.labels)
-    for lens, sizes, toks in zip(out.acceptance_lengths, out.size_choices, out.tokens, strict=True):
-        for n, label in zip(lens, sizes, strict=True):
-            assert n == 1 or label != "ar"  # a plain step commits exactly one token
-        assert 1 + sum(lens) == len(toks)  # each round counts what it committed (the last one cut at max_new)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("decide", ["draft", "previous"])
-def test_every_candidate_alone_is_exact(random_pair, ar_tokens, decide):
-    """A cost table that makes one candidate far cheaper forces it each round (but the probe drafts of
-    decide="previous" when it is the plain step): each branch is exact on its own."""
-    target, drafter = random_pair
-    labels = Auto(sizes=SIZES).resolve(drafter).labels()
-    for i, label in enumerate(labels):
-        seconds = tuple(1e-3 if j == i else 1.0 for j in range(len(labels)))
-        out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW,
-                       method=Auto(sizes=SIZES, decide=decide, table=CostTable(labels, seconds)))
-        assert out.tokens == ar_tokens(PROMPTS3), label
-        counts = out.size_counts
-        if decide == "draft" or label != "ar":
-            assert set(counts) == {label}, (label, counts)
-        else:
-            assert counts["ar"] > sum(counts.values()) / 2, counts
 
 
 @pytest.mark.slow

@@ -208,7 +208,7 @@ def test_markov_chain_modes_errors_and_one_device_program(ref, fixture_drafter):
 
 
 @pytest.mark.slow  # about a minute: seven generation programs are compiled
-def test_generation_with_the_fixed_point_chain(ref, fixture_target, fixture_drafter):
+def test_generation_with_the_fixed_point_chain(ref, fixture_target, fixture_drafter, fixture_prompts, fixture_ar):
     """``Options(chain_mode="fixed_point")`` in generation: DeepSpec's rounds on the fixture, greedy == ar at batch
     3, sampling == the scan's draw for draw (same seed)."""
     target, drafter = fixture_target, fixture_drafter
@@ -220,9 +220,7 @@ def test_generation_with_the_fixed_point_chain(ref, fixture_target, fixture_draf
     out = run("fixed_point", prompt, max_new_tokens=64)
     assert out.tokens[0] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
     assert out.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()[:-1]
-    p = prompt[0].tolist()
-    prompts3 = [p, np.random.default_rng(7).integers(0, 300, 13).tolist(), p[:19]]
-    ar = generate(target, None, prompts3, max_new_tokens=24).tokens
+    prompts3, ar = fixture_prompts, fixture_ar
     fixed = run("fixed_point", prompts3, max_new_tokens=24)
     assert fixed.tokens == ar
     assert fixed.acceptance_lengths == run("scan", prompts3, max_new_tokens=24).acceptance_lengths

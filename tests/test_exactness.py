@@ -1,93 +1,154 @@
-"""The speculative decoding engine: exactness, upstream parity, lossless sampling, no host sync, bad input."""
+"""Exactness, in one table: every method's greedy tokens equal ``ar``'s token for token, and its samples follow the
+target's own distribution (the two-sample tests). Where each cell of method x batch x greedy/sampled x mesh runs:
+
+* greedy, batch 3, the fixture pair (``test_greedy_equals_ar``): dflash, dspark and every tree method at budget 8
+  (pctree@8); budgets 1 and 64 and pctree with k=2 in the slow run; the tree options (candidates, widths) slow.
+* greedy, the random pair: auto (its shared cost table, decide="previous", batch 3); auto at batch 1 and with
+  decide="draft", and every other method, in the slow run; each of auto's candidates forced alone (slow).
+* greedy, block-7 pairs (DeepSpec's released block size), vanilla and gated heads: pctree with its defaults and the
+  seed's SparklingTree (``sparklingtree@24:seed:fanout=6``).
+* greedy, batch 1, ``stream`` and ``instrument=True`` (slow); EOS inside an accepted path; trace-time options.
+* sampled (``test_sampling_is_lossless``): sparklingtree, and top-p / top-k for one tree and one chain method by
+  default; temperature 0.6, every other method and auto (decide "draft" and "previous") in the slow run.
+* mesh: tests/test_mesh.py (every method on 8 CPU devices and two processes, in subprocesses, against one device;
+  a one-device mesh). Serving schedules: tests/test_serve_engine.py (greedy tokens whenever a request joins, auto
+  in a pool, seeded rows alone and in a busy pool). Elsewhere, the same rule on other axes: the trained demo pair
+  (tests/test_demo.py), the split attention (tests/test_attention.py, slow), the chain's two formulations
+  (tests/test_chain.py), logprobs (tests/test_logprobs.py).
+
+The shapes are the ones the other engine tests share (conftest: ``fixture_prompts`` / ``PROMPTS3``, NEW_LONG new
+tokens, batch 3), so most rows reuse compiled programs.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-import sparkjax
-from sparkjax.engine import Auto, CostTable, Options, PCTree, Tree, generate, launch, stream
-from sparkjax.nn.drafter import Drafter
-from tests.conftest import NEW_LONG, PROMPTS3, jit_call
+from sparkjax.engine import Auto, CostTable, Options, PCTree, Tree, generate, stream
+from tests.conftest import AUTO_SIZES, NEW_LONG, PROMPTS3, auto_method, jit_call
 
 TREES = ("ddtree", "sparklingtree", "sparklingtree-beam", "pctree")
 NEW = NEW_LONG
-
-
-@pytest.fixture(scope="module")
-def prompts3(ref):
-    p = ref["a.prompt_ids"][0].tolist()
-    rng = np.random.default_rng(7)
-    return [p, rng.integers(0, 300, 13).tolist(), p[:19]]
-
-
-@pytest.fixture(scope="module")
-def ar3(pair, prompts3):
-    return generate(pair[0], None, prompts3, max_new_tokens=NEW).tokens
-
-
 SLOW = pytest.mark.slow
-# every method at one tree budget by default, and the default pctree@32 with k=2; the smallest and largest
-# budgets in the slow run
-CASES = [("dflash", None), ("dspark", None), pytest.param(PCTree(k=2), None, id="pctree-k2", marks=SLOW)] + [
-    pytest.param(m, b, id=f"{m}-{b}", marks=() if b == 8 else SLOW)
-    for m in TREES for b in (1, 8, 64) if not (m in ("sparklingtree-beam", "pctree") and b == 1)
+
+
+# ----------------------------------------------------------------------------- greedy: the table
+
+
+def _row(pair, method, batch=3, slow=False, id=None):
+    return pytest.param(pair, method, batch, id=id or f"{pair}-{method}-b{batch}", marks=SLOW if slow else ())
+
+
+GREEDY = [
+    # the fixture pair: every method at one tree budget by default, and the default pctree@32 with k=2; the
+    # smallest and largest budgets in the slow run
+    _row("fixture", "dflash"), _row("fixture", "dspark"),
+    _row("fixture", PCTree(k=2), slow=True, id="fixture-pctree-k2-b3"),
+    *[_row("fixture", f"{m}@{b}", slow=b != 8) for m in TREES for b in (1, 8, 64)
+      if not (m in ("sparklingtree-beam", "pctree") and b == 1)],
+    # the random pair: auto by default at batch 3, decide="previous" (decide="draft" in a pool:
+    # tests/test_serve_engine.py); batch 1 and decide="draft" in the slow run
+    _row("random", "auto-previous"),
+    *[_row("random", f"auto-{d}", b, slow=True) for b, d in ((1, "draft"), (1, "previous"), (3, "draft"))],
+    # the fixture pair runs every method in the default run; the random pair in the slow run
+    *[_row("random", f"{m}@8" if m in TREES else m, slow=True)
+      for m in ("sparklingtree", "dflash", "dspark", "ddtree", "sparklingtree-beam", "pctree")],
 ]
 
 
-@pytest.mark.parametrize("method,budget", CASES)
-def test_greedy_equals_ar_on_fixture_pair(pair, prompts3, ar3, method, budget):
-    target, drafter = pair
-    spec = method if budget is None else f"{method}@{budget}"
-    out = generate(target, drafter, prompts3, method=spec, max_new_tokens=NEW)
-    assert out.tokens == ar3
+@pytest.mark.parametrize("which,method,batch", GREEDY)
+def test_greedy_equals_ar(request, which, method, batch):
+    """The method's greedy tokens are ar's (the same prompts, batch 3, sliced to the batch); each round commits
+    1 to num_drafts + 1 tokens and the rounds count every token after the prefill's."""
+    fixtures = ("pair", "fixture_prompts", "fixture_ar") if which == "fixture" else ("random_pair", None, "random_ar")
+    (target, drafter), prompts, ar = (request.getfixturevalue(f) if f else PROMPTS3 for f in fixtures)
+    prompts, ar = prompts[:batch], ar[:batch]
+    auto = isinstance(method, str) and method.startswith("auto-")
+    if auto:
+        method = auto_method(drafter, decide=method.removeprefix("auto-"))
+    out = generate(target, drafter, prompts, method=method, max_new_tokens=NEW)
+    assert out.tokens == ar
     for lens, toks in zip(out.acceptance_lengths, out.tokens, strict=True):
         assert 1 <= min(lens) and max(lens) <= drafter.config.num_drafts + 1
         assert 1 + sum(lens) == len(toks)  # the prefill's token plus what the rounds committed (the last one cut)
-    if method in ("dspark", "sparklingtree", PCTree(k=2)) and budget != 1:
+    if which == "fixture" and (method in ("dspark", "sparklingtree@8", "sparklingtree@64") or method == PCTree(k=2)):
         assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
+    if auto:
+        assert [len(c) for c in out.size_choices] == out.rounds
+        assert sum(out.size_counts.values()) == sum(out.rounds)
+        assert set(out.size_counts) <= set(method.table.labels)
+        for lens, sizes in zip(out.acceptance_lengths, out.size_choices, strict=True):
+            for n, label in zip(lens, sizes, strict=True):
+                assert n == 1 or label != "ar"  # a plain step commits exactly one token
 
 
-def test_dspark_reproduces_upstream_rounds(pair, ref):
-    """DeepSpec's loop runs a round while fewer than max_new tokens precede x_start, so its 64-token run
-    equals our 65-token run round for round (ours stops as soon as 64 tokens are out)."""
+@SLOW  # the defaults of both tree methods are rows of the table above
+@pytest.mark.parametrize("method,kw", [("sparklingtree", {"candidates": "corrected"}),
+                                       ("sparklingtree-beam", {"candidates": "union", "widths": "auto"}),
+                                       ("sparklingtree-beam", {"widths": "auto", "candidates": "base"})])
+def test_greedy_equals_ar_with_tree_options(pair, fixture_prompts, fixture_ar, method, kw):
     target, drafter = pair
-    prompt = ref["a.prompt_ids"]
-    out = generate(target, drafter, prompt, method="dspark", max_new_tokens=65)
-    assert out.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()
-    assert out.tokens[0][:64] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
-    out64 = generate(target, drafter, prompt, method="dspark", max_new_tokens=64)
-    assert out64.tokens[0] == ref["c.spec_output_ids"][0, prompt.shape[1]:].tolist()
-    assert out64.acceptance_lengths[0] == ref["c.acceptance_lengths"].tolist()[:-1]
-    hits = np.zeros(drafter.config.num_drafts, int)
-    for a in out64.acceptance_lengths[0]:
-        hits[: a - 1] += 1
-    assert out64.accepted_per_depth[0] == hits.tolist()
+    out = generate(target, drafter, fixture_prompts, method=Tree(method, 8, **kw), max_new_tokens=NEW)
+    assert out.tokens == fixture_ar
+    assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
 
 
-def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
+@SLOW
+@pytest.mark.parametrize("decide", ["draft", "previous"])
+def test_every_auto_candidate_alone_is_exact(random_pair, random_ar, decide):
+    """A cost table that makes one candidate far cheaper forces it each round (but the probe drafts of
+    decide="previous" when it is the plain step): each branch is exact on its own."""
+    target, drafter = random_pair
+    labels = Auto(sizes=AUTO_SIZES).resolve(drafter).labels()
+    for i, label in enumerate(labels):
+        seconds = tuple(1e-3 if j == i else 1.0 for j in range(len(labels)))
+        out = generate(target, drafter, PROMPTS3, max_new_tokens=NEW,
+                       method=Auto(sizes=AUTO_SIZES, decide=decide, table=CostTable(labels, seconds)))
+        assert out.tokens == random_ar, label
+        counts = out.size_counts
+        if decide == "draft" or label != "ar":
+            assert set(counts) == {label}, (label, counts)
+        else:
+            assert counts["ar"] > sum(counts.values()) / 2, counts
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_block7_pairs_with_defaults_equal_ar(head):
+    """A block-7 drafter (DeepSpec's released block size): pctree with its defaults, and the seed's SparklingTree
+    (its candidates and normaliser, the gated head's own features), equal ar greedily."""
+    from sparkjax.testing import random_pair
+
+    target, drafter = random_pair(3, vocab=32, block=7, markov=head)
+    assert drafter.config.markov_head_type == head and PCTree().nodes(drafter) == 28
+    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
+    for method in ("pctree", "sparklingtree@24:seed:fanout=6"):
+        out = generate(target, drafter, PROMPTS3, method=method, max_new_tokens=20)
+        assert out.tokens == ar, method
+        assert all(1 + sum(a) == len(t) for a, t in zip(out.acceptance_lengths, out.tokens, strict=True))
+
+
+def test_eos_inside_an_accepted_path(pair, fixture_prompts, fixture_ar):
     """EOS committed in the middle of a multi-token round stops that sequence right there."""
     target, drafter = pair
-    base = generate(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW)
+    base = generate(target, drafter, fixture_prompts, method="sparklingtree@8", max_new_tokens=NEW)
     toks, lens = base.tokens[0], base.acceptance_lengths[0]
     # a token committed strictly inside a multi-token round, at its first occurrence in sequence 0
     starts = np.cumsum([1] + lens[:-1])  # index in `toks` of each round's first committed token
     inside = [j for s, a in zip(starts, lens, strict=True) for j in range(s, min(s + a - 1, len(toks)))]
     choice = next(j for j in inside if toks.index(toks[j]) == j)
     eos = toks[choice]
-    ar_out = generate(target, None, prompts3, max_new_tokens=NEW, eos_token_ids=eos)
+    ar_out = generate(target, None, fixture_prompts, max_new_tokens=NEW, eos_token_ids=eos)
     ar = ar_out.tokens
     assert ar[0] == toks[: choice + 1]
-    assert ar == [t[: t.index(eos) + 1] if eos in t else t for t in ar3]
+    assert ar == [t[: t.index(eos) + 1] if eos in t else t for t in fixture_ar]
     assert ar_out.acceptance_lengths == [[1] * (len(t) - 1) for t in ar]  # the prefill's token, then one a step
     for method in ("sparklingtree@8", "dspark"):
-        out = generate(target, drafter, prompts3, method=method, max_new_tokens=NEW, eos_token_ids=[eos])
+        out = generate(target, drafter, fixture_prompts, method=method, max_new_tokens=NEW, eos_token_ids=[eos])
         assert out.tokens == ar, method
         # a round counts what it committed: the path cut at EOS (sequence 0's, inside a round) or at max_new
         assert [1 + sum(lens) for lens in out.acceptance_lengths] == [len(t) for t in ar], method
@@ -96,57 +157,38 @@ def test_eos_inside_an_accepted_path(pair, prompts3, ar3):
 
 
 @SLOW
-def test_batch_one_stream_and_instrumented(pair, prompts3, ar3):
+def test_batch_one_stream_and_instrumented(pair, fixture_prompts, fixture_ar):
     target, drafter = pair
-    out = generate(target, drafter, [prompts3[0]], method="sparklingtree@8", max_new_tokens=NEW)
-    assert out.tokens == [ar3[0]]
-    chunks = list(stream(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW))
-    assert [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)] == ar3 and len(chunks) > 2
-    inst = generate(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW, instrument=True)
-    assert inst.tokens == ar3
+    out = generate(target, drafter, [fixture_prompts[0]], method="sparklingtree@8", max_new_tokens=NEW)
+    assert out.tokens == [fixture_ar[0]]
+    chunks = list(stream(target, drafter, fixture_prompts, method="sparklingtree@8", max_new_tokens=NEW))
+    assert [list(itertools.chain.from_iterable(c[b] for c in chunks)) for b in range(3)] == fixture_ar
+    assert len(chunks) > 2
+    inst = generate(target, drafter, fixture_prompts, method="sparklingtree@8", max_new_tokens=NEW, instrument=True)
+    assert inst.tokens == fixture_ar
     # each yield after the prefill's is one round's commit (none once a sequence is done): the per-round counts
     assert [[len(c[b]) for c in chunks[1:] if c[b]] for b in range(3)] == inst.acceptance_lengths
-    assert [1 + sum(lens) for lens in inst.acceptance_lengths] == [len(t) for t in ar3]
+    assert [1 + sum(lens) for lens in inst.acceptance_lengths] == [len(t) for t in fixture_ar]
     assert set(inst.stage_seconds) == {"draft", "propose", "verify", "commit"}
     assert all(v > 0 for v in inst.stage_seconds.values())
 
 
-def test_a_generation_transfers_nothing_to_the_host(pair, prompts3):
-    target, drafter = pair
-    jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree@8", max_new_tokens=NEW))
-    with jax.transfer_guard_device_to_host("disallow"):  # the generation itself syncs nothing
-        res = jax.block_until_ready(launch(target, drafter, prompts3, method="sparklingtree@8",
-                                           max_new_tokens=NEW))
-    assert int(np.asarray(res.n).min()) == NEW
-
-
-# ----------------------------------------------------------------------------- random pairs, sampling
-
-
-# the fixture pair runs every method in the default run; the random pair in the slow run
-@SLOW
-@pytest.mark.parametrize("method", ["sparklingtree", "dflash", "dspark", "ddtree", "sparklingtree-beam", "pctree"])
-def test_greedy_equals_ar_on_random_pair(random_pair, method):
-    target, drafter = random_pair
-    ar = generate(target, None, PROMPTS3, max_new_tokens=NEW).tokens
-    out = generate(target, drafter, PROMPTS3, method=f"{method}@8" if method in TREES else method,
-                   max_new_tokens=NEW)
-    assert out.tokens == ar
-
-
-def test_options_change_the_program_not_the_tokens(pair, prompts3, ar3):
+def test_options_change_the_program_not_the_tokens(pair, fixture_prompts, fixture_ar):
     """Every trace-time setting is part of the static plan: another value compiles another program, with the
     same greedy tokens."""
     from sparkjax.engine.programs import spec_program
 
     target, drafter = pair
     base = dict(method="sparklingtree@8", max_new_tokens=NEW)
-    assert generate(target, drafter, prompts3, **base).tokens == ar3  # the program of the greedy cases above
+    assert generate(target, drafter, fixture_prompts, **base).tokens == fixture_ar  # the greedy table's program
     before = spec_program._cache_size()
     opts = Options(attention="prefix", block_slots=16, chain_mode="fixed_point", candidate_chain_passes=None,
                    union_top_k=1)
-    assert generate(target, drafter, prompts3, **base, options=opts).tokens == ar3
+    assert generate(target, drafter, fixture_prompts, **base, options=opts).tokens == fixture_ar
     assert spec_program._cache_size() == before + 1
+
+
+# ----------------------------------------------------------------------------- sampled: the two-sample tests
 
 
 def _processed(probs, top_p=1.0, top_k=0):
@@ -196,7 +238,7 @@ def _chi2_pvalue(counts, probs):
     return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
-def _auto(decide: str):
+def _sampling_auto(decide: str):
     """Method auto over a plain step, the chain and trees of 2 and 6 nodes, with a cost table under which the
     choice between them follows the drafter's predictions."""
     labels = ("ar", "dspark", "sparklingtree@2", "sparklingtree@6")
@@ -222,7 +264,7 @@ def test_sampling_is_lossless(random_pair, method, temperature, top_p, top_k):
     vocab = target.config.vocab_size
     prompt = [3, 1, 4, 1, 5]
     n = 6000
-    spec = _auto(method.partition("-")[2]) if method.startswith("auto") else method
+    spec = _sampling_auto(method.partition("-")[2]) if method.startswith("auto") else method
     if method in TREES:
         spec = f"{method}@{7 if method == 'pctree' else 6}"
     out = generate(target, drafter, [prompt] * n, method=spec, max_new_tokens=3, temperature=temperature,
@@ -276,57 +318,3 @@ def test_processed_distribution_top_k_then_top_p():
     np.testing.assert_allclose(_processed(np.asarray(probs), 0.5, 0), [4 / 7, 3 / 7, 0, 0])  # the tests' reference
 
 
-def test_sampling_is_seeded(random_pair):
-    a, b, c = (generate(*random_pair, [[1, 2, 3]] * 4, method="sparklingtree@6", max_new_tokens=12,
-                        temperature=1.0, seed=seed).tokens for seed in (5, 5, 6))
-    assert a == b and a != c
-
-
-# ----------------------------------------------------------------------------- bad input
-
-
-def test_bad_arguments(pair):
-    target, drafter = pair
-    for prompts, kw, words in (
-        ([[1] * 50], dict(method="dspark", max_new_tokens=8, cache_size=32), "cache_size"),
-        (None, dict(method="dspark", max_new_tokens=2000), "max_new_tokens"),
-        (None, dict(method="ddtree@64", max_new_tokens=NEW, cache_size=64), "cache_size.*max_new_tokens"),
-        (None, dict(method=Tree("sparklingtree", 10**6, top_c=2)), "budget.*reachable"),
-        (None, dict(method="ddtree", drafter=None), "drafter"),
-        (None, dict(method=Tree("sparklingtree-beam", 8, widths=(4, 4))), "widths"),
-    ):
-        kw = {"drafter": drafter, **kw}
-        with pytest.raises(sparkjax.ArgumentError, match=words):
-            generate(target, kw.pop("drafter"), prompts or [[1, 2, 3]], **kw)
-
-
-def test_markov_methods_refuse_a_drafter_without_markov_head_and_pairs_must_fit(pair, random_pair, prompts3, ar3):
-    target, drafter = pair
-    with pytest.raises(sparkjax.IncompatiblePairError, match="vocab"):
-        generate(target, random_pair[1], [[1, 2, 3]], method="dflash")
-    cfg = dataclasses.replace(drafter.config, markov_rank=0, markov_head_type=None, enable_confidence_head=False,
-                              confidence_head_with_markov=False)
-    plain = Drafter(cfg, rngs=nnx.Rngs(0))
-    for method in ("dspark", "sparklingtree", "sparklingtree-beam", "pctree"):
-        with pytest.raises(sparkjax.ArgumentError, match="Markov head"):
-            generate(target, plain, [[1, 2, 3]], method=method)
-    # the non-Markov methods still work with it, and stay exact
-    assert generate(target, plain, prompts3, method="ddtree@8", max_new_tokens=NEW).tokens == ar3
-
-
-def test_fixed_shapes_share_one_program(pair, prompts3, ar3):
-    """prompt_width / capacity pin the shapes: a prefill-only run and a full exact run reuse one program."""
-    from sparkjax.engine.programs import spec_program as _spec_program
-
-    target, drafter = pair
-    kw = dict(method="dspark", cache_size=256, prompt_width=64, capacity=NEW)
-    launch(target, drafter, prompts3, max_new_tokens=NEW, **kw)
-    before = _spec_program._cache_size()
-    first = generate(target, drafter, [p[:5] for p in prompts3], max_new_tokens=1, **kw)
-    assert [len(t) for t in first.tokens] == [1, 1, 1] and first.rounds == [0, 0, 0]
-    assert generate(target, drafter, prompts3, max_new_tokens=NEW, **kw).tokens == ar3
-    assert _spec_program._cache_size() == before
-    with pytest.raises(sparkjax.ArgumentError, match="prompt_width"):
-        generate(target, drafter, prompts3, max_new_tokens=8, **{**kw, "prompt_width": 8})
-    with pytest.raises(sparkjax.ArgumentError, match="capacity"):
-        generate(target, drafter, prompts3, max_new_tokens=2 * NEW, **kw)

@@ -1,5 +1,5 @@
 """PCTree (sparkjax.tree.layer_beam, method ``pctree``): the jitted tree against the NumPy reference, a valid
-prefix-closed tree and its argument errors (greedy pctree == ar: test_decode.py)."""
+prefix-closed tree and its argument errors (greedy pctree == ar: test_exactness.py)."""
 
 from __future__ import annotations
 
@@ -81,19 +81,3 @@ def test_pctree_plan_and_errors(random_pair):
         tree.layer_beam(z, cand, 2, 5)
     with pytest.raises(ArgumentError, match="k must"):
         tree.layer_beam(z, cand, 0, 1)
-
-
-@pytest.mark.parametrize("head", ["vanilla", "gated"])
-def test_block7_pairs_with_defaults_equal_ar(head):
-    """A block-7 drafter (DeepSpec's released block size): pctree with its defaults, and the seed's SparklingTree
-    (its candidates and normaliser, the gated head's own features), equal ar greedily."""
-    from sparkjax.testing import random_pair
-    from tests.conftest import PROMPTS3
-
-    target, drafter = random_pair(3, vocab=32, block=7, markov=head)
-    assert drafter.config.markov_head_type == head and PCTree().nodes(drafter) == 28
-    ar = generate(target, None, PROMPTS3, max_new_tokens=20).tokens
-    for method in ("pctree", "sparklingtree@24:seed:fanout=6"):
-        out = generate(target, drafter, PROMPTS3, method=method, max_new_tokens=20)
-        assert out.tokens == ar, method
-        assert all(1 + sum(a) == len(t) for a, t in zip(out.acceptance_lengths, out.tokens, strict=True))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparkjax import generate, reference, tree
+from sparkjax import reference, tree
 from sparkjax.engine import drafting
 from sparkjax.engine.methods import Tree
 from sparkjax.engine.names import parse_method
@@ -277,28 +277,6 @@ def test_tree_options_validate():
     ]:
         with pytest.raises(ArgumentError, match=name):
             call()
-
-
-@pytest.fixture(scope="module")
-def prompts(ref):  # test_decode's three prompts: the same compiled AR program
-    p = ref["a.prompt_ids"][0].tolist()
-    return [p, np.random.default_rng(7).integers(0, 300, 13).tolist(), p[:19]]
-
-
-@pytest.fixture(scope="module")
-def ar(pair, prompts):
-    return generate(pair[0], None, prompts, max_new_tokens=24).tokens
-
-
-@pytest.mark.slow  # the defaults of both tree methods: test_decode's test_greedy_equals_ar_on_fixture_pair
-@pytest.mark.parametrize("method,kw", [("sparklingtree", {"candidates": "corrected"}),
-                                       ("sparklingtree-beam", {"candidates": "union", "widths": "auto"}),
-                                       ("sparklingtree-beam", {"widths": "auto", "candidates": "base"})])
-def test_greedy_equals_ar_with_tree_options(pair, prompts, ar, method, kw):
-    target, drafter = pair
-    out = generate(target, drafter, prompts, method=Tree(method, 8, **kw), max_new_tokens=24)
-    assert out.tokens == ar
-    assert max(max(lens) for lens in out.acceptance_lengths) > 2  # the trained drafter really gets accepted
 
 
 @pytest.mark.slow
