@@ -104,6 +104,22 @@ NEW_SHORT, NEW_LONG = 8, 24
 PROMPTS3 = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8]]
 
 
+@pytest.fixture(scope="session")
+def demo_pair():
+    """The bundled, trained demo pair (``sparkjax.demo.load``) in float32."""
+    from sparkjax import demo
+
+    return demo.load(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """The distributed demo's tiny pair (``sparkjax.distributed_demo.tiny_pair(0)``), as (target, drafter)."""
+    from sparkjax.distributed_demo import tiny_pair
+
+    return tiny_pair(0)
+
+
 # The auto method the tests share (one program on the random pair with PROMPTS3 and NEW_LONG): these sizes, and a
 # cost table under which every size is viable (each pays at half its depth + 1 tokens), probe floor 4.
 AUTO_SIZES = (0, "chain", 2, 6, 16)
@@ -262,9 +278,9 @@ def _count_compiles(path: str) -> None:
 # The longest files first (by their time in the default run), so that xdist's per-file scheduling (--dist loadfile
 # --no-loadscope-reorder) does not leave one worker running a long file alone at the end. A file not listed keeps
 # its place after these.
-LONGEST_FIRST = ("test_gpu_check.py", "test_decode.py", "test_auto.py", "test_target.py", "test_training.py",
-                 "test_serve_http.py", "test_attention.py", "test_tree.py", "test_eval.py", "test_training_robust.py",
-                 "test_drafter.py", "test_api_robust.py", "test_serve_engine.py", "test_tree_kernels.py")
+LONGEST_FIRST = ("test_gpu_check.py", "test_exactness.py", "test_auto.py", "test_training.py", "test_target.py",
+                 "test_api.py", "test_serve_http.py", "test_attention.py", "test_tree.py", "test_eval.py",
+                 "test_drafter.py", "test_serve_engine.py", "test_tree_kernels.py")
 
 
 def pytest_collection_modifyitems(config, items):

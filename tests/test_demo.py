@@ -24,18 +24,13 @@ RUNS = (("dflash", "dflash"), ("dspark", "dspark"), ("ddtree", "dflash"), ("spar
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return demo.load(dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(pair):
+def prompt_ids(demo_pair):
     """Two prompts of each bundled set (the first two lines), encoded as the eval encodes them."""
-    return [pair.encode_row(row) for name in demo.PROMPT_SETS for row in demo.prompts(name)[:2]]
+    return [demo_pair.encode_row(row) for name in demo.PROMPT_SETS for row in demo.prompts(name)[:2]]
 
 
 @pytest.fixture(scope="module")
-def outputs(pair, prompt_ids):
+def outputs(demo_pair, prompt_ids):
     """Each method's generation on the demo prompts, run when a test first asks for it (the default run needs two
     of the six; the slow exactness test all of them)."""
 
@@ -43,8 +38,9 @@ def outputs(pair, prompt_ids):
     def run(method):
         which = dict(RUNS, ar=None)[method]
         label = f"{method}@{BUDGET}" if method in sparkjax.engine.TREE_METHODS else method
-        return sparkjax.generate(pair.target, getattr(pair, which) if which else None, prompt_ids, method=label,
-                                 max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids)
+        drafter = getattr(demo_pair, which) if which else None
+        return sparkjax.generate(demo_pair.target, drafter, prompt_ids, method=label, max_new_tokens=MAX_NEW,
+                                 eos_token_ids=demo_pair.eos_token_ids)
 
     return run
 
@@ -68,7 +64,7 @@ def test_bundle_is_complete_and_small():
 
 
 @pytest.mark.slow
-def test_transformers_loads_the_target_and_tokenizer(pair):
+def test_transformers_loads_the_target_and_tokenizer(demo_pair):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,18 +75,19 @@ def test_transformers_loads_the_target_and_tokenizer(pair):
     assert text == "<|im_start|>user\nWhat is Python?<|im_end|>\n<|im_start|>assistant\n"
     ids = tok.encode("def read(path):\n    with open(path) as f:\n", add_special_tokens=False)
     assert tok.decode(ids) == "def read(path):\n    with open(path) as f:\n"
-    assert tok.convert_tokens_to_ids("<|mask|>") == pair.dspark.config.mask_token_id
-    assert pair.dspark.config.mask_token_id not in tok.encode("<|mask|> is plain text here", split_special_tokens=True)
+    assert tok.convert_tokens_to_ids("<|mask|>") == demo_pair.dspark.config.mask_token_id
+    mask = demo_pair.dspark.config.mask_token_id
+    assert mask not in tok.encode("<|mask|> is plain text here", split_special_tokens=True)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.as_tensor([ids])).logits.numpy()
-    ours = np.asarray(pair.target(np.asarray([ids]), np.arange(len(ids))[None]).logits)
+    ours = np.asarray(demo_pair.target(np.asarray([ids]), np.arange(len(ids))[None]).logits)
     np.testing.assert_allclose(ours, ref, rtol=1e-3, atol=1e-3)
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_drafters_differ_only_in_the_markov_head(pair):
-    a, b = pair.dspark.config, pair.dflash.config
+def test_drafters_differ_only_in_the_markov_head(demo_pair):
+    a, b = demo_pair.dspark.config, demo_pair.dflash.config
     assert a.has_markov and not b.has_markov and a.block_size == b.block_size == 16
     assert (a.num_hidden_layers, a.target_layer_ids, a.hidden_size) == (b.num_hidden_layers, b.target_layer_ids,
                                                                        b.hidden_size)

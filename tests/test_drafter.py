@@ -242,7 +242,7 @@ def test_joined_context_projections_equal_the_per_layer_ones(ref, drafter, rando
                             d.config.head_dim)
 
 
-@pytest.mark.slow  # the engine's lossless sampling stays in the default run (tests/test_decode.py)
+@pytest.mark.slow  # the engine's lossless sampling stays in the default run (tests/test_exactness.py)
 def test_markov_chain_sampling_draws_from_returned_logits(drafter, fns, b0):
     _, p, ctx, x0 = b0
     blk, greedy, *_ = fns["round"](ctx, x0, jnp.array([p]), jnp.zeros((1, 16), jnp.int32))

@@ -20,13 +20,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ("ar", "dflash", "dspark", "ddtree", "sparklingtree", "sparklingtree-beam", "auto")
 
 
-@pytest.fixture(scope="module")
-def pair():
-    from sparkjax.distributed_demo import tiny_pair
-
-    return tiny_pair(0)
-
-
 # ----------------------------------------------------------------------------- bad meshes (one device)
 
 
@@ -38,12 +31,12 @@ def _one_device_mesh(names, axis_types=None):
     return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names, axis_types=types)
 
 
-def test_bad_meshes_are_refused(pair):
+def test_bad_meshes_are_refused(tiny_pair):
     from jax.sharding import AxisType
 
     from sparkjax import engine
 
-    target, drafter = pair
+    target, drafter = tiny_pair
     spec = dict(method="dspark", drafter=drafter)
     explicit = _one_device_mesh(("data", "model"), (AxisType.Explicit, AxisType.Auto))
     tp = _one_device_mesh(("batch", "tp"))
@@ -60,13 +53,13 @@ def test_bad_meshes_are_refused(pair):
 
 
 @pytest.mark.slow
-def test_one_device_mesh_gives_the_single_device_tokens(pair):
+def test_one_device_mesh_gives_the_single_device_tokens(tiny_pair):
     """A (1, 1) mesh (or a data-only one) runs the placed program: same tokens as no mesh."""
     from sparkjax import engine
     from sparkjax.distributed_demo import tiny_prompts
     from sparkjax.sharding import make_mesh
 
-    target, drafter = pair
+    target, drafter = tiny_pair
     prompts = tiny_prompts(2)
     want = engine.generate(target, drafter, prompts, method="sparklingtree@8", max_new_tokens=10)
     got = engine.generate(target, drafter, prompts, method="sparklingtree@8", max_new_tokens=10,
