@@ -249,7 +249,7 @@ def pytest_configure(config):
 
 def _count_compiles(path: str) -> None:
     """Opt-in (``SPARKJAX_COUNT_COMPILES=path``): appends one line per XLA compilation in this pytest process (each
-    xdist worker) to ``path``: ``worker<TAB>jitted function<TAB>seconds<TAB>hit|miss`` (hit: read from the
+    xdist worker) to ``path``: ``worker<TAB>jitted function<TAB>seconds<TAB>hit|miss<TAB>test id`` (hit: read from the
     persistent compilation cache, which the workers share, so a program both workers need is one miss and one hit;
     programs that compile in under JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS are never stored, so always a miss).
     Subprocesses the tests start are not counted. Summarise with ``cut -f2 path | sort | uniq -c | sort -rn``."""
@@ -268,8 +268,9 @@ def _count_compiles(path: str) -> None:
         if event == "/jax/core/compile/backend_compile_duration":  # jax._src.dispatch.BACKEND_COMPILE_EVENT
             kind = "hit" if getattr(hit, "value", False) else "miss"
             hit.value = False
+            test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" (", 1)[0]  # the test (or fixture) compiling
             with open(path, "a") as f:
-                f.write(f"{worker}\t{kwargs.get('fun_name', '?')}\t{duration:.3f}\t{kind}\n")
+                f.write(f"{worker}\t{kwargs.get('fun_name', '?')}\t{duration:.3f}\t{kind}\t{test}\n")
 
     monitoring.register_event_listener(on_event)
     monitoring.register_event_duration_secs_listener(on_duration)
