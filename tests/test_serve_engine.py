@@ -16,6 +16,7 @@ from sparkjax import sampling
 from sparkjax.engine import Auto, CostTable, generate, parse_method
 from sparkjax.errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError
 from sparkjax.serve import Chunk, Engine
+from sparkjax.serve import engine as serve_engine
 from sparkjax.serve.text import TextStream
 
 NEW = 24  # the engines' max_new_tokens (and the reference runs' capacity: one program per method)
@@ -51,7 +52,9 @@ def engines(random_pair):
             eng = Engine(target, None if name == "ar" else drafter, method=_method(random_pair, name), slots=SLOTS,
                          max_prompt_tokens=16, max_new_tokens=NEW, rounds_per_visit=1, queue_limit=8,
                          sampling=name in SAMPLED, visit_sizes=(2, SLOTS))  # one slot runs padded with a free one
-            eng.start()
+            with pytest.MonkeyPatch.context() as mp:  # two programs compile at once, as on 4 cores or more
+                mp.setattr(serve_engine, "_compile_threads", lambda: 2)
+                eng.start()
             built[name] = eng
         return built[name]
 

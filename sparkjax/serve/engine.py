@@ -64,7 +64,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 TTFT_SAMPLES = 1024  # the latest times to first token kept for metrics()
 MIN_PROMPT_BUCKET = 16  # the smallest prompt buffer (prompt lengths are bucketed to powers of two from here)
 _PENDING = object()  # a chunk that may still come
-COMPILE_THREADS = 2  # programs Engine.start compiles at once (at most one per CPU core)
+COMPILE_THREADS = 2  # the most programs Engine.start compiles at once (see _compile_threads)
 _WARM_ORDER = ("visit", "admit", "read")  # the start's programs, longest to compile first
 
 
@@ -351,11 +351,11 @@ class Engine:
                    ("visit", hot, size)) for hot in ((False, True) if self.sampling else (False,))
                   for size in self.visit_sizes]
         steps += [("the token reader", ("read",))]
-        # the pool first; then the other programs, COMPILE_THREADS at a time (XLA compiles a program on one core, with
-        # the GIL released), each thread warming up on a pool of its own (the calls donate it): the smallest prefill
-        # (so the estimates know a prefill's time early), then the longest first
+        # the pool first; then the other programs, _compile_threads() at a time (XLA compiles with the GIL
+        # released), each thread warming up on a pool of its own (the calls donate it): the smallest prefill (so
+        # the estimates know a prefill's time early), then the longest first
         first, rest = steps[0], sorted(steps[1:], key=lambda s: (s != steps[1], _WARM_ORDER.index(s[1][0])))
-        workers = max(1, min(COMPILE_THREADS, os.cpu_count() or 1, len(rest)))
+        workers = max(1, min(_compile_threads(), len(rest)))
         progress = Progress(log, "compiling and warming up", len(steps), "program",
                             kinds=["pool" if step is None else step[0] for _, step in steps], workers=workers)
         token = progress.begin(first[0], kind="pool")
@@ -734,6 +734,13 @@ class Engine:
         for r in lost:
             self._fail(r, failure)
         self._pool = self._fresh_pool()
+
+
+def _compile_threads() -> int:
+    """The programs :meth:`Engine.start` compiles at once: one per two CPU cores, at most :data:`COMPILE_THREADS`.
+    XLA's compile of one program keeps about 1.5 cores busy (the demo pair's start on a 2-core CPU at load average
+    2-3: 117 s of CPU in 80 s), so two at a time on 2 cores gained nothing there (86 s, 134 s of CPU)."""
+    return max(1, min(COMPILE_THREADS, (os.cpu_count() or 1) // 2))
 
 
 def _token_logprobs(ids: list[int], window, rest, i: int, width: int, top: int) -> list[TokenLogprob]:
