@@ -48,7 +48,6 @@ TIMED = "ar,dspark,sparklingtree@16,sparklingtree@64,auto"
 GPU_LOOPS = "command_buffer,xla_default"  # the engine's loop options against XLA's defaults, interleaved
 PARTS = ("attention", "exactness", "timing")
 PROFILE_FLAG = "--xla_enable_command_buffers_during_profiling=true"  # else XLA runs no command buffer while tracing
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 # per mode: preset, batches, context, prompt, new tokens of the exactness runs, AR steps, rounds, reps, timeout,
 # timed methods, exactness methods, auto's candidate sizes (None: its default)
 MODES = {
@@ -82,6 +81,8 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, help="seconds: stop starting new work (default 420; --dry-run 120)")
     p.add_argument("--skip", default="", help="parts to skip: attention, exactness, timing")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--projections", default="eval/results", metavar="DIR",
+                   help="the folder of the recorded gpu_compile_<h100|h200>.json (default eval/results)")
 
 
 def attention_cases(n: int, kh: int, h: int, s: int, t: int, b: int, seed: int):
@@ -200,11 +201,12 @@ def peak_memory() -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def projection_rows(kind: str) -> tuple[str | None, list[dict]]:
+def projection_rows(kind: str, folder: str = "eval/results") -> tuple[str | None, list[dict]]:
     """``(target, rows)`` of the recorded deviceless projection for this device kind (``H100`` / ``H200`` in
-    it): ``eval/results/gpu_compile_<target>.json`` of this checkout; ``(None, [])`` for another device."""
+    it): ``<folder>/gpu_compile_<target>.json`` (``--projections``; default the checkout's ``eval/results``, from
+    the working directory, where eval/gpu_check.sh runs); ``(None, [])`` for another device."""
     target = next((t for t in ("h100", "h200") if t in kind.lower()), None)
-    path = ROOT / "eval" / "results" / f"gpu_compile_{target}.json"
+    path = pathlib.Path(folder) / f"gpu_compile_{target}.json"
     if target is None or not path.exists():
         return None, []
     return target, json.loads(path.read_text())
@@ -246,12 +248,13 @@ def trace_case(case, folder: str) -> dict:
 
 
 def time_methods(target, drafter, labels, attentions, batches, prompt, steps, rounds, accept, context, reps, seed,
-                 deadline, auto_sizes, gpu_loops=("command_buffer",), trace_dir=None) -> list[dict]:
+                 deadline, auto_sizes, gpu_loops=("command_buffer",), trace_dir=None,
+                 projections: str = "eval/results") -> list[dict]:
     """Per batch and attention path: every method under every loop mode, timed side by side (interleaved), then
     (with ``trace_dir``) each traced, its trace summarised beside the recorded projection."""
     rows = []
     kind = getattr(jax.devices()[0], "device_kind", "")
-    ptarget, projected = projection_rows(kind)
+    ptarget, projected = projection_rows(kind, projections)
     for b in batches:
         for attention in attentions:
             t0 = time.perf_counter()
@@ -425,7 +428,7 @@ def run(a, report) -> int:
         target, drafter = random_pair(preset, a.seed)
         return time_methods(target, drafter, labels, timed_attentions, batches, prompt, steps, rounds, a.accept,
                             context, reps, a.seed, deadline, auto_sizes, gpu_loops,
-                            None if a.no_trace else os.path.join(out, "traces"))
+                            None if a.no_trace else os.path.join(out, "traces"), a.projections)
 
     for name, fn in zip(PARTS, (attention, exactness, timed), strict=True):
         if name not in skip and (name == "attention" or time.perf_counter() < deadline):
