@@ -52,7 +52,7 @@ def engines(random_pair):
             eng = Engine(target, None if name == "ar" else drafter, method=_method(random_pair, name), slots=SLOTS,
                          max_prompt_tokens=16, max_new_tokens=NEW, rounds_per_visit=1, queue_limit=8,
                          sampling=name in SAMPLED, visit_sizes=(2, SLOTS))  # one slot runs padded with a free one
-            with pytest.MonkeyPatch.context() as mp:  # two programs compile at once, as on 4 cores or more
+            with pytest.MonkeyPatch.context() as mp:  # two programs compile at once, whatever the machine
                 mp.setattr(serve_engine, "_compile_threads", lambda: 2)
                 eng.start()
             built[name] = eng

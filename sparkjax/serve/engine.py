@@ -737,10 +737,11 @@ class Engine:
 
 
 def _compile_threads() -> int:
-    """The programs :meth:`Engine.start` compiles at once: one per two CPU cores, at most :data:`COMPILE_THREADS`.
-    XLA's compile of one program keeps about 1.5 cores busy (the demo pair's start on a 2-core CPU at load average
-    2-3: 117 s of CPU in 80 s), so two at a time on 2 cores gained nothing there (86 s, 134 s of CPU)."""
-    return max(1, min(COMPILE_THREADS, (os.cpu_count() or 1) // 2))
+    """The programs :meth:`Engine.start` compiles at once: :data:`COMPILE_THREADS`, at most one per CPU core. XLA's
+    compile of one program keeps about 1.5 cores busy, yet two at a time still gained on a 2-core CPU with nothing
+    else running (the demo pair's start, costs cached, load average 1-2: 62-66 s, against 73-85 s one at a time);
+    while another process takes a core they gain nothing (load average 5: 155 s against 132 s)."""
+    return max(1, min(COMPILE_THREADS, os.cpu_count() or 1))
 
 
 def _token_logprobs(ids: list[int], window, rest, i: int, width: int, top: int) -> list[TokenLogprob]:
