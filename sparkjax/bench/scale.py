@@ -398,7 +398,7 @@ def memory_rows(preset: str, methods, batches, contexts, prompt: int, deadline: 
                 t1 = time.perf_counter()
                 ma = lowered.compile().memory_analysis()
                 t2 = time.perf_counter()
-                est = estimate_memory(target, drafter if spec else None, plan if spec else None, b, prompt, ctx, 512)
+                est = estimate_memory(target, drafter if spec else None, plan, b, prompt, ctx, 512)
                 weights = sum(int(x.size) * x.dtype.itemsize
                               for x in jax.tree.leaves(nnx.state((target, drafter) if spec else target)))
                 row = {"preset": preset, "method": m, "batch": b, "context": ctx, "prompt": prompt,
