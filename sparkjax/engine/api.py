@@ -368,7 +368,7 @@ def _key(seed: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A validated generation (:func:`validate`); ``mesh`` None on one device,
-    ``inputs`` the method's traced inputs (:meth:`~sparkjax.engine.methods.Method.inputs`)."""
+    ``inputs`` the method's traced inputs (the second value of :meth:`~sparkjax.engine.methods.Method.bind`)."""
 
     method: Method
     prompts: Prompts

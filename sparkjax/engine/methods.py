@@ -1,7 +1,8 @@
 """Decoding methods as objects: the :class:`Method` protocol and one class per method. A method validates
 itself when built, resolves into the static :class:`~sparkjax.engine.state.Plan` of a compiled program and owns
-its round and the other hooks of :class:`Method`, through which alone the programs reach it. Method *names* are
-read only by :func:`parse_method`, from the one table at the end of this module (docs/design.md).
+its round and the other hooks of :class:`Method`, through which alone the programs reach it. Each class declares
+its names (``KINDS``); :mod:`~sparkjax.engine.names` builds the one table from them and :func:`parse_method` is its
+only reader (docs/design.md). ``Auto`` lives in :mod:`~sparkjax.engine.adaptive`, beside its traced round.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The jitted programs: the target's prefill and the generation program of every method (``ar`` included).
 
-Every generation is one jitted ``jax.lax.while_loop`` over fixed-shape state. The speculative programs
-reach the method only through ``plan.method``'s hooks and take its ``inputs`` as a traced argument;
+Every generation is one jitted ``jax.lax.while_loop`` over fixed-shape state. The programs reach the method
+only through ``plan.method``'s hooks and take its ``inputs`` as a traced argument;
 :func:`spec_start` / :func:`spec_step` are the same prefill and round as separate jitted calls (``stream``).
 
 Every program here (and the serving pool's and auto's profiling programs) is a :func:`program`: compiled for a
