@@ -608,6 +608,10 @@ def test_after_everything_the_server_still_answers(pair, live, engine, client, s
     assert not any(k.startswith("sparkjax:spec") and "position" in k and k not in
                    {f'sparkjax:spec_decode_num_accepted_tokens_per_pos_total{{position="{d}"}}'
                     for d in range(engine.plan.depth)} for k in series)
+    # every admission is a prefill, or a copy of one for another choice of the same request (n)
+    m = engine.metrics()
+    exported = {k: int(series[f"sparkjax_{k}_total"]) for k in ("prefills", "prefill_tokens", "shared_prefills")}
+    assert exported == {k: m[k] for k in exported} and 0 < m["prefills"] < m["prefill_tokens"]
 
 
 def test_logprobs_in_the_completions_and_chat_formats(pair, live):
