@@ -262,7 +262,8 @@ class Engine:
     ``max_prompt_tokens + max_new_tokens`` and a round's scratch rows, rounded up to a power of two);
     ``max_prompt_tokens`` / ``max_new_tokens``: the limits requests are checked against (defaults 256 each,
     or what ``cache_size`` leaves); ``rounds_per_visit``: rounds per device call between host visits;
-    ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`;
+    ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`
+    (:meth:`submit_choices`: once fewer than its ``n`` places are left);
     ``tokenizer``: for the chunks' text and stop strings (None: empty text); ``eos_token_ids``: the pair's EOS
     ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`;
     ``sampling``: whether requests may sample (False compiles only the greedy programs); ``visit_sizes``: the
@@ -340,8 +341,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------ start / close
     def start(self) -> float:
         """Compiles and warms up every program the engine runs (the pool, the prefill of each prompt bucket,
-        the visit loop) and starts the scheduler thread; returns the seconds that took (0 when already
-        started)."""
+        the copy of a slot that the choices of one request share, the visit loop) and starts the scheduler thread;
+        returns the seconds that took (0 when already started)."""
         with self._cond:
             if self._thread is not None:
                 return 0.0
