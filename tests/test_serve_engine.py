@@ -1,5 +1,6 @@
 """The serving engine without HTTP: exactness under continuous batching, cancellation, the queue bound, bad
-arguments, no compilation after warm-up, and recovery from a fault in the device loop."""
+arguments, no compilation after warm-up, recovery from a fault in the device loop, and the n choices of one request
+sharing its prompt's prefill."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [9, 9, 9, 1, 0, 4, 2, 8], [3], [5, 6, 7, 8, 
 LENGTHS = [24, 8, 17, 5, 20, 1, 12, 24]
 AUTO_SIZES = (0, "chain", 6)
 AUTO_SECONDS = (1.0, 1.3, 1.6)  # every size viable
-SAMPLED = ("sparklingtree@16", "dspark")  # the engines built with sampling (the others compile greedy programs only)
+SAMPLED = ("sparklingtree@16", "dspark", "ar")  # the engines built with sampling (the others: greedy programs only)
 
 
 @pytest.fixture(autouse=True)
@@ -203,6 +205,140 @@ def test_auto_streams_at_every_visit_and_no_visit_runs_more_than_its_rounds(engi
     assert max(rounds) <= eng.rounds_per_visit == 1, rounds
     assert max(sizes) <= eng.rounds_per_visit * (eng.plan.depth + 1) and len(sizes) > NEW // (eng.plan.depth + 1)
     assert eng.metrics()["verify_sizes"]["ar"] > 0  # plain steps, which ran in bursts before
+
+
+def _idle(eng, timeout: float = 60.0) -> None:
+    """Waits until no slot of ``eng`` is taken and nothing waits (a finished request's slot is free already; a
+    cancelled one's at the next visit)."""
+    deadline = time.monotonic() + timeout
+    while (m := eng.metrics())["active_slots"] or m["queue_length"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.01)
+
+
+def _shared(eng, before: dict) -> tuple[int, int, int]:
+    """(prefills, prefill tokens, shared prefills) since the metrics ``before``."""
+    m = eng.metrics()
+    return tuple(m[k] - before[k] for k in ("prefills", "prefill_tokens", "shared_prefills"))
+
+
+@pytest.mark.parametrize("name", ["ar", "dspark"])
+def test_n_seeded_choices_share_one_prefill_and_each_is_its_own_seeds_request(engines, name, caplog):
+    """n sampled choices with a seed, queued together while every slot is free: one prefill and n - 1 copies of
+    its slot (``pool_fork``, warmed by the start: nothing compiles), and choice i's tokens are exactly those of a
+    request of its own with ``choice_seed(seed, i)`` (each of those prefilled alone): the copy's first token and
+    every later draw are what an admission with that key gives."""
+    eng = engines(name)
+    prompt, seed = PROMPTS[2], 7
+    _idle(eng)
+    before = eng.metrics()
+    x = jnp.ones(3)
+    caplog.set_level(logging.WARNING, logger="jax")
+    with jax.log_compiles():
+        with eng._cond:  # the scheduler admits them in one pass
+            reqs = eng.submit_choices(prompt, n=3, max_new_tokens=NEW, temperature=1.0, seed=seed, eos_token_ids=[])
+        outs = [r.result(timeout=120) for r in reqs]
+        jax.jit(lambda x: x * 5)(x)  # the log works: this one compiles
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert any("jit(<lambda>)" in m for m in logged)
+    assert [m for m in logged if "<lambda>" not in m] == []
+    assert _shared(eng, before) == (1, len(prompt), 2)
+    assert [r.index for r in reqs] == [0, 1, 2]
+    assert [r.seed for r in reqs] == [serve_engine.choice_seed(seed, i) for i in range(3)] and reqs[0].seed == seed
+    alone = [eng.submit(prompt, max_new_tokens=NEW, temperature=1.0, seed=serve_engine.choice_seed(seed, i),
+                        eos_token_ids=[]).result(timeout=120) for i in range(3)]
+    assert _shared(eng, before) == (4, 4 * len(prompt), 2)  # each alone: a prefill of its own
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+    assert len({tuple(o.token_ids) for o in outs}) == 3  # three seeds, three samples
+    assert all(o.finish_reason == "length" and o.completion_tokens == NEW for o in outs)
+
+
+class _Gate:
+    """Wraps an engine's device visit: while closed, a visit runs no round (it streams what the prefills wrote
+    and frees cancelled slots), so no request advances."""
+
+    def __init__(self, eng):
+        self.eng, self.real, self.open = eng, eng._visit_call, False
+
+    def __call__(self, stop, rounds, *rest):
+        if not self.open:
+            time.sleep(0.005)
+            rounds = 0
+        return self.real(stop, rounds, *rest)
+
+    def __enter__(self):
+        self.eng._visit_call = self
+        return self
+
+    def __exit__(self, *exc):
+        self.eng._visit_call = self.real
+
+
+def _wait(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("name", ["auto", "ar"])
+def test_n_greedy_choices_are_ars_tokens_and_those_past_the_free_slots_prefill_later(engines, solo, name):
+    """Five greedy choices on three slots: the first takes a prefill and two copies of its slot; one cancelled
+    while it waits ends with nothing and the others go on; once the prefilled choice is cancelled (its copies
+    keep running on what it wrote), the last waiting choice takes its slot with a prefill of its own. Every choice
+    that runs gets ``ar``'s greedy tokens (the target's own), identical across the choices."""
+    eng = engines(name)
+    prompt = PROMPTS[0]
+    want = solo("ar", prompt, NEW)
+    _idle(eng)
+    before = eng.metrics()
+    with _Gate(eng) as gate:
+        with eng._cond:
+            reqs = eng.submit_choices(prompt, n=5, max_new_tokens=NEW, eos_token_ids=[])
+            reqs[1].cancel()  # cancelled while it waits
+        _wait(lambda: eng.metrics()["active_slots"] == SLOTS, "choices 0, 2 and 3 admitted")
+        assert _shared(eng, before) == (1, len(prompt), 2) and eng.metrics()["queue_length"] == 1
+        assert reqs[1].result(timeout=60).finish_reason == "cancelled" and reqs[1].result().token_ids == []
+        reqs[0].cancel()  # the choice whose slot was copied
+        cancelled = reqs[0].result(timeout=60)
+        _wait(lambda: eng.metrics()["queue_length"] == 0, "choice 4 admitted")
+        assert _shared(eng, before) == (2, 2 * len(prompt), 2)
+        gate.open = True
+        outs = [reqs[i].result(timeout=120) for i in (2, 3, 4)]
+    assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == want[: len(cancelled.token_ids)]
+    assert [r.index for r in reqs] == list(range(5))
+    for o in outs:
+        assert o.token_ids == want and o.finish_reason == "length" and o.prompt_tokens == len(prompt)
+    m = eng.metrics()
+    assert m["active_slots"] == 0 and m["requests"]["failed"] == 0
+
+
+def test_n_choices_queue_all_or_none(random_pair, monkeypatch):
+    """``submit_choices`` queues its n choices together or not at all: QueueFullError with nothing queued when
+    fewer than n places are left; ``n`` over ``queue_limit`` (it could never be queued) and a non-integer ``n``
+    are ArgumentErrors naming ``n``; choice i's seed is ``choice_seed(seed, i)``, distinct, choice 0's the seed."""
+    target, _ = random_pair
+    eng = Engine(target, None, method="ar", slots=SLOTS, max_prompt_tokens=16, max_new_tokens=NEW, queue_limit=4,
+                 sampling=False)
+    monkeypatch.setattr(eng, "start", lambda: 0.0)  # no scheduler: nothing compiles, nothing leaves the queue
+    three = eng.submit_choices([1, 2], n=3, max_new_tokens=4, seed=2**63 - 1)
+    assert [r.index for r in three] == [0, 1, 2] and eng.metrics()["queue_length"] == 3
+    seeds = [r.seed for r in three]
+    assert seeds[0] == 2**63 - 1 and len(set(seeds)) == 3 and all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [serve_engine.choice_seed(2**63 - 1, i) for i in range(3)]
+    with pytest.raises(QueueFullError, match="3 requests are waiting .*no room for 2 choices"):
+        eng.submit_choices([1, 2], n=2, max_new_tokens=4)
+    assert eng.metrics()["queue_length"] == 3 and eng.metrics()["submitted"] == 3  # nothing of it queued
+    for bad, match in ((5, "n: 5 choices exceed this engine's queue_limit=4"), (0, "n: must be >= 1"),
+                       (2.0, "n: expected an integer"), (True, "n: expected an integer")):
+        with pytest.raises(ArgumentError, match=match):
+            eng.submit_choices([1, 2], n=bad, max_new_tokens=4)
+    with pytest.raises(ArgumentError, match="prompt_ids"):  # the request's own checks, before any is queued
+        eng.submit_choices([], n=1, max_new_tokens=4)
+    last = eng.submit_choices([1, 2], n=1, max_new_tokens=4)  # the last place
+    assert len(last) == 1 and eng.metrics()["queue_length"] == 4
+    eng.close()  # never started: the waiting requests are cancelled
+    assert all(r.result(timeout=10).finish_reason == "cancelled" for r in three + last)
 
 
 def test_bad_requests_and_a_full_queue(random_pair):

@@ -32,6 +32,7 @@ import pytest
 import sparkjax
 from sparkjax import demo
 from sparkjax.serve import Engine
+from sparkjax.serve.engine import choice_seed
 from sparkjax.serve.server import ServerThread, create_app, render_messages
 from sparkjax.text import encode_text
 
@@ -549,6 +550,14 @@ def test_keys_routes_and_a_full_queue(pair, live, engine, client):
             fill()  # the queue again, now that nothing leaves it
             r = _post(live, {"prompt": "x", "max_tokens": 2})
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            # one place left: a request's n choices are queued all or none
+            held[-1].cancel()
+            _wait(lambda: engine.metrics()["queue_length"] == QUEUE - 1, what="a place in the queue")
+            submitted = engine.metrics()["submitted"]
+            r = _post(live, {"prompt": "x", "max_tokens": 2, "n": 2})
+            assert r.status_code == 429 and "no room for 2 choices" in r.json()["error"]["message"], r.text
+            m = engine.metrics()
+            assert (m["queue_length"], m["submitted"]) == (QUEUE - 1, submitted)  # nothing of it was queued
         finally:
             for h in held:
                 h.cancel()
@@ -608,6 +617,10 @@ def test_after_everything_the_server_still_answers(pair, live, engine, client, s
     assert not any(k.startswith("sparkjax:spec") and "position" in k and k not in
                    {f'sparkjax:spec_decode_num_accepted_tokens_per_pos_total{{position="{d}"}}'
                     for d in range(engine.plan.depth)} for k in series)
+    # every admission is a prefill, or a copy of one for another choice of the same request (n)
+    m = engine.metrics()
+    exported = {k: int(series[f"sparkjax_{k}_total"]) for k in ("prefills", "prefill_tokens", "shared_prefills")}
+    assert exported == {k: m[k] for k in exported} and 0 < m["prefills"] < m["prefill_tokens"]
 
 
 def test_logprobs_in_the_completions_and_chat_formats(pair, live):
@@ -728,40 +741,55 @@ def test_a_streamed_echo_opens_with_the_prompt(pair, live):
     assert r.status_code == 200 and r.text.startswith("data: ") and prompt.replace("\n", "\\n") in r.text
 
 
-def test_n_choices_greedy_identical_seeded_distinct_and_reproducible(pair, live, solo):
-    """``n`` choices with indices 0..n-1; greedy they are identical (the target's own tokens); with a seed choice i
-    draws from a seed derived from the request's and i: distinct choices, the same again for the same seed; usage
-    counts the prompt once and every choice's tokens; a stream names each chunk's choice."""
+def test_n_choices_greedy_identical_seeded_distinct_and_reproducible(pair, live, engine, solo):
+    """``n`` choices with indices 0..n-1, sharing the prompt's prefill (one prefill, n - 1 copies of its slot, with
+    the slots free); greedy they are identical (the target's own tokens); with a seed choice i draws from
+    ``choice_seed(seed, i)``: distinct choices, each (tokens and logprobs) the ``n: 1`` response for that seed, the
+    same again for the same seed; usage counts the prompt once and every choice's tokens; a stream names each
+    chunk's choice."""
     prompt = "def read_lines(path):\n"
     ids = encode_text(pair.tokenizer, prompt)
     want = expected(pair, solo(ids, 8))
+    _wait(lambda: engine.metrics()["active_slots"] == 0, what="every slot to be free")
+    before = engine.metrics()
     r = _post(live, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "n": 3, "best_of": 3})
     assert r.status_code == 200, r.text
+    after = engine.metrics()
+    assert [after[k] - before[k] for k in ("prefills", "prefill_tokens", "shared_prefills")] == [1, len(ids), 2]
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all((c["text"], c["finish_reason"]) == want[:2] for c in body["choices"])
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 3 * want[2],
                              "total_tokens": len(ids) + 3 * want[2]}
 
-    seeded = {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}
+    seeded = {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3, "logprobs": 2}
     a, b = (_post(live, seeded).json() for _ in range(2))
     texts = [c["text"] for c in a["choices"]]
-    assert texts == [c["text"] for c in b["choices"]] and texts[0] != texts[1], texts
-    one = _post(live, {**seeded, "n": 1}).json()["choices"][0]["text"]
-    assert one == texts[0]  # choice 0 keeps the request's seed
+    assert a["choices"] == b["choices"] and len(set(texts)) == 3, texts
+    assert a["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in a["choices"])
+    for i, c in enumerate(a["choices"]):  # each choice is the lone request with its seed (prefilled alone)
+        one = _post(live, {**seeded, "n": 1, "seed": choice_seed(7, i)}).json()["choices"][0]
+        assert (one["text"], one["finish_reason"], one["index"]) == (c["text"], c["finish_reason"], 0)
+        lp, lp1 = c["logprobs"], one["logprobs"]
+        assert lp["tokens"] == lp1["tokens"] and [list(d) for d in lp["top_logprobs"]] == \
+            [list(d) for d in lp1["top_logprobs"]]
+        np.testing.assert_allclose(lp["token_logprobs"], lp1["token_logprobs"], rtol=0, atol=1e-5)
+    assert choice_seed(7, 0) == 7  # choice 0 keeps the request's seed
 
     status, events = _stream(live, {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6,
-                                    "temperature": 0, "n": 2, "stream": True,
+                                    "temperature": 0, "n": 3, "stream": True,
                                     "stream_options": {"include_usage": True}}, "/v1/chat/completions")
     assert status == 200 and events[-1] == "[DONE]"
     chunks = [e for e in events[:-1] if e["choices"]]
+    assert {ch["choices"][0]["index"] for ch in chunks} == {0, 1, 2}
     by_index = {i: "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks
-                           if ch["choices"][0]["index"] == i) for i in (0, 1)}
+                           if ch["choices"][0]["index"] == i) for i in (0, 1, 2)}
     ref = expected(pair, solo(pair.encode_chat("Say something."), 6))
-    assert by_index == {0: ref[0], 1: ref[0]}
+    assert by_index == {0: ref[0], 1: ref[0], 2: ref[0]}
     assert sorted(ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]) == \
-        [ref[1]] * 2
-    assert events[-2]["usage"]["completion_tokens"] == 2 * ref[2]
+        [ref[1]] * 3
+    assert events[-2]["usage"]["completion_tokens"] == 3 * ref[2]
+    assert events[-2]["usage"]["prompt_tokens"] == len(pair.encode_chat("Say something."))
 
 
 def test_shutdown_gives_a_queued_stream_503_and_starts_no_visit_after_the_grace_period(pair, live, engine, solo):

@@ -132,20 +132,35 @@ def prefill(model, tokens, lengths, cache_size: int, hidden_layers: tuple[int, .
     return out.cache.with_lengths(lengths), out.logits[:, 0], out.hidden
 
 
+def first_token(logits, temperature, key, plan: Plan):
+    """``(key, first)``: the first token ``[B]`` of a prefill, picked from the prompt's last ``logits`` ``[B, V]``
+    (drawn with a key split from ``key`` when the plan samples; the greedy path splits no key), and the key the
+    rounds go on with."""
+    sub = None
+    if plan.sampling:
+        key, sub = split_keys(key, 2)
+    return key, pick(logits, temperature, sub)
+
+
 def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan: Plan,
                  cache_size: int, buf_len: int) -> SpecState:
     """Prefill the target, take the first token, and fill the drafter context with the prompt's features
     (unless the plan keeps no context; a plan that drafts nothing has none); the method's state comes from its
     ``init_state(..., inputs)``."""
+    return spec_prefill_logits(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan,
+                               cache_size, buf_len)[0]
+
+
+def spec_prefill_logits(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan: Plan,
+                        cache_size: int, buf_len: int) -> tuple[SpecState, jax.Array]:
+    """:func:`spec_prefill`'s state and the prompt's last logits ``[B, V]`` (its first token was picked from them:
+    :func:`first_token`)."""
     b = tokens.shape[0]
     method = plan.method
     track = plan.context
     cache, logits, hidden = prefill(target, tokens, lengths, cache_size, plan.layer_ids if track else (),
                                     attention=plan.options.attend)
-    sub = None
-    if plan.sampling:  # the greedy path splits no key
-        key, sub = split_keys(key, 2)
-    first = pick(logits, temperature, sub)
+    key, first = first_token(logits, temperature, key, plan)
     ctx = None  # a plan that drafts nothing has no drafter context
     if plan.drafts:
         ctx = drafter.init_context(b, cache_size)
@@ -159,7 +174,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
     # one value per sequence (max_new, EOS ids); the sampling parameters as given (one for the batch or per sequence)
     request = Request(jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (b,)),
                       jnp.broadcast_to(jnp.asarray(eos, jnp.int32), (b, jnp.shape(eos)[-1])), temperature)
-    return SpecState(
+    state = SpecState(
         cache=cache, ctx=ctx, x_start=first, out=out, n=n, done=done, key=key,
         # per-round counts (none kept for a one-token round: each commits one token)
         accept_lens=jnp.zeros((b, buf_len if plan.drafts else 0), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
@@ -168,6 +183,7 @@ def spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, ke
                                  jnp.zeros((b,), jnp.int32)),
         request=request, extra=method.init_state(plan, b, buf_len, inputs), logprobs=lp,
     )
+    return state, logits
 
 
 _STATIC = ("graphdefs", "plan", "cache_size", "buf_len", "mesh")

@@ -1,6 +1,7 @@
 """The serving engine: continuous batching over a fixed pool of slots on device (:mod:`sparkjax.serve.slots`).
 
-One background thread admits waiting requests into free slots (a jitted prefill written into the slot),
+One background thread admits waiting requests into free slots (a jitted prefill written into the slot; the
+other choices of the same request, :meth:`Engine.submit_choices`, get copies of that slot instead of a prefill),
 runs up to ``rounds_per_visit`` rounds of every running slot in one jitted loop that ends early when a
 slot finishes, copies only the new tokens to the host, streams them to the requests and frees finished and
 cancelled slots. Nothing compiles per request after :meth:`Engine.start`.
@@ -31,6 +32,7 @@ import numpy as np
 from .. import cachedir
 from ..engine.api import _key, default_method, eos_array
 from ..engine.checks import (
+    MAX_SEED,
     MAX_SLOTS,
     bucket,
     check_int,
@@ -65,7 +67,8 @@ TTFT_SAMPLES = 1024  # the latest times to first token kept for metrics()
 MIN_PROMPT_BUCKET = 16  # the smallest prompt buffer (prompt lengths are bucketed to powers of two from here)
 _PENDING = object()  # a chunk that may still come
 COMPILE_THREADS = 2  # the most programs Engine.start compiles at once (see _compile_threads)
-_WARM_ORDER = ("visit", "admit", "read")  # the start's programs, longest to compile first
+_WARM_ORDER = ("visit", "admit", "fork", "read")  # the start's programs, longest to compile first
+SEED_STEP = 0x9E3779B97F4A7C15  # choice i's seed: (seed + i * SEED_STEP) mod 2**63 (choice 0: the request's seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +119,10 @@ class Request:
 
     def __init__(self, engine: Engine, rid: int, prompt: list[int], max_new_tokens: int, temperature: float,
                  seed: int, eos: np.ndarray, stop: tuple[str, ...], top_p: float = 1.0, top_k: int = 0,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, index: int = 0, group: object = None):
         self.id = rid
+        self.index = index  # its choice among the n of one submit_choices (0 for submit)
+        self._group = group  # shared by the choices of one submit_choices: their prompt's prefill is shared
         self.logprobs = logprobs
         self._logprobs: list[TokenLogprob] = []
         self.prompt_ids = prompt
@@ -257,7 +262,8 @@ class Engine:
     ``max_prompt_tokens + max_new_tokens`` and a round's scratch rows, rounded up to a power of two);
     ``max_prompt_tokens`` / ``max_new_tokens``: the limits requests are checked against (defaults 256 each,
     or what ``cache_size`` leaves); ``rounds_per_visit``: rounds per device call between host visits;
-    ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`;
+    ``queue_limit``: waiting requests before :meth:`submit` raises :class:`~sparkjax.errors.QueueFullError`
+    (:meth:`submit_choices`: once fewer than its ``n`` places are left);
     ``tokenizer``: for the chunks' text and stop strings (None: empty text); ``eos_token_ids``: the pair's EOS
     ids, used unless a request gives its own; ``options``: :class:`~sparkjax.engine.options.Options`;
     ``sampling``: whether requests may sample (False compiles only the greedy programs); ``visit_sizes``: the
@@ -320,6 +326,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._pool = None
+        self._logits = None  # the last admitted prompt's last logits [1, V] (device), for copies of its slot
         self._compile_s: float | None = None
         self._slot_temp = np.zeros(self.slots, np.float32)  # the host's copy: a visit samples if one slot does
         self._m = _Metrics(self.labels or (self.method.label,), self.plan.depth)
@@ -334,8 +341,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------ start / close
     def start(self) -> float:
         """Compiles and warms up every program the engine runs (the pool, the prefill of each prompt bucket,
-        the visit loop) and starts the scheduler thread; returns the seconds that took (0 when already
-        started)."""
+        the copy of a slot that the choices of one request share, the visit loop) and starts the scheduler thread;
+        returns the seconds that took (0 when already started)."""
         with self._cond:
             if self._thread is not None:
                 return 0.0
@@ -347,6 +354,7 @@ class Engine:
         self._device_inputs = None if self._inputs is None else jax.tree.map(jnp.asarray, self._inputs)
         steps = [("the pool", None)]
         steps += [(f"the prefill of a {w}-token prompt buffer", ("admit", w)) for w in self.buckets]
+        steps += [("the copy of a slot (the choices of one request)", ("fork",))]
         steps += [(f"the {'sampling' if hot else 'greedy'} visit loop at {size} slot{'s' * (size > 1)}",
                    ("visit", hot, size)) for hot in ((False, True) if self.sampling else (False,))
                   for size in self.visit_sizes]
@@ -400,6 +408,10 @@ class Engine:
         if step[0] == "admit":  # admit a dummy prompt of this bucket into slot 0, then free it
             self._pool = self._admit_call(0, np.zeros((1, step[1]), np.int32), 1, 1, self.eos_row(None), 0.0, 0)
             jax.block_until_ready(self._pool)
+        elif step[0] == "fork":  # slot 0 copied onto itself (every slot is free)
+            self._logits = jnp.zeros((1, self.vocab_size), jnp.float32)
+            self._pool = self._fork_call(0, 0, 0)
+            jax.block_until_ready(self._pool)
         elif step[0] == "visit":
             self._pool, visit = self._visit_call(np.ones(self.slots, bool), 1, step[1], np.arange(step[2]))
             jax.block_until_ready(visit)
@@ -449,9 +461,33 @@ class Engine:
                eos_token_ids: Any = None, stop: Any = None, top_p: float = 1.0, top_k: int = 0,
                logprobs: int | None = None) -> Request:
         """Validates a request and queues it; returns its :class:`Request`. ``top_p`` (1: off) and ``top_k``
-        (0: off) apply after the temperature, as in :func:`sparkjax.generate`, and stay lossless. ArgumentError
-        naming the argument for bad input; :class:`~sparkjax.errors.QueueFullError` when ``queue_limit`` requests
-        are waiting; :class:`~sparkjax.errors.EngineClosedError` after :meth:`close`."""
+        (0: off) apply after the temperature, as in :func:`sparkjax.generate`, and stay lossless; ``seed`` None
+        draws a random one. ArgumentError naming the argument for bad input;
+        :class:`~sparkjax.errors.QueueFullError` when ``queue_limit`` requests are waiting;
+        :class:`~sparkjax.errors.EngineClosedError` after :meth:`close`."""
+        return self.submit_choices(prompt_ids, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   seed=seed, eos_token_ids=eos_token_ids, stop=stop, top_p=top_p, top_k=top_k,
+                                   logprobs=logprobs)[0]
+
+    def submit_choices(self, prompt_ids: Any, *, n: int, max_new_tokens: int, temperature: float = 0.0,
+                       seed: int | None = None, eos_token_ids: Any = None, stop: Any = None, top_p: float = 1.0,
+                       top_k: int = 0, logprobs: int | None = None) -> list[Request]:
+        """``n`` choices of one prompt (OpenAI's ``n``), as :meth:`submit` takes each: a list of ``n``
+        :class:`Request` s, ``index`` 0..n-1, queued together (all or none: QueueFullError when fewer than ``n``
+        places are left in the queue; ArgumentError when ``n`` exceeds ``queue_limit``). Choice i samples with
+        :func:`choice_seed` ``(seed, i)`` (choice 0 with ``seed`` itself, so its tokens are :meth:`submit`'s; no
+        ``seed``: a random one for choice 0), so it gets exactly what :meth:`submit` with that seed gets; greedy,
+        the n choices are identical. The choices share the prompt's prefill: one admission prefills it into a slot
+        and copies that slot into a free slot per further choice (:func:`~sparkjax.serve.slots.pool_fork`: the
+        target's KV cache, the drafter's context, the request values and the method's state; each copy draws its
+        own first token from the prompt's logits with its own key). Choices that find no free slot then wait in
+        the queue, ahead of later requests, and prefill the prompt again when slots free up (shared again among
+        those admitted together): the first choices start at once rather than waiting for ``n`` free slots (which
+        ``n`` above ``slots`` never sees)."""
+        n = check_int("n", n, unit="number of choices")
+        if n > max(1, self.queue_limit):
+            raise ArgumentError(f"n: {n} choices exceed this engine's queue_limit={self.queue_limit} (the choices of "
+                                f"one request queue together)")
         prompt = self._check_prompt(prompt_ids)
         if not is_int(max_new_tokens):
             raise ArgumentError(f"max_new_tokens: expected an integer, got {describe(max_new_tokens)}")
@@ -470,20 +506,22 @@ class Engine:
         seed = secrets.randbits(63) if seed is None else check_seed(seed)
         eos = self.eos_row(eos_token_ids)
         stops = _check_stop(stop, self.tokenizer)
+        group = object() if n > 1 else None
         with self._cond:
             if self._closing:
                 raise EngineClosedError("engine: closed, not admitting requests")
-            if len(self._waiting) >= self.queue_limit:
+            if len(self._waiting) + n > self.queue_limit:
                 raise QueueFullError(f"engine: {len(self._waiting)} requests are waiting (queue_limit="
-                                     f"{self.queue_limit}); try again later")
-            req = Request(self, next(self._ids), prompt, int(max_new_tokens), temperature, seed, eos, stops, top_p,
-                          top_k, logprobs)
-            self._waiting.append(req)
-            self._m.submitted += 1
+                                     f"{self.queue_limit}){f'; no room for {n} choices' if n > 1 else ''}; try "
+                                     f"again later")
+            reqs = [Request(self, next(self._ids), prompt, int(max_new_tokens), temperature, choice_seed(seed, i),
+                            eos, stops, top_p, top_k, logprobs, index=i, group=group) for i in range(n)]
+            self._waiting.extend(reqs)
+            self._m.submitted += n
             self._cond.notify_all()
         if self._thread is None:
             self.start()
-        return req
+        return reqs
 
     def score(self, prompt_ids: Any, logprobs: int = 0) -> concurrent.futures.Future:
         """Scores a prompt's own tokens under the target (prompt log-probabilities, OpenAI's ``echo`` with
@@ -538,7 +576,9 @@ class Engine:
     # ------------------------------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, Any]:
         """Counters since the engine was built: ``requests`` (finished, by finish reason, and ``failed``),
-        ``submitted``, ``prompt_tokens``, ``generated_tokens``, ``rounds`` (slot rounds), ``visits``,
+        ``submitted``, ``prompt_tokens``, ``generated_tokens``, ``prefills`` (admissions that ran the target over a
+        prompt) and ``prefill_tokens`` (their prompts' tokens), ``shared_prefills`` (choices admitted as a copy of
+        another choice's slot, :meth:`submit_choices`: no prefill), ``rounds`` (slot rounds), ``visits``,
         ``accepted_tokens`` (tokens the rounds committed) and ``tau`` (their ratio), ``verify_sizes`` (rounds
         per verification size: the method's label, or ``auto``'s candidates), ``queue_length``,
         ``active_slots``, ``slots``, ``ttft`` (``count``, ``sum``, ``buckets``: cumulative counts per upper
@@ -569,10 +609,19 @@ class Engine:
 
     def _admit_call(self, slot: int, tokens: np.ndarray, length: int, max_new: int, eos: np.ndarray,
                     temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0):
-        return slots.pool_admit(self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
-                                   jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
-                                   Sampling.of(temperature, top_p, top_k), _key(seed), self._device_inputs,
-                                   **self._static())
+        """The pool with the prompt prefilled into ``slot``; keeps the prompt's last logits (``_logits``, on
+        device) for :meth:`_fork_call`."""
+        pool, self._logits = slots.pool_admit(
+            self._graphdefs, self._states, self._pool, jnp.int32(slot), jnp.asarray(tokens),
+            jnp.asarray([length], jnp.int32), jnp.int32(max_new), jnp.asarray(eos),
+            Sampling.of(temperature, top_p, top_k), _key(seed), self._device_inputs, **self._static())
+        return pool
+
+    def _fork_call(self, src: int, dst: int, seed: int):
+        """The pool with slot ``dst`` a copy of slot ``src`` just admitted (:meth:`_admit_call`'s ``_logits``),
+        its first token drawn with ``seed``'s key."""
+        return slots.pool_fork(self._pool, jnp.int32(src), jnp.int32(dst), self._logits, _key(seed),
+                                  **self._static(sizes=False))
 
     def _visit_call(self, stop: np.ndarray, rounds: int, sampling: bool, rows: np.ndarray):
         return slots.pool_visit(
@@ -629,6 +678,9 @@ class Engine:
                 future.set_exception(EngineClosedError("engine: closed before the prompt was scored"))
 
     def _admit_waiting(self) -> None:
+        """Admits waiting requests into free slots, first come first served: a prefill for each, except that the
+        choices of one :meth:`submit_choices` waiting behind the one admitted take copies of its slot while free
+        slots last (:func:`~sparkjax.serve.slots.pool_fork`: no prefill)."""
         while True:
             with self._cond:
                 free = [i for i, r in enumerate(self._in_slot) if r is None]
@@ -637,15 +689,38 @@ class Engine:
                 req = self._waiting.popleft()
                 slot = free[0]
                 self._in_slot[slot] = req
+                copies = []  # (slot, request): its siblings, next in the queue
+                for dst in free[1:]:
+                    sibling = self._next_sibling(req)
+                    if sibling is None:
+                        break
+                    self._in_slot[dst] = sibling
+                    copies.append((dst, sibling))
+                self._m.prefills += 1
+                self._m.prefill_tokens += len(req.prompt_ids)
+                self._m.shared_prefills += len(copies)
             ids = req.prompt_ids
             width = next(w for w in self.buckets if w >= len(ids))
             tokens = np.zeros((1, width), np.int32)
             tokens[0, : len(ids)] = ids
             self._pool = self._admit_call(slot, tokens, len(ids), req.max_new_tokens, req.eos, req.temperature,
                                           req.seed, req.top_p, req.top_k)
-            self._seen[slot] = 0
-            self._stop[slot] = False
-            self._slot_temp[slot] = req.temperature
+            for dst, sibling in copies:
+                self._pool = self._fork_call(slot, dst, sibling.seed)
+            for i, r in ((slot, req), *copies):
+                self._seen[i] = 0
+                self._stop[i] = False
+                self._slot_temp[i] = r.temperature
+
+    def _next_sibling(self, req: Request) -> Request | None:
+        """Pops the next waiting choice of ``req``'s :meth:`submit_choices` (the choices queue together, so it is
+        at the front; cancelled ones on the way end), or None (under ``_cond``)."""
+        while req._group is not None and self._waiting and self._waiting[0]._group is req._group:
+            sibling = self._waiting.popleft()
+            if not sibling._cancel:
+                return sibling
+            self._finish(sibling, "cancelled")
+        return None
 
     def _visit(self) -> None:
         with self._cond:
@@ -736,6 +811,13 @@ class Engine:
         self._pool = self._fresh_pool()
 
 
+def choice_seed(seed: int, i: int) -> int:
+    """Choice ``i``'s seed of a request with ``seed`` (:meth:`Engine.submit_choices`): ``(seed + i * SEED_STEP)
+    mod 2**63``, SEED_STEP the 64-bit golden-ratio constant (an odd step: the n seeds are distinct); choice 0 keeps
+    the request's seed, so ``n`` 1 is :meth:`Engine.submit`."""
+    return (seed + i * SEED_STEP) % MAX_SEED
+
+
 def _compile_threads() -> int:
     """The programs :meth:`Engine.start` compiles at once: :data:`COMPILE_THREADS`, at most one per CPU core. XLA's
     compile of one program keeps about 1.5 cores busy, yet two at a time still gained on a 2-core CPU with nothing
@@ -780,6 +862,7 @@ class _Metrics:
     def __init__(self, labels: tuple[str, ...], depth: int):
         self.by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self.failed = self.submitted = self.prompt_tokens = self.generated = 0
+        self.prefills = self.prefill_tokens = self.shared_prefills = 0
         self.rounds = self.visits = self.accepted = self.faults = 0
         self.drafts = self.draft_tokens = self.accepted_drafts = 0
         self.accepted_per_pos = np.zeros((depth,), np.int64)
@@ -799,7 +882,8 @@ class _Metrics:
     def snapshot(self) -> dict[str, Any]:
         return {
             "requests": {**self.by_reason, "failed": self.failed}, "submitted": self.submitted,
-            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated, "rounds": self.rounds,
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated, "prefills": self.prefills,
+            "prefill_tokens": self.prefill_tokens, "shared_prefills": self.shared_prefills, "rounds": self.rounds,
             "visits": self.visits, "accepted_tokens": self.accepted,
             "tau": self.accepted / self.rounds if self.rounds else math.nan, "verify_sizes": dict(self.sizes),
             "faults": self.faults, "ttft": self.ttft.snapshot(), "ttft_samples": list(self.ttft_samples),
@@ -875,4 +959,4 @@ def _check_stop(stop: Any, tokenizer: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-__all__ = ["Chunk", "Completion", "Engine", "Request"]
+__all__ = ["Chunk", "Completion", "Engine", "Request", "choice_seed"]

@@ -33,7 +33,7 @@ from ..engine.checks import MAX_SEED, check_prompt
 from ..engine.logprobs import MAX_LOGPROBS
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
 from ..text import encode_chat, encode_text
-from .engine import Histogram
+from .engine import SEED_STEP, Histogram, choice_seed  # noqa: F401 - choice i's seed, the engine's
 
 log = logging.getLogger("sparkjax.serve")
 
@@ -41,7 +41,6 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP = 16  # stop sequences per request (OpenAI takes 4; lm-eval's completions add the EOS string to a task's)
 DEFAULT_MAX_N = 8  # choices per request (--max-n)
-SEED_STEP = 0x9E3779B97F4A7C15  # choice i's seed: (seed + i * SEED_STEP) mod 2**63 (choice 0: the request's seed)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for completions' logprobs (chat's top_logprobs: MAX_LOGPROBS, 20)
 MAX_JSON_DEPTH = 64  # nesting levels a request body may have (arrays and objects)
 # Idle keep-alive connections are kept longer than clients keep them (httpx and the openai client: 5 s), so a client
@@ -63,8 +62,8 @@ COMMON = {"model", "logprobs", "top_logprobs", "max_tokens", "temperature", "top
 FIELDS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # the engine's argument names, as the API calls them (an engine ArgumentError names the former)
-API_NAMES = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt", "temperature": "temperature", "seed": "seed",
-             "stop": "stop", "top_p": "top_p", "top_k": "top_k"}
+API_NAMES = {"n": "n", "max_new_tokens": "max_tokens", "prompt_ids": "prompt", "temperature": "temperature",
+             "seed": "seed", "stop": "stop", "top_p": "top_p", "top_k": "top_k"}
 
 
 class APIError(Exception):
@@ -586,25 +585,15 @@ class Server:
                            code="shutting_down")
 
     def submit_all(self, p: Parsed) -> Choices:
-        """The request's ``n`` engine requests (choice i with :func:`choice_seed`); a refusal of any cancels the
-        ones already queued."""
-        reqs = []
-        try:
-            for i in range(p.n):
-                reqs.append(self.submit(p, None if p.seed is None else choice_seed(p.seed, i)))
-        except BaseException:
-            for r in reqs:
-                r.cancel()
-            raise
-        return Choices(reqs)
-
-    def submit(self, p: Parsed, seed: int | None = None):
+        """The request's ``n`` engine requests, queued together or refused together
+        (:meth:`~sparkjax.serve.Engine.submit_choices`: choice i with :func:`choice_seed`, the choices sharing the
+        prompt's prefill)."""
         self._admitting()
         try:
             kw = {} if p.logprobs is None else {"logprobs": p.logprobs}
-            return self.engine.submit(p.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                      seed=seed, eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop,
-                                      top_p=p.top_p, top_k=p.top_k, **kw)
+            return Choices(self.engine.submit_choices(
+                p.prompt_ids, n=p.n, max_new_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
+                eos_token_ids=[] if p.ignore_eos else self.eos, stop=p.stop, top_p=p.top_p, top_k=p.top_k, **kw))
         except QueueFullError as e:
             raise APIError(429, f"the request queue is full: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None
@@ -841,12 +830,6 @@ def _cancelled(draining: bool) -> APIError:
     return APIError(503, f"{why}; the request was not completed", type="server_error", code="cancelled")
 
 
-def choice_seed(seed: int, i: int) -> int:
-    """Choice ``i``'s seed of a request with ``seed``: ``(seed + i * SEED_STEP) mod 2**63`` (choice 0 keeps the
-    request's seed, so ``n: 1`` is unchanged)."""
-    return (seed + i * SEED_STEP) % MAX_SEED
-
-
 class Choices:
     """The engine requests of one HTTP request's choices, cancelled together."""
 
@@ -927,6 +910,9 @@ ENGINE_METRICS = {
     "tau": ("sparkjax_tau", "gauge", None),
     "verify_sizes": ("sparkjax_verify_rounds_total", "counter", "size"),
     "faults": ("sparkjax_engine_faults_total", "counter", None),
+    "prefills": ("sparkjax_prefills_total", "counter", None),
+    "prefill_tokens": ("sparkjax_prefill_tokens_total", "counter", None),
+    "shared_prefills": ("sparkjax_shared_prefills_total", "counter", None),
     "queue_length": ("sparkjax_queue_length", "gauge", None),
     "active_slots": ("sparkjax_active_slots", "gauge", None),
     "slots": ("sparkjax_slots", "gauge", None),

@@ -3,7 +3,9 @@
 The pool is a :class:`~sparkjax.engine.state.SpecState` of batch N, whatever the method (``ar``'s has no drafter
 context). A free slot is a finished sequence (``done``): every round masks it, so it grows nothing
 and commits nothing. Each program compiles once per shape, the pool donated: :func:`pool_init` (every slot
-free), :func:`pool_admit` (one prompt's prefill written into slot ``i``) and :func:`pool_visit` (up to
+free), :func:`pool_admit` (one prompt's prefill written into slot ``i``), :func:`pool_fork` (slot ``i`` just
+after its admission copied into slot ``j``, its first token drawn again with ``j``'s own key: the choices of one
+request share its prompt's prefill) and :func:`pool_visit` (up to
 ``rounds`` rounds of the slots ``rows``, gathered by :func:`~sparkjax.engine.state.take_rows` and put back by
 :func:`~sparkjax.engine.state.put_rows`, in a
 ``while_loop`` that ends once a running sequence finishes; one program per number of rows). Each slot's request
@@ -21,7 +23,8 @@ import jax.numpy as jnp
 
 from ..engine import logprobs as lps
 from ..engine.adaptive import AutoState
-from ..engine.programs import merge_pair, program, spec_prefill
+from ..engine.programs import first_token, merge_pair, program, spec_prefill, spec_prefill_logits
+from ..engine.round import hits_eos
 from ..engine.state import Plan, SpecState, put_rows, take_rows, write_row
 from ..sampling import Sampling
 
@@ -72,13 +75,36 @@ def pool_admit(graphdefs, states, pool, slot, tokens, lengths, max_new, eos, tem
                cache_size, buf_len):
     """The prefill of one prompt (``tokens`` ``[1, P]``, ``lengths`` ``[1]``; ``max_new``, ``eos`` ``[E]``,
     ``temperature`` (a :class:`~sparkjax.sampling.Sampling`) and ``key`` its own, the key as a per-sequence key
-    ``[1]``) written into slot ``slot`` of ``pool`` (donated), its request values with it."""
+    ``[1]``) written into slot ``slot`` of ``pool`` (donated), its request values with it. Returns ``(pool,
+    logits)``: the prompt's last logits ``[1, V]`` its first token came from, as float32 (the sampler's own first
+    step, so nothing changes the draws), which :func:`pool_fork` takes to draw the first token of a copy of the
+    slot."""
     target, drafter = merge_pair(graphdefs, states)
     key = key.reshape(1)  # a per-sequence key: the row's draws depend on its key alone
     temperature = jax.tree.map(lambda x: jnp.reshape(x, (1,)), temperature)  # the slot's own (not the pool's)
-    row = spec_prefill(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan, cache_size,
-                       buf_len)
-    return write_row(pool, row, slot)  # every per-sequence field, the method's own too
+    row, logits = spec_prefill_logits(target, drafter, tokens, lengths, max_new, eos, temperature, key, inputs, plan,
+                                      cache_size, buf_len)
+    return write_row(pool, row, slot), logits.astype(jnp.float32)  # every per-sequence field, the method's own too
+
+
+@program(static_argnames=("plan",), donate_argnames=("pool",))
+def pool_fork(pool, src, dst, logits, key, *, plan):
+    """``pool`` (donated) with slot ``dst`` a copy of slot ``src`` as :func:`pool_admit` left it (no round run
+    since): every per-row field of the state (:func:`~sparkjax.engine.state.take_rows` /
+    :func:`~sparkjax.engine.state.write_row`: the target's KV cache, the drafter's context, the request values,
+    the method's own state) but the first token, drawn again from the prompt's ``logits`` ``[1, V]`` (what
+    :func:`pool_admit` returned) with ``dst``'s own ``key`` exactly as :func:`spec_prefill` draws it
+    (:func:`~sparkjax.engine.programs.first_token`): the slot holds what :func:`pool_admit` of the same prompt
+    with that key would have written, without running the target again. Greedy, the copy's first token is the
+    source's. ``src`` / ``dst``: traced slot indices; one program for the pool."""
+    row = take_rows(pool, jnp.reshape(src, (1,)))
+    temperature = row.request.sampling
+    key, first = first_token(logits, temperature, key.reshape(1), plan)
+    row = dataclasses.replace(
+        row, x_start=first, out=row.out.at[:, 0].set(first), key=key,
+        done=hits_eos(first, row.request.eos) | (row.n >= row.request.max_new),
+        logprobs=lps.record(row.logprobs, logits, first, jnp.zeros_like(row.n), temperature))
+    return write_row(pool, row, dst)
 
 
 def _choice_counts(plan: Plan, state: SpecState, r0: Array) -> Array:
@@ -168,4 +194,4 @@ def score_prompt(graphdef, state, tokens, *, top, options):
     return lps.score(logits, following, jnp.float32(0.0), top)
 
 
-__all__ = ["Visit", "pool_admit", "pool_init", "pool_visit", "read_tokens", "score_prompt"]
+__all__ = ["Visit", "pool_admit", "pool_fork", "pool_init", "pool_visit", "read_tokens", "score_prompt"]
