@@ -107,23 +107,28 @@ def test_shadow_chain_is_scored_against_the_committed_tokens():
     committed (or it is done, or a probe needs the slot), into the chain's calibration only."""
     m = Auto(sizes=(0, "chain", 4))
     c = m.sizes.index("chain")
-    out = jnp.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 8, 9, 1, 2, 0], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
-    st = _state(choices=jnp.zeros((3, 8), jnp.int32), real=jnp.zeros((3,)), pred=jnp.zeros((3,)),
-                last=jnp.zeros((3, 3)), shadow=jnp.asarray([[6, 7, 0], [6, 7, 9], [9, 9, 9]], jnp.int32),
-                shadow_at=jnp.asarray([1, 1, 2], jnp.int32), shadow_pred=jnp.asarray([2.0, 3.0, 1.0]),
-                shadow_live=jnp.asarray([True, True, False]))
+    out = np.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 8, 9, 1, 2, 0], [1, 2, 3, 4, 5, 6, 7, 8]], np.int32)
+    st = _state(choices=np.zeros((3, 8), np.int32), real=np.zeros((3,), np.float32), pred=np.zeros((3,), np.float32),
+                last=np.zeros((3, 3), np.float32), shadow=np.asarray([[6, 7, 0], [6, 7, 9], [9, 9, 9]], np.int32),
+                shadow_at=np.asarray([1, 1, 2], np.int32), shadow_pred=np.asarray([2.0, 3.0, 1.0], np.float32),
+                shadow_live=np.asarray([True, True, False]))
 
-    def state(n, done):
-        return types.SimpleNamespace(out=out, n=jnp.asarray(n, jnp.int32), done=jnp.asarray(done))
+    @functools.partial(jax.jit, static_argnums=3)  # one program per ``forced``, the results back on the host
+    def score_shadow(st, n, done, forced):
+        gen = types.SimpleNamespace(out=out, n=n, done=done)
+        return adaptive.score_shadow(m, st, gen, forced)
+
+    def score(st, n, done, forced):
+        return jax.tree.map(np.asarray, score_shadow(st, np.asarray(n, np.int32), np.asarray(done), forced))
 
     # row 0: 2 of 3 places committed, not done: waits; row 1: all committed -> 2 leading hits (6, 7; then 9 != 8)
-    new = adaptive.score_shadow(m, st, state([3, 4, 8], [False, False, False]), False)
+    new = score(st, [3, 4, 8], [False, False, False], False)
     np.testing.assert_array_equal(new.shadow_live, [True, False, False])
     a = adaptive.CALIBRATION_DECAY
     np.testing.assert_allclose(new.real, [0.0, (1 - a) * 2.0, 0.0], rtol=1e-6)
     np.testing.assert_allclose(new.pred, [0.0, (1 - a) * 3.0, 0.0], rtol=1e-6)
     # forced (a probe is due): row 0 scored on what is committed: 6, 7 match, the third place is not committed
-    forced = adaptive.score_shadow(m, new, state([3, 4, 8], [False, False, False]), True)
+    forced = score(new, [3, 4, 8], [False, False, False], True)
     assert not bool(forced.shadow_live.any())
     np.testing.assert_allclose(forced.real[c], a * new.real[c] + (1 - a) * 2.0, rtol=1e-6)
     np.testing.assert_allclose(forced.pred[c], a * new.pred[c] + (1 - a) * 2.0, rtol=1e-6)
@@ -151,8 +156,8 @@ def test_best_first_prefix_masks_slice_with_the_tree():
     ancestor mask of the first b nodes is the first b + 1 rows and columns of the whole tree's."""
     rng = np.random.default_rng(0)
     d = 4
-    toks, logp = tree.candidates(jnp.asarray(rng.normal(size=(d, 40)) * 3, jnp.float32), 8)
-    tables = tree.ddtree_tables(logp)
+    toks, tables = jax.jit(lambda x: (lambda t, lp: (t, tree.ddtree_tables(lp)))(*tree.candidates(x, 8)))(
+        (rng.normal(size=(d, 40)) * 3).astype(np.float32))
     best_first = jax.jit(tree.best_first, static_argnums=2)
     visibility = jax.jit(tree.visibility, static_argnums=1)
     big = best_first(tables, toks, 64)
