@@ -74,19 +74,20 @@ def _state(**kw) -> adaptive.AutoState:
 
 
 def test_policy_viability_and_probe_floor_on_hand_made_tables():
+    _policy = jax.jit(policy)  # one program per set of shapes
     costs_ = np.array([1.0, 1.5, 2.0, 4.0])  # ar, chain, tree@8, tree@64
     # a confident drafter: the big tree commits 9 tokens for 4x the cost of a plain step
-    assert int(policy(np.array([1.0, 3.0, 5.0, 9.0]), costs_)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
-    assert int(policy(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
+    assert int(_policy(np.array([1.0, 3.0, 5.0, 9.0]), costs_)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
+    assert int(_policy(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
     # a hopeless drafter: the plain step wins
-    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_)) == 0
+    assert int(_policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_)) == 0
     # per sequence: summed over the active ones only
     per_seq = np.array([[1.0, 4.0, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0]])
-    assert int(policy(per_seq, costs_)) == 1
-    assert int(policy(per_seq, costs_, active=np.array([False, True]))) == 0
+    assert int(_policy(per_seq, costs_)) == 1
+    assert int(_policy(per_seq, costs_, active=np.array([False, True]))) == 0
     # a candidate that is not allowed is never picked; ties go to the first
-    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_, allowed=np.array([False, True, True, True]))) == 1
-    assert int(policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
+    assert int(_policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_, allowed=np.array([False, True, True, True]))) == 1
+    assert int(_policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
     # jit-able, same answer
     assert int(jax.jit(policy)(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
     # viability: a drafted size whose round costs at least viable_share x its depth + 1 tokens in plain steps is
@@ -138,17 +139,18 @@ def test_shadow_chain_is_scored_against_the_committed_tokens():
 
 
 def test_predictions_from_hand_made_scores_and_their_calibration():
-    st = _state(real=jnp.array([0.0, 1.0, 0.0]), pred=jnp.array([0.0, 3.0, 0.0]))
-    exp = np.asarray(adaptive.calibrated(st, jnp.array([[0.0, 2.0, 2.0]])))
+    st = _state(real=np.array([0.0, 1.0, 0.0], np.float32), pred=np.array([0.0, 3.0, 0.0], np.float32))
+    exp = np.asarray(jax.jit(adaptive.calibrated)(st, np.array([[0.0, 2.0, 2.0]], np.float32)))
     p = adaptive.CALIBRATION_PRIOR
     np.testing.assert_allclose(exp[0], [1.0, 1.0 + 2.0 * (1.0 + p) / (3.0 + p), 3.0], rtol=1e-6)
     m = Auto(sizes=(0, "chain", 1, 3))
-    scores = jnp.log(jnp.array([[0.5, 0.25, 0.1, 0.05]]))
-    chain_p = jnp.array([[0.5, 0.5, 1.0]])
-    raw = np.asarray(adaptive.predictions(m, 1, scores, chain_p))
+    predictions = jax.jit(lambda scores, chain_p: adaptive.predictions(m, 1, scores, chain_p))  # one program
+    scores = np.log(np.array([[0.5, 0.25, 0.1, 0.05]])).astype(np.float32)
+    chain_p = np.array([[0.5, 0.5, 1.0]], np.float32)
+    raw = np.asarray(predictions(scores, chain_p))
     np.testing.assert_allclose(raw[0], [0.0, 0.5 + 0.25 + 0.25, 0.5, 0.85], rtol=1e-6)
-    padded = jnp.array([[np.log(0.5), -np.inf, -np.inf, -np.inf]])  # padding nodes add nothing
-    np.testing.assert_allclose(np.asarray(adaptive.predictions(m, 1, padded, chain_p))[0, 3], 0.5, rtol=1e-6)
+    padded = np.array([[np.log(0.5), -np.inf, -np.inf, -np.inf]], np.float32)  # padding nodes add nothing
+    np.testing.assert_allclose(np.asarray(predictions(padded, chain_p))[0, 3], 0.5, rtol=1e-6)
 
 
 def test_best_first_prefix_masks_slice_with_the_tree():
