@@ -60,6 +60,28 @@ def _jitted_call(model, args, dynamic, *, static):
     return _jitted(model, args, dynamic, static=static)
 
 
+# The XLA options the suite compiles with (above), per program: what jit_exact passes whatever XLA_FLAGS says.
+EXACT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def jit_exact(fn, *modules_and_args):
+    """``fn(*modules_and_args)`` (Flax modules among them) as one compiled program with :data:`EXACT_OPTIONS`,
+    for a test that compares two computations inside it bit for bit: both are compiled together and the same
+    way under any XLA_FLAGS (CI's second pass runs XLA's defaults, whose fusion may round two shapes of the
+    same ops differently). Compiled on every call: for checks that run once."""
+    import jax
+    from flax import nnx
+
+    is_module = [isinstance(x, nnx.Module) for x in modules_and_args]
+    graphdefs = {i: nnx.split(x) for i, x in enumerate(modules_and_args) if is_module[i]}
+    dynamic = [graphdefs[i][1] if is_module[i] else x for i, x in enumerate(modules_and_args)]
+
+    def run(dynamic):
+        return fn(*(nnx.merge(graphdefs[i][0], x) if is_module[i] else x for i, x in enumerate(dynamic)))
+
+    return jax.jit(run).lower(dynamic).compile(EXACT_OPTIONS)(dynamic)
+
+
 @pytest.fixture(scope="session")
 def xla_cache() -> str:
     """The session's persistent XLA cache folder (set above), for subprocesses to reuse."""

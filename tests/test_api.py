@@ -441,10 +441,11 @@ def arguments(draw):
 def stubbed_programs():
     def spec(graphdefs, states, tokens, lengths, max_new, eos, temperature, key, inputs, *, plan, cache_size,
              buf_len, mesh=None):
-        b = tokens.shape[0]
-        z = jnp.zeros((b,), jnp.int32)
-        return (jnp.zeros((b, buf_len), jnp.int32), z + 1, jnp.zeros((b, buf_len if plan.drafts else 0), jnp.int32),
-                z, jnp.zeros((b, plan.depth), jnp.int32), z - 1, None, None)
+        b = tokens.shape[0]  # built on the host and put on the device: no program per shape
+        z = np.zeros((b,), np.int32)
+        return jax.device_put((np.zeros((b, buf_len), np.int32), z + 1,
+                               np.zeros((b, buf_len if plan.drafts else 0), np.int32), z,
+                               np.zeros((b, plan.depth), np.int32), z - 1, None, None))
 
     def table(target, drafter, plan, batch, cache_size):  # auto: no profiling
         labels = plan.method.labels()

@@ -28,17 +28,22 @@ def _attend(q, parts, impl, block=layers.BLOCK_SLOTS):
     return layers.attend(q, parts, impl=impl, block_slots=block)
 
 
+# the model's dense mask, one program per shape (the tests build their inputs on the host, not op by op)
+_dense_mask = jax.jit(attention_mask, static_argnums=2)
+_mask_dense = jax.jit(layers.CacheMask.dense, static_argnums=(1, 2))  # a CacheMask's dense mask, compiled
+
+
 def _case(seed: int, b: int, t: int, n: int, kh: int, s: int, h: int = 8, dtype=jnp.float32, lengths=None,
           lazy=False):
     """Queries [B, T, N, H], a cache [B, K, S, H] with random live lengths, a tree mask over T new slots (dense,
-    or as a CacheMask when ``lazy``)."""
+    or as a CacheMask when ``lazy``), as host arrays."""
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
-    k = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
-    v = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
-    lengths = jnp.asarray(rng.integers(0, s - t + 1, b) if lengths is None else lengths, jnp.int32)
-    block = jnp.asarray(np.stack([random_tree_mask(rng, t) for _ in range(b)]))
-    mask = layers.CacheMask(lengths, block) if lazy else attention_mask(lengths, block, s)
+    q = rng.normal(size=(b, t, n, h)).astype(dtype)
+    k = rng.normal(size=(b, kh, s, h)).astype(dtype)
+    v = rng.normal(size=(b, kh, s, h)).astype(dtype)
+    lengths = np.asarray(rng.integers(0, s - t + 1, b) if lengths is None else lengths, np.int32)
+    block = np.stack([random_tree_mask(rng, t) for _ in range(b)])
+    mask = layers.CacheMask(lengths, block) if lazy else np.array(_dense_mask(lengths, block, s))
     return q, k, v, mask, lengths
 
 
@@ -60,16 +65,17 @@ def test_paths_match_reference_on_tree_masks(impl, n, kh, seed):
 
 def test_fully_masked_rows_are_zero_and_bfloat16_agrees():
     q, k, v, mask, _ = _case(1, b=2, t=4, n=4, kh=2, s=32)
-    mask = mask.at[0, 2].set(False).at[1].set(False)  # one query row of sequence 0, all of sequence 1
+    mask[0, 2] = mask[1] = False  # one query row of sequence 0, all of sequence 1
     ref = _attend(q, [(k, v, mask)], "einsum")
-    np.testing.assert_array_equal(np.asarray(ref[0, 2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(ref)[0, 2], 0.0)
     bq, bk, bv, bmask, _ = _case(3, b=2, t=5, n=4, kh=2, s=64, dtype=jnp.bfloat16)
     bref = _attend(bq, [(bk, bv, bmask)], "einsum")
     for impl in ("dpa", "blocked", "prefix"):
         got = _attend(q, [(k, v, mask)], impl, block=8)
-        np.testing.assert_array_equal(np.asarray(got[0, 2]), 0.0)
-        np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
-        assert np.abs(np.asarray(got[0, 1])).max() > 0  # visible rows are not zeroed
+        host = np.asarray(got)
+        np.testing.assert_array_equal(host[0, 2], 0.0)
+        np.testing.assert_array_equal(host[1], 0.0)
+        assert np.abs(host[0, 1]).max() > 0  # visible rows are not zeroed
         _close(got, ref, 1e-5)
         got = _attend(bq, [(bk, bv, bmask)], impl, block=16)
         assert got.dtype == bref.dtype == jnp.bfloat16
@@ -83,12 +89,12 @@ def test_two_part_context_and_block(impl, seed):
     """The drafter's pattern: context rows visible below each sequence's length, plus a dense block."""
     rng = np.random.default_rng(seed)
     b, g, n, kh, s, h = 2, 4, 4, 2, 48, 8
-    q = jnp.asarray(rng.normal(size=(b, g, n, h)), jnp.float32)
-    ck, cv = (jnp.asarray(rng.normal(size=(b, kh, s, h)), jnp.float32) for _ in range(2))
-    bk, bv = (jnp.asarray(rng.normal(size=(b, kh, g, h)), jnp.float32) for _ in range(2))
-    lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
-    ctx_mask = jnp.broadcast_to((jnp.arange(s)[None, :] < lengths[:, None])[:, None, :], (b, g, s))
-    parts = [(ck, cv, ctx_mask), (bk, bv, jnp.ones((1, g, g), bool))]
+    q = rng.normal(size=(b, g, n, h)).astype(np.float32)
+    ck, cv = (rng.normal(size=(b, kh, s, h)).astype(np.float32) for _ in range(2))
+    bk, bv = (rng.normal(size=(b, kh, g, h)).astype(np.float32) for _ in range(2))
+    lengths = rng.integers(0, s + 1, b).astype(np.int32)
+    ctx_mask = np.broadcast_to((np.arange(s)[None, :] < lengths[:, None])[:, None, :], (b, g, s))
+    parts = [(ck, cv, ctx_mask), (bk, bv, np.ones((1, g, g), bool))]
     ref = _attend(q, parts, "einsum")
     _close(_attend(q, parts, impl, block=16), ref, 1e-5)
 
@@ -99,12 +105,13 @@ def test_bounded_paths_read_only_live_slots(impl):
     there leaves the result intact (and poisons the reference, which reads the whole bucket). ``split`` gets a
     CacheMask, which every other path makes dense."""
     q, k, v, mask, lengths = _case(2, b=2, t=3, n=4, kh=2, s=128, lengths=[20, 37], lazy=impl == "split")
-    dense = mask.dense(3, 128) if impl == "split" else mask
-    last = int(jnp.max(lengths)) + 3  # slots [0, last) can be visible
+    dense = _dense_mask(mask.lengths, mask.block, 128) if impl == "split" else mask  # what mask.dense(3, 128) is
+    last = int(np.max(lengths)) + 3  # slots [0, last) can be visible
     cut = max(16, 1 << (last - 1).bit_length()) if impl == "prefix" else -(-last // 16) * 16
     assert cut < 128, cut
     clean = _attend(q, [(k, v, dense)], "einsum")
-    k_bad, v_bad = k.at[:, :, cut:].set(jnp.nan), v.at[:, :, cut:].set(jnp.nan)
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[:, :, cut:] = v_bad[:, :, cut:] = np.nan
     _close(_attend(q, [(k_bad, v_bad, mask)], impl, block=16), clean, 1e-5)
     assert np.isnan(np.asarray(_attend(q, [(k_bad, v_bad, dense)], "einsum"))).any()
     for other in ("einsum", "dpa", "blocked", "prefix") if impl == "split" else ():
@@ -119,22 +126,27 @@ def test_split_matches_reference_over_a_cache(dtype, tol, s):
     for seed, (n, kh) in enumerate([(4, 2), (2, 2)]):
         q, k, v, cm, lengths = _case(seed, b=4, t=5, n=n, kh=kh, s=s, dtype=dtype, lengths=[0, 7, 33, s - 5],
                                      lazy=True)
-        dense = attention_mask(lengths, cm.block, s)
-        np.testing.assert_array_equal(np.asarray(cm.dense(5, s)), np.asarray(dense))
-        cm = layers.CacheMask(lengths, cm.block.at[1, 3].set(False))  # row 3 of sequence 1 sees the prefix only
-        empty = layers.CacheMask(lengths, cm.block.at[0, 2].set(False))  # sequence 0 row 2: nothing at all
+        dense = _dense_mask(lengths, cm.block, s)
+        np.testing.assert_array_equal(np.asarray(_mask_dense(cm, 5, s)), np.asarray(dense))
+        block = cm.block.copy()
+        block[1, 3] = False
+        cm = layers.CacheMask(lengths, block)  # row 3 of sequence 1 sees the prefix only
+        block = block.copy()
+        block[0, 2] = False
+        empty = layers.CacheMask(lengths, block)  # sequence 0 row 2: nothing at all
         for mask in (cm, empty):
-            ref = _attend(q, [(k, v, mask.dense(5, s))], "einsum")
+            ref = _attend(q, [(k, v, _mask_dense(mask, 5, s))], "einsum")
             got = _attend(q, [(k, v, mask)], "split", block=16)
             assert got.shape == q.shape and got.dtype == ref.dtype == dtype
             _close(got, ref, tol)
-        np.testing.assert_array_equal(np.asarray(got[0, 2], np.float32), 0.0)
-        assert np.abs(np.asarray(got[0, 1], np.float32)).max() > 0
+        host = np.asarray(got, np.float32)
+        np.testing.assert_array_equal(host[0, 2], 0.0)
+        assert np.abs(host[0, 1]).max() > 0
         # the drafter's pattern: context slots below each length, then a dense block part
         bk, bv = k[:, :, :5], v[:, :, :5]
         ctx = layers.CacheMask(lengths)
-        parts = [(k, v, ctx), (bk, bv, jnp.ones((1, 5, 5), bool))]
-        ref = _attend(q, [(k, v, ctx.dense(5, s)), parts[1]], "einsum")
+        parts = [(k, v, ctx), (bk, bv, np.ones((1, 5, 5), bool))]
+        ref = _attend(q, [(k, v, _mask_dense(ctx, 5, s)), parts[1]], "einsum")
         _close(_attend(q, parts, "split", block=16), ref, tol)
 
 
@@ -181,11 +193,11 @@ def test_auto_resolves_by_backend(monkeypatch):
     seen = []
     monkeypatch.setattr(layers, "_attend_blocked", lambda q, parts, block: seen.append("blocked") or q)
     monkeypatch.setattr(layers, "attend_split", lambda q, parts, block_slots: seen.append("split") or q)
-    q = jnp.zeros((1, 1, 2, 4))
-    k = jnp.zeros((1, 1, 2 * layers.BLOCK_SLOTS, 4))
-    layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))])  # the default is "auto"
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    k = np.zeros((1, 1, 2 * layers.BLOCK_SLOTS, 4), np.float32)
+    layers.attend(q, [(k, k, np.ones((1, 1, k.shape[2]), bool))])  # the default is "auto"
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
-    layers.attend(q, [(k, k, jnp.ones((1, 1, k.shape[2]), bool))], impl="auto")
+    layers.attend(q, [(k, k, np.ones((1, 1, k.shape[2]), bool))], impl="auto")
     assert seen == ["blocked", "split"]
 
 
@@ -197,13 +209,13 @@ def test_models_take_the_attention_as_an_argument(fixture_target):
         calls.append(q.shape)
         return layers.attend(q, parts, impl="einsum")
 
-    ids = jnp.asarray([[1, 2, 3]])
-    pos = jnp.arange(3)[None]
-    got = fixture_target(ids, pos, attention=spy).logits
+    ids = np.asarray([[1, 2, 3]], np.int32)
+    pos = np.arange(3, dtype=np.int32)[None]
+    got = jit_call(fixture_target, ids, pos, attention=spy).logits  # traced once: the spy sees each layer once
     assert len(calls) == fixture_target.config.num_hidden_layers
-    _close(got, fixture_target(ids, pos, attention="einsum").logits, 1e-6)
+    _close(got, jit_call(fixture_target, ids, pos, attention="einsum").logits, 1e-6)
     with pytest.raises(ArgumentError, match="impl='flash'"):
-        fixture_target(ids, pos, attention="flash")
+        jit_call(fixture_target, ids, pos, attention="flash")
     q, k, v, mask, _ = _case(4, b=1, t=2, n=2, kh=1, s=16)
     with pytest.raises(ArgumentError, match="impl='flash'"):
         layers.attend(q, [(k, v, mask)], impl="flash")

@@ -74,19 +74,20 @@ def _state(**kw) -> adaptive.AutoState:
 
 
 def test_policy_viability_and_probe_floor_on_hand_made_tables():
+    _policy = jax.jit(policy)  # one program per set of shapes
     costs_ = np.array([1.0, 1.5, 2.0, 4.0])  # ar, chain, tree@8, tree@64
     # a confident drafter: the big tree commits 9 tokens for 4x the cost of a plain step
-    assert int(policy(np.array([1.0, 3.0, 5.0, 9.0]), costs_)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
-    assert int(policy(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
+    assert int(_policy(np.array([1.0, 3.0, 5.0, 9.0]), costs_)) == 2  # 2.5 tokens per unit beats 2.25 and 2.0
+    assert int(_policy(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
     # a hopeless drafter: the plain step wins
-    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_)) == 0
+    assert int(_policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_)) == 0
     # per sequence: summed over the active ones only
     per_seq = np.array([[1.0, 4.0, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0]])
-    assert int(policy(per_seq, costs_)) == 1
-    assert int(policy(per_seq, costs_, active=np.array([False, True]))) == 0
+    assert int(_policy(per_seq, costs_)) == 1
+    assert int(_policy(per_seq, costs_, active=np.array([False, True]))) == 0
     # a candidate that is not allowed is never picked; ties go to the first
-    assert int(policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_, allowed=np.array([False, True, True, True]))) == 1
-    assert int(policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
+    assert int(_policy(np.array([1.0, 1.2, 1.5, 2.0]), costs_, allowed=np.array([False, True, True, True]))) == 1
+    assert int(_policy(np.array([2.0, 2.0]), np.array([1.0, 1.0]))) == 0
     # jit-able, same answer
     assert int(jax.jit(policy)(np.array([1.0, 3.0, 5.0, 12.0]), costs_)) == 3
     # viability: a drafted size whose round costs at least viable_share x its depth + 1 tokens in plain steps is
@@ -107,23 +108,28 @@ def test_shadow_chain_is_scored_against_the_committed_tokens():
     committed (or it is done, or a probe needs the slot), into the chain's calibration only."""
     m = Auto(sizes=(0, "chain", 4))
     c = m.sizes.index("chain")
-    out = jnp.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 8, 9, 1, 2, 0], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
-    st = _state(choices=jnp.zeros((3, 8), jnp.int32), real=jnp.zeros((3,)), pred=jnp.zeros((3,)),
-                last=jnp.zeros((3, 3)), shadow=jnp.asarray([[6, 7, 0], [6, 7, 9], [9, 9, 9]], jnp.int32),
-                shadow_at=jnp.asarray([1, 1, 2], jnp.int32), shadow_pred=jnp.asarray([2.0, 3.0, 1.0]),
-                shadow_live=jnp.asarray([True, True, False]))
+    out = np.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 8, 9, 1, 2, 0], [1, 2, 3, 4, 5, 6, 7, 8]], np.int32)
+    st = _state(choices=np.zeros((3, 8), np.int32), real=np.zeros((3,), np.float32), pred=np.zeros((3,), np.float32),
+                last=np.zeros((3, 3), np.float32), shadow=np.asarray([[6, 7, 0], [6, 7, 9], [9, 9, 9]], np.int32),
+                shadow_at=np.asarray([1, 1, 2], np.int32), shadow_pred=np.asarray([2.0, 3.0, 1.0], np.float32),
+                shadow_live=np.asarray([True, True, False]))
 
-    def state(n, done):
-        return types.SimpleNamespace(out=out, n=jnp.asarray(n, jnp.int32), done=jnp.asarray(done))
+    @functools.partial(jax.jit, static_argnums=3)  # one program per ``forced``, the results back on the host
+    def score_shadow(st, n, done, forced):
+        gen = types.SimpleNamespace(out=out, n=n, done=done)
+        return adaptive.score_shadow(m, st, gen, forced)
+
+    def score(st, n, done, forced):
+        return jax.tree.map(np.asarray, score_shadow(st, np.asarray(n, np.int32), np.asarray(done), forced))
 
     # row 0: 2 of 3 places committed, not done: waits; row 1: all committed -> 2 leading hits (6, 7; then 9 != 8)
-    new = adaptive.score_shadow(m, st, state([3, 4, 8], [False, False, False]), False)
+    new = score(st, [3, 4, 8], [False, False, False], False)
     np.testing.assert_array_equal(new.shadow_live, [True, False, False])
     a = adaptive.CALIBRATION_DECAY
     np.testing.assert_allclose(new.real, [0.0, (1 - a) * 2.0, 0.0], rtol=1e-6)
     np.testing.assert_allclose(new.pred, [0.0, (1 - a) * 3.0, 0.0], rtol=1e-6)
     # forced (a probe is due): row 0 scored on what is committed: 6, 7 match, the third place is not committed
-    forced = adaptive.score_shadow(m, new, state([3, 4, 8], [False, False, False]), True)
+    forced = score(new, [3, 4, 8], [False, False, False], True)
     assert not bool(forced.shadow_live.any())
     np.testing.assert_allclose(forced.real[c], a * new.real[c] + (1 - a) * 2.0, rtol=1e-6)
     np.testing.assert_allclose(forced.pred[c], a * new.pred[c] + (1 - a) * 2.0, rtol=1e-6)
@@ -133,17 +139,18 @@ def test_shadow_chain_is_scored_against_the_committed_tokens():
 
 
 def test_predictions_from_hand_made_scores_and_their_calibration():
-    st = _state(real=jnp.array([0.0, 1.0, 0.0]), pred=jnp.array([0.0, 3.0, 0.0]))
-    exp = np.asarray(adaptive.calibrated(st, jnp.array([[0.0, 2.0, 2.0]])))
+    st = _state(real=np.array([0.0, 1.0, 0.0], np.float32), pred=np.array([0.0, 3.0, 0.0], np.float32))
+    exp = np.asarray(jax.jit(adaptive.calibrated)(st, np.array([[0.0, 2.0, 2.0]], np.float32)))
     p = adaptive.CALIBRATION_PRIOR
     np.testing.assert_allclose(exp[0], [1.0, 1.0 + 2.0 * (1.0 + p) / (3.0 + p), 3.0], rtol=1e-6)
     m = Auto(sizes=(0, "chain", 1, 3))
-    scores = jnp.log(jnp.array([[0.5, 0.25, 0.1, 0.05]]))
-    chain_p = jnp.array([[0.5, 0.5, 1.0]])
-    raw = np.asarray(adaptive.predictions(m, 1, scores, chain_p))
+    predictions = jax.jit(lambda scores, chain_p: adaptive.predictions(m, 1, scores, chain_p))  # one program
+    scores = np.log(np.array([[0.5, 0.25, 0.1, 0.05]])).astype(np.float32)
+    chain_p = np.array([[0.5, 0.5, 1.0]], np.float32)
+    raw = np.asarray(predictions(scores, chain_p))
     np.testing.assert_allclose(raw[0], [0.0, 0.5 + 0.25 + 0.25, 0.5, 0.85], rtol=1e-6)
-    padded = jnp.array([[np.log(0.5), -np.inf, -np.inf, -np.inf]])  # padding nodes add nothing
-    np.testing.assert_allclose(np.asarray(adaptive.predictions(m, 1, padded, chain_p))[0, 3], 0.5, rtol=1e-6)
+    padded = np.array([[np.log(0.5), -np.inf, -np.inf, -np.inf]], np.float32)  # padding nodes add nothing
+    np.testing.assert_allclose(np.asarray(predictions(padded, chain_p))[0, 3], 0.5, rtol=1e-6)
 
 
 def test_best_first_prefix_masks_slice_with_the_tree():
@@ -151,8 +158,8 @@ def test_best_first_prefix_masks_slice_with_the_tree():
     ancestor mask of the first b nodes is the first b + 1 rows and columns of the whole tree's."""
     rng = np.random.default_rng(0)
     d = 4
-    toks, logp = tree.candidates(jnp.asarray(rng.normal(size=(d, 40)) * 3, jnp.float32), 8)
-    tables = tree.ddtree_tables(logp)
+    toks, tables = jax.jit(lambda x: (lambda t, lp: (t, tree.ddtree_tables(lp)))(*tree.candidates(x, 8)))(
+        (rng.normal(size=(d, 40)) * 3).astype(np.float32))
     best_first = jax.jit(tree.best_first, static_argnums=2)
     visibility = jax.jit(tree.visibility, static_argnums=1)
     big = best_first(tables, toks, 64)

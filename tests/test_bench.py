@@ -3,6 +3,7 @@ forced acceptance (``scale``), tiny real runs of both, the serve report from rec
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -98,6 +99,9 @@ def test_ctrl_c_writes_what_was_measured_and_exits_130(monkeypatch, tmp_path, ca
     assert [p.name for p in tmp_path.iterdir()] == ["att.txt"]  # written atomically: no temporary left
 
 
+_spec = jax.ShapeDtypeStruct  # the programs below are lowered from shapes: no arrays to build
+
+
 def test_loop_trip_counts_known_derived_or_unknown_and_a_hoisted_bf16_upcast_charged_at_bf16():
     """Nested loops (5 outer trips: a dot of a loop-invariant bf16 weight and a sort; 3 inner): every kernel counted
     per trip (a condition once more), the trip count derived from the condition (i < constant) when XLA states
@@ -108,7 +112,7 @@ def test_loop_trip_counts_known_derived_or_unknown_and_a_hoisted_bf16_upcast_cha
         return jax.lax.fori_loop(0, 5, lambda i, v: jax.lax.fori_loop(0, 3, lambda j, u: jnp.tanh(u) * 2,
                                                                       jnp.sort(v @ w)), x)
 
-    text = jax.jit(f).lower(jnp.ones((n, k), jnp.bfloat16), jnp.ones((k, k), jnp.bfloat16)).compile().as_text()
+    text = jax.jit(f).lower(_spec((n, k), jnp.bfloat16), _spec((k, k), jnp.bfloat16)).compile().as_text()
     known = hlo.count_hlo(text)
     derived = hlo.count_hlo(re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text))
     unknown = hlo.count_hlo(re.sub(r'"known_(trip_count|init_step)":\{[^{}]*\},?', "", text))
@@ -128,14 +132,14 @@ def test_loop_trip_counts_known_derived_or_unknown_and_a_hoisted_bf16_upcast_cha
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_byte_model_of_one_dot_and_of_an_in_place_update(dtype):
     m, k, n = 8, 64, 32
-    x, w = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
+    x, w = _spec((m, k), dtype), _spec((k, n), dtype)
     t = hlo.count_hlo(jax.jit(lambda x, w: x @ w).lower(x, w).compile().as_text())
     assert t.bytes == (m * k + k * n + m * n) * jnp.dtype(dtype).itemsize  # XLA:CPU's f32 upcast is not charged
     assert (t.flops, t.total_kernels) == (2 * m * n * k, 1)
-    buf, row = jnp.zeros((1024, 64), dtype), jnp.ones((1, 64), dtype)
+    buf, row = _spec((1024, 64), dtype), _spec((1, 64), dtype)
     f = jax.jit(lambda b, r, i: jax.lax.dynamic_update_slice(b, r, (i, 0)), donate_argnums=0)
-    t = hlo.count_hlo(f.lower(buf, row, jnp.int32(3)).compile().as_text())
-    assert 0 < t.bytes < buf.nbytes / 16  # the buffer is neither read nor rewritten whole
+    t = hlo.count_hlo(f.lower(buf, row, _spec((), jnp.int32)).compile().as_text())
+    assert 0 < t.bytes < 1024 * 64 * jnp.dtype(dtype).itemsize / 16  # the buffer is neither read nor rewritten whole
 
 
 def test_roofline_and_launch_projection():
@@ -151,9 +155,9 @@ def test_fused_attention_model_is_one_kernel_charged_its_operands_and_output():
     """--attention fused: one opaque kernel per attention call, its operands read and its output written once (no
     [B, N, T, S] scores), with 4 B T N H S matrix FLOPs over both parts."""
     b, t, n, kh, h, s1, s2 = 2, 5, 4, 2, 8, 64, 5
-    q = jnp.ones((b, t, n, h), jnp.bfloat16)
-    parts = [(jnp.ones((b, kh, s, h), jnp.bfloat16), jnp.ones((b, kh, s, h), jnp.bfloat16),
-              jnp.ones((b, t, s), bool)) for s in (s1, s2)]
+    q = _spec((b, t, n, h), jnp.bfloat16)
+    parts = [(_spec((b, kh, s, h), jnp.bfloat16), _spec((b, kh, s, h), jnp.bfloat16), _spec((b, t, s), bool))
+             for s in (s1, s2)]
     tally = hlo.count_hlo(jax.jit(hlo.fused_attention_model).lower(q, parts).compile().as_text())
     kv = sum(2 * b * kh * s * h * 2 + b * t * s for s in (s1, s2))  # bf16 keys and values, a byte per mask entry
     assert (tally.total_kernels, tally.bytes) == (1, 2 * (b * t * n * h * 2) + kv)  # the queries in, the output out
@@ -201,18 +205,25 @@ TREE = ([0, 0, 1, 2, 3, 4], [1, 1, 2, 2, 3, 3])  # root -> 1 -> 3 -> 5 and root 
     *[(CHAIN, k, list(range(k + 1)) + [-1] * (5 - k)) for k in range(6)],
 ])
 def test_forced_acceptance(shape, accept, want):
-    parents, depths = (jnp.asarray([x], jnp.int32) for x in shape)
+    parents, depths = (np.asarray([x], np.int32) for x in shape)
     m = parents.shape[1]
-    prop = Proposal(jnp.arange(1, m + 1, dtype=jnp.int32)[None], parents, depths,
-                    tree.visibility(parents[0], int(depths.max()))[None], None)
     logits = np.zeros((1, m + 1, 11), np.float32)
     best = {5: 7, 3: 9}  # the target's argmax after a row
     for row, tok in best.items():
         if row <= m:
             logits[0, row, tok] = 1.0
-    acc = scale.forced_acceptance(prop, Verified(jnp.asarray(logits), None, None, None), accept, len(want) - 1)
+    acc = _forced_acceptance(parents, depths, logits, np.int32(accept), int(depths.max()), len(want) - 1)
     assert np.asarray(acc.indices).tolist() == [want] and np.asarray(acc.length).tolist() == [accept + 1]
     assert np.asarray(acc.bonus).tolist() == [best.get(want[accept], 0)]
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _forced_acceptance(parents, depths, logits, accept, max_depth, depth):
+    """scale.forced_acceptance of a one-sequence proposal (tokens 1..M) as one program per tree shape."""
+    m = parents.shape[1]
+    prop = Proposal(jnp.arange(1, m + 1, dtype=jnp.int32)[None], parents, depths,
+                    tree.visibility(parents[0], max_depth)[None], None)
+    return scale.forced_acceptance(prop, Verified(logits, None, None, None), accept, depth)
 
 
 def _check_rows(rows, labels, batches, accept):

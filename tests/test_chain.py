@@ -4,6 +4,7 @@ first-max helpers of sparkjax.sampling against jnp.argmax / jax.random.categoric
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -248,7 +249,7 @@ def test_first_argmax_equals_argmax(seed, shape, levels, specials, dtype):
         values = (rng.choice([np.nan, np.inf, -np.inf], size=shape) if specials == "mixed"
                   else np.full(shape, float(specials)))
         x = np.where(rng.random(shape) < 0.2, values, x).astype(np.float32)
-    x = jnp.asarray(x).astype(dtype)
+    x = x.astype(jnp.dtype(dtype))  # on the host (no specials in the int32 case)
     for axis, (g, w) in zip(range(-len(shape), len(shape)), _argmaxes_all_axes(x), strict=True):
         assert g.dtype == jnp.int32 and g.shape == w.shape
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"axis {axis}")
@@ -260,26 +261,44 @@ def _argmaxes_all_axes(x):
 
 
 def test_first_argmax_all_equal_and_all_nan_and_greedy_pick():
-    x = jnp.array([[-jnp.inf] * 4, [2.0] * 4, [jnp.nan] * 4, [1.0, jnp.nan, 3.0, jnp.nan]])
-    np.testing.assert_array_equal(np.asarray(sampling.first_argmax(x)), [0, 0, 0, 1])
-    np.testing.assert_array_equal(np.asarray(sampling.first_argmax(x)), np.asarray(jnp.argmax(x, -1)))
-    # pick: greedy (ties to the first max) at a Python or a traced zero temperature
-    logits = jnp.array([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, -1.0, 5.0]])
-    np.testing.assert_array_equal(np.asarray(sampling.pick(logits, 0.0, None)), [1, 0])
-    np.testing.assert_array_equal(np.asarray(sampling.pick(logits, jnp.float32(0.0), jax.random.key(0))), [1, 0])
-    draws = jax.vmap(lambda k: sampling.pick(logits, 1.0, k))(jax.random.split(jax.random.key(2), 64))
-    assert len(np.unique(np.asarray(draws[:, 1]))) > 1
+    x = np.array([[-np.inf] * 4, [2.0] * 4, [np.nan] * 4, [1.0, np.nan, 3.0, np.nan]], np.float32)
+    first, arg = (np.asarray(a) for a in jax.jit(lambda x: (sampling.first_argmax(x), jnp.argmax(x, -1)))(x))
+    np.testing.assert_array_equal(first, [0, 0, 0, 1])
+    np.testing.assert_array_equal(first, arg)
+    # pick: greedy (ties to the first max) at a Python or a traced zero temperature (compiled, one program each)
+    logits = np.array([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, -1.0, 5.0]], np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda lg: sampling.pick(lg, 0.0, None))(logits)), [1, 0])
+    traced = jax.jit(lambda lg, t: sampling.pick(lg, t, jax.random.key(0)))(logits, np.float32(0.0))
+    np.testing.assert_array_equal(np.asarray(traced), [1, 0])
+    draws = jax.jit(lambda lg: jax.vmap(lambda k: sampling.pick(lg, 1.0, k))(jax.random.split(jax.random.key(2), 64)))(
+        logits)
+    assert len(np.unique(np.asarray(draws)[:, 1])) > 1
 
 
 @pytest.mark.parametrize("shape", [(6,), (4, 33), (2, 3, 320)])
 def test_categorical_equals_jax_random_categorical(shape):
-    logits = jax.random.normal(jax.random.key(0), shape) * 3
-    keys = jax.random.split(jax.random.key(0), 20)
-    got = jax.jit(jax.vmap(lambda k: sampling.categorical(k, logits)))(keys)
-    want = jax.jit(jax.vmap(lambda k: jax.random.categorical(k, logits, axis=-1)))(keys)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert len(np.unique(np.asarray(got))) > 1
+    logits, keys, more = _categorical_inputs(shape)
+    got, want, draws = (np.asarray(x) for x in _categorical_draws(logits, keys, more))
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) > 1
     # -inf logits are never drawn
+    assert np.all(draws % 2 == 1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _categorical_inputs(shape):
+    """Random logits of ``shape``, 20 keys and 200 more (as key data): one program per shape."""
+    split = lambda seed, n: jax.random.key_data(jax.random.split(jax.random.key(seed), n))  # noqa: E731
+    return jax.random.normal(jax.random.key(0), shape) * 3, split(0, 20), split(1, 200)
+
+
+@jax.jit
+def _categorical_draws(logits, keys, more):
+    """A draw of sampling.categorical and of jax.random.categorical per key, and one of sampling.categorical with
+    every even logit -inf per key of ``more``."""
+    keys, more = jax.random.wrap_key_data(keys), jax.random.wrap_key_data(more)
+    got = jax.vmap(lambda k: sampling.categorical(k, logits))(keys)
+    want = jax.vmap(lambda k: jax.random.categorical(k, logits, axis=-1))(keys)
     masked = logits.at[..., ::2].set(-jnp.inf)
-    draws = jax.jit(jax.vmap(lambda k: sampling.categorical(k, masked)))(jax.random.split(jax.random.key(1), 200))
-    assert np.all(np.asarray(draws) % 2 == 1)
+    draws = jax.vmap(lambda k: sampling.categorical(k, masked))(more)
+    return got, want, draws

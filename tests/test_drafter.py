@@ -52,7 +52,8 @@ def close(actual, expected, tol=LOGIT_TOL, what=""):
 
 
 def jit_with(fn, *modules):
-    """``fn(*modules, *args)`` jitted over the modules' split state (one compile per arg shapes)."""
+    """``fn(*modules, *args)`` jitted over the modules' split state (one compile per arg shapes); the modules
+    ``fn`` sees are merged inside the trace, so what it changes in them stays there."""
     graphdefs, states = zip(*(nnx.split(m) for m in modules), strict=True)
 
     @jax.jit
@@ -86,52 +87,67 @@ def fns(drafter):
     return dict(append=jit_with(draft.append_context, drafter), round=jit_with(round_fn, drafter))
 
 
+# Any drafter's pieces, one compiled program per drafter structure and argument shapes (the models of these tests
+# run compiled, not op by op: each eager op is a program of its own)
+fresh_context = nnx.jit(lambda d, feats, count, size: draft.append_context(d, d.init_context(feats.shape[0], size),
+                                                                           feats, count), static_argnums=3)
+block_tokens = nnx.jit(draft.block_tokens)
+draft_block = nnx.jit(draft.draft_block)
+
+
 @pytest.fixture(scope="module")
 def b0(ref, drafter, fns):
     """Round 0's inputs: the prompt's features, their count, the context cache they fill, the first token."""
-    feats = jnp.asarray(ref["b.context_features"])
+    feats = np.asarray(ref["b.context_features"])
     p = feats.shape[1]
-    ctx = fns["append"](drafter.init_context(1, 64), feats, jnp.array([p]))
-    return feats, p, ctx, jnp.asarray(ref["b.first_token"], jnp.int32)
+    ctx = fresh_context(drafter, feats, np.array([p], np.int32), 64)
+    return feats, p, ctx, np.asarray(ref["b.first_token"], np.int32)
 
 
 def test_round0_matches_reference(ref, drafter, fns, b0):
     cfg = drafter.config
     feats, p, ctx, x0 = b0
-    assert int(ctx.lengths[0]) == p
+    assert ctx.lengths.tolist() == [p]
 
-    close(drafter.project_context(feats), ref["b.context_projected"], what="hidden_norm(fc(features))")
+    prev = np.asarray(ref["b.markov_prev_ids"], np.int32)
+    cands = np.random.default_rng(0).integers(0, 320, (1, 16, 5)).astype(np.int32)
+
+    def pieces(d, feats, x0, chain_tokens, hidden, cands):
+        # the Markov features and W2 build the bias: f @ W2.T is the bias of every candidate prev token
+        f = draft.markov_features(d, hidden, cands)
+        w2 = draft.markov_w2(d)
+        biases = [draft.markov_bias(d, hidden, cands[..., c]) for c in range(cands.shape[-1])]
+        return (d.project_context(feats), draft.block_tokens(d, x0), draft.chain_prev(x0, chain_tokens), f, w2,
+                jnp.einsum("bgcr,vr->bgcv", f, w2), biases)
+
     # cache [L, B, K, S, H] vs DynamicCache [L, B, K, S, H] after crop(start): context only
-    close(jnp.stack(ctx.k)[:, :, :, :p], ref["b.drafter_cache_keys"], what="context keys")
-    close(jnp.stack(ctx.v)[:, :, :, :p], ref["b.drafter_cache_values"], what="context values")
-
-    np.testing.assert_array_equal(draft.block_tokens(drafter, x0), ref["b.draft_input_ids"])
+    close(np.stack(ctx.k)[:, :, :, :p], ref["b.drafter_cache_keys"], what="context keys")
+    close(np.stack(ctx.v)[:, :, :, :p], ref["b.drafter_cache_values"], what="context values")
     positions = ref["b.draft_position_ids"][0]
     np.testing.assert_array_equal(positions[p:], p + np.arange(cfg.block_size))
 
-    prev = jnp.asarray(ref["b.markov_prev_ids"], jnp.int32)
-    blk, chain, forced, conf_forced, conf_chain = fns["round"](ctx, x0, jnp.array([p]), prev)
+    blk, chain, forced, conf_forced, conf_chain = fns["round"](ctx, x0, np.array([p], np.int32), prev)
+    projected, tokens, chain_prev, f, w2, table, biases = jit_with(pieces, drafter)(feats, x0, chain.tokens,
+                                                                                    blk.hidden, cands)
+    close(projected, ref["b.context_projected"], what="hidden_norm(fc(features))")
+    np.testing.assert_array_equal(tokens, ref["b.draft_input_ids"])
     close(blk.layers, ref["b.drafter_layer_outputs"], PRENORM_TOL, "per-layer outputs")
     close(blk.hidden, ref["b.block_hidden"], what="block hidden")
     assert blk.logits.dtype == jnp.float32 and blk.logits.shape == (1, cfg.block_size, cfg.vocab_size)
     close(blk.logits, ref["b.base_logits"], what="base logits")
-    close(forced - blk.logits, ref["b.markov_bias"], what="markov bias")
+    close(np.asarray(forced) - np.asarray(blk.logits), ref["b.markov_bias"], what="markov bias")
     close(chain.logits, ref["b.corrected_logits"], what="corrected logits")
     np.testing.assert_array_equal(chain.tokens, ref["b.draft_tokens"])
-    np.testing.assert_array_equal(draft.chain_prev(x0, chain.tokens), ref["b.markov_prev_ids"])
+    np.testing.assert_array_equal(chain_prev, ref["b.markov_prev_ids"])
     close(conf_chain, ref["b.confidence_logits"], what="confidence logits")
     close(conf_forced, ref["b.confidence_logits"], what="confidence logits (given prev ids)")
-    verify = np.concatenate([np.asarray(x0)[:, None], np.asarray(chain.tokens)], axis=1)
+    verify = np.concatenate([x0[:, None], np.asarray(chain.tokens)], axis=1)
     np.testing.assert_array_equal(verify, ref["b.verify_input_ids"])
-    # the Markov features and W2 build the bias: f @ W2.T is the bias of every candidate prev token
-    cands = jnp.asarray(np.random.default_rng(0).integers(0, 320, (1, 16, 5)), jnp.int32)
-    f = draft.markov_features(drafter, blk.hidden, cands)
-    w2 = draft.markov_w2(drafter)
     assert f.shape == (1, 16, 5, cfg.markov_rank) and w2.shape == (320, cfg.markov_rank)
-    table = jnp.einsum("bgcr,vr->bgcv", f, w2)
+    table = np.asarray(table)
     for c in range(5):
-        close(table[:, :, c], draft.markov_bias(drafter, blk.hidden, cands[..., c]), dict(rtol=1e-5, atol=1e-5))
-    close(f, drafter.markov_head.markov_w1.weight[...][cands], dict(rtol=0, atol=0))  # vanilla: W1[prev]
+        close(table[:, :, c], biases[c], dict(rtol=1e-5, atol=1e-5))
+    close(f, np.asarray(drafter.markov_head.markov_w1.weight[...])[cands], dict(rtol=0, atol=0))  # vanilla: W1[prev]
 
 
 def test_all_rounds_with_incremental_context(ref, target, drafter, fns):
@@ -140,69 +156,75 @@ def test_all_rounds_with_incremental_context(ref, target, drafter, fns):
     out_ids = ref["c.spec_output_ids"]
     n_tok = out_ids.shape[1]
     # the target's features of every committed position, computed causally in one pass
-    tout = jit_call(target, jnp.asarray(out_ids, jnp.int32), jnp.arange(n_tok, dtype=jnp.int32)[None],
+    tout = jit_call(target, np.asarray(out_ids, np.int32), np.arange(n_tok, dtype=np.int32)[None],
                     hidden_layers=cfg.target_layer_ids, compute_logits=False)
-    feats = draft.features_from_hidden(tout.hidden)
+    feats = np.asarray(jax.jit(draft.features_from_hidden)(tout.hidden))
     p = ref["b.context_features"].shape[1]
     close(feats[:, :p], ref["b.context_features"], what="target features of the prompt")
-    feats = jnp.pad(feats, ((0, 0), (0, g + 1), (0, 0)))  # room for the last round's A = G + 1 rows
+    feats = np.pad(feats, ((0, 0), (0, g + 1), (0, 0)))  # room for the last round's A = G + 1 rows
 
     starts, accs = ref["c.round_start"], ref["c.acceptance_lengths"]
-    ctx = fns["append"](drafter.init_context(1, 128), feats[:, :p], jnp.array([p]))
+    ctx = fresh_context(drafter, feats[:, :p], np.array([p], np.int32), 128)
     chain_matches = 0
     for r in range(len(starts)):
         start = int(starts[r])
-        assert int(ctx.lengths[0]) == start == int(ref["c.round_drafter_cache_len_after"][r])
-        x0 = jnp.asarray(out_ids[:, start], jnp.int32)
-        np.testing.assert_array_equal(draft.block_tokens(drafter, x0), ref["c.round_draft_input_ids"][r:r + 1])
+        assert ctx.lengths.tolist() == [start] and start == int(ref["c.round_drafter_cache_len_after"][r])
+        x0 = np.asarray(out_ids[:, start], np.int32)
+        np.testing.assert_array_equal(block_tokens(drafter, x0), ref["c.round_draft_input_ids"][r:r + 1])
         verify = ref["c.round_verify_input_ids"][r]
-        blk, chain, forced, conf, _ = fns["round"](ctx, x0, jnp.array([start]), jnp.asarray(verify[None, :g]))
-        close(blk.logits[0], ref["c.round_base_logits"][r], what=f"round {r} base logits")
+        blk, chain, forced, conf, _ = fns["round"](ctx, x0, np.array([start], np.int32),
+                                                   np.asarray(verify[None, :g], np.int32))
+        blk_logits, chain_tokens, chain_logits = (np.asarray(x) for x in (blk.logits, chain.tokens, chain.logits))
+        close(blk_logits[0], ref["c.round_base_logits"][r], what=f"round {r} base logits")
         # the upstream chain's corrected logits, conditioned on its own prev ids
-        close(forced[0], ref["c.round_corrected_logits"][r], what=f"round {r} corrected logits")
-        close(conf[0], ref["c.round_confidence_logits"][r], what=f"round {r} confidence logits")
+        close(np.asarray(forced)[0], ref["c.round_corrected_logits"][r], what=f"round {r} corrected logits")
+        close(np.asarray(conf)[0], ref["c.round_confidence_logits"][r], what=f"round {r} confidence logits")
         # our greedy chain equals upstream's at every decisive slot (accepted drafts + the first rejected)
         n = int(accs[r]) - 1
         decisive = min(n + 1, g)
-        np.testing.assert_array_equal(np.asarray(chain.tokens[0, :decisive]), verify[1:decisive + 1])
-        agree = int(np.cumprod(np.asarray(chain.tokens[0]) == verify[1:]).sum())
-        close(chain.logits[0, : min(agree + 1, g)], ref["c.round_corrected_logits"][r][: min(agree + 1, g)])
+        np.testing.assert_array_equal(chain_tokens[0, :decisive], verify[1:decisive + 1])
+        agree = int(np.cumprod(chain_tokens[0] == verify[1:]).sum())
+        close(chain_logits[0, : min(agree + 1, g)], ref["c.round_corrected_logits"][r][: min(agree + 1, g)])
         chain_matches += agree == g
         # commit: the target features of positions start .. start + n join the context
         assert int(ref["c.round_context_len"][r]) == (p if r == 0 else int(accs[r - 1]))
-        ctx = fns["append"](ctx, jax.lax.dynamic_slice_in_dim(feats, start, g + 1, axis=1), jnp.array([n + 1]))
+        ctx = fns["append"](ctx, feats[:, start:start + g + 1], np.array([n + 1], np.int32))
     assert chain_matches >= len(starts) - 2  # non-decisive flips are allowed, but should be rare
-    assert int(ctx.lengths[0]) == int(starts[-1]) + int(accs[-1])
+    assert ctx.lengths.tolist() == [int(starts[-1]) + int(accs[-1])]
 
 
 def test_context_cache_batching_and_scratch(ref, drafter, fns):
     """Ragged prompts in one batch equal separate runs; scratch rows and overflow stay invisible."""
-    feats = jnp.asarray(ref["b.context_features"])
+    feats = np.asarray(ref["b.context_features"])
     p = feats.shape[1]
     short = p - 5
-    batch_feats = jnp.concatenate([feats, feats.at[:, short:].set(37.0)], axis=0)  # row 1: garbage past length
-    ctx2 = fns["append"](drafter.init_context(2, 64), batch_feats, jnp.array([p, short]))
+    garbage = feats.copy()
+    garbage[:, short:] = 37.0
+    batch_feats = np.concatenate([feats, garbage], axis=0)  # row 1: garbage past length
+    ctx2 = fresh_context(drafter, batch_feats, np.array([p, short], np.int32), 64)
     assert ctx2.lengths.tolist() == [p, short]
-    x0 = jnp.asarray([int(ref["b.first_token"][0]), 17], jnp.int32)
-    prev = jnp.zeros((2, drafter.config.block_size), jnp.int32)
+    x0 = np.asarray([int(ref["b.first_token"][0]), 17], np.int32)
+    prev = np.zeros((2, drafter.config.block_size), np.int32)
     blk2, chain2, *_ = fns["round"](ctx2, x0, ctx2.lengths, prev)
 
-    ctx_a = fns["append"](drafter.init_context(1, 64), feats, jnp.array([p]))
-    ctx_b = fns["append"](drafter.init_context(1, 64), feats, jnp.array([short]))  # same rows, shorter count
-    blk_a, chain_a, *_ = fns["round"](ctx_a, x0[:1], jnp.array([p]), prev[:1])
-    blk_b, chain_b, *_ = fns["round"](ctx_b, x0[1:], jnp.array([short]), prev[:1])
-    close(blk2.logits[0], blk_a.logits[0], dict(rtol=1e-5, atol=1e-5))
-    close(blk2.logits[1], blk_b.logits[0], dict(rtol=1e-5, atol=1e-5))
+    ctx_a = fresh_context(drafter, feats, np.array([p], np.int32), 64)
+    ctx_b = fresh_context(drafter, feats, np.array([short], np.int32), 64)  # same rows, shorter count
+    blk_a, chain_a, *_ = fns["round"](ctx_a, x0[:1], np.array([p], np.int32), prev[:1])
+    blk_b, chain_b, *_ = fns["round"](ctx_b, x0[1:], np.array([short], np.int32), prev[:1])
+    logits2 = np.asarray(blk2.logits)
+    close(logits2[0], np.asarray(blk_a.logits)[0], dict(rtol=1e-5, atol=1e-5))
+    close(logits2[1], np.asarray(blk_b.logits)[0], dict(rtol=1e-5, atol=1e-5))
     np.testing.assert_array_equal(chain2.tokens, np.concatenate([chain_a.tokens, chain_b.tokens]))
-    assert not np.allclose(blk2.logits[0], blk2.logits[1], atol=1e-2)
+    assert not np.allclose(logits2[0], logits2[1], atol=1e-2)
 
     # appending past the end drops the overflow rows without touching committed slots
-    small = fns["append"](drafter.init_context(1, 30), feats, jnp.array([p]))
-    grown = draft.append_context(drafter, small, feats[:, :17], jnp.array([3]))
-    assert int(grown.lengths[0]) == p + 3
-    np.testing.assert_array_equal(jnp.stack(grown.k)[:, :, :, :p], jnp.stack(small.k)[:, :, :, :p])
-    k_ref, _ = drafter.context_kv(feats[:, :3], jnp.arange(p, p + 3)[None])  # token-major rows
-    close(jnp.stack(grown.k)[:, :, :, p:p + 3], jnp.swapaxes(k_ref, 2, 3), dict(rtol=1e-6, atol=1e-6))
+    small = fresh_context(drafter, feats, np.array([p], np.int32), 30)
+    grown = fns["append"](small, feats[:, :17], np.array([3], np.int32))
+    assert grown.lengths.tolist() == [p + 3]
+    np.testing.assert_array_equal(np.stack(grown.k)[:, :, :, :p], np.stack(small.k)[:, :, :, :p])
+    k_ref, _ = jit_with(lambda d, f, pos: d.context_kv(f, pos), drafter)(feats[:, :3], np.arange(p, p + 3)[None])
+    k_ref = np.swapaxes(np.asarray(k_ref), 2, 3)  # token-major rows
+    close(np.stack(grown.k)[:, :, :, p:p + 3], k_ref, dict(rtol=1e-6, atol=1e-6))
 
 
 def test_block_in_the_context_scratch_equals_the_block_apart(ref, drafter, b0):
@@ -218,24 +240,30 @@ def test_block_in_the_context_scratch_equals_the_block_apart(ref, drafter, b0):
     assert cached.ctx.lengths.tolist() == ctx.lengths.tolist()
     g = drafter.config.block_size
     for new, old in zip(cached.ctx.k + cached.ctx.v, ctx.k + ctx.v, strict=True):
+        new, old = np.asarray(new), np.asarray(old)
         np.testing.assert_array_equal(new[:, :, :p], old[:, :, :p])
         np.testing.assert_array_equal(new[:, :, p + g:], old[:, :, p + g:])
-    assert not np.allclose(cached.ctx.k[0][:, :, p:p + g], ctx.k[0][:, :, p:p + g])
+    assert not np.allclose(np.asarray(cached.ctx.k[0])[:, :, p:p + g], np.asarray(ctx.k[0])[:, :, p:p + g])
 
 
 def test_joined_context_projections_equal_the_per_layer_ones(ref, drafter, random_pair):
     """join_context_projections' one GEMM (what context_kv runs on a GPU) equals the per-layer projections, with
     and without projection biases."""
     plain = random_pair[1]
-    biased = Drafter(dataclasses.replace(plain.config, attention_bias=True), rngs=nnx.Rngs(3))
-    for d in (drafter, plain, biased):
-        d = nnx.merge(*nnx.split(d))  # a copy: the shared fixtures stay as they are
-        f = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, d.config.feature_size)), jnp.float32)
+    cfg = dataclasses.replace(plain.config, attention_bias=True)
+    biased = nnx.jit(lambda: Drafter(cfg, rngs=nnx.Rngs(3)))()  # initialised as one program, not op by op
+
+    def both(d, f):  # d: merged inside the trace (jit_with), so the join leaves the shared fixtures as they are
         ctx = d.project_context(f)
         cos, sin = rope_cos_sin(jnp.arange(5)[None] + jnp.array([[0], [7]]), d.config.head_dim, d.config.rope_theta)
         k0, v0 = d.context_kv_per_layer(ctx, cos, sin)
         d.join_context_projections()
         k1, v1 = d.context_kv_joined(ctx, cos, sin)
+        return ctx, k0, v0, k1, v1
+
+    for d in (drafter, plain, biased):
+        f = np.random.default_rng(0).normal(size=(2, 5, d.config.feature_size)).astype(np.float32)
+        ctx, k0, v0, k1, v1 = jit_with(both, d)(f)
         close(k1, k0, dict(rtol=1e-5, atol=1e-5))
         close(v1, v0, dict(rtol=1e-5, atol=1e-5))
         assert k1.shape == (d.config.num_hidden_layers, *ctx.shape[:2], d.config.num_key_value_heads,
@@ -277,13 +305,18 @@ def test_markov_chain_sampling_draws_from_returned_logits(drafter, fns, b0):
 def test_gated_markov_head(ref, drafter):
     """Gated head: f = W1[prev] * sigmoid(gate_proj([h ; W1[prev]])) with DeepSpec's gate_proj."""
     cfg = DrafterConfig.from_hf_config({**json.loads(drafter.config.hf_json), "markov_head_type": "gated"})
-    head = MarkovHead(cfg, rngs=nnx.Rngs(3))  # the head alone: a whole random drafter is built op by op
-    h = jax.random.normal(jax.random.key(0), (2, 16, cfg.hidden_size))
-    prev = jax.random.randint(jax.random.key(1), (2, 16, 3), 0, cfg.vocab_size)
-    f = head.features(h, prev)  # what markov_features(drafter, h, prev) returns
-    e = head.markov_w1.weight[...][prev]
-    gate_in = jnp.concatenate([jnp.broadcast_to(h[:, :, None], (2, 16, 3, cfg.hidden_size)), e], axis=-1)
-    want = e * jax.nn.sigmoid(gate_in @ head.gate_proj.kernel[...] + head.gate_proj.bias[...])
+    head = nnx.jit(lambda: MarkovHead(cfg, rngs=nnx.Rngs(3)))()  # the head alone, initialised as one program
+
+    @nnx.jit
+    def features_and_by_hand(head):
+        h = jax.random.normal(jax.random.key(0), (2, 16, cfg.hidden_size))
+        prev = jax.random.randint(jax.random.key(1), (2, 16, 3), 0, cfg.vocab_size)
+        f = head.features(h, prev)  # what markov_features(drafter, h, prev) returns
+        e = head.markov_w1.weight[...][prev]
+        gate_in = jnp.concatenate([jnp.broadcast_to(h[:, :, None], (2, 16, 3, cfg.hidden_size)), e], axis=-1)
+        return f, e * jax.nn.sigmoid(gate_in @ head.gate_proj.kernel[...] + head.gate_proj.bias[...])
+
+    f, want = features_and_by_hand(head)
     close(f, want, dict(rtol=1e-5, atol=1e-6))
     gated = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(3)))
     keys = {k for _, k, _ in param_keys(nnx.state(gated, nnx.Param), DRAFTER_KEYS)}
@@ -297,9 +330,10 @@ def test_drafter_without_heads(ref, drafter):
     assert not cfg.has_markov and not cfg.has_confidence
     plain = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0)))
     assert plain.markov_head is None and plain.confidence_head is None
-    base = jnp.asarray(ref["b.base_logits"])
-    x0 = jnp.asarray(ref["b.first_token"], jnp.int32)
-    chain = draft.markov_chain(plain, base, jnp.asarray(ref["b.block_hidden"]), x0)
+    base = np.asarray(ref["b.base_logits"])
+    x0 = np.asarray(ref["b.first_token"], np.int32)
+    # one program (plain is abstract: the chain reads no weight of it)
+    chain = jax.jit(lambda b, h, x: draft.markov_chain(plain, b, h, x))(base, np.asarray(ref["b.block_hidden"]), x0)
     np.testing.assert_array_equal(chain.tokens, np.argmax(ref["b.base_logits"], axis=-1))
     np.testing.assert_array_equal(chain.logits, ref["b.base_logits"])
     with pytest.raises(ArgumentError, match="confidence head"):
@@ -309,25 +343,30 @@ def test_drafter_without_heads(ref, drafter):
 
 
 def test_training_forward_matches_reference(ref, drafter):
-    hs = jnp.asarray(ref["e.target_hidden_states"])
+    hs = np.asarray(ref["e.target_hidden_states"])
     s = hs.shape[1]
-    pos = jnp.asarray(ref["e.full_position_ids"], jnp.int32)
-    fwd = jit_with(lambda d, *a: d(*a), drafter)
-    out = fwd(hs, pos[:, :s], jnp.asarray(ref["e.noise_input_ids"], jnp.int32), pos[:, s:],
-              jnp.asarray(ref["e.attention_mask_dense"]))
-    close(out.hidden, ref["e.output_hidden"], what="training backbone output")
+    pos = np.asarray(ref["e.full_position_ids"], np.int32)
     b, a, g = ref["e.target_ids"].shape
-    hidden = out.hidden.reshape(b, a, g, -1)
-    base = drafter.logits(hidden)
-    close(base, ref["e.base_draft_logits"], what="training base logits")
     anchor_tok = np.take_along_axis(ref["e.input_ids"], ref["e.anchor_positions"], axis=1)
-    prev = jnp.asarray(np.concatenate([anchor_tok[..., None], ref["e.target_ids"][..., :-1]], axis=-1), jnp.int32)
+    prev = np.concatenate([anchor_tok[..., None], ref["e.target_ids"][..., :-1]], axis=-1).astype(np.int32)
     flat = lambda x: x.reshape(b * a, g, *x.shape[3:])  # noqa: E731
-    corrected = flat(base) + draft.markov_bias(drafter, flat(hidden), flat(prev))
+
+    def forward(d, hs, feature_pos, noise, block_pos, mask, prev):
+        out = d(hs, feature_pos, noise, block_pos, mask)
+        hidden = out.hidden.reshape(b, a, g, -1)
+        base = d.logits(hidden)
+        corrected = flat(base) + draft.markov_bias(d, flat(hidden), flat(prev))
+        return out, base, corrected, draft.confidence(d, flat(hidden), flat(prev))
+
+    fwd = jit_with(forward, drafter)
+    noise = np.asarray(ref["e.noise_input_ids"], np.int32)
+    out, base, corrected, conf = fwd(hs, pos[:, :s], noise, pos[:, s:], np.asarray(ref["e.attention_mask_dense"]), prev)
+    close(out.hidden, ref["e.output_hidden"], what="training backbone output")
+    close(base, ref["e.base_draft_logits"], what="training base logits")
     close(corrected, flat(ref["e.draft_logits"]), what="training corrected logits")
-    close(draft.confidence(drafter, flat(hidden), flat(prev)), flat(ref["e.confidence_pred"]), what="confidence")
+    close(conf, flat(ref["e.confidence_pred"]), what="confidence")
     with pytest.raises(ArgumentError, match="mask"):
-        drafter(hs, pos[:, :s], jnp.asarray(ref["e.noise_input_ids"]), pos[:, s:], jnp.ones((2, 128, 100), bool))
+        fwd(hs, pos[:, :s], noise, pos[:, s:], np.ones((2, 128, 100), bool), prev)
 
 
 def write_dflash(folder, *, drop_dflash_config=False):
@@ -359,24 +398,25 @@ def test_dflash_checkpoint_drafts_with_dflash_alignment(ref, tmp_path, target, d
     np.testing.assert_array_equal(drafter.lm_head.weight[...], target.embed_tokens.embedding[...])
 
     feats, p, _, x0 = b0
-    ctx = draft.append_context(dfl, dfl.init_context(1, 64), feats, jnp.array([p]))
+    start = np.array([p], np.int32)
+    ctx = fresh_context(dfl, feats, start, 64)
 
-    def run(d, t, ctx, x0, start):
+    def run(d, t, ds, ctx, x0, start, ds_logits):
         blk = draft.draft_block(d, ctx, x0, start, t)
-        return blk, draft.argmax_chain(d, blk.logits)
+        return (blk, draft.argmax_chain(d, blk.logits), draft.aligned_logits(d, blk.logits),
+                draft.argmax_chain(ds, ds_logits), draft.sample_chain(d, blk.logits, 1.0, jax.random.key(0)))
 
-    blk, chain = jit_with(run, dfl, target)(ctx, x0, jnp.array([p]))
+    blk, chain, aligned, ds_chain, sampled = jit_with(run, dfl, target, drafter)(ctx, x0, start,
+                                                                                 ref["b.base_logits"])
     close(blk.logits, ref["b.base_logits"], what="DFlash logits (target embed/head) vs DSpark path")
     assert chain.tokens.shape == (1, cfg.block_size - 1)
     np.testing.assert_array_equal(chain.tokens, np.argmax(ref["b.base_logits"][:, 1:], axis=-1))
-    close(draft.aligned_logits(dfl, blk.logits), ref["b.base_logits"][:, 1:])
-    ds_chain = draft.argmax_chain(drafter, jnp.asarray(ref["b.base_logits"]))
+    close(aligned, ref["b.base_logits"][:, 1:])
     np.testing.assert_array_equal(ds_chain.tokens, np.argmax(ref["b.base_logits"], axis=-1))
-    sampled = draft.sample_chain(dfl, blk.logits, 1.0, jax.random.key(0))
     assert sampled.tokens.shape == (1, cfg.block_size - 1)
 
     with pytest.raises(ArgumentError, match="target"):
-        draft.draft_block(dfl, ctx, x0, jnp.array([p]))
+        draft_block(dfl, ctx, x0, start)  # refused while it traces
     with pytest.raises(ArgumentError, match="argmax_chain"):
         draft.markov_chain(dfl, blk.logits, blk.hidden, x0)
     # export keeps the z-lab format and reloads to the same drafter
@@ -403,9 +443,9 @@ def test_export_roundtrip(tmp_path, target, drafter, ref, b0):
     again = load_drafter(out, target=target)
     assert again.config == drafter.config
     feats, p, _, x0 = b0
-    ctx = draft.append_context(again, again.init_context(1, 64), feats, jnp.array([p]))
-    blk = draft.draft_block(again, ctx, x0, ctx.lengths)
-    blk_ref = draft.draft_block(drafter, ctx, x0, ctx.lengths)
+    ctx = fresh_context(again, feats, np.array([p], np.int32), 64)
+    # one program run on both drafters' weights (their structure is the same), so equal weights give equal bits
+    blk, blk_ref = (draft_block(d, ctx, x0, ctx.lengths) for d in (again, drafter))
     np.testing.assert_array_equal(blk.logits, blk_ref.logits)
     close(blk.logits, ref["b.base_logits"])
 

@@ -294,7 +294,8 @@ def test_sampling_is_lossless(random_pair, method, temperature, top_p, top_k):
 def test_processed_distribution_top_k_then_top_p():
     from sparkjax.sampling import Sampling, process, truncate
 
-    kept = lambda logits, p, k: np.isfinite(np.asarray(truncate(jnp.log(jnp.asarray(logits)), p, k))).tolist()  # noqa
+    run = jax.jit(lambda probs, p, k: truncate(jnp.log(probs), p, k))  # one program: p and k traced scalars
+    kept = lambda probs, p, k: np.isfinite(np.asarray(run(np.asarray(probs, np.float32), p, k))).tolist()  # noqa
     probs = [0.4, 0.3, 0.2, 0.1]
     assert kept(probs, 1.0, 0) == [True] * 4  # both off
     assert kept(probs, 1.0, 2) == [True, True, False, False]  # top-k keeps k
@@ -310,9 +311,10 @@ def test_processed_distribution_top_k_then_top_p():
     assert kept([0.3, 0.4, 0.2, 0.1], 0.5, 2) == [False, True, False, False]
     assert kept([0.3, 0.4, 0.2, 0.1], 0.6, 2) == [True, True, False, False]
     # per sequence, after the temperature; greedy rows and rows with both off are untouched
-    logits = jnp.log(jnp.asarray([probs] * 4))
-    s = Sampling.of(jnp.asarray([1.0, 0.5, 0.0, 2.0]), jnp.asarray([0.5, 1.0, 0.1, 1.0]), jnp.asarray([0, 3, 1, 0]))
-    got = np.asarray(jax.nn.softmax(jax.jit(process)(logits, s), axis=-1))
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    got = np.asarray(jax.jit(lambda probs, t, p, k: jax.nn.softmax(process(jnp.log(probs), Sampling.of(t, p, k)),
+                                                                    axis=-1))(
+        f32([probs] * 4), f32([1.0, 0.5, 0.0, 2.0]), f32([0.5, 1.0, 0.1, 1.0]), np.asarray([0, 3, 1, 0], np.int32)))
     want = np.array([[4 / 7, 3 / 7, 0, 0], np.array([16, 9, 4, 0]) / 29, probs, np.sqrt(probs) / np.sqrt(probs).sum()])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(_processed(np.asarray(probs), 0.5, 0), [4 / 7, 3 / 7, 0, 0])  # the tests' reference

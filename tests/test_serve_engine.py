@@ -12,6 +12,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from sparkjax import sampling
@@ -466,21 +467,30 @@ def test_text_stream_holds_back_and_cuts_at_stop_strings():
 def test_per_sequence_keys_draw_each_row_as_alone():
     """A batch with a key and a temperature per row draws row b exactly as the single-key sampler does for row b
     alone (so each row is that lossless sampler, whatever shares the batch)."""
-    keys = jax.random.split(jax.random.key(3), 4)
-    t = jnp.array([0.0, 0.5, 1.0, 2.0])
-    logits = 3 * jax.random.normal(jax.random.key(1), (4, 3, 16))
-    batch = sampling.pick(logits, t, keys)
-    pick, chain = jax.jit(sampling.pick), jax.jit(sampling.speculative_chain)  # one program for every row
+
+    @jax.jit
+    def inputs():  # one program for the random inputs, returned to the host (the keys as their raw data)
+        keys = jax.random.split(jax.random.key(3), 4)
+        logits = 3 * jax.random.normal(jax.random.key(1), (4, 3, 16))
+        drafts = jax.random.randint(jax.random.key(5), (4, 3), 0, 16)
+        draft_logits = 3 * jax.random.normal(jax.random.key(2), (4, 3, 16))
+        target_logits = 3 * jax.random.normal(jax.random.key(4), (4, 4, 16))
+        return jax.random.key_data(keys), logits, drafts, draft_logits, target_logits, sampling.first_argmax(logits[0])
+
+    keys, logits, drafts, draft_logits, target_logits, greedy = (np.asarray(x) for x in inputs())
+    t = np.array([0.0, 0.5, 1.0, 2.0], np.float32)
+    # one program per shape (the batch, one row), the keys rebuilt from their data inside
+    pick = jax.jit(lambda logits, t, keys: sampling.pick(logits, t, jax.random.wrap_key_data(keys)))
+    chain = jax.jit(lambda target, draft, drafts, t, keys: sampling.speculative_chain(
+        target, draft, drafts, t, jax.random.wrap_key_data(keys)))
+    batch = np.asarray(pick(logits, t, keys))
     for b in range(4):
-        assert (batch[b] == pick(logits[b : b + 1], t[b], keys[b])[0]).all()
-    assert (batch[0] == sampling.first_argmax(logits[0])).all()  # temperature 0: greedy
-    drafts = jax.random.randint(jax.random.key(5), (4, 3), 0, 16)
-    draft_logits = 3 * jax.random.normal(jax.random.key(2), (4, 3, 16))
-    target_logits = 3 * jax.random.normal(jax.random.key(4), (4, 4, 16))
-    acc, nxt = sampling.speculative_chain(target_logits, draft_logits, drafts, t + 0.5, keys)
+        assert (batch[b] == np.asarray(pick(logits[b : b + 1], t[b], keys[b]))[0]).all()
+    assert (batch[0] == greedy).all()  # temperature 0: greedy
+    acc, nxt = (np.asarray(x) for x in chain(target_logits, draft_logits, drafts, t + 0.5, keys))
     for b in range(4):
         one = chain(target_logits[b : b + 1], draft_logits[b : b + 1], drafts[b : b + 1], t[b] + 0.5, keys[b])
-        assert (int(acc[b]), int(nxt[b])) == (int(one[0][0]), int(one[1][0]))
+        assert (int(acc[b]), int(nxt[b])) == tuple(int(np.asarray(x)[0]) for x in one)
 
 
 @pytest.mark.slow

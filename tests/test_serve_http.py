@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from flax import nnx
 
 import sparkjax
 from sparkjax import demo
@@ -673,9 +674,16 @@ def test_logprobs_in_the_completions_and_chat_formats(pair, live):
 
 
 def _reference_logprobs(pair, ids: list[int]) -> np.ndarray:
-    """The target's own log-softmax over ``ids`` (one forward pass, no generate): row j scores token j + 1."""
-    logits = pair.target(jnp.asarray([ids]), jnp.arange(len(ids), dtype=jnp.int32)[None]).logits[0]
-    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    """The target's own log-softmax over ``ids`` (one forward pass, no generate, compiled): row j scores token
+    j + 1."""
+    pos = np.arange(len(ids), dtype=np.int32)[None]
+    return np.asarray(_forward_log_softmax(pair.target, np.asarray([ids], np.int32), pos))
+
+
+@nnx.jit
+def _forward_log_softmax(target, ids, pos):
+    logits = target(ids, pos).logits[0]
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
 def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing(pair, live):

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 from sparkjax import reference as ref
 from sparkjax import tree
 from sparkjax.errors import ArgumentError, SparkjaxError
+from tests.conftest import jit_exact
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_dspark_b16"
 TREE_NAMES = ["dspark_aligned", "dspark_full", "dflash_slice", "random", "random_peaked"]
@@ -254,7 +255,7 @@ def test_fixture_verify():
 def test_candidates(depth, vocab, top_c):
     rng = np.random.default_rng(depth * 100 + vocab)
     logits = rng.integers(-2, 3, size=(depth, vocab)).astype(np.float32)  # with ties
-    tokens, logp = to_np(tree.candidates(jnp.asarray(logits), top_c))
+    tokens, logp = to_np(jax.jit(tree.candidates, static_argnums=1)(logits, top_c))
     c = min(top_c, vocab)
     assert tokens.shape == (depth, c) and logp.shape == (depth, c)
     assert tokens.dtype == np.int32 and logp.dtype == np.float32
@@ -501,11 +502,14 @@ def test_tail_log_sum_exp_by_comparison_equals_the_scatter():
     """The Markov tables' tail normalizer on an accelerator (candidates found by comparison) equals the CPU's
     (candidates scattered to -inf), bit for bit."""
     rng = np.random.default_rng(0)
-    u = jnp.asarray(rng.normal(size=(5, 300)) * 4, jnp.float32)
-    cands = jnp.asarray(np.stack([rng.permutation(300)[:32] for _ in range(5)]), jnp.int32)
-    want = tree._tail_lse_scatter(u, cands)
-    np.testing.assert_array_equal(tree._tail_lse_compare(u, cands), want)
-    assert np.all(np.asarray(want) < np.asarray(jax.nn.logsumexp(u, axis=-1)))
+    u = (rng.normal(size=(5, 300)) * 4).astype(np.float32)
+    cands = np.stack([rng.permutation(300)[:32] for _ in range(5)]).astype(np.int32)
+    # both in one program with the suite's XLA options whatever XLA_FLAGS says
+    want, got, lse = (np.asarray(x) for x in jit_exact(
+        lambda u, c: (tree._tail_lse_scatter(u, c), tree._tail_lse_compare(u, c), jax.nn.logsumexp(u, axis=-1)),
+        u, cands))
+    np.testing.assert_array_equal(got, want)
+    assert np.all(want < lse)
 
 
 SEED_FIXTURES = Path(__file__).parent / "fixtures" / "seed_trees"

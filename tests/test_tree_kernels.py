@@ -80,11 +80,12 @@ def test_accept_duplicate_siblings_lowest_index_wins():
     parents = np.array([0, 0, 0, 2, 3], np.int32)
     tokens = np.array([5, 7, 7, 9, 9], np.int32)
     posterior = np.array([7, 0, 9, 9, 0, 0], np.int32)
-    acc = jax.tree.map(np.asarray, tree.accept(parents, tokens, posterior, max_depth=2))
+    accept = jax.jit(tree.accept, static_argnames="max_depth")  # one program for both checks
+    acc = jax.tree.map(np.asarray, accept(parents, tokens, posterior, max_depth=2))
     np.testing.assert_array_equal(acc.indices, [0, 2, 4])
     assert int(acc.length) == 3 and int(acc.bonus) == posterior[4]
     # padding (-1) never matches a posterior token
-    acc = jax.tree.map(np.asarray, tree.accept(parents, np.full(5, -1, np.int32), posterior, max_depth=2))
+    acc = jax.tree.map(np.asarray, accept(parents, np.full(5, -1, np.int32), posterior, max_depth=2))
     np.testing.assert_array_equal(acc.indices, [0, -1, -1])
     assert int(acc.length) == 1 and int(acc.bonus) == posterior[0]
 
@@ -195,13 +196,13 @@ def test_expand_with_traced_widths_keeps_what_static_widths_keep(seed, widths):
 
 def _logits(seed, d=5, v=40):
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.normal(size=(d, v)) * 3, jnp.float32), jnp.asarray(rng.normal(size=(d, v)) * 3, jnp.float32)
+    return (rng.normal(size=(d, v)) * 3).astype(np.float32), (rng.normal(size=(d, v)) * 3).astype(np.float32)
 
 
 def test_merge_candidates_keeps_the_first_distinct_valid_tokens():
-    pool = jnp.asarray([5, 3, 5, 9, 3, 1, 7, 2], jnp.int32)
-    valid = jnp.asarray([True, True, True, False, True, True, True, True])
-    out = np.asarray(tree.merge_candidates(pool, valid, 4))
+    pool = np.asarray([5, 3, 5, 9, 3, 1, 7, 2], np.int32)
+    valid = np.asarray([True, True, True, False, True, True, True, True])
+    out = np.asarray(jax.jit(tree.merge_candidates, static_argnums=2)(pool, valid, 4))
     # walk the pool by hand: 5 kept, 3 kept, 5 duplicate, 9 invalid, 3 duplicate, 1 kept, 7 kept
     assert out.tolist() == [5, 3, 1, 7]
 

@@ -34,22 +34,28 @@ KEEP = np.array([[True]])
 
 loss_sums = jax.jit(dspark_loss_sums, static_argnums=6)  # the objective is static
 recall = jax.jit(tree_recall, static_argnums=(2, 3))
+# a LossSums' losses and logged metrics under an objective, one program each (results on the host)
+_losses_and_metrics = jax.jit(lambda sums, objective: (sums.losses(objective), sums.metrics(objective)),
+                              static_argnums=1)
+
+
+def losses_and_metrics(sums, objective):
+    return jax.tree.map(np.asarray, _losses_and_metrics(sums, objective))
 
 
 def sums_for(logits, objective):
     b = logits.shape[:-1]
-    return loss_sums(jnp.asarray(logits), jnp.zeros_like(jnp.asarray(logits)), jnp.asarray(LABELS),
-                     jnp.asarray(MASK), jnp.asarray(KEEP), jnp.zeros(b, jnp.float32), objective)
+    return loss_sums(logits, np.zeros_like(logits), LABELS, MASK, KEEP, np.zeros(b, np.float32), objective)
 
 
 def test_tree_recall_by_hand():
-    soft, hard = recall(jnp.asarray(LOGITS), jnp.asarray(LABELS), 1, 1.0)
+    soft, hard = (np.asarray(x) for x in recall(LOGITS, LABELS, 1, 1.0))
     # slot 0: label 2 (logit 1), best other 2.0 -> outside the top-1; slot 1: label 1 (3), best other 1.0
     # slot 2: label 3 (0), best other 5.0
     np.testing.assert_allclose(soft[0, 0], [sigmoid(-1.0), sigmoid(2.0), sigmoid(-5.0)], rtol=1e-6)
     np.testing.assert_array_equal(hard[0, 0], [0.0, 1.0, 0.0])
     # top-2 at temperature 0.5: slot 0's threshold is the second best other (0.0), slot 1's is 0.5
-    soft2, hard2 = recall(jnp.asarray(LOGITS), jnp.asarray(LABELS), 2, 0.5)
+    soft2, hard2 = (np.asarray(x) for x in recall(LOGITS, LABELS, 2, 0.5))
     np.testing.assert_allclose(soft2[0, 0, :2], [sigmoid(2.0), sigmoid(5.0)], rtol=1e-6)
     np.testing.assert_array_equal(hard2[0, 0], [1.0, 1.0, 0.0])
 
@@ -61,17 +67,16 @@ def test_tree_term_value_and_metrics_by_hand():
     r0, r1 = sigmoid(-1.0), sigmoid(2.0)
     expected_num = (1 - r0) * w0 + (1 - r0 * r1) * w1
     np.testing.assert_allclose(float(sums.tree_num), expected_num, rtol=1e-6)
-    losses = sums.losses(obj)
+    losses, metrics = losses_and_metrics(sums, obj)
     np.testing.assert_allclose(float(losses["tree_loss"]), expected_num / (w0 + w1 + 1e-6), rtol=1e-6)
-    base = sums.losses(dataclasses.replace(obj, tree_alpha=0.0))
+    base, _ = losses_and_metrics(sums, dataclasses.replace(obj, tree_alpha=0.0))
     np.testing.assert_allclose(float(losses["loss"]), float(base["loss"]) + 0.5 * float(losses["tree_loss"]),
                                rtol=1e-6)
-    metrics = sums.metrics(obj)
     # hard recall per slot over supervised slots only; the beam's path ends at slot 0 here
     np.testing.assert_array_equal(np.asarray(metrics["tree_recall"]), [0.0, 1.0, 0.0])
     assert float(metrics["tau_tree"]) == 1.0
     two = sums_for(LOGITS, dataclasses.replace(obj, tree_top_c=2))
-    assert float(two.metrics(dataclasses.replace(obj, tree_top_c=2))["tau_tree"]) == 3.0
+    assert float(losses_and_metrics(two, dataclasses.replace(obj, tree_top_c=2))[1]["tau_tree"]) == 3.0
 
 
 def test_tree_term_gradient_matches_finite_differences():
@@ -83,13 +88,14 @@ def test_tree_term_gradient_matches_finite_differences():
         return sums.tree_num / (sums.weight_sum + 1e-6)
 
     with jax.enable_x64(True):
-        z = jnp.asarray(LOGITS, jnp.float64) + 0.01 * jnp.arange(12, dtype=jnp.float64).reshape(LOGITS.shape)
+        # the points on the host in float64 (the same IEEE operations), the gradient and the terms compiled
+        z = np.asarray(LOGITS, np.float64) + 0.01 * np.arange(12, dtype=np.float64).reshape(LOGITS.shape)
         grad = np.asarray(jax.jit(jax.grad(term))(z))
         eps = 1e-6
         # central differences along every coordinate, all in one vmapped program
-        steps = eps * jnp.eye(z.size, dtype=jnp.float64).reshape(z.size, *z.shape)
-        both = jax.jit(jax.vmap(term))(jnp.concatenate([z + steps, z - steps]))
-        numeric = np.asarray((both[: z.size] - both[z.size :]) / (2 * eps)).reshape(z.shape)
+        steps = eps * np.eye(z.size, dtype=np.float64).reshape(z.size, *z.shape)
+        both = np.asarray(jax.jit(jax.vmap(term))(np.concatenate([z + steps, z - steps])))
+        numeric = ((both[: z.size] - both[z.size :]) / (2 * eps)).reshape(z.shape)
     np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-8)
     # the gradient reaches the label's logit and the competing threshold logits of both supervised slots,
     # and nothing of the unsupervised slot
@@ -106,8 +112,7 @@ def test_tree_settings_off_keep_upstreams_objective():
     conf = rng.normal(size=labels.shape).astype(np.float32)
 
     def losses(obj):
-        s = loss_sums(*map(jnp.asarray, (logits, target, labels, mask, keep, conf)), obj)
-        return s.losses(obj), s.metrics(obj)
+        return losses_and_metrics(loss_sums(logits, target, labels, mask, keep, conf, obj), obj)
 
     plain, plain_m = losses(Objective())
     logged, logged_m = losses(Objective(tree_top_c=4))  # metrics only
