@@ -538,6 +538,66 @@ def test_a_profiled_table_is_kept_per_machine_and_a_damaged_file_is_rewritten(ra
     assert not off.exists() and list((tmp_path / "costs").glob("*.json")) == files
 
 
+def test_a_pool_table_profiles_each_batch_size_once_compiling_all_before_timing(random_pair, tmp_path,
+                                                                              monkeypatch):
+    """A pool's table profiles each visit size once, all of its batch running (the midpoint count of a larger
+    batch gets that batch's table); every size's programs compile, two at a time, before any timing starts; a
+    second process reads them all from the cache folder."""
+    import threading
+
+    target, drafter = random_pair
+    monkeypatch.setenv("SPARKJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "profile_threads", lambda: 2)
+    plan = Auto(sizes=SIZES).plan(target, drafter, False)
+    events = []
+    both = [threading.Barrier(2, timeout=60)]  # broken unless two warm at once
+
+    def warm(self):
+        events.append(("warm", self.batch_size))
+        both[0].wait()
+        self.start = "warm"
+        events.append(("warmed", self.batch_size))
+        return self
+
+    def measure(self):
+        assert self.start == "warm"
+        events.append(("time", self.batch_size))
+        return CostTable(self.plan.method.labels(), tuple(self.batch_size * s for s in BASE), key=self.key)
+
+    monkeypatch.setattr(costs.Profiler, "warm", warm)
+    monkeypatch.setattr(costs.Profiler, "measure", measure)
+    table = costs.pool_table_for(target, drafter, plan, 8, 64, sizes=(1, 8))
+    assert table.counts == (1, 4, 8)
+    assert sorted(events[:2]) == [("warm", 1), ("warm", 8)]  # both compiling at once
+    assert sorted(events[2:4]) == [("warmed", 1), ("warmed", 8)] and events[4:] == [("time", 1), ("time", 8)]
+    assert [t.key_dict["batch"] for t in table.tables] == [1, 8, 8]
+    assert all("active" not in t.key_dict for t in table.tables)
+    assert table.tables[1] is table.tables[2] and table.rows()[3] == table.rows()[7]  # 4 active: batch 8's row
+    assert table.rows()[1] == pytest.approx([(1 + 7 / 3) * s for s in BASE])  # 2 active: a third of the way from 1 to 8
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+    monkeypatch.setattr(costs, "_TABLES", {})
+    events.clear()
+    again = costs.pool_table_for(target, drafter, plan, 8, 64, sizes=(1, 8))
+    assert events == [] and again.rows() == table.rows()
+    # only the missing size is profiled
+    monkeypatch.setattr(costs, "_TABLES", {})
+    both[0] = threading.Barrier(1)
+    costs._path(costs.cost_key(target, drafter, plan, 8, 64)).unlink()
+    assert costs.pool_table_for(target, drafter, plan, 8, 64, sizes=(1, 8)).rows() == table.rows()
+    assert events == [("warm", 8), ("warmed", 8), ("time", 8)]
+
+
+@pytest.mark.slow
+def test_profile_points_times_each_batch_size(random_pair):
+    """profile_points on the device: a table per batch size, its key that batch's (no idle slot)."""
+    target, drafter = random_pair
+    plan = Auto(sizes=(0, "chain")).plan(target, drafter, False)
+    one, two = costs.profile_points(target, drafter, plan, [1, 2], 64, workers=2, repeats=1)
+    assert one.key == costs.cost_key(target, drafter, plan, 1, 64)
+    assert two.key == costs.cost_key(target, drafter, plan, 2, 64)
+    assert one.labels == two.labels == ("ar", "dspark") and min(one.seconds + two.seconds) > 0
+
+
 @pytest.mark.slow
 def test_default_auto_profiles_once_and_is_exact(random_pair, ar_tokens, monkeypatch):
     target, drafter = random_pair

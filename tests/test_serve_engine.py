@@ -511,30 +511,30 @@ def test_a_seeded_request_gets_the_same_tokens_alone_and_in_a_busy_pool(engines,
 
 
 def test_a_pool_profiles_auto_per_active_count_and_interpolates(random_pair, monkeypatch):
-    """A pool's auto table: profiled with 1, half and all slots active, each at the smallest visit size that
-    holds them (the key names the count when some of that batch are idle), interpolated linearly in between; the
-    seconds the rounds get have a row per active count."""
+    """A pool's auto table: at 1, half and all slots active, the table of the smallest visit size that holds
+    them, each visit size profiled once with all of its batch running (a round costs what its batch costs),
+    interpolated linearly in between; the seconds the rounds get have a row per active count."""
     from sparkjax.engine import costs
 
     target, drafter = random_pair
     seen = []
 
-    def fake(t, d, plan, *, batch_size, cache_size, active=None):
-        seen.append((batch_size, active))
-        a = batch_size if active is None else active
-        return costs.CostTable(plan.method.labels(), (1.0, 1.0 + a, 1.0 + 2 * a),
-                               key=costs.cost_key(t, d, plan, batch_size, cache_size, active))
+    def fake(t, d, plan, batches, cache_size, **kw):
+        seen.append(list(batches))
+        return [costs.CostTable(plan.method.labels(), (1.0, 1.0 + b, 1.0 + 2 * b),
+                                key=costs.cost_key(t, d, plan, b, cache_size)) for b in batches]
 
-    monkeypatch.setattr(costs, "profile", fake)
+    monkeypatch.setattr(costs, "profile_points", fake)
     eng = Engine(target, drafter, method=Auto(sizes=AUTO_SIZES), slots=5, max_prompt_tokens=16, max_new_tokens=NEW,
                  sampling=False, visit_sizes=(1, 2, 4, 5))
     table = eng.plan.method.table
     assert isinstance(table, costs.PoolCostTable) and table.counts == (1, 3, 5)
-    assert seen == [(1, None), (4, 3), (5, None)]
-    assert [(dict(t.key)["batch"], dict(t.key).get("active")) for t in table.tables] == seen
+    assert seen == [[1, 4, 5]]  # one profile per visit size used, all at once
+    assert [(dict(t.key)["batch"], dict(t.key).get("active")) for t in table.tables] == [(1, None), (4, None),
+                                                                                          (5, None)]
     s = table.seconds
     assert s.shape == (6, 3)
-    assert s[:, 1].tolist() == [2.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # row 0 is row 1's; 2 and 4 interpolated
+    assert s[:, 1].tolist() == [2.0, 2.0, 3.5, 5.0, 5.5, 6.0]  # row 0 is row 1's; 2 and 4 interpolated
     assert eng._inputs.seconds.shape == (6, 3)
     with pytest.raises(ArgumentError, match="counts"):
         costs.PoolCostTable(5, (2, 5), table.tables[:2])

@@ -4,6 +4,7 @@ loaded as JSON, and kept per process and per machine (:func:`table_for`; docs/au
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -12,6 +13,7 @@ import os
 import statistics
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -32,6 +34,7 @@ FORMAT = "sparkjax-cost-table"
 PROFILE_ROUNDS = 8  # rounds per timed call of profile_costs (inside one jitted loop, like a generation's)
 PROFILE_BURST = 32  # plain steps in the one burst that times the plain step
 PROFILE_NEW_TOKENS = 128  # the generation length whose cache profile_costs sizes by default
+PROFILE_THREADS = 2  # the most batch sizes pool_table_for compiles at once (see profile_threads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +191,99 @@ def forced_rounds(graphdefs, states, start, force, rounds, *, plan):
     return jax.lax.fori_loop(0, rounds, body, start)
 
 
+class Profiler:
+    """One point of :func:`profile` in two stages: :meth:`warm` compiles its programs and warms every candidate up
+    (threads may warm several points at once), :meth:`measure` times them (alone: :func:`profile_points`)."""
+
+    def __init__(self, target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int | None = None,
+                 prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0,
+                 active: int | None = None, pair: tuple | None = None):
+        batch_size = check_int("batch_size", batch_size)
+        prompt_length = check_int("prompt_length", prompt_length)
+        self.repeats = check_int("repeats", repeats)
+        if active is not None and not 1 <= check_int("active", active) <= batch_size:
+            raise ArgumentError(f"active: {active} running sequences of a batch of {batch_size}; expected 1 to "
+                                f"{batch_size}")
+        spec = dataclasses.replace(plan.method, table=None, viable=None, floor=None)
+        plan = dataclasses.replace(plan, method=spec)  # unbound: every size viable, equal costs (each size is forced)
+        if temperature is None:
+            temperature = 1.0 if plan.sampling else 0.0
+        if cache_size is None:
+            cache_size = bucket(prompt_length + PROFILE_NEW_TOKENS + plan.scratch)
+        cache_size = check_int("cache_size", cache_size)
+        if cache_size < prompt_length + plan.scratch + 1:
+            raise ArgumentError(f"cache_size: {cache_size} slots cannot hold a {prompt_length}-token prompt and a "
+                                f"round's {plan.scratch} scratch rows")
+        self.plan, self.seed, self.prompt_length, self.temperature = plan, seed, prompt_length, temperature
+        self.batch_size, self.cache_size, self.active = batch_size, cache_size, active
+        # ``pair``: split_pair(target, drafter) once for every point (threads share it)
+        self.graphdefs, self.states = split_pair(target, drafter) if pair is None else pair
+        self.key = cost_key(target, drafter, plan, batch_size, cache_size, active)
+        self._target, self._drafter = target, drafter
+        self.start = self.burst = None
+        k = len(spec.sizes)
+        self.k = k
+        self.plain = spec.sizes.index(0) if 0 in spec.sizes and spec.decide == "previous" else -1
+
+    def _prepare(self) -> None:
+        """The start state (after the prefill program) and the burst's."""
+        plan, batch_size = self.plan, self.batch_size
+        rng = np.random.default_rng(self.seed)
+        vocab = self._target.config.vocab_size
+        tokens = jnp.asarray(rng.integers(0, vocab, (batch_size, bucket(self.prompt_length))), jnp.int32)
+        lengths = jnp.full((batch_size,), self.prompt_length, jnp.int32)
+        max_new, eos, temp = jnp.int32(2**20), jnp.asarray([-1], jnp.int32), jnp.float32(self.temperature)
+        buf_len = bucket(plan.depth + 2, 1)
+        # equal costs, fresh memory: every size is forced in turn
+        _, inputs = plan.method.bind(plan, target=self._target, drafter=self._drafter, batch=batch_size,
+                                     cache_size=self.cache_size, measure=False)
+        start = spec_start(self.graphdefs, self.states, tokens, lengths, max_new, eos, temp,
+                           jax.random.key(self.seed), inputs, plan=plan, cache_size=self.cache_size, buf_len=buf_len)
+        if self.active is not None:
+            start = dataclasses.replace(start, done=start.done | (jnp.arange(batch_size) >= self.active))
+        # the steady state: a drafted round that is not a probe, and a plain step inside a burst
+        zero = jnp.zeros((), jnp.int32)
+        start = dataclasses.replace(start, extra=dataclasses.replace(start.extra, idle=zero,
+                                                                     gap=jnp.ones((), jnp.int32)))
+        self.start = start
+        self.burst = dataclasses.replace(start, extra=dataclasses.replace(start.extra, gap=jnp.int32(PROFILE_BURST)))
+
+    def _call(self, i: int, rounds: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(forced_rounds(self.graphdefs, self.states, self.burst if i == self.plain else self.start,
+                                            jnp.int32(i), jnp.int32(rounds), plan=self.plan))
+        return time.perf_counter() - t0
+
+    def _once(self, i: int) -> float:
+        """Seconds per round (per step of the burst for the plain step), less the call's own overhead (a call
+        of no round, timed next to it); a difference that is not positive (a busy machine) keeps the whole."""
+        rounds, steps = (1, PROFILE_BURST) if i == self.plain else (PROFILE_ROUNDS, PROFILE_ROUNDS)
+        whole = self._call(i, rounds)
+        net = whole - self._call(i, 0)
+        return (net if net > 0 else whole) / steps
+
+    def warm(self) -> Profiler:
+        """Compiles the prefill and the forced rounds (once per shape in a process) and runs every candidate
+        once; nothing is timed."""
+        cachedir.enable_compilation_cache()
+        self._prepare()
+        for i in range(self.k):
+            self._once(i)
+        return self
+
+    def measure(self) -> CostTable:
+        """``repeats`` interleaved repetitions of every candidate (after :meth:`warm`): the median and the
+        fastest of each."""
+        if self.start is None:
+            self.warm()
+        times: list[list[float]] = [[] for _ in range(self.k)]
+        for _ in range(self.repeats):
+            for i in range(self.k):
+                times[i].append(self._once(i))
+        return CostTable(tuple(self.plan.method.labels()), tuple(float(statistics.median(t)) for t in times),
+                         tuple(float(min(t)) for t in times), self.key)
+
+
 def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int | None = None,
             prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0,
             active: int | None = None) -> CostTable:
@@ -196,72 +292,93 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
     ``active`` running; default ``cache_size``: a :data:`PROFILE_NEW_TOKENS`-token generation's; default
     ``temperature``: 1 for a sampling plan), one program runs :data:`PROFILE_ROUNDS` forced rounds of a candidate
     (the plain step: a burst of :data:`PROFILE_BURST`); ``repeats`` interleaved repetitions after a warm-up, each
-    less a call of no round, give the median (and the fastest) per candidate.
+    less a call of no round, give the median (and the fastest) per candidate (:class:`Profiler`).
     """
-    batch_size = check_int("batch_size", batch_size)
-    prompt_length = check_int("prompt_length", prompt_length)
-    repeats = check_int("repeats", repeats)
-    if active is not None and not 1 <= check_int("active", active) <= batch_size:
-        raise ArgumentError(f"active: {active} running sequences of a batch of {batch_size}; expected 1 to "
-                            f"{batch_size}")
-    cachedir.enable_compilation_cache()
-    spec = dataclasses.replace(plan.method, table=None, viable=None, floor=None)
-    plan = dataclasses.replace(plan, method=spec)  # unbound: every size viable, equal costs (each size is forced)
-    if temperature is None:
-        temperature = 1.0 if plan.sampling else 0.0
-    if cache_size is None:
-        cache_size = bucket(prompt_length + PROFILE_NEW_TOKENS + plan.scratch)
-    cache_size = check_int("cache_size", cache_size)
-    if cache_size < prompt_length + plan.scratch + 1:
-        raise ArgumentError(f"cache_size: {cache_size} slots cannot hold a {prompt_length}-token prompt and a "
-                            f"round's {plan.scratch} scratch rows")
-    rng = np.random.default_rng(seed)
-    vocab = target.config.vocab_size
-    tokens = jnp.asarray(rng.integers(0, vocab, (batch_size, bucket(prompt_length))), jnp.int32)
-    lengths = jnp.full((batch_size,), prompt_length, jnp.int32)
-    max_new, eos, temp = jnp.int32(2**20), jnp.asarray([-1], jnp.int32), jnp.float32(temperature)
-    graphdefs, states = split_pair(target, drafter)
-    buf_len = bucket(plan.depth + 2, 1)
-    # equal costs, fresh memory: every size is forced in turn
-    _, inputs = plan.method.bind(plan, target=target, drafter=drafter, batch=batch_size, cache_size=cache_size,
-                                 measure=False)
-    start = spec_start(graphdefs, states, tokens, lengths, max_new, eos, temp, jax.random.key(seed),
-                       inputs, plan=plan, cache_size=cache_size, buf_len=buf_len)
-    if active is not None:
-        start = dataclasses.replace(start, done=start.done | (jnp.arange(batch_size) >= active))
-    # the steady state: a drafted round that is not a probe, and a plain step inside a burst
-    zero = jnp.zeros((), jnp.int32)
-    start = dataclasses.replace(start, extra=dataclasses.replace(start.extra, idle=zero, gap=jnp.ones((), jnp.int32)))
-    burst = dataclasses.replace(start, extra=dataclasses.replace(start.extra, gap=jnp.int32(PROFILE_BURST)))
-    k = len(spec.sizes)
-    plain = spec.sizes.index(0) if 0 in spec.sizes and spec.decide == "previous" else -1
+    return Profiler(target, drafter, plan, batch_size=batch_size, cache_size=cache_size, prompt_length=prompt_length,
+                    temperature=temperature, repeats=repeats, seed=seed, active=active).warm().measure()
 
-    def call(i: int, rounds: int) -> float:
+
+def profile_points(target, drafter, plan: Plan, batches: Sequence[int], cache_size: int, *, workers: int = 1,
+                   progress: str = "profiling auto's round costs", **kw) -> list[CostTable]:
+    """:func:`profile` at each batch size of ``batches`` (all sequences running; ``kw``: :class:`Profiler`'s other
+    options), in two stages logged as ``progress``: every point's programs compiled and warmed up, ``workers``
+    points at a time (XLA compiles with the GIL released), then each point timed in turn, alone (no compile runs
+    beside a timing)."""
+    batches = list(batches)
+    pair = split_pair(target, drafter)
+    profilers = [Profiler(target, drafter, plan, batch_size=b, cache_size=cache_size, pair=pair, **kw)
+                 for b in batches]
+    workers = max(1, min(int(workers), len(profilers)))
+    compiling = Progress(log, f"{progress}: compiling and warming up", len(profilers), "batch size", workers=workers)
+
+    def warm(p: Profiler) -> Profiler:
+        token = compiling.begin(f"batch {p.batch_size}, {p.k} candidates", kind=None)
+        p.warm()
+        compiling.end(token)
+        return p
+
+    if workers == 1:
+        for p in profilers:
+            warm(p)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparkjax-profile") as ex:
+            futures = [ex.submit(warm, p) for p in profilers]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    timing = Progress(log, f"{progress}: timing", len(profilers), "batch size")
+    tables = []
+    for p in profilers:
+        timing.begin(f"batch {p.batch_size}, {p.k} candidates x {p.repeats} repetitions")
         t0 = time.perf_counter()
-        jax.block_until_ready(forced_rounds(graphdefs, states, burst if i == plain else start, jnp.int32(i),
-                                            jnp.int32(rounds), plan=plan))
-        return time.perf_counter() - t0
-
-    def once(i: int) -> float:
-        """Seconds per round (per step of the burst for the plain step), less the call's own overhead (a call
-        of no round, timed next to it); a difference that is not positive (a busy machine) keeps the whole."""
-        rounds, steps = (1, PROFILE_BURST) if i == plain else (PROFILE_ROUNDS, PROFILE_ROUNDS)
-        whole = call(i, rounds)
-        net = whole - call(i, 0)
-        return (net if net > 0 else whole) / steps
-
-    for i in range(k):  # compile (once) and warm every branch
-        once(i)
-    times: list[list[float]] = [[] for _ in range(k)]
-    for _ in range(repeats):
-        for i in range(k):
-            times[i].append(once(i))
-    return CostTable(tuple(plan.method.labels()), tuple(float(statistics.median(t)) for t in times),
-                     tuple(float(min(t)) for t in times),
-                     cost_key(target, drafter, plan, batch_size, cache_size, active))
+        table = p.measure()
+        timing.end()
+        log.info("batch %d timed in %.1f s: %s", p.batch_size, time.perf_counter() - t0,
+                 ", ".join(f"{lab} {1e3 * t:.2f} ms" for lab, t in zip(table.labels, table.seconds, strict=True)))
+        tables.append(table)
+    return tables
 
 
 _TABLES: dict[tuple, CostTable] = {}  # the process's tables, by cost_key
+
+
+def _cached(key: tuple) -> CostTable | None:
+    """The table of ``key``: the process's, else the one in the machine's cache folder (a damaged file: a warning
+    and None), else None."""
+    if key in _TABLES:
+        return _TABLES[key]
+    path = _path(key)
+    if path is None or not path.exists():
+        return None
+    try:
+        table = read_table(path, key)
+    except CostTableError as e:
+        warnings.warn(f"ignoring a damaged cost table cache file, profiling again: {e}", stacklevel=4)
+        return None
+    _TABLES[key] = table
+    return table
+
+
+def _keep(key: tuple, table: CostTable) -> CostTable:
+    """Keeps a profiled ``table`` in the process and in the machine's cache folder (when it can write there)."""
+    path = _path(key)
+    if path is not None:
+        try:
+            table.save(path)
+        except (OSError, SparkjaxError) as e:  # a read-only cache folder: the process still has the table
+            warnings.warn(f"could not write the cost table cache file {path}: {e}", stacklevel=4)
+    _TABLES[key] = table
+    return table
+
+
+def _path(key: tuple):
+    folder = cachedir.subdir("costs")  # None: caching is off
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return None if folder is None else folder / f"{digest}.json"
 
 
 def table_for(target, drafter, plan: Plan, batch: int, cache_size: int, active: int | None = None) -> CostTable:
@@ -269,18 +386,7 @@ def table_for(target, drafter, plan: Plan, batch: int, cache_size: int, active: 
     sequences running): the process's, else the one in the machine's cache folder, else profiled now (and kept in
     both)."""
     key = cost_key(target, drafter, plan, batch, cache_size, active)
-    if key in _TABLES:
-        return _TABLES[key]
-    folder = cachedir.subdir("costs")  # None: caching is off
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    path = None if folder is None else folder / f"{digest}.json"
-    table = None
-    if path is not None and path.exists():
-        try:
-            table = read_table(path, key)
-        except CostTableError as e:
-            warnings.warn(f"ignoring a damaged cost table cache file, profiling again: {e}", stacklevel=3)
-            table = None
+    table = _cached(key)
     if table is None:
         t0 = time.perf_counter()
         log.info("profiling auto's round costs (batch %d%s, %d candidates)", batch,
@@ -288,12 +394,7 @@ def table_for(target, drafter, plan: Plan, batch: int, cache_size: int, active: 
         table = profile(target, drafter, plan, batch_size=batch, cache_size=cache_size, active=active)
         log.info("profiled in %.1f s: %s", time.perf_counter() - t0,
                  ", ".join(f"{lab} {1e3 * t:.2f} ms" for lab, t in zip(table.labels, table.seconds, strict=True)))
-        if path is not None:
-            try:
-                table.save(path)
-            except (OSError, SparkjaxError) as e:  # a read-only cache folder: the process still has the table
-                warnings.warn(f"could not write the cost table cache file {path}: {e}", stacklevel=3)
-    _TABLES[key] = table
+        table = _keep(key, table)
     return table
 
 
@@ -302,19 +403,33 @@ def pool_counts(slots: int) -> tuple[int, ...]:
     return tuple(sorted({1, slots} | ({(slots + 1) // 2} if slots >= 4 else set())))
 
 
+def profile_threads() -> int:
+    """The batch sizes :func:`pool_table_for` compiles at once: :data:`PROFILE_THREADS`, at most one per CPU
+    core."""
+    return max(1, min(PROFILE_THREADS, os.cpu_count() or 1))
+
+
 def pool_table_for(target, drafter, plan: Plan, slots: int, cache_size: int, counts: tuple[int, ...] | None = None,
                    sizes: tuple[int, ...] | None = None) -> PoolCostTable:
     """The :class:`PoolCostTable` of a pool of ``slots`` sequences whose rounds run at the batch ``sizes``
-    (default: ``slots`` only): :func:`table_for` at each active count ``a`` of ``counts`` (default
-    :func:`pool_counts`), at the smallest size that holds ``a`` (a full batch has the plain batch's key)."""
+    (default: ``slots`` only): at each active count ``a`` of ``counts`` (default :func:`pool_counts`), the table
+    of the smallest size that holds ``a``, profiled with all of that batch running. A round costs what its batch
+    costs, however many of it are running: the free rows compute as the others do (no loop of a round stops
+    early while one sequence runs), so one profile per batch size serves every count it holds (docs/auto.md).
+    The sizes not in the process or the cache folder are profiled together (:func:`profile_points`)."""
     counts = pool_counts(slots) if counts is None else tuple(counts)
     sizes = tuple(sizes or (slots,))
-    tables = []
-    progress = Progress(log, "profiling auto's round costs", len(counts), "point")
-    for a in counts:
-        batch = min(s for s in sizes if s >= a)
-        progress.begin(f"{a} active of a batch of {batch}")
-        tables.append(table_for(target, drafter, plan, batch, cache_size, None if a == batch else a))
-        progress.end()
-    return PoolCostTable(slots, counts, tuple(tables))
-
+    batches = [min(s for s in sizes if s >= a) for a in counts]
+    keys = {b: cost_key(target, drafter, plan, b, cache_size) for b in sorted(set(batches))}
+    found = {b: _cached(k) for b, k in keys.items()}
+    missing = [b for b, t in found.items() if t is None]
+    if len(missing) < len(found):
+        log.info("auto's round costs at batch %s: read from the cache folder",
+                 ", ".join(str(b) for b, t in found.items() if t is not None))
+    if missing:
+        log.info("profiling auto's round costs at batch %s (%d candidates, for active counts %s of %d slots)",
+                 ", ".join(map(str, missing)), len(plan.method.labels()), ", ".join(map(str, counts)), slots)
+        tables = profile_points(target, drafter, plan, missing, cache_size, workers=profile_threads())
+        for b, table in zip(missing, tables, strict=True):
+            found[b] = _keep(keys[b], table)
+    return PoolCostTable(slots, counts, tuple(found[b] for b in batches))
