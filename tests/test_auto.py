@@ -539,7 +539,7 @@ def test_a_profiled_table_is_kept_per_machine_and_a_damaged_file_is_rewritten(ra
 
 
 def test_a_pool_table_profiles_each_batch_size_once_compiling_all_before_timing(random_pair, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, caplog):
     """A pool's table profiles each visit size once, all of its batch running (the midpoint count of a larger
     batch gets that batch's table); every size's programs compile, two at a time, before any timing starts; a
     second process reads them all from the cache folder."""
@@ -566,8 +566,19 @@ def test_a_pool_table_profiles_each_batch_size_once_compiling_all_before_timing(
 
     monkeypatch.setattr(costs.Profiler, "warm", warm)
     monkeypatch.setattr(costs.Profiler, "measure", measure)
+    caplog.set_level(logging.INFO, logger="sparkjax.auto")
     table = costs.pool_table_for(target, drafter, plan, 8, 64, sizes=(1, 8))
     assert table.counts == (1, 4, 8)
+    # the log: both stages, each step with its count, the compile stage's total before the first timing
+    logged = [r.getMessage() for r in caplog.records if r.name == "sparkjax.auto"]
+    stage = [m for m in logged if "compiling and warming up" in m or "timing" in m or " timed in " in m]
+    assert [m.split(";")[0].split(" (")[0].split(" in ")[0] for m in stage] == [
+        *sorted(f"profiling auto's round costs: compiling and warming up: batch size {i} of 2" for i in (1, 2)),
+        "profiling auto's round costs: compiling and warming up: 2 batch sizes",
+        "profiling auto's round costs: timing: batch size 1 of 2", "batch 1 timed",
+        "profiling auto's round costs: timing: batch size 2 of 2", "batch 8 timed",
+        "profiling auto's round costs: timing: 2 batch sizes"]
+    assert "(2 at a time)" in stage[2] and f"{len(SIZES)} candidates x 5 repetitions" in stage[3]
     assert sorted(events[:2]) == [("warm", 1), ("warm", 8)]  # both compiling at once
     assert sorted(events[2:4]) == [("warmed", 1), ("warmed", 8)] and events[4:] == [("time", 1), ("time", 8)]
     assert [t.key_dict["batch"] for t in table.tables] == [1, 8, 8]

@@ -336,9 +336,9 @@ def profile_points(target, drafter, plan: Plan, batches: Sequence[int], cache_si
         timing.begin(f"batch {p.batch_size}, {p.k} candidates x {p.repeats} repetitions")
         t0 = time.perf_counter()
         table = p.measure()
-        timing.end()
         log.info("batch %d timed in %.1f s: %s", p.batch_size, time.perf_counter() - t0,
                  ", ".join(f"{lab} {1e3 * t:.2f} ms" for lab, t in zip(table.labels, table.seconds, strict=True)))
+        timing.end()  # the phase's total comes after the last size's times
         tables.append(table)
     return tables
 
