@@ -438,7 +438,9 @@ def test_profile_costs_times_rounds_net_of_the_call_and_the_plain_step_in_a_burs
     np.testing.assert_allclose(table.seconds, [per_step[0], per_step[1], per_step[2]], rtol=1e-9)
     timed = {(i, r, g) for i, r, g in calls if r > 0}
     assert timed == {(0, 1, costs.PROFILE_BURST), (1, costs.PROFILE_ROUNDS, 1), (2, costs.PROFILE_ROUNDS, 1)}
-    assert sum(r == 0 for _, r, _ in calls) == sum(r > 0 for _, r, _ in calls)  # each timed call has its empty twin
+    # each timed call has its empty twin right after it (the warm-up's first call, empty too, compiles)
+    assert all(calls[j + 1] == (i, 0, g) for j, (i, r, g) in enumerate(calls) if r > 0)
+    assert sum(r == 0 for _, r, _ in calls) == sum(r > 0 for _, r, _ in calls) + 1
 
     def noisy(graphdefs, states, start, force, rounds, *, plan):
         clock[0] += 1e-3 if int(rounds) else 5e-3  # a busy machine: the empty call took longer than the whole one
@@ -555,7 +557,7 @@ def test_a_pool_table_profiles_each_batch_size_once_compiling_all_before_timing(
     def warm(self):
         events.append(("warm", self.batch_size))
         both[0].wait()
-        self.start = "warm"
+        self.start, self.warm_s = "warm", 0.1 * self.batch_size
         events.append(("warmed", self.batch_size))
         return self
 
@@ -579,6 +581,7 @@ def test_a_pool_table_profiles_each_batch_size_once_compiling_all_before_timing(
         "profiling auto's round costs: timing: batch size 2 of 2", "batch 8 timed",
         "profiling auto's round costs: timing: 2 batch sizes"]
     assert "(2 at a time)" in stage[2] and f"{len(SIZES)} candidates x 5 repetitions" in stage[3]
+    assert "about 0 s at its warm-up's pace" in stage[3] and "about 4 s at its warm-up's pace" in stage[5]
     assert sorted(events[:2]) == [("warm", 1), ("warm", 8)]  # both compiling at once
     assert sorted(events[2:4]) == [("warmed", 1), ("warmed", 8)] and events[4:] == [("time", 1), ("time", 8)]
     assert [t.key_dict["batch"] for t in table.tables] == [1, 8, 8]

@@ -221,6 +221,7 @@ class Profiler:
         self.key = cost_key(target, drafter, plan, batch_size, cache_size, active)
         self._target, self._drafter = target, drafter
         self.start = self.burst = None
+        self.warm_s = None  # seconds of the warm-up's pass over every candidate (after the compile)
         k = len(spec.sizes)
         self.k = k
         self.plain = spec.sizes.index(0) if 0 in spec.sizes and spec.decide == "previous" else -1
@@ -267,8 +268,11 @@ class Profiler:
         once; nothing is timed."""
         cachedir.enable_compilation_cache()
         self._prepare()
+        self._call(0, 0)  # compiles the forced rounds: one program for every candidate and count of rounds
+        t0 = time.perf_counter()
         for i in range(self.k):
             self._once(i)
+        self.warm_s = time.perf_counter() - t0
         return self
 
     def measure(self) -> CostTable:
@@ -333,7 +337,9 @@ def profile_points(target, drafter, plan: Plan, batches: Sequence[int], cache_si
     timing = Progress(log, f"{progress}: timing", len(profilers), "batch size")
     tables = []
     for p in profilers:
-        timing.begin(f"batch {p.batch_size}, {p.k} candidates x {p.repeats} repetitions")
+        # each repetition is a pass like the warm-up's (which may have run beside another size's compile)
+        pace = "" if p.warm_s is None else f", about {p.repeats * p.warm_s:.0f} s at its warm-up's pace"
+        timing.begin(f"batch {p.batch_size}, {p.k} candidates x {p.repeats} repetitions{pace}")
         t0 = time.perf_counter()
         table = p.measure()
         log.info("batch %d timed in %.1f s: %s", p.batch_size, time.perf_counter() - t0,
