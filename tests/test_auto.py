@@ -552,38 +552,46 @@ def test_a_pool_table_profiles_each_batch_size_once_compiling_all_before_timing(
     monkeypatch.setattr(costs, "profile_threads", lambda: 2)
     plan = Auto(sizes=SIZES).plan(target, drafter, False)
     events = []
-    both = [threading.Barrier(2, timeout=60)]  # broken unless two warm at once
+    both = [threading.Barrier(2, timeout=60)]  # broken unless two compile at once
+
+    def compile_programs(self):
+        events.append(("compile", self.batch_size))
+        both[0].wait()
+        self.start = "compiled"
+        events.append(("compiled", self.batch_size))
+        return self
 
     def warm(self):
+        assert self.start == "compiled"
         events.append(("warm", self.batch_size))
-        both[0].wait()
-        self.start, self.warm_s = "warm", 0.1 * self.batch_size
-        events.append(("warmed", self.batch_size))
+        self.warm_s = 0.1 * self.batch_size
         return self
 
     def measure(self):
-        assert self.start == "warm"
+        assert self.warm_s is not None
         events.append(("time", self.batch_size))
         return CostTable(self.plan.method.labels(), tuple(self.batch_size * s for s in BASE), key=self.key)
 
+    monkeypatch.setattr(costs.Profiler, "compile_programs", compile_programs)
     monkeypatch.setattr(costs.Profiler, "warm", warm)
     monkeypatch.setattr(costs.Profiler, "measure", measure)
     caplog.set_level(logging.INFO, logger="sparkjax.auto")
     table = costs.pool_table_for(target, drafter, plan, 8, 64, sizes=(1, 8))
     assert table.counts == (1, 4, 8)
-    # the log: both stages, each step with its count, the compile stage's total before the first timing
+    # the log: both stages, each step with its count, the compile stage's total before the first warm-up
     logged = [r.getMessage() for r in caplog.records if r.name == "sparkjax.auto"]
-    stage = [m for m in logged if "compiling and warming up" in m or "timing" in m or " timed in " in m]
+    stage = [m for m in logged if ": compiling" in m or "timing" in m or " timed in " in m]
     assert [m.split(";")[0].split(" (")[0].split(" in ")[0] for m in stage] == [
-        *sorted(f"profiling auto's round costs: compiling and warming up: batch size {i} of 2" for i in (1, 2)),
-        "profiling auto's round costs: compiling and warming up: 2 batch sizes",
-        "profiling auto's round costs: timing: batch size 1 of 2", "batch 1 timed",
-        "profiling auto's round costs: timing: batch size 2 of 2", "batch 8 timed",
-        "profiling auto's round costs: timing: 2 batch sizes"]
+        *sorted(f"profiling auto's round costs: compiling: batch size {i} of 2" for i in (1, 2)),
+        "profiling auto's round costs: compiling: 2 batch sizes",
+        "profiling auto's round costs: warming up and timing: batch size 1 of 2", "batch 1 warmed up and timed",
+        "profiling auto's round costs: warming up and timing: batch size 2 of 2", "batch 8 warmed up and timed",
+        "profiling auto's round costs: warming up and timing: 2 batch sizes"]
     assert "(2 at a time)" in stage[2] and f"{len(SIZES)} candidates x 5 repetitions" in stage[3]
     assert "about 0 s at its warm-up's pace" in stage[3] and "about 4 s at its warm-up's pace" in stage[5]
-    assert sorted(events[:2]) == [("warm", 1), ("warm", 8)]  # both compiling at once
-    assert sorted(events[2:4]) == [("warmed", 1), ("warmed", 8)] and events[4:] == [("time", 1), ("time", 8)]
+    assert sorted(events[:2]) == [("compile", 1), ("compile", 8)]  # both compiling at once
+    assert sorted(events[2:4]) == [("compiled", 1), ("compiled", 8)]
+    assert events[4:] == [("warm", 1), ("time", 1), ("warm", 8), ("time", 8)]  # each alone, after every compile
     assert [t.key_dict["batch"] for t in table.tables] == [1, 8, 8]
     assert all("active" not in t.key_dict for t in table.tables)
     assert table.tables[1] is table.tables[2] and table.rows()[3] == table.rows()[7]  # 4 active: batch 8's row
@@ -598,7 +606,7 @@ def test_a_pool_table_profiles_each_batch_size_once_compiling_all_before_timing(
     both[0] = threading.Barrier(1)
     costs._path(costs.cost_key(target, drafter, plan, 8, 64)).unlink()
     assert costs.pool_table_for(target, drafter, plan, 8, 64, sizes=(1, 8)).rows() == table.rows()
-    assert events == [("warm", 8), ("warmed", 8), ("time", 8)]
+    assert events == [("compile", 8), ("compiled", 8), ("warm", 8), ("time", 8)]
 
 
 @pytest.mark.slow

@@ -192,8 +192,9 @@ def forced_rounds(graphdefs, states, start, force, rounds, *, plan):
 
 
 class Profiler:
-    """One point of :func:`profile` in two stages: :meth:`warm` compiles its programs and warms every candidate up
-    (threads may warm several points at once), :meth:`measure` times them (alone: :func:`profile_points`)."""
+    """One point of :func:`profile` in stages: :meth:`compile_programs` (threads may compile several points at
+    once), then :meth:`warm` (every candidate run once) and :meth:`measure` (the timing), each alone
+    (:func:`profile_points`)."""
 
     def __init__(self, target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int | None = None,
                  prompt_length: int = 16, temperature: float | None = None, repeats: int = 5, seed: int = 0,
@@ -263,12 +264,19 @@ class Profiler:
         net = whole - self._call(i, 0)
         return (net if net > 0 else whole) / steps
 
-    def warm(self) -> Profiler:
-        """Compiles the prefill and the forced rounds (once per shape in a process) and runs every candidate
-        once; nothing is timed."""
+    def compile_programs(self) -> Profiler:
+        """Compiles (once per shape in a process) and runs the prefill, and compiles the forced rounds with a
+        call of no round: one program for every candidate and count of rounds."""
         cachedir.enable_compilation_cache()
         self._prepare()
-        self._call(0, 0)  # compiles the forced rounds: one program for every candidate and count of rounds
+        self._call(0, 0)
+        return self
+
+    def warm(self) -> Profiler:
+        """Runs every candidate once (after :meth:`compile_programs`), as one repetition of :meth:`measure`
+        does; :attr:`warm_s` is the seconds that pass took."""
+        if self.start is None:
+            self.compile_programs()
         t0 = time.perf_counter()
         for i in range(self.k):
             self._once(i)
@@ -278,7 +286,7 @@ class Profiler:
     def measure(self) -> CostTable:
         """``repeats`` interleaved repetitions of every candidate (after :meth:`warm`): the median and the
         fastest of each."""
-        if self.start is None:
+        if self.warm_s is None:
             self.warm()
         times: list[list[float]] = [[] for _ in range(self.k)]
         for _ in range(self.repeats):
@@ -305,28 +313,28 @@ def profile(target, drafter, plan: Plan, *, batch_size: int = 1, cache_size: int
 def profile_points(target, drafter, plan: Plan, batches: Sequence[int], cache_size: int, *, workers: int = 1,
                    progress: str = "profiling auto's round costs", **kw) -> list[CostTable]:
     """:func:`profile` at each batch size of ``batches`` (all sequences running; ``kw``: :class:`Profiler`'s other
-    options), in two stages logged as ``progress``: every point's programs compiled and warmed up, ``workers``
-    points at a time (XLA compiles with the GIL released), then each point timed in turn, alone (no compile runs
-    beside a timing)."""
+    options), in two stages logged as ``progress``: every point's programs compiled, ``workers`` points at a time
+    (XLA compiles with the GIL released), then each point warmed up and timed in turn, alone (no compile runs
+    beside a warm-up or a timing)."""
     batches = list(batches)
     pair = split_pair(target, drafter)
     profilers = [Profiler(target, drafter, plan, batch_size=b, cache_size=cache_size, pair=pair, **kw)
                  for b in batches]
     workers = max(1, min(int(workers), len(profilers)))
-    compiling = Progress(log, f"{progress}: compiling and warming up", len(profilers), "batch size", workers=workers)
+    compiling = Progress(log, f"{progress}: compiling", len(profilers), "batch size", workers=workers)
 
-    def warm(p: Profiler) -> Profiler:
+    def build(p: Profiler) -> Profiler:
         token = compiling.begin(f"batch {p.batch_size}, {p.k} candidates", kind=None)
-        p.warm()
+        p.compile_programs()
         compiling.end(token)
         return p
 
     if workers == 1:
         for p in profilers:
-            warm(p)
+            build(p)
     else:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparkjax-profile") as ex:
-            futures = [ex.submit(warm, p) for p in profilers]
+            futures = [ex.submit(build, p) for p in profilers]
             try:
                 for f in futures:
                     f.result()
@@ -334,15 +342,15 @@ def profile_points(target, drafter, plan: Plan, batches: Sequence[int], cache_si
                 for f in futures:
                     f.cancel()
                 raise
-    timing = Progress(log, f"{progress}: timing", len(profilers), "batch size")
+    timing = Progress(log, f"{progress}: warming up and timing", len(profilers), "batch size")
     tables = []
     for p in profilers:
-        # each repetition is a pass like the warm-up's (which may have run beside another size's compile)
-        pace = "" if p.warm_s is None else f", about {p.repeats * p.warm_s:.0f} s at its warm-up's pace"
-        timing.begin(f"batch {p.batch_size}, {p.k} candidates x {p.repeats} repetitions{pace}")
         t0 = time.perf_counter()
+        p.warm()  # one pass over the candidates, alone: each repetition of the timing is one more
+        timing.begin(f"batch {p.batch_size}, {p.k} candidates x {p.repeats} repetitions, about "
+                     f"{p.repeats * p.warm_s:.0f} s at its warm-up's pace")
         table = p.measure()
-        log.info("batch %d timed in %.1f s: %s", p.batch_size, time.perf_counter() - t0,
+        log.info("batch %d warmed up and timed in %.1f s: %s", p.batch_size, time.perf_counter() - t0,
                  ", ".join(f"{lab} {1e3 * t:.2f} ms" for lab, t in zip(table.labels, table.seconds, strict=True)))
         timing.end()  # the phase's total comes after the last size's times
         tables.append(table)
