@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                  temperature)
         if args.method == "auto":
             log.info("auto: its round costs are read from the cache folder, or profiled now on this device (once; "
-                     "each point is logged)")
+                     "each batch size's compile and timing is logged)")
         engine = Engine(target, drafter, method=args.method, slots=args.slots, cache_size=args.cache_size,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         rounds_per_visit=args.rounds_per_visit, queue_limit=args.queue_limit, tokenizer=tok,
