@@ -1,12 +1,14 @@
 """Progress lines for the long phases of a start (loading, profiling ``auto``'s costs, compiling): each step is
 logged as it begins, with its count and an estimate of the time the phase has left (the mean of the steps so far
-times the steps to go)."""
+times the steps to go); and :func:`run_threads`, which runs a phase's steps a few at a time."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _NEXT = object()  # begin()'s default kind: the next of ``kinds``
@@ -101,3 +103,18 @@ class Progress:
                 at_once = f" ({self.workers} at a time)" if self.workers > 1 else ""
                 self.log.info("%s: %d %s%s in %.1f s%s", self.phase, self.total, self.unit, "s" * (self.total != 1),
                               self.elapsed(), at_once)
+
+
+def run_threads(fn: Callable[..., Any], items: Iterable[Any], workers: int, name: str) -> None:
+    """``fn(*item)`` for every tuple of ``items``, ``workers`` at a time on threads named ``name`` (XLA compiles
+    with the GIL released); the first exception is raised once the steps already running end, and the steps not
+    yet begun are dropped."""
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name) as ex:
+        futures = [ex.submit(fn, *item) for item in items]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise

@@ -4,7 +4,6 @@ loaded as JSON, and kept per process and per machine (:func:`table_for`; docs/au
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -23,7 +22,7 @@ import numpy as np
 from .. import cachedir
 from ..errors import ArgumentError, CostTableError, SparkjaxError
 from ..io.atomic import atomic_file
-from ..progress import Progress
+from ..progress import Progress, run_threads
 from .checks import bucket, check_int, describe
 from .programs import merge_pair, program, spec_start, split_pair
 from .state import Plan
@@ -333,15 +332,7 @@ def profile_points(target, drafter, plan: Plan, batches: Sequence[int], cache_si
         for p in profilers:
             build(p)
     else:
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparkjax-profile") as ex:
-            futures = [ex.submit(build, p) for p in profilers]
-            try:
-                for f in futures:
-                    f.result()
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        run_threads(build, [(p,) for p in profilers], workers, "sparkjax-profile")
     timing = Progress(log, f"{progress}: warming up and timing", len(profilers), "batch size")
     tables = []
     for p in profilers:

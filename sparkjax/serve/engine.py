@@ -51,7 +51,7 @@ from ..engine.names import parse_method
 from ..engine.options import check_options
 from ..engine.programs import split_pair
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError
-from ..progress import Progress
+from ..progress import Progress, run_threads
 from ..sampling import Sampling
 from . import slots
 from .text import TextStream
@@ -385,15 +385,7 @@ class Engine:
             finally:
                 views.put(view)
 
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparkjax-compile") as ex:
-            futures = [ex.submit(warm, what, step) for what, step in rest]
-            try:
-                for f in futures:
-                    f.result()
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        run_threads(warm, rest, workers, "sparkjax-compile")
         while not views.empty():  # free the threads' pools
             views.get()._pool = None
         self._pool = self._fresh_pool()
