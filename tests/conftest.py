@@ -7,6 +7,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -322,3 +323,30 @@ def no_model(monkeypatch):
     monkeypatch.setattr(harness, "load_pair", refuse)
     monkeypatch.setattr(harness, "warm_up", refuse)
     monkeypatch.setattr(harness, "time_batch", refuse)
+
+
+class VisitGate:
+    """Wraps a serving engine's device visit (``with VisitGate(engine) as gate``): while closed, a visit runs 0
+    rounds (it streams what the prefills wrote and frees cancelled slots), so no request advances, but for
+    ``steps`` visits of one round each; :attr:`open` lets every visit through."""
+
+    def __init__(self, engine):
+        self.engine, self.real = engine, engine._visit_call
+        self.steps = 0
+        self.open = False
+
+    def __call__(self, stop, rounds, *rest):
+        if not self.open and self.steps > 0:
+            self.steps -= 1  # only this thread writes a positive count
+            rounds = min(rounds, 1)
+        elif not self.open:
+            time.sleep(0.005)
+            rounds = 0
+        return self.real(stop, rounds, *rest)
+
+    def __enter__(self):
+        self.engine._visit_call = self
+        return self
+
+    def __exit__(self, *exc):
+        self.engine._visit_call = self.real

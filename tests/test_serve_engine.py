@@ -21,6 +21,7 @@ from sparkjax.errors import ArgumentError, EngineClosedError, EngineFailure, Que
 from sparkjax.serve import Chunk, Engine
 from sparkjax.serve import engine as serve_engine
 from sparkjax.serve.text import TextStream
+from tests.conftest import VisitGate
 
 NEW = 24  # the engines' max_new_tokens (and the reference runs' capacity: one program per method)
 SLOTS = 3
@@ -254,27 +255,6 @@ def test_n_seeded_choices_share_one_prefill_and_each_is_its_own_seeds_request(en
     assert all(o.finish_reason == "length" and o.completion_tokens == NEW for o in outs)
 
 
-class _Gate:
-    """Wraps an engine's device visit: while closed, a visit runs no round (it streams what the prefills wrote
-    and frees cancelled slots), so no request advances."""
-
-    def __init__(self, eng):
-        self.eng, self.real, self.open = eng, eng._visit_call, False
-
-    def __call__(self, stop, rounds, *rest):
-        if not self.open:
-            time.sleep(0.005)
-            rounds = 0
-        return self.real(stop, rounds, *rest)
-
-    def __enter__(self):
-        self.eng._visit_call = self
-        return self
-
-    def __exit__(self, *exc):
-        self.eng._visit_call = self.real
-
-
 def _wait(cond, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -293,7 +273,7 @@ def test_n_greedy_choices_are_ars_tokens_and_those_past_the_free_slots_prefill_l
     want = solo("ar", prompt, NEW)
     _idle(eng)
     before = eng.metrics()
-    with _Gate(eng) as gate:
+    with VisitGate(eng) as gate:
         with eng._cond:
             reqs = eng.submit_choices(prompt, n=5, max_new_tokens=NEW, eos_token_ids=[])
             reqs[1].cancel()  # cancelled while it waits

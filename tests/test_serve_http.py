@@ -36,6 +36,7 @@ from sparkjax.serve import Engine
 from sparkjax.serve.engine import choice_seed
 from sparkjax.serve.server import ServerThread, create_app, render_messages
 from sparkjax.text import encode_text
+from tests.conftest import VisitGate
 
 KEY = "test-key"
 MODEL = "sparkjax-demo"
@@ -213,32 +214,6 @@ def _wait(cond, timeout=240.0, what="condition"):  # generous: an admission may 
         time.sleep(0.01)
 
 
-class Gate:
-    """Wraps the engine's device visit: while closed, a visit runs 0 rounds (it only frees slots), so no request
-    advances, but for ``steps`` visits of one round each; :attr:`open` lets every visit through."""
-
-    def __init__(self, engine):
-        self.engine, self.real = engine, engine._visit_call
-        self.steps = 0
-        self.open = False
-
-    def __call__(self, stop, rounds, *rest):
-        if not self.open and self.steps > 0:
-            self.steps -= 1  # only this thread writes a positive count
-            rounds = min(rounds, 1)
-        elif not self.open:
-            time.sleep(0.005)
-            rounds = 0
-        return self.real(stop, rounds, *rest)
-
-    def __enter__(self):
-        self.engine._visit_call = self
-        return self
-
-    def __exit__(self, *exc):
-        self.engine._visit_call = self.real
-
-
 def test_a_cancelled_stream_frees_its_slot_for_a_later_request(pair, engine, client, solo):
     # a prompt whose greedy continuation runs past one round without EOS
     prompt = next(q for q in questions() if len(solo(encode_text(pair.tokenizer, q), MAX_NEW)) == MAX_NEW)
@@ -252,7 +227,7 @@ def test_a_cancelled_stream_frees_its_slot_for_a_later_request(pair, engine, cli
         holder["stream"], holder["first"] = s, next(iter(s))
         first.set()
 
-    with Gate(engine) as gate:
+    with VisitGate(engine) as gate:
         # every slot but A's holds a long request that cannot end early (no EOS ids); none advances while gated
         busy = [engine.submit(ids, max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[]) for _ in range(SLOTS - 1)]
         try:
@@ -539,7 +514,7 @@ def test_keys_routes_and_a_full_queue(pair, live, engine, client):
     # fill the queue behind busy slots, straight through the engine; the next HTTP request gets 429
     ids = pair.encode_chat(questions()[0])
     held = []
-    with Gate(engine) as gate:  # no slot frees up meanwhile
+    with VisitGate(engine) as gate:  # no slot frees up meanwhile
         try:
             def fill():
                 with pytest.raises(sparkjax.errors.QueueFullError):
@@ -811,7 +786,7 @@ def test_shutdown_gives_a_queued_stream_503_and_starts_no_visit_after_the_grace_
         return real(*args)
 
     ids = pair.encode_chat(questions()[0])
-    with Gate(engine) as gate:  # nothing advances but for the rounds let through
+    with VisitGate(engine) as gate:  # nothing advances but for the rounds let through
         busy = [engine.submit(ids, max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[]) for _ in range(SLOTS - 1)]
         _wait(lambda: engine.metrics()["active_slots"] == SLOTS - 1, what="the busy slots")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
