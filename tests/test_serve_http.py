@@ -858,7 +858,8 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
         assert ready.wait(1500), "".join(log)  # generous: the warm-up compiles and profiles auto
         assert any("device:" in ln for ln in log) and any("compiled" in ln for ln in log)
         # the first start's phases, each step with its count (the estimate follows the first step)
-        for words in ("loading: part 1 of 3 (the target", "profiling auto's round costs: point 1 of 2",
+        for words in ("loading: part 1 of 3 (the target", "profiling auto's round costs: compiling: batch size 1 of 2",
+                      "profiling auto's round costs: warming up and timing: batch size 2 of 2",
                       "compiling and warming up: program 2 of", "about"):
             assert any(words in ln for ln in log), (words, "".join(log))
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
