@@ -33,7 +33,7 @@ from ..engine.checks import MAX_SEED, check_prompt
 from ..engine.logprobs import MAX_LOGPROBS
 from ..errors import ArgumentError, EngineClosedError, EngineFailure, QueueFullError, SparkjaxError, TokenizerError
 from ..text import encode_chat, encode_text
-from .engine import SEED_STEP, Histogram, choice_seed  # noqa: F401 - choice i's seed, the engine's
+from .engine import Histogram
 
 log = logging.getLogger("sparkjax.serve")
 
@@ -586,8 +586,8 @@ class Server:
 
     def submit_all(self, p: Parsed) -> Choices:
         """The request's ``n`` engine requests, queued together or refused together
-        (:meth:`~sparkjax.serve.Engine.submit_choices`: choice i with :func:`choice_seed`, the choices sharing the
-        prompt's prefill)."""
+        (:meth:`~sparkjax.serve.Engine.submit_choices`: choice i with
+        :func:`~sparkjax.serve.engine.choice_seed`, the choices sharing the prompt's prefill)."""
         self._admitting()
         try:
             kw = {} if p.logprobs is None else {"logprobs": p.logprobs}
