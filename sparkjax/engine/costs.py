@@ -328,11 +328,7 @@ def profile_points(target, drafter, plan: Plan, batches: Sequence[int], cache_si
         compiling.end(token)
         return p
 
-    if workers == 1:
-        for p in profilers:
-            build(p)
-    else:
-        run_threads(build, [(p,) for p in profilers], workers, "sparkjax-profile")
+    run_threads(build, [(p,) for p in profilers], workers, "sparkjax-profile")
     timing = Progress(log, f"{progress}: warming up and timing", len(profilers), "batch size")
     tables = []
     for p in profilers:
